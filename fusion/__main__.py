@@ -1,0 +1,5 @@
+import sys
+
+from fusion.cli import main
+
+sys.exit(main())

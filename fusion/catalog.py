@@ -1,0 +1,150 @@
+"""Catalog entries (rules) and catalogs: which patterns exist, what they fuse into, which kernel.
+
+A `Rule` pairs a pattern with the fused node it becomes and the kernel that runs that node:
+
+    Rule("ConvBiasRelu", pattern, inputs=("x", "W", "B"), kernel=make_conv_kernel,
+         attributes=lambda m: {"strides": m.attrs("conv")["strides"]})
+
+`inputs` names the captures that become the fused node's inputs, in order (an optional capture
+that did not match becomes an absent input). `outputs` names the captures that become its
+outputs (default: the value the pattern's root matches). `kernel(attrs, constants)` is called
+once per fused node when a session is built, with the node's attributes and, per input, its
+constant value (or None), and returns a function `run(*inputs) -> tuple of arrays`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import onnx
+
+from fusion.pattern import Op, Pattern, capture_names, walk
+
+KernelFactory = Callable[[dict, list], Callable[..., tuple]]
+DOMAIN = "fusion"  # the domain of every fused node and its function
+
+
+class CatalogError(ValueError):
+    """A rule or catalog that cannot work, with the reason."""
+
+
+@dataclass(eq=False)
+class Rule:
+    name: str
+    pattern: Pattern
+    inputs: Sequence[str]
+    kernel: KernelFactory | None = None
+    outputs: Sequence[str] = ()
+    attributes: Callable | None = None  # Match -> dict of the fused node's attributes
+    check: Callable | None = None  # Match -> None | reason, run after a structural match
+    priority: int = 0  # higher first; a rule that contains another must have a higher one
+    description: str = ""
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    explain_after: str | None = None  # a near-miss must have matched this op type
+
+    def __post_init__(self):
+        self.inputs, self.outputs = tuple(self.inputs), tuple(self.outputs)
+        validate(self)
+
+    @property
+    def anchors(self) -> set[str]:
+        return self.pattern.op_types()
+
+    def make_kernel(self, attrs: dict, constants: list) -> Callable[..., tuple]:
+        if self.kernel is None:
+            raise CatalogError(f"{self.name}: no kernel registered")
+        return self.kernel(attrs, constants)
+
+
+def validate(rule: Rule) -> None:
+    """Fail early, with a message, on a rule that could never fuse correctly."""
+    where = f"rule {rule.name!r}"
+    if not rule.name.isidentifier():
+        raise CatalogError(f"{where}: the name must be an identifier (it becomes an op_type)")
+    if not rule.pattern.op_types():
+        raise CatalogError(f"{where}: the pattern's root must be an op (or alternatives of ops)")
+    captured = capture_names(rule.pattern)
+    for name in (*rule.inputs, *rule.outputs):
+        if name not in captured:
+            raise CatalogError(f"{where}: {name!r} is used but never bound by the pattern")
+    for pat in walk(rule.pattern):
+        if isinstance(pat, Op) and pat.domain in ("", "ai.onnx"):
+            _validate_op(where, pat)
+
+
+def _validate_op(where: str, pat: Op) -> None:
+    if not onnx.defs.has(pat.op_type):
+        raise CatalogError(f"{where}: unknown ONNX op {pat.op_type!r}")
+    unknown = set(pat.attrs) - _known_attributes(pat.op_type)
+    if unknown:
+        raise CatalogError(f"{where}: {pat.op_type} has no attribute {sorted(unknown)[0]!r}")
+
+
+@functools.cache
+def _known_attributes(op_type: str) -> frozenset:
+    """Attribute names of `op_type` in any opset version (Clip had min/max as attributes)."""
+    return frozenset(
+        name
+        for schema in onnx.defs.get_all_schemas_with_history()
+        if schema.name == op_type and schema.domain == ""
+        for name in schema.attributes
+    )
+
+
+class Catalog:
+    """An ordered set of rules, indexed by the op type their pattern's root matches."""
+
+    def __init__(self, rules: Iterable[Rule] = ()):
+        self._rules: dict[str, Rule] = {}
+        for rule in rules:
+            self.add(rule)
+
+    def add(self, rule: Rule, replace: bool = False) -> Rule:
+        if rule.name in self._rules and not replace:
+            raise CatalogError(f"a rule named {rule.name!r} is already in the catalog")
+        self._rules[rule.name] = rule
+        return rule
+
+    def __add__(self, other: Catalog) -> Catalog:
+        return Catalog([*self, *other])
+
+    def __iter__(self):
+        return iter(self.ordered())
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._rules
+
+    def get(self, name: str) -> Rule | None:
+        return self._rules.get(name)
+
+    def ordered(self) -> list[Rule]:
+        """Priority order: higher priority first, then registration order."""
+        rules = list(self._rules.values())
+        return sorted(rules, key=lambda r: -r.priority)
+
+    def by_anchor(self) -> dict[str, list[Rule]]:
+        index: dict[str, list[Rule]] = {}
+        for rule in self.ordered():
+            for op_type in sorted(rule.anchors):
+                index.setdefault(op_type, []).append(rule)
+        return index
+
+    def select(self, only: Sequence[str] = (), exclude: Sequence[str] = ()) -> Catalog:
+        for name in (*only, *exclude):
+            if name not in self._rules:
+                raise CatalogError(f"no pattern named {name!r} (known: {', '.join(self._rules)})")
+        keep = [r for r in self.ordered() if (not only or r.name in only) and r.name not in exclude]
+        return Catalog(keep)
+
+
+def default_catalog() -> Catalog:
+    """The built-in catalog (patterns/) plus catalogs installed under the entry point group."""
+    import patterns
+
+    return Catalog(patterns.RULES)

@@ -1,0 +1,84 @@
+"""The model-local function behind every fused node.
+
+The body is the matched subgraph itself, with values renamed canonically: so plain
+onnxruntime (and Netron) can run and show a rewritten model, and the function computes exactly
+what the original nodes computed. Constants the body needs that are not inputs of the fused
+node (Clip's bounds, Split's sizes) become Constant nodes inside the body. Identical bodies share
+one function: its `overload` is a hash of the canonical body, so rewriting is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import onnx
+from onnx import helper, numpy_helper
+
+from fusion.catalog import DOMAIN
+from fusion.graph import GraphView
+
+MAX_EMBEDDED_ELEMENTS = 4096  # a larger constant that is not a fused input is a pattern bug
+
+
+class BodyError(Exception):
+    """The matched nodes cannot become a function body (carries the reason)."""
+
+
+def build_function(
+    view: GraphView,
+    name: str,
+    nodes: list[int],
+    inputs: list[str],
+    outputs: list[str],
+    attributes: list[str],
+) -> onnx.FunctionProto:
+    """A FunctionProto computing `outputs` from `inputs` with the original `nodes`.
+
+    `attributes` are the fused node's attribute names: declared on the function so the node is
+    valid, though the body, being the original nodes, has them written out already.
+    """
+    rename: dict[str, str] = {}
+    for k, value in enumerate(inputs):
+        if value:
+            rename.setdefault(value, f"in{k}")
+    produced = {out for i in nodes for out in view.nodes[i].output if out}
+    body: list[onnx.NodeProto] = []
+    for i in nodes:
+        for value in view.nodes[i].input:
+            if value and value not in rename and value not in produced:
+                constant = f"const{len(rename)}"
+                body.append(_embed_constant(view, value, constant))
+                rename[value] = constant
+    for k, value in enumerate(outputs):
+        rename[value] = f"out{k}"
+    for i in nodes:
+        node = view.nodes[i]
+        for value in node.output:
+            if value and value not in rename:
+                rename[value] = f"t{len(rename)}"
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = ""
+        copy.doc_string = ""
+        copy.input[:] = [rename.get(v, "") if v else "" for v in node.input]
+        copy.output[:] = [rename[v] if v else "" for v in node.output]
+        body.append(copy)
+    domains = sorted({n.domain or "" for n in body} | {""})
+    opsets = [helper.make_opsetid(d, view.opset.get(d, 1)) for d in domains]
+    formal_in = [f"in{k}" for k in range(len(inputs))]
+    formal_out = [f"out{k}" for k in range(len(outputs))]
+    func = helper.make_function(
+        DOMAIN, name, formal_in, formal_out, body, opsets, attributes=sorted(attributes)
+    )
+    func.overload = hashlib.sha1(func.SerializeToString(deterministic=True)).hexdigest()[:10]
+    return func
+
+
+def _embed_constant(view: GraphView, value: str, new_name: str) -> onnx.NodeProto:
+    array = view.constant(value)
+    if array is None:
+        raise BodyError(f"{value} is read by the match but is neither a fused input nor constant")
+    if array.size > MAX_EMBEDDED_ELEMENTS:
+        raise BodyError(f"constant {value} ({array.size} elements) must be a fused input")
+    tensor = numpy_helper.from_array(array, new_name)
+    return helper.make_node("Constant", [], [new_name], value=tensor)

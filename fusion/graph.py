@@ -1,0 +1,196 @@
+"""A read-only index over an ONNX graph: producers, consumers, types, constants, attributes.
+
+Built once per rewrite (or per runtime session), so that matching never rescans the graph.
+Value types come from the graph's own declarations first and from ONNX shape inference for
+values the graph does not describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from fusion.onnx_defaults import attribute_defaults
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """Element type and shape of a value; shape entries are ints, strings (symbolic) or None."""
+
+    elem_type: int  # onnx.TensorProto.FLOAT, ...; 0 when unknown
+    shape: tuple | None  # None when the rank is unknown
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        if not self.elem_type:
+            return "unknown"
+        return onnx.helper.tensor_dtype_to_np_dtype(self.elem_type).name
+
+
+def _value_type(type_proto: onnx.TypeProto) -> ValueType | None:
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tt = type_proto.tensor_type
+    if not tt.HasField("shape"):
+        return ValueType(tt.elem_type, None)
+    dims = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return ValueType(tt.elem_type, tuple(dims))
+
+
+def node_label(node: onnx.NodeProto) -> str:
+    """How a node is named in messages: 'Conv /conv1', or 'Conv (output y)' when unnamed."""
+    return (
+        f"{node.op_type} {node.name}" if node.name else f"{node.op_type} (output {node.output[0]})"
+    )
+
+
+class GraphView:
+    """Index of one onnx.GraphProto (the main graph; subgraphs are left alone)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.graph = model.graph
+        self.nodes: list[onnx.NodeProto] = list(self.graph.node)
+        self.opset = {o.domain or "": o.version for o in model.opset_import}
+        self.producer: dict[str, tuple[int, int]] = {}  # value -> (node index, output index)
+        self.consumers: dict[str, list[int]] = {}  # value -> indices of consuming nodes
+        for i, node in enumerate(self.nodes):
+            for k, out in enumerate(node.output):
+                if out:
+                    self.producer[out] = (i, k)
+            for name in set(node.input) | implicit_inputs(node):
+                if name:
+                    self.consumers.setdefault(name, []).append(i)
+        self.initializers = {t.name: t for t in self.graph.initializer}
+        self.graph_inputs = [i.name for i in self.graph.input if i.name not in self.initializers]
+        self.graph_outputs = {o.name for o in self.graph.output}
+        self._const_cache: dict[str, np.ndarray | None] = {}
+        self._attr_cache: dict[int, dict] = {}
+
+    # ---- types -------------------------------------------------------------------------------
+    @cached_property
+    def _types(self) -> dict[str, ValueType]:
+        types: dict[str, ValueType] = {}
+        for t in self.graph.initializer:
+            types[t.name] = ValueType(t.data_type, tuple(t.dims))
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False).graph
+        except Exception:  # inference is best effort: declared types still count
+            inferred = self.graph
+        for vi in list(inferred.value_info) + list(self.graph.value_info):
+            vt = _value_type(vi.type)
+            if vt is not None:
+                types.setdefault(vi.name, vt)
+        for vi in list(self.graph.input) + list(self.graph.output):
+            vt = _value_type(vi.type)
+            if vt is not None:
+                types[vi.name] = vt  # declarations win over inference
+        return types
+
+    def type_of(self, value: str) -> ValueType | None:
+        vt = self._types.get(value)
+        if vt is None:
+            arr = self.constant(value)
+            if arr is not None:
+                elem = onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+                vt = ValueType(elem, tuple(arr.shape))
+        return vt
+
+    # ---- constants ---------------------------------------------------------------------------
+    def constant_source(self, value: str) -> str | None:
+        """The initializer or Constant-node output behind `value`, looking through Identity."""
+        seen = 0
+        while value and seen < 64:
+            if value in self.initializers:
+                return value if value not in self.graph_inputs_with_defaults else None
+            prod = self.producer.get(value)
+            if prod is None:
+                return None
+            node = self.nodes[prod[0]]
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                return value
+            if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+                return None
+            value, seen = node.input[0], seen + 1
+        return None
+
+    @cached_property
+    def graph_inputs_with_defaults(self) -> set[str]:
+        """Initializers that are also graph inputs can be overridden by a feed: not constants."""
+        return {i.name for i in self.graph.input} & set(self.initializers)
+
+    def constant(self, value: str) -> np.ndarray | None:
+        """The numpy value of `value` if it is constant (initializer or Constant, via Identity)."""
+        if value in self._const_cache:
+            return self._const_cache[value]
+        src = self.constant_source(value)
+        arr = None
+        if src is not None:
+            if src in self.initializers:
+                arr = numpy_helper.to_array(self.initializers[src])
+            else:
+                arr = _constant_node_value(self.nodes[self.producer[src][0]])
+        self._const_cache[value] = arr
+        return arr
+
+    # ---- attributes --------------------------------------------------------------------------
+    def attributes(self, node: onnx.NodeProto) -> dict:
+        """The node's attributes with ONNX defaults applied (Conv without strides has strides 1)."""
+        key = id(node)
+        if key not in self._attr_cache:
+            self._attr_cache[key] = self._attributes(node)
+        return dict(self._attr_cache[key])
+
+    def _attributes(self, node: onnx.NodeProto) -> dict:
+        attrs = attribute_defaults(self, node)
+        for a in node.attribute:
+            attrs[a.name] = onnx.helper.get_attribute_value(a)
+            if isinstance(attrs[a.name], bytes):
+                attrs[a.name] = attrs[a.name].decode()
+        return attrs
+
+    def is_graph_output(self, value: str) -> bool:
+        return value in self.graph_outputs
+
+
+def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for a in node.attribute:
+        if a.name == "value":
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_float", "value_int"):
+            dt = np.float32 if a.name == "value_float" else np.int64
+            return np.array(onnx.helper.get_attribute_value(a), dtype=dt)
+        if a.name in ("value_floats", "value_ints"):
+            dt = np.float32 if a.name == "value_floats" else np.int64
+            return np.array(onnx.helper.get_attribute_value(a), dtype=dt)
+    return None
+
+
+def implicit_inputs(node: onnx.NodeProto) -> set[str]:
+    """Outer-scope values that a node's subgraphs (If/Loop/Scan bodies) read implicitly."""
+    names: set[str] = set()
+    for a in node.attribute:
+        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for g in graphs:
+            local = {i.name for i in g.input} | {t.name for t in g.initializer}
+            for n in g.node:
+                local.update(n.output)
+            for n in g.node:
+                names.update(x for x in set(n.input) | implicit_inputs(n) if x and x not in local)
+            names.update(o.name for o in g.output if o.name not in local)
+    return names

@@ -1,0 +1,228 @@
+"""Apply a catalog to a model: find safe, non-overlapping matches and replace each by one node.
+
+Order: rules in priority order (a rule that contains another goes first, so FireModule claims
+its convolutions before ConvBiasRelu sees them), and within a rule the graph's node order.
+A match is fused only if no value it computes internally is read outside it or is a graph
+output, and it shares no node with an earlier match. Every rejection keeps its reason.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from fusion.catalog import DOMAIN, Catalog, Rule, default_catalog
+from fusion.functions import BodyError, build_function
+from fusion.graph import GraphView, implicit_inputs, node_label
+from fusion.matcher import FULL_MATCH, Failure, Match, Matcher, start_state
+from fusion.pattern import Output
+
+FUNCTION_IR_VERSION = 10  # node.overload, which names a function's variant, needs IR 10
+
+
+@dataclass
+class Fusion:
+    rule: str
+    node: str  # name of the fused node
+    replaced: list[str]  # labels of the original nodes, in graph order
+
+
+@dataclass
+class NearMiss:
+    rule: str
+    at: str  # the node the match was tried from
+    reason: str
+
+
+@dataclass
+class RewriteResult:
+    model: onnx.ModelProto
+    fusions: list[Fusion] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.rules, 0)
+        for f in self.fusions:
+            counts[f.rule] = counts.get(f.rule, 0) + 1
+        return counts
+
+    def explain(self, pattern: str | None = None) -> str:
+        """Per pattern: how many fused, and each near-miss with its reason."""
+        lines = []
+        for rule in self.rules:
+            if pattern is not None and rule != pattern:
+                continue
+            misses = [n for n in self.near_misses if n.rule == rule]
+            lines.append(f"{rule}: {self.counts()[rule]} fused, {len(misses)} not fused")
+            lines += [f"  {n.reason}" for n in misses]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "fusions": sum(self.counts().values()),
+            "counts": self.counts(),
+            "fused_nodes": [vars(f) for f in self.fusions],
+            "near_misses": [vars(n) for n in self.near_misses],
+        }
+
+
+def rewrite(
+    model: onnx.ModelProto,
+    catalog: Catalog | None = None,
+    only: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+) -> RewriteResult:
+    """Fuse every safe match of the catalog's patterns; the input model is not modified.
+
+    >>> result = rewrite(onnx.load("model.onnx"))
+    >>> result.counts()
+    {'ConvBiasRelu': 4}
+    """
+    catalog = (catalog if catalog is not None else default_catalog()).select(only, exclude)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    view = GraphView(out)
+    result = RewriteResult(out, rules=[r.name for r in catalog.ordered()])
+    claimed: dict[int, str] = {}  # node index -> label of the fused node that took it
+    replacements: list[tuple[int, onnx.NodeProto]] = []
+    functions: dict[tuple[str, str], onnx.FunctionProto] = {}
+    for rule in catalog.ordered():
+        anchors = rule.anchors
+        for index, node in enumerate(view.nodes):
+            if node.op_type not in anchors or index in claimed or (node.domain or "") != "":
+                continue
+            found = _match_at(view, rule, index, claimed)
+            if isinstance(found, Failure):
+                if _is_near_miss(rule, found):
+                    result.near_misses.append(NearMiss(rule.name, node_label(node), found.reason))
+                continue
+            match, fused, func = found
+            for i in match.nodes:
+                claimed[i] = f"{rule.name} {fused.name}"
+            replacements.append((max(match.nodes), fused))
+            functions.setdefault((func.name, func.overload), func)
+            replaced = [node_label(view.nodes[i]) for i in match.nodes]
+            result.fusions.append(Fusion(rule.name, fused.name, replaced))
+    if replacements:
+        _apply(out, view, claimed, replacements, list(functions.values()))
+    return result
+
+
+def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict):
+    """The first acceptable match rooted at node `index` (with its fused node), or a Failure."""
+    node = view.nodes[index]
+    label = node_label(node)
+    root_output = rule.pattern.index if isinstance(rule.pattern, Output) else 0
+    if root_output >= len(node.output):
+        return Failure(0, f"{label}: has no output {root_output}")
+    matcher = Matcher(view)
+    for state in matcher.match(rule.pattern, node.output[root_output], start_state(), label):
+        match = Match(view, state)
+        outputs = [match[name] for name in rule.outputs] or [node.output[root_output]]
+        reason = _overlap(view, match, claimed) or _escapes(view, match, outputs)
+        if not reason and rule.check is not None:
+            verdict = rule.check(match)
+            reason = f"{label}: {verdict}" if verdict else None
+        if not reason:
+            try:
+                return match, *_fused_node(view, rule, match, node, outputs)
+            except BodyError as exc:
+                reason = f"{label}: {exc}"
+        matcher.fail(state, reason, bonus=FULL_MATCH)
+    return matcher.tracer.best or Failure(0, f"{label}: no match")
+
+
+def _is_near_miss(rule: Rule, failure: Failure) -> bool:
+    if failure.score >= FULL_MATCH:
+        return True
+    if rule.explain_after is not None:
+        return rule.explain_after in failure.ops
+    return failure.score >= 2
+
+
+def _overlap(view: GraphView, match: Match, claimed: dict) -> str | None:
+    for i in match.nodes:
+        if i in claimed:
+            return f"{node_label(view.nodes[i])}: already part of {claimed[i]}"
+    return None
+
+
+def _escapes(view: GraphView, match: Match, outputs: list[str]) -> str | None:
+    """Why a value computed inside the match is needed outside it, if one is."""
+    inside = set(match.nodes)
+    for i in match.nodes:
+        node = view.nodes[i]
+        for value in node.output:
+            if not value or value in outputs:
+                continue
+            if view.is_graph_output(value):
+                return f"{node_label(node)}: its output {value} is also a graph output"
+            for user in view.consumers.get(value, ()):
+                if user not in inside:
+                    other = node_label(view.nodes[user])
+                    return f"{node_label(node)}: its output {value} is also used by {other}"
+    return None
+
+
+def _fused_node(view: GraphView, rule: Rule, match: Match, root: onnx.NodeProto, outputs):
+    attrs = rule.attributes(match) if rule.attributes else {}
+    inputs = [match[name] or "" for name in rule.inputs]
+    func = build_function(view, rule.name, match.nodes, inputs, outputs, list(attrs))
+    while inputs and not inputs[-1]:
+        inputs.pop()
+    name = root.name or f"{rule.name}_{outputs[0]}"
+    node = helper.make_node(rule.name, inputs, outputs, name=name, domain=DOMAIN, **attrs)
+    node.overload = func.overload
+    return node, func
+
+
+def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> None:
+    at = dict(replacements)
+    nodes = []
+    for index, node in enumerate(view.nodes):
+        if index in at:
+            nodes.append(at[index])
+        elif index not in claimed:
+            nodes.append(node)
+    graph = model.graph
+    del graph.node[:]
+    graph.node.extend(_toposort(nodes, graph))
+    alive = {v for n in graph.node for v in (*n.input, *n.output)}
+    kept = [vi for vi in graph.value_info if vi.name in alive]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    known = {(f.domain, f.name, f.overload) for f in model.functions}
+    model.functions.extend(f for f in functions if (f.domain, f.name, f.overload) not in known)
+    if DOMAIN not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    model.ir_version = max(model.ir_version, FUNCTION_IR_VERSION)
+
+
+def _toposort(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Stable topological order: a node moves only as far as its inputs require."""
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+    deps = [
+        {producer[v] for v in set(n.input) | implicit_inputs(n) if v in producer} for n in nodes
+    ]
+    users: dict[int, list[int]] = {}
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users.setdefault(d, []).append(i)
+    waiting = [len(ds) for ds in deps]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for u in users.get(i, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        raise ValueError("the graph has a cycle after rewriting")
+    return order

@@ -1,0 +1,5 @@
+"""The built-in catalog: one module per family, each defining its rules with the public API."""
+
+from patterns import conv
+
+RULES = [conv.RULE]

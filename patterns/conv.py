@@ -1,0 +1,117 @@
+"""ConvBiasRelu:  y = act(conv2d(x, W) + b),  act(t) = max(t, 0) or min(max(t, lo), hi).
+
+Exporters write the bias as Conv's third input (PyTorch), as a separate Add of a per-channel
+constant shaped [C,1,1] or [1,C,1,1] (TensorFlow converters), or both: the kernel folds them
+into one vector when the session is built. A [C]-shaped Add is not a channel bias: against
+NCHW it broadcasts along the width axis, so it is declined with that reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fusion.catalog import Rule
+from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
+
+
+def per_channel(bias: np.ndarray) -> str | None:
+    """A constant added to an NCHW tensor is a channel bias if it broadcasts along axis 1 only."""
+    if bias.ndim > 4:
+        return f"bias of shape {list(bias.shape)} has more than 4 axes"
+    shape = (1,) * (4 - bias.ndim) + bias.shape
+    if shape[0] != 1 or shape[2] != 1 or shape[3] != 1:
+        return f"Add of shape {list(bias.shape)} is not a per-channel bias"
+    return None
+
+
+def conv_bias_relu(x: Pattern | None = None, prefix: str = "") -> Pattern:
+    """Conv (+ bias Add) + Relu/Clip, on input `x`; captures are named with `prefix`."""
+    x = x if x is not None else Var(prefix + "x", dtype="float32", rank=4)
+    conv = op.Conv(x, Const(prefix + "W"), Opt(Const(prefix + "B")), _name=prefix + "conv")
+    biased = Alt(op.Add(conv, Const(prefix + "bias_add", where=per_channel)), conv)
+    bounds = Opt(Const(prefix + "clip_min")), Opt(Const(prefix + "clip_max"))
+    return Alt(
+        op.Relu(biased, _name=prefix + "act"),
+        op.Clip(biased, *bounds, _name=prefix + "act"),
+    )
+
+
+def conv_attributes(m, prefix: str = "") -> dict:
+    """What the kernel needs to know about one Conv + activation of a match."""
+    conv = m.attrs(prefix + "conv")
+    act = m.node(prefix + "act")
+    lo, hi = -np.inf, np.inf
+    if act.op_type == "Clip":
+        clip = m.attrs(prefix + "act")
+        lo, hi = clip.get("min", lo), clip.get("max", hi)  # opset < 11: attributes
+        if m.const(prefix + "clip_min") is not None:
+            lo = m.const(prefix + "clip_min")
+        if m.const(prefix + "clip_max") is not None:
+            hi = m.const(prefix + "clip_max")
+    return {
+        "strides": list(conv["strides"]),
+        "pads": list(conv["pads"]),
+        "dilations": list(conv["dilations"]),
+        "group": int(conv["group"]),
+        "auto_pad": conv["auto_pad"],
+        "activation": "relu" if act.op_type == "Relu" else "clip",
+        "clip_min": float(lo),
+        "clip_max": float(hi),
+    }
+
+
+def check_bias(m, prefix: str = "") -> str | None:
+    bias = m.const(prefix + "bias_add")
+    channels = m.const(prefix + "W").shape[0]
+    if bias is not None and bias.size not in (1, channels):
+        return f"bias of shape {list(bias.shape)} does not match {channels} output channels"
+    return None
+
+
+def folded_bias(channels: int, *biases: np.ndarray | None) -> np.ndarray | None:
+    """The sum of Conv's bias and the Add's constant, as one vector of `channels` values."""
+    present = [np.broadcast_to(b.reshape(-1), (channels,)) for b in biases if b is not None]
+    return np.sum(present, axis=0, dtype=np.float32) if present else None
+
+
+def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
+    from kernels.conv2d import prepare_conv2d
+
+    return prepare_conv2d(
+        weight,
+        bias,
+        strides=tuple(attrs["strides"]),
+        pads=tuple(attrs["pads"]),
+        dilations=tuple(attrs["dilations"]),
+        group=attrs["group"],
+        auto_pad=attrs["auto_pad"],
+        activation=attrs["activation"],
+        clip_min=attrs["clip_min"],
+        clip_max=attrs["clip_max"],
+    )
+
+
+def make_kernel(attrs: dict, constants: list):
+    """Prepare the weights once; the returned function runs the fused convolution."""
+    from kernels.conv2d import conv2d_bias_act
+
+    _, weight, bias, bias_add = (list(constants) + [None] * 4)[:4]
+    plan = conv_plan(attrs, weight, folded_bias(weight.shape[0], bias, bias_add))
+
+    def run(x, *_constants):
+        return (conv2d_bias_act(x, plan),)
+
+    return run
+
+
+RULE = Rule(
+    "ConvBiasRelu",
+    conv_bias_relu(),
+    inputs=("x", "W", "B", "bias_add"),
+    kernel=make_kernel,
+    attributes=conv_attributes,
+    check=check_bias,
+    priority=10,
+    description="2-D Conv + bias (Conv input or Add) + Relu or Clip, float32 NCHW",
+    explain_after="Conv",
+)
