@@ -1,0 +1,153 @@
+"""ConvBiasRelu: every exporter variant fuses, every near-miss does not and says why.
+
+Each fused model is checked with the full ONNX checker and run in plain onnxruntime (through
+the fused nodes' function bodies) against the original.
+"""
+
+import numpy as np
+import onnx
+import pytest
+from builders import GraphBuilder, conv_block, fused_ops, random_feeds, run_ort
+
+import fusion
+from fusion.examples import conv_stack
+
+
+def rewrite_and_compare(model, expect: int):
+    result = fusion.rewrite(model)
+    assert fused_ops(result.model) == ["ConvBiasRelu"] * expect, result.explain()
+    onnx.checker.check_model(result.model, full_check=True)
+    feeds = random_feeds(model)
+    for want, got in zip(run_ort(model, feeds), run_ort(result.model, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return result
+
+
+VARIANTS = [
+    dict(bias="input"),  # PyTorch
+    dict(bias="add"),  # TensorFlow: Add of [1,C,1,1]
+    dict(bias="add", bias_shape=(8, 1, 1)),
+    dict(bias="add", bias_shape=(1,)),  # one value for every channel
+    dict(bias="both"),
+    dict(bias="none"),
+    dict(act="clip"),
+    dict(act="relu6", bias="add"),
+    dict(strides=[2, 2], pads=[1, 1, 1, 1]),
+    dict(auto_pad="SAME_UPPER"),
+    dict(dilations=[2, 2], pads=[2, 2, 2, 2]),
+    dict(k=1),
+    dict(group=2),
+]
+
+
+@pytest.mark.parametrize("opset", [9, 13, 17])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+def test_variant_fuses(variant, opset):
+    g = GraphBuilder(opset=opset)
+    y = conv_block(g, "x", 4, 8, **variant)
+    rewrite_and_compare(g.model({"x": ["N", 4, 9, 9]}, [y]), expect=1)
+
+
+def test_bias_add_constant_first_and_identity_weights():
+    g = GraphBuilder()
+    w = g.node("Identity", [g.weight(8, 4, 3, 3)])
+    conv = g.node("Conv", ["x", w], pads=[1, 1, 1, 1])
+    added = g.node("Add", [g.weight(1, 8, 1, 1), conv])  # constant on the left
+    y = g.node("Relu", [added])
+    result = rewrite_and_compare(g.model({"x": [1, 4, 6, 6]}, [y]), expect=1)
+    assert result.model.graph.node[0].op_type == "Identity"  # left in place, read as a constant
+
+
+def test_weight_from_constant_node():
+    g = GraphBuilder()
+    w = np.random.default_rng(1).standard_normal((8, 4, 3, 3)).astype(np.float32)
+    g.nodes.append(
+        onnx.helper.make_node("Constant", [], ["w"], value=onnx.numpy_helper.from_array(w))
+    )
+    y = g.node("Relu", [g.node("Conv", ["x", "w"])])
+    rewrite_and_compare(g.model({"x": [1, 4, 6, 6]}, [y]), expect=1)
+
+
+def test_four_blocks_in_a_row_all_fuse():
+    for form in ("tf", "pytorch"):
+        model = conv_stack(blocks=4, channels=8, size=10, form=form)
+        result = rewrite_and_compare(model, expect=4)
+        assert result.counts() == {"ConvBiasRelu": 4}
+
+
+def near_miss(model, *expected: str) -> str:
+    result = fusion.rewrite(model)
+    assert fused_ops(result.model) == [], "a near-miss was fused"
+    text = result.explain()
+    for fragment in expected:
+        assert fragment in text, text
+    return text
+
+
+def test_intermediate_is_graph_output():
+    g = GraphBuilder()
+    conv = g.node("Conv", ["x", g.weight(8, 4, 3, 3)], name="/conv3")
+    y = g.node("Relu", [conv], name="/relu3")
+    near_miss(
+        g.model({"x": [1, 4, 6, 6]}, [y, conv]),
+        "Conv /conv3: its output /conv3_out is also a graph output",
+    )
+
+
+def test_intermediate_used_elsewhere():
+    g = GraphBuilder()
+    conv = g.node("Conv", ["x", g.weight(8, 4, 3, 3)], name="/conv")
+    y = g.node("Relu", [conv])
+    z = g.node("Sigmoid", [conv], name="/side")
+    near_miss(
+        g.model({"x": [1, 4, 6, 6]}, [y, z]), "its output /conv_out is also used by Sigmoid /side"
+    )
+
+
+def test_float16_is_left_alone():
+    g = GraphBuilder()
+    w = g.const(np.ones((8, 4, 3, 3), np.float16))
+    y = g.node("Relu", [g.node("Conv", ["x", w], name="/conv7")])
+    model = g.model({"x": [1, 4, 6, 6]}, [y], elem=onnx.TensorProto.FLOAT16)
+    near_miss(model, "Conv /conv7: dtype float16, kernels are float32-only")
+
+
+def test_width_shaped_bias_is_not_a_channel_bias():
+    g = GraphBuilder()
+    y = conv_block(g, "x", 4, 8, bias="add", bias_shape=(8,))
+    near_miss(g.model({"x": [1, 4, 8, 8]}, [y]), "Add of shape [8] is not a per-channel bias")
+
+
+def test_weights_fed_at_run_time_are_not_fused():
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("Conv", ["x", "w"], name="/c")])
+    model = g.model({"x": [1, 4, 6, 6], "w": [8, 4, 3, 3]}, [y])
+    near_miss(model, "Conv /c: input w is not a constant")
+
+
+def test_conv1d_is_not_fused():
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("Conv", ["x", g.weight(8, 4, 3)], name="/c1d")])
+    near_miss(g.model({"x": [1, 4, 10]}, [y]), "Conv /c1d: x has rank 3, pattern needs rank 4")
+
+
+def test_clip_with_run_time_bound_is_not_fused():
+    g = GraphBuilder()
+    conv = g.node("Conv", ["x", g.weight(8, 4, 3, 3)], name="/conv")
+    y = g.node("Clip", [conv, "lo"], name="/clip")
+    model = g.model({"x": [1, 4, 6, 6], "lo": []}, [y])
+    near_miss(model, "Clip /clip: input lo is not a constant")
+
+
+def test_unrelated_relu_is_not_reported():
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("MatMul", ["x", g.weight(4, 4)])])
+    text = near_miss(g.model({"x": [2, 4]}, [y]))
+    assert text == "ConvBiasRelu: 0 fused, 0 not fused"
+
+
+def test_input_model_is_not_modified():
+    model = conv_stack(blocks=2, channels=4, size=6)
+    before = model.SerializeToString()
+    fusion.rewrite(model)
+    assert model.SerializeToString() == before
