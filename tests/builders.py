@@ -49,6 +49,8 @@ class GraphBuilder:
         inferred = onnx.shape_inference.infer_shapes(model)  # typed outputs, as exporters write
         del model.graph.output[:]
         model.graph.output.extend(inferred.graph.output)
+        if any(not o.type.tensor_type.HasField("shape") for o in model.graph.output):
+            _shapes_from_a_run(model)
         return model
 
     def _fresh(self, prefix: str) -> str:
@@ -86,6 +88,14 @@ def conv_block(
         else:
             y = g.node("Clip", [y], min=lo, max=hi)
     return y
+
+
+def _shapes_from_a_run(model: onnx.ModelProto) -> None:
+    """Where inference gives up, take the output ranks and sizes from one onnxruntime run."""
+    results = run_ort(model, random_feeds(model, batch=1))
+    for out, value in zip(model.graph.output, results, strict=True):
+        dims = ["N", *value.shape[1:]] if value.ndim else []
+        out.CopyFrom(helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, dims))
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict, optimize: bool = False) -> list[np.ndarray]:
