@@ -33,7 +33,7 @@ class CatalogError(ValueError):
 @dataclass(eq=False)
 class Rule:
     name: str
-    pattern: Pattern
+    pattern: Pattern | None
     inputs: Sequence[str]
     kernel: KernelFactory | None = None
     outputs: Sequence[str] = ()
@@ -44,6 +44,11 @@ class Rule:
     rtol: float = 1e-4
     atol: float = 1e-5
     explain_after: str | None = None  # a near-miss must have matched this op type
+    # For structure a pattern cannot state (a chain of any length): finder(view, node_index)
+    # returns candidate Matches rooted at that node, or a reason string, or None.
+    finder: Callable | None = None
+    anchor_ops: Sequence[str] = ()  # with a finder: the op types it starts from
+    stage: int = 0  # rules of a later stage see the graph that earlier stages rewrote
 
     def __post_init__(self):
         self.inputs, self.outputs = tuple(self.inputs), tuple(self.outputs)
@@ -51,7 +56,7 @@ class Rule:
 
     @property
     def anchors(self) -> set[str]:
-        return self.pattern.op_types()
+        return set(self.anchor_ops) or self.pattern.op_types()
 
     def make_kernel(self, attrs: dict, constants: list) -> Callable[..., tuple]:
         if self.kernel is None:
@@ -64,7 +69,11 @@ def validate(rule: Rule) -> None:
     where = f"rule {rule.name!r}"
     if not rule.name.isidentifier():
         raise CatalogError(f"{where}: the name must be an identifier (it becomes an op_type)")
-    if not rule.pattern.op_types():
+    if rule.finder is not None:
+        if rule.pattern is not None or not rule.anchor_ops:
+            raise CatalogError(f"{where}: a rule with a finder has anchor_ops and no pattern")
+        return
+    if rule.pattern is None or not rule.pattern.op_types():
         raise CatalogError(f"{where}: the pattern's root must be an op (or alternatives of ops)")
     captured = capture_names(rule.pattern)
     for name in (*rule.inputs, *rule.outputs):

@@ -63,9 +63,14 @@ class Match:
 
     def __init__(self, view: GraphView, state: State):
         self.view = view
-        self.values: dict[str, str] = state.values
+        self.values: dict[str, str | list[str]] = state.values  # a list: variadic
         self.node_index: dict[str, int] = state.nodes
         self.nodes: list[int] = sorted(state.matched)
+
+    @classmethod
+    def of(cls, view: GraphView, values: dict, nodes: dict, matched) -> Match:
+        """A match found by a rule's own finder rather than by a pattern."""
+        return cls(view, State(dict(values), dict(nodes), {}, dict.fromkeys(matched, 0)))
 
     def __getitem__(self, name: str) -> str | None:
         """The value captured as `name` (None when an optional part was absent)."""
@@ -169,7 +174,7 @@ class Matcher:
         if node.op_type != op_pat.op_type or (node.domain or "") not in (op_pat.domain, "ai.onnx"):
             self.fail(state, f"{at}: {value} comes from {label}, pattern needs {op_pat.op_type}")
             return
-        if out != want_out:
+        if want_out is not None and out != want_out:
             self.fail(state, f"{at}: {value} is output {out} of {label}, pattern needs {want_out}")
             return
         if id(op_pat) in state.memo:

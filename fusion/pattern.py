@@ -11,8 +11,9 @@
   `_commute` (default on for Add and Mul) tries both input orders, `_domain` sets the domain.
 - `Alt(*patterns)` matches the first alternative that fits (all are tried on backtracking).
 - `Opt(p)` matches an absent optional input, or `p`.
-- `node[k]` refers to output k of a multi-output node (Split). One pattern object used in
-  several places must match the same value there (a value feeding two nodes of the pattern).
+- `node[k]` refers to output k of a multi-output node (Split), `node.any_output()` to any.
+  One pattern object used in several places must match the same value there (a value
+  feeding two nodes of the pattern).
 - Patterns compose: a function that returns a pattern for given input patterns is a sub-pattern.
 """
 
@@ -80,16 +81,24 @@ class Op(Pattern):
     def __getitem__(self, index: int) -> Output:
         return Output(self, index)
 
+    def any_output(self, name: str | None = None) -> Output:
+        return Output(self, None, name)
+
     def op_types(self) -> set[str]:
         return {self.op_type}
 
 
 @dataclass(eq=False)
 class Output(Pattern):
-    """Output `index` of the node matched by `node` (for multi-output ops such as Split)."""
+    """Output `index` of the node matched by `node` (for multi-output ops such as Split).
+
+    `node.any_output("gate")` matches whichever output it is: for structure that decides
+    which output is which (an LSTM's gates, in any order after one Split).
+    """
 
     node: Op
-    index: int
+    index: int | None
+    name: str | None = None
 
     def op_types(self) -> set[str]:
         return {self.node.op_type}

@@ -85,15 +85,23 @@ def rewrite(
     catalog = (catalog if catalog is not None else default_catalog()).select(only, exclude)
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    view = GraphView(out)
     result = RewriteResult(out, rules=[r.name for r in catalog.ordered()])
+    for stage in sorted({rule.stage for rule in catalog}):
+        _rewrite_stage(result, [rule for rule in catalog if rule.stage == stage])
+    return result
+
+
+def _rewrite_stage(result: RewriteResult, rules: list[Rule]) -> None:
+    view = GraphView(result.model)
     claimed: dict[int, str] = {}  # node index -> label of the fused node that took it
     replacements: list[tuple[int, onnx.NodeProto]] = []
     functions: dict[tuple[str, str], onnx.FunctionProto] = {}
-    for rule in catalog.ordered():
+    for rule in rules:
         anchors = rule.anchors
         for index, node in enumerate(view.nodes):
-            if node.op_type not in anchors or index in claimed or (node.domain or "") != "":
+            if node.op_type not in anchors or index in claimed:
+                continue
+            if (node.domain or "") not in ("", "ai.onnx") and rule.finder is None:
                 continue
             found = _match_at(view, rule, index, claimed)
             if isinstance(found, Failure):
@@ -108,32 +116,67 @@ def rewrite(
             replaced = [node_label(view.nodes[i]) for i in match.nodes]
             result.fusions.append(Fusion(rule.name, fused.name, replaced))
     if replacements:
-        _apply(out, view, claimed, replacements, list(functions.values()))
-    return result
+        _apply(result.model, view, claimed, replacements, list(functions.values()))
 
 
 def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict):
     """The first acceptable match rooted at node `index` (with its fused node), or a Failure."""
     node = view.nodes[index]
     label = node_label(node)
-    root_output = rule.pattern.index if isinstance(rule.pattern, Output) else 0
+    if rule.finder is not None:
+        return _accept_found(view, rule, index, claimed)
+    root_output = (rule.pattern.index or 0) if isinstance(rule.pattern, Output) else 0
     if root_output >= len(node.output):
         return Failure(0, f"{label}: has no output {root_output}")
     matcher = Matcher(view)
     for state in matcher.match(rule.pattern, node.output[root_output], start_state(), label):
         match = Match(view, state)
-        outputs = [match[name] for name in rule.outputs] or [node.output[root_output]]
-        reason = _overlap(view, match, claimed) or _escapes(view, match, outputs)
-        if not reason and rule.check is not None:
-            verdict = rule.check(match)
-            reason = f"{label}: {verdict}" if verdict else None
-        if not reason:
-            try:
-                return match, *_fused_node(view, rule, match, node, outputs)
-            except BodyError as exc:
-                reason = f"{label}: {exc}"
+        outputs = _flat(match[name] for name in rule.outputs) or [node.output[root_output]]
+        reason = _acceptable(view, rule, match, node, outputs, claimed)
+        if isinstance(reason, tuple):
+            return reason
         matcher.fail(state, reason, bonus=FULL_MATCH)
     return matcher.tracer.best or Failure(0, f"{label}: no match")
+
+
+def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict):
+    """Candidates from a rule's own finder go through the same checks as pattern matches."""
+    node = view.nodes[index]
+    found = rule.finder(view, index)
+    if not found:
+        return Failure(0, f"{node_label(node)}: no match")
+    if isinstance(found, str):
+        return Failure(FULL_MATCH, f"{node_label(node)}: {found}")
+    reason = ""
+    for match in found:
+        outputs = _flat(match[name] for name in rule.outputs)
+        reason = _acceptable(view, rule, match, node, outputs, claimed)
+        if isinstance(reason, tuple):
+            return reason
+    return Failure(FULL_MATCH, reason)
+
+
+def _acceptable(view: GraphView, rule: Rule, match: Match, root, outputs: list, claimed: dict):
+    """(match, fused node, function) if the match may be fused, else the reason it may not."""
+    label = node_label(root)
+    reason = _overlap(view, match, claimed) or _escapes(view, match, outputs)
+    if not reason and rule.check is not None:
+        verdict = rule.check(match)
+        reason = f"{label}: {verdict}" if verdict else None
+    if not reason:
+        try:
+            return match, *_fused_node(view, rule, match, root, outputs)
+        except BodyError as exc:
+            reason = f"{label}: {exc}"
+    return reason
+
+
+def _flat(values) -> list[str]:
+    """Captured values in order, a variadic capture (a list) spliced in place."""
+    out: list[str] = []
+    for value in values:
+        out.extend(value if isinstance(value, list) else [value or ""])
+    return out
 
 
 def _is_near_miss(rule: Rule, failure: Failure) -> bool:
@@ -170,7 +213,7 @@ def _escapes(view: GraphView, match: Match, outputs: list[str]) -> str | None:
 
 def _fused_node(view: GraphView, rule: Rule, match: Match, root: onnx.NodeProto, outputs):
     attrs = rule.attributes(match) if rule.attributes else {}
-    inputs = [match[name] or "" for name in rule.inputs]
+    inputs = _flat(match[name] for name in rule.inputs)
     func = build_function(view, rule.name, match.nodes, inputs, outputs, list(attrs))
     while inputs and not inputs[-1]:
         inputs.pop()

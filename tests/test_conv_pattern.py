@@ -114,7 +114,7 @@ def test_float16_is_left_alone():
 
 def test_width_shaped_bias_is_not_a_channel_bias():
     g = GraphBuilder()
-    y = conv_block(g, "x", 4, 8, bias="add", bias_shape=(8,))
+    y = conv_block(g, "x", 4, 8, bias="add", bias_shape=(8,), pads=[1, 1, 1, 1])
     near_miss(g.model({"x": [1, 4, 8, 8]}, [y]), "Add of shape [8] is not a per-channel bias")
 
 

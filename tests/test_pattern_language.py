@@ -159,3 +159,17 @@ def test_name_clash_and_unknown_selection():
         catalog.add(CONV_RULE)
     with pytest.raises(CatalogError, match="no pattern named 'Nope'"):
         catalog.select(only=["Nope"])
+
+
+def test_any_output_lets_structure_decide_which_output_is_which():
+    """a * sigmoid(b) with a, b from one Split in either order: which is which follows from
+    the Sigmoid, not from the position."""
+    split = op.Split(Var("x"), Opt(Const("sizes")), axis=1)
+    rule = Rule("AnyGlu", op.Mul(split.any_output("a"), op.Sigmoid(split.any_output("b"))), ("x",))
+    for gate_first in (True, False):
+        g = GraphBuilder(opset=13)
+        a, b = g.node("Split", ["x"], n_out=2, axis=1)
+        a, b = (a, b) if gate_first else (b, a)
+        y = g.node("Mul", [a, g.node("Sigmoid", [b])])
+        result = rewrite_checked(g.model({"x": [2, 6]}, [y]), [rule])
+        assert fused_ops(result.model) == ["AnyGlu"]
