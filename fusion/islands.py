@@ -1,0 +1,257 @@
+"""Cutting a fused model into run steps, onnxruntime "islands" and kernel nodes, and running them.
+
+A fused node whose rule has a kernel runs that kernel; every other node runs in onnxruntime.
+Consecutive standard nodes are grouped into islands (one InferenceSession each), and the graph is
+layered so that there are as few islands as the dependencies allow:
+
+    depth(standard node) = max(depth(standard producer), depth(kernel producer) + 1)
+    depth(kernel node)   = max(depth(any producer))
+
+Island d runs, then the kernels of depth d (in graph order), then island d + 1. A standard node
+only has to wait for an island boundary when it reads a kernel's output, so each island boundary
+is forced by some kernel -> standard edge and the number of islands is minimal.
+
+Constant-valued nodes (Constant, Identity of a constant) are folded at build time: islands receive
+their values as initializers and kernels as precomputed inputs, never recomputed per run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from fusion.graph import GraphView, ValueType, node_label
+
+
+@dataclass
+class IslandPlan:
+    """Standard nodes run together by one onnxruntime session."""
+
+    name: str
+    nodes: list[onnx.NodeProto]
+    inputs: list[str]  # values read from the run's environment, in a fixed order
+    outputs: list[str]  # values needed later (by another step or as graph outputs)
+    constants: list[str] = field(default_factory=list)  # become the island's initializers
+
+
+@dataclass
+class KernelPlan:
+    """One fused node run by its kernel."""
+
+    name: str
+    node: onnx.NodeProto
+    inputs: list[str]  # aligned to node.input; "" for an absent optional input
+    outputs: list[str]
+
+
+def topological_order(view: GraphView, reads: list[set[str]]) -> list[int]:
+    """Node indices in an order where producers come first (graph order when it already is)."""
+    waiting = [sum(1 for v in reads[i] if v in view.producer) for i in range(len(view.nodes))]
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    ready.reverse()  # a stack, popped lowest index first, keeps graph order where possible
+    order: list[int] = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        released = []
+        for out in view.nodes[i].output:
+            for j in view.consumers.get(out, []) if out else []:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    released.append(j)
+        ready.extend(sorted(released, reverse=True))
+    if len(order) != len(view.nodes):
+        stuck = next(i for i in range(len(view.nodes)) if i not in set(order))
+        raise ValueError(f"the graph has a cycle through {node_label(view.nodes[stuck])}")
+    return order
+
+
+def values_read(view: GraphView) -> list[set[str]]:
+    """Per node, every value it reads: its inputs and outer-scope values its subgraphs use."""
+    reads: list[set[str]] = [set() for _ in view.nodes]
+    for value, consumers in view.consumers.items():
+        for i in consumers:
+            reads[i].add(value)
+    return reads
+
+
+def live_nodes(view: GraphView, reads: list[set[str]]) -> set[int]:
+    """Nodes a graph output depends on; the rest is dead code (an island of it would have no
+    outputs, which onnxruntime refuses)."""
+    live: set[int] = set()
+    pending = [v for v in view.graph_outputs if v in view.producer]
+    while pending:
+        i = view.producer[pending.pop()][0]
+        if i not in live:
+            live.add(i)
+            pending.extend(v for v in reads[i] if v in view.producer)
+    return live
+
+
+def is_folded(view: GraphView, node: onnx.NodeProto) -> bool:
+    """A Constant (or Identity of a constant): its value is known when the session is built."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Constant", "Identity"):
+        return False
+    return all(view.constant(out) is not None for out in node.output if out)
+
+
+def plan(
+    view: GraphView, is_kernel: Callable[[onnx.NodeProto], bool]
+) -> list[IslandPlan | KernelPlan]:
+    """The run steps of the graph, islands and kernels interleaved by depth (see module doc)."""
+    reads = values_read(view)
+    live = live_nodes(view, reads)
+    order = [i for i in topological_order(view, reads) if i in live]
+    kernel = {i for i in order if is_kernel(view.nodes[i])}
+    folded = {i for i in order if i not in kernel and is_folded(view, view.nodes[i])}
+    depth: dict[int, int] = {}
+    for i in order:
+        if i in folded:
+            continue
+        d = 0
+        for value in reads[i]:
+            j = view.producer.get(value, (None,))[0]
+            if j is None or j in folded:
+                continue
+            crosses = j in kernel and i not in kernel  # a kernel's output read by onnxruntime
+            d = max(d, depth[j] + crosses)
+        depth[i] = d
+
+    steps: list[IslandPlan | KernelPlan] = []
+    islands = 0
+    for d in range(max(depth.values(), default=-1) + 1):
+        members = [i for i in order if depth.get(i) == d and i not in kernel]
+        if members:
+            steps.append(_island(view, reads, members, f"island{islands}"))
+            islands += 1
+        for i in order:
+            if depth.get(i) == d and i in kernel:
+                node = view.nodes[i]
+                steps.append(
+                    KernelPlan(node_label(node), node, list(node.input), list(node.output))
+                )
+    return steps
+
+
+def _island(view: GraphView, reads: list[set[str]], members: list[int], name: str) -> IslandPlan:
+    inside = set(members)
+    produced = {out for i in members for out in view.nodes[i].output if out}
+    inputs: list[str] = []
+    constants: list[str] = []
+    for i in members:
+        for value in sorted(reads[i] - produced):
+            target = constants if view.constant(value) is not None else inputs
+            if value not in target:
+                target.append(value)
+    outputs = [
+        out
+        for i in members
+        for out in view.nodes[i].output
+        if out
+        and (view.is_graph_output(out) or any(j not in inside for j in view.consumers.get(out, [])))
+    ]
+    return IslandPlan(name, [view.nodes[i] for i in members], inputs, outputs, constants)
+
+
+def island_model(
+    view: GraphView, island: IslandPlan, types: dict[str, ValueType | None]
+) -> onnx.ModelProto:
+    """A standalone model for one island; `types` gives each input's type (dtype required)."""
+    initializers = []
+    for value in island.constants:
+        source = view.initializers.get(value)
+        if source is not None and source.data_location != onnx.TensorProto.EXTERNAL:
+            initializers.append(source)
+        else:
+            initializers.append(numpy_helper.from_array(view.constant(value), value))
+    graph = helper.make_graph(
+        island.nodes,
+        f"{view.graph.name}_{island.name}",
+        [_value_info(value, types[value]) for value in island.inputs],
+        [_value_info(value, view.type_of(value)) for value in island.outputs],
+        initializers,
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=list(view.model.opset_import),
+        functions=list(view.model.functions),
+        ir_version=view.model.ir_version,
+    )
+    return model
+
+
+def _value_info(name: str, vt: ValueType | None) -> onnx.ValueInfoProto:
+    if vt is None or not vt.elem_type:
+        return onnx.ValueInfoProto(name=name)  # onnxruntime infers output types itself
+    shape = None if vt.shape is None else [d if d not in (None, "") else None for d in vt.shape]
+    return helper.make_tensor_value_info(name, vt.elem_type, shape)
+
+
+class IslandStep:
+    """Runs one island's InferenceSession on values from the run's dict."""
+
+    kind = "island"
+
+    def __init__(self, island: IslandPlan, view: GraphView, options: ort.SessionOptions):
+        self.name, self.inputs, self.outputs = island.name, island.inputs, island.outputs
+        self.nodes = [n.name or n.output[0] for n in island.nodes]
+        self._island, self._view, self._options = island, view, options
+        self._lock = threading.Lock()
+        self.session: ort.InferenceSession | None = None
+        self._run: Callable | None = None
+        types = {v: view.type_of(v) for v in island.inputs}
+        if all(t is not None and t.elem_type for t in types.values()):
+            self.session = self._build(types)
+        # else: an input's dtype is only known from the first run's actual value
+
+    def _build(self, types: dict) -> ort.InferenceSession:
+        self.model = island_model(self._view, self._island, types)
+        data = self.model.SerializeToString()
+        session = ort.InferenceSession(data, self._options, providers=["CPUExecutionProvider"])
+        # InferenceSession.run re-validates the feeds in Python (~6 us per call, a third of a
+        # crossing); the steps already pass exactly the island's inputs, so call the binding.
+        self._run = getattr(session, "_sess", session).run
+        return session
+
+    def _build_from(self, values: dict) -> Callable:
+        with self._lock:
+            if self.session is None:
+                types = {}
+                for v in self.inputs:
+                    declared = self._view.type_of(v)
+                    elem = helper.np_dtype_to_tensor_dtype(values[v].dtype)
+                    shape = declared.shape if declared and declared.elem_type == elem else None
+                    types[v] = ValueType(elem, shape)
+                self.session = self._build(types)
+        return self._run
+
+    def __call__(self, values: dict) -> None:
+        run = self._run or self._build_from(values)
+        results = run(self.outputs, {name: values[name] for name in self.inputs}, None)
+        values.update(zip(self.outputs, results, strict=True))
+
+
+class KernelStep:
+    """Calls one fused node's kernel; absent optional inputs are passed as None."""
+
+    kind = "kernel"
+
+    def __init__(self, kernel: KernelPlan, run: Callable[..., tuple]):
+        self.name, self.node = kernel.name, kernel.node
+        self.inputs, self.outputs = kernel.inputs, kernel.outputs
+        self.kernel = run
+
+    def __call__(self, values: dict) -> None:
+        results = self.kernel(*[values[name] if name else None for name in self.inputs])
+        try:
+            values.update(zip(self.outputs, results, strict=True))
+        except ValueError:
+            raise ValueError(
+                f"the kernel of {self.name} returned {len(results)} outputs; "
+                f"the node has {len(self.outputs)}"
+            ) from None

@@ -1,0 +1,417 @@
+"""fusion.runtime.Session against onnxruntime on the same graph with fused nodes left as functions.
+
+Fused models are built by hand: a "ScaledRelu" node, relu(x * s), backed by a Mul + Relu function
+and run by a NumPy kernel registered in a test catalog. Run as a script to print the crossing cost.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from fusion.catalog import DOMAIN, Catalog, Rule
+from fusion.io import FusionError
+from fusion.pattern import Const, Var, op
+from fusion.runtime import InvalidFeed, Session
+
+OPSETS = [h.make_opsetid("", 18), h.make_opsetid(DOMAIN, 1)]
+
+
+def scaled_relu_kernel(attrs: dict, constants: list):
+    """relu(x * s) in NumPy; `shift` (an attribute) exists so that a test can break the kernel."""
+    shift = attrs.get("shift", 0.0)
+
+    def run(x, s):
+        return (np.maximum(x * s, 0).astype(x.dtype) + np.float32(shift),)
+
+    return run
+
+
+def catalog(kernel=scaled_relu_kernel) -> Catalog:
+    pattern = op.Relu(op.Mul(Var("x"), Const("s")))
+    return Catalog([Rule("ScaledRelu", pattern, inputs=("x", "s"), kernel=kernel)])
+
+
+def scaled_relu_function() -> onnx.FunctionProto:
+    return h.make_function(
+        DOMAIN,
+        "ScaledRelu",
+        ["x", "s"],
+        ["y"],
+        [h.make_node("Mul", ["x", "s"], ["t"]), h.make_node("Relu", ["t"], ["y"])],
+        [h.make_opsetid("", 18)],
+        attributes=[],
+    )
+
+
+def scaled_relu(x: str, s: str, y: str, name: str, **attrs) -> onnx.NodeProto:
+    return h.make_node("ScaledRelu", [x, s], [y], name=name, domain=DOMAIN, **attrs)
+
+
+def fused_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = h.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    model = h.make_model(graph, opset_imports=OPSETS, functions=[scaled_relu_function()])
+    model.ir_version = 10
+    return model
+
+
+def tensor(name, shape=("N", 3), elem=T.FLOAT):
+    return h.make_tensor_value_info(name, elem, shape)
+
+
+def chain_model(**attrs) -> onnx.ModelProto:
+    """a -> Add(a, a) -> ScaledRelu(., s) -> Neg -> z: a kernel between two islands."""
+    nodes = [
+        h.make_node("Add", ["a", "a"], ["x"], name="add"),
+        scaled_relu("x", "s", "y", "sr", **attrs),
+        h.make_node("Neg", ["y"], ["z"], name="neg"),
+    ]
+    s = h.make_tensor("s", T.FLOAT, [], [2.0])
+    return fused_model(nodes, [tensor("a")], [tensor("z", None)], [s])
+
+
+def two_chains_model() -> onnx.ModelProto:
+    """Two independent island-kernel-island chains plus a join: still two islands."""
+    nodes = [
+        h.make_node("Add", ["a", "a"], ["x1"], name="add"),
+        h.make_node("Sub", ["b", "a"], ["x2"], name="sub"),
+        scaled_relu("x1", "s", "y1", "sr1"),
+        scaled_relu("x2", "s", "y2", "sr2"),
+        scaled_relu("y2", "s", "y3", "sr3"),  # kernel after kernel: no island in between
+        h.make_node("Neg", ["y1"], ["z1"], name="neg"),
+        h.make_node("Exp", ["y3"], ["z2"], name="exp"),
+        h.make_node("Mul", ["z1", "x2"], ["z3"], name="join"),  # reads islands 0 and 1
+    ]
+    s = h.make_tensor("s", T.FLOAT, [], [0.5])
+    outputs = [tensor("z2", None), tensor("z3", None), tensor("x2", None)]
+    return fused_model(nodes, [tensor("a"), tensor("b")], outputs, [s])
+
+
+def reference(model: onnx.ModelProto, feeds: dict, names=None) -> list[np.ndarray]:
+    """onnxruntime alone, running each fused node through its function body."""
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(names, feeds)
+
+
+def feeds_for(model, seed=0, batch=2) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        i.name: rng.standard_normal((batch, 3)).astype(np.float32)
+        for i in model.graph.input
+        if i.name not in {t.name for t in model.graph.initializer}
+    }
+
+
+def assert_same(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+# ---- scheduling ------------------------------------------------------------------------------
+def test_kernel_between_two_islands():
+    model = chain_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    assert [(s.kind, s.name) for s in sess.steps] == [
+        ("island", "island0"),
+        ("kernel", "ScaledRelu sr"),
+        ("island", "island1"),
+    ]
+    assert sess.steps[0].outputs == ["x"] and sess.steps[2].inputs == ["y"]
+    assert [set(names) for names in sess._release] == [{"a"}, {"x", "s"}, {"y"}]  # z is kept
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_islands_are_layered_not_one_per_chain():
+    model = two_chains_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    kinds = [s.kind for s in sess.steps]
+    assert kinds == ["island", "kernel", "kernel", "kernel", "island"]
+    assert sess.steps[0].nodes == ["add", "sub"]
+    assert [s.name for s in sess.steps[1:4]] == [
+        "ScaledRelu sr1",
+        "ScaledRelu sr2",
+        "ScaledRelu sr3",
+    ]
+    assert sess.steps[4].nodes == ["neg", "exp", "join"]
+    assert set(sess.steps[0].outputs) == {"x1", "x2"}  # x2: a graph output read later too
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_unknown_rule_runs_its_function_in_onnxruntime():
+    model = chain_model()
+    sess = Session(model, threads=1, catalog=Catalog())
+    assert [s.kind for s in sess.steps] == ["island"]
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_fused_node_without_kernel_or_function_is_refused():
+    model = chain_model()
+    del model.functions[:]
+    with pytest.raises(FusionError, match="'sr'.*no kernel in the catalog and no function"):
+        Session(model, threads=1, catalog=Catalog())
+
+
+def test_kernel_without_function_types_the_next_island_from_the_first_run():
+    model = chain_model()
+    del model.functions[:]  # shape inference cannot tell y's dtype now
+    sess = Session(model, threads=1, catalog=catalog())
+    assert sess.steps[2].session is None
+    (z,) = sess.run(None, {"a": np.array([[1.0, -1.0, 2.0]], np.float32)})
+    np.testing.assert_array_equal(z, [[-4.0, 0.0, -8.0]])
+    assert sess.steps[2].session is not None
+
+
+def test_constant_node_read_by_kernel_is_folded():
+    model = chain_model()
+    del model.graph.initializer[:]
+    const = h.make_node("Constant", [], ["s0"], value=h.make_tensor("v", T.FLOAT, [], [3.0]))
+    model.graph.node.insert(0, const)
+    model.graph.node.insert(1, h.make_node("Identity", ["s0"], ["s"], name="id"))
+    sess = Session(model, threads=1, catalog=catalog())
+    assert [s.nodes for s in sess.islands] == [["add"], ["neg"]]  # no Constant, no Identity
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_graph_outputs_that_are_inputs_or_constants_or_read_later():
+    model = chain_model()
+    model.graph.output.extend([tensor("a"), tensor("s", []), tensor("x", None)])
+    sess = Session(model, threads=1, catalog=catalog())
+    feeds = feeds_for(model)
+    out = sess.run(None, feeds)
+    assert_same(out, reference(model, feeds))
+    out[2][...] = 7  # the caller may modify what it got without changing the next run
+    assert sess.run(["s"], feeds)[0] == 2.0
+
+
+def test_initializer_that_is_also_an_input_can_be_fed():
+    model = chain_model()
+    model.graph.node[2].input[:] = ["y", "bias"]
+    model.graph.node[2].op_type = "Sub"
+    model.graph.initializer.append(h.make_tensor("bias", T.FLOAT, [3], [1.0, 2.0, 3.0]))
+    model.graph.input.append(tensor("bias", [3]))
+    sess = Session(model, threads=1, catalog=catalog())
+    assert [i.name for i in sess.get_inputs()] == ["a"]
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+    feeds["bias"] = np.full(3, 10.0, np.float32)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_graph_without_nodes():
+    graph = h.make_graph([], "g", [tensor("a")], [tensor("a")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    sess = Session(model, threads=1, fuse=False)
+    a = np.ones((2, 3), np.float32)
+    assert sess.steps == [] and sess.run(None, {"a": a})[0] is a
+
+
+def test_subgraph_reading_outer_values_gets_them_as_island_inputs():
+    then = h.make_graph([h.make_node("Mul", ["y", "s"], ["r"])], "then", [], [tensor("r", None)])
+    other = h.make_graph([h.make_node("Neg", ["y"], ["r2"])], "else", [], [tensor("r2", None)])
+    model = chain_model()
+    model.graph.node.extend(
+        [
+            h.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="sum"),
+            h.make_node("Greater", ["total", "s"], ["cond"], name="gt"),
+            h.make_node("If", ["cond"], ["w"], then_branch=then, else_branch=other, name="if"),
+        ]
+    )
+    model.graph.output.append(tensor("w", None))
+    sess = Session(model, threads=1, catalog=catalog())
+    assert "y" in sess.steps[2].inputs and len(sess.islands) == 2
+    for seed in range(3):
+        feeds = feeds_for(model, seed)
+        assert_same(sess.run(None, feeds), reference(model, feeds))
+
+
+def test_dead_nodes_are_not_run():
+    model = chain_model()
+    model.graph.node.append(h.make_node("Exp", ["x"], ["unused"], name="dead"))
+    sess = Session(model, threads=1, catalog=catalog())
+    assert [s.nodes for s in sess.islands] == [["add"], ["neg"]]
+
+
+def test_output_names_subset_and_order():
+    model = two_chains_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    feeds = feeds_for(model)
+    assert_same(sess.run(["x2", "z2"], feeds), reference(model, feeds, ["x2", "z2"]))
+    with pytest.raises(InvalidFeed, match="Invalid output name: y1"):
+        sess.run(["y1"], feeds)
+
+
+def test_fuse_false_runs_an_original_model_as_is():
+    graph = h.make_graph([h.make_node("Relu", ["a"], ["z"])], "g", [tensor("a")], [tensor("z")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    sess = Session(model, threads=1, fuse=False)
+    feeds = feeds_for(model)
+    assert_same(sess.run(None, feeds), reference(model, feeds))
+    assert [s.kind for s in sess.steps] == ["island"]
+
+
+def test_node_args_like_onnxruntime():
+    model = chain_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for mine, theirs in [
+        (sess.get_inputs(), ref.get_inputs()),
+        (sess.get_outputs(), ref.get_outputs()),
+    ]:
+        assert [(a.name, a.type) for a in mine] == [(a.name, a.type) for a in theirs]
+    assert sess.get_inputs()[0].shape == ["N", 3]
+
+
+def random_fused_model(rng: np.random.Generator, size: int = 8) -> onnx.ModelProto:
+    """A random DAG of Add, Neg and ScaledRelu over two inputs; some values become outputs."""
+    values, nodes = ["a", "b"], []
+    for k in range(size):
+        kind = rng.choice(["Add", "Neg", "ScaledRelu"])
+        src = [values[i] for i in rng.choice(len(values), 2)]
+        out = f"v{k}"
+        if kind == "Add":
+            nodes.append(h.make_node("Add", src, [out], name=f"add{k}"))
+        elif kind == "Neg":
+            nodes.append(h.make_node("Neg", src[:1], [out], name=f"neg{k}"))
+        else:
+            nodes.append(scaled_relu(src[0], "s", out, f"sr{k}"))
+        values.append(out)
+    picked = rng.choice(len(values), 3, replace=False)
+    outputs = [tensor(values[i], None) for i in sorted(set(picked) | {len(values) - 1})]
+    s = h.make_tensor("s", T.FLOAT, [], [1.5])
+    return fused_model(nodes, [tensor("a"), tensor("b")], outputs, [s])
+
+
+def test_random_graphs_match_onnxruntime():
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        model = random_fused_model(rng)
+        sess = Session(model, threads=1, catalog=catalog())
+        feeds = feeds_for(model, int(rng.integers(1000)))
+        assert_same(sess.run(None, feeds), reference(model, feeds))
+        kinds = "".join(s.kind[0] for s in sess.steps)
+        assert "ii" not in kinds  # never two islands in a row
+
+
+# ---- feed errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "feeds, message",
+    [
+        ({}, r"Required inputs \(\['a'\]\) are missing"),
+        ({"a": np.ones((2, 3), np.float32), "b": np.ones(1)}, "Invalid input name: b"),
+        ({"a": np.ones((2, 3))}, r"input: a\. Actual: \(float64\), expected: \(float32\)"),
+        ({"a": np.ones((2, 3, 1), np.float32)}, "Invalid rank for input: a Got: 3 Expected: 2"),
+        ({"a": np.ones((2, 4), np.float32)}, "invalid dimensions for input: a index: 1 Got: 4"),
+    ],
+)
+def test_feed_errors_name_the_input(feeds, message):
+    sess = Session(chain_model(), threads=1, catalog=catalog())
+    with pytest.raises(InvalidFeed, match=message) as err:
+        sess.run(None, feeds)
+    assert "\n" not in str(err.value) and isinstance(err.value, ValueError)
+
+
+def test_lists_are_accepted_like_onnxruntime():
+    sess = Session(chain_model(), threads=1, catalog=catalog())
+    (z,) = sess.run(None, {"a": [[1.0, -2.0, 3.0]]})
+    np.testing.assert_array_equal(z, [[-4.0, 0.0, -12.0]])
+
+
+# ---- threads, profile, progress --------------------------------------------------------------
+def test_concurrent_runs_give_each_caller_its_own_result():
+    model = two_chains_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    errors = []
+
+    def worker(seed):
+        try:
+            for k in range(25):
+                feeds = feeds_for(model, seed * 100 + k, batch=1 + k % 3)
+                assert_same(sess.run(None, feeds), oracle.run(None, feeds))
+        except Exception as e:  # surfaced by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_profile_times_every_step():
+    model = chain_model()
+    sess = Session(model, threads=1, catalog=catalog())
+    prof = sess.profile(feeds_for(model), repeat=3)
+    assert [(k, n) for k, n, _ in prof.steps] == [(s.kind, s.name) for s in sess.steps]
+    assert all(t > 0 for _, _, t in prof.steps) and prof.wall >= prof.total("island")
+    assert "between" in str(prof) and prof.to_dict()["kernel_seconds"] > 0
+
+
+def test_progress_is_called_once_per_kernel():
+    calls = []
+    Session(two_chains_model(), threads=1, catalog=catalog(), progress=lambda *a: calls.append(a))
+    assert calls == [("ScaledRelu sr1", 1, 3), ("ScaledRelu sr2", 2, 3), ("ScaledRelu sr3", 3, 3)]
+
+
+def test_kernel_gets_attributes_and_constants_once():
+    built = []
+
+    def factory(attrs, constants):
+        built.append((attrs, constants))
+        return scaled_relu_kernel(attrs, constants)
+
+    sess = Session(chain_model(shift=0.5, mode="x"), threads=1, catalog=catalog(factory))
+    sess.run(None, feeds_for(chain_model()))
+    sess.run(None, feeds_for(chain_model()))
+    ((attrs, constants),) = built
+    assert attrs == {"shift": 0.5, "mode": "x"}
+    assert constants[0] is None and constants[1] == np.float32(2.0)
+
+
+# ---- crossing cost ---------------------------------------------------------------------------
+def crossing_cost(calls: int = 2000) -> dict:
+    """Per-call microseconds: onnxruntime alone vs island -> kernel -> island (chain_model)."""
+    model = chain_model()
+    feeds = {"a": np.ones((1, 3), np.float32)}
+    ours = Session(model, threads=1, catalog=catalog())
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    theirs = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    timings = {}
+    for name, run in [("onnxruntime", theirs.run), ("fusion.Session", ours.run)]:
+        for _ in range(100):
+            run(None, feeds)
+        start = time.perf_counter()
+        for _ in range(calls):
+            run(None, feeds)
+        timings[name] = (time.perf_counter() - start) / calls * 1e6
+    timings["profile"] = ours.profile(feeds, repeat=calls).to_dict()
+    return timings
+
+
+if __name__ == "__main__":
+    result = crossing_cost(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)
+    prof = result.pop("profile")
+    for name, us in result.items():
+        print(f"{name:16} {us:8.1f} us/call")
+    for key in ("island_seconds", "kernel_seconds", "overhead_seconds", "wall_seconds"):
+        print(f"{key:16} {prof[key] * 1e6:8.1f} us")
+    # Two crossings (onnxruntime -> kernel -> onnxruntime) replace Mul + Relu inside one run.
+    extra = result["fusion.Session"] - result["onnxruntime"] - prof["kernel_seconds"] * 1e6
+    print(f"{'per crossing':16} {extra / 2:8.1f} us (Session - onnxruntime - kernel) / 2")
