@@ -117,6 +117,11 @@ class Catalog:
         self._rules[rule.name] = rule
         return rule
 
+    def remove(self, name: str) -> Rule:
+        if name not in self._rules:
+            raise CatalogError(f"no pattern named {name!r}")
+        return self._rules.pop(name)
+
     def __add__(self, other: Catalog) -> Catalog:
         return Catalog([*self, *other])
 
@@ -153,7 +158,9 @@ class Catalog:
 
 
 def default_catalog() -> Catalog:
-    """The built-in catalog (patterns/) plus catalogs installed under the entry point group."""
+    """The built-in catalog (patterns/), catalogs installed under the entry point group
+    `fusion.catalogs`, and rules registered in this process with `fusion.register_pattern`."""
     import patterns
+    from fusion.registry import USER, installed_catalogs
 
-    return Catalog(patterns.RULES)
+    return Catalog([*patterns.RULES, *installed_catalogs(), *USER.ordered()])

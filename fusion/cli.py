@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
 
 from fusion.catalog import CatalogError, default_catalog
 from fusion.io import FusionError, check_model, read_model, save_model, write_atomic
+from fusion.registry import load_plugin
 
 
 def _names(text: str) -> list[str]:
@@ -25,6 +27,8 @@ def cmd_rewrite(args) -> int:
 
     catalog = default_catalog().select(args.only or (), args.exclude or ())
     result = rewrite(model, catalog)
+    if args.verify and result.fusions:
+        result = _rewrite_verified(model, result, catalog, args)
     if result.fusions:
         full = _passes_full_check(model)
         try:
@@ -43,6 +47,95 @@ def cmd_rewrite(args) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return 0
+
+
+def _rewrite_verified(model, result, catalog, args):
+    """Check every fused node on a real run; rewrite again without the ones that disagree."""
+    from fusion.rewriter import rewrite
+    from fusion.verify import verify
+
+    report = verify(model, result.model, inputs=_inputs(args.input), per_node=True, catalog=catalog)
+    bad = {}
+    for check in report.nodes:
+        if not check.ok:
+            name = check.node.split(" ", 1)[1]
+            bad[name] = f"rolled back: kernel disagrees with onnxruntime on {check.name} " + (
+                f"(max abs error {check.max_abs:.3g}, max rel {check.max_rel:.3g})"
+            )
+    if bad:
+        result = rewrite(model, catalog, skip=bad)
+        for reason in bad.values():
+            print(f"{reason}")
+    print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
+    return result
+
+
+def _inputs(items: list[str] | None):
+    """--input NAME=FILE.npy (repeatable) or one FILE.npz / FILE.npy."""
+    if not items:
+        return None
+    if len(items) == 1 and "=" not in items[0]:
+        return items[0]
+    feeds = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise FusionError(f"--input {item}: expected NAME=FILE.npy")
+        feeds[name] = path
+    return feeds
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from fusion.runtime import Session
+    from fusion.verify import model_inputs
+
+    session = _session(args.model, args.threads)
+    feeds, source = model_inputs(session.model, _inputs(args.input), args.seed, None)
+    outputs = session.run(None, feeds)
+    names = [o.name for o in session.get_outputs()]
+    for name, value in zip(names, outputs, strict=True):
+        print(f"{name}: {value.dtype} {list(value.shape)}")
+    if args.output:
+        buffer = io.BytesIO()
+        np.savez(buffer, **dict(zip(names, outputs, strict=True)))
+        write_atomic(args.output, buffer.getvalue())
+    print(f"inputs: {source}; {Session.__name__} ran {len(session.steps)} steps")
+    return 0
+
+
+def _session(model_path, threads):
+    """A fusion.Session, with a progress bar while kernels compile on first use."""
+    from rich.progress import Progress
+
+    from fusion.runtime import Session
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("preparing kernels", total=None)
+
+        def progress(name, i, total):
+            bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
+
+        return Session(read_model(model_path)[0], threads=threads, progress=progress)
+
+
+def cmd_verify(args) -> int:
+    from fusion.verify import verify
+
+    original = read_model(args.original)[0]
+    fused = read_model(args.fused)[0] if args.fused else None
+    report = verify(
+        original,
+        fused,
+        inputs=_inputs(args.input),
+        rtol=args.rtol,
+        atol=args.atol,
+        per_node=args.per_node,
+        seed=args.seed,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0 if report.ok else 1
 
 
 def _passes_full_check(model) -> bool:
@@ -104,10 +197,21 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusion", description="Pattern fusion for ONNX models.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    common.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE.py",
+        help="a Python file that registers patterns (repeatable)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("rewrite", help="fuse the catalog's patterns in an ONNX file")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    p = command("rewrite", "fuse the catalog's patterns in an ONNX file")
     p.add_argument("model", help="input .onnx file (never modified unless --in-place)")
     p.add_argument("-o", "--output", required=True, help="where to write the rewritten model")
     p.add_argument("--only", type=_names, help="comma-separated pattern names to use")
@@ -116,13 +220,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="write a JSON report to this file")
     p.add_argument("--in-place", action="store_true", help="allow OUTPUT to be the input file")
     p.add_argument("-v", "--verbose", action="store_true", help="list every fused node")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each fused node against onnxruntime and undo the ones that disagree",
+    )
+    p.add_argument("--input", action="append", help="inputs for --verify (NAME=FILE.npy)")
     p.set_defaults(func=cmd_rewrite)
 
-    p = sub.add_parser("patterns", help="list the catalog")
+    p = command("run", "run a model with fusion.Session")
+    p.add_argument("model", help=".onnx file, fused or not (an unfused one is fused in memory)")
+    p.add_argument("--input", action="append", help="NAME=FILE.npy (repeatable) or FILE.npz")
+    p.add_argument("-o", "--output", help="write the outputs to this .npz file")
+    p.add_argument("--threads", type=int, default=None, help="threads (Numba and onnxruntime)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random inputs not given")
+    p.set_defaults(func=cmd_run)
+
+    p = command("verify", "compare a fused model with the original in onnxruntime")
+    p.add_argument("original", help="the original .onnx file")
+    p.add_argument("fused", nargs="?", help="the fused file (default: fuse the original)")
+    p.add_argument("--input", action="append", help="NAME=FILE.npy (repeatable) or FILE.npz")
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance")
+    p.add_argument("--per-node", action="store_true", help="check each fused node's kernel")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_verify)
+
+    p = command("patterns", "list the catalog")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_patterns)
 
-    p = sub.add_parser("demo", help="build an example model, rewrite it and report")
+    p = command("demo", "build an example model, rewrite it, verify and time it")
     p.add_argument("--dir", help="where to write the example files (default: a temp folder)")
     p.add_argument("--threads", type=int, default=None, help="threads for the timing runs")
     p.set_defaults(func=cmd_demo)
@@ -133,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        for plugin in args.plugin:
+            load_plugin(plugin)
         return args.func(args)
     except (FusionError, CatalogError) as exc:
         if args.debug:

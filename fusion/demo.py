@@ -29,5 +29,5 @@ def run_demo(folder: str | None = None, threads: int | None = None) -> int:
 def _time(original: Path, threads: int | None) -> int:
     from fusion.timing import compare
 
-    print(compare(original, threads=threads, repeats=20).table())
+    print(compare(original, threads=threads, rounds=20).table())
     return 0

@@ -75,23 +75,26 @@ def rewrite(
     catalog: Catalog | None = None,
     only: tuple[str, ...] = (),
     exclude: tuple[str, ...] = (),
+    skip: dict[str, str] | None = None,
 ) -> RewriteResult:
     """Fuse every safe match of the catalog's patterns; the input model is not modified.
 
     >>> result = rewrite(onnx.load("model.onnx"))
     >>> result.counts()
     {'ConvBiasRelu': 4}
+
+    skip maps fused node names to a reason not to fuse them (a rollback after verification).
     """
     catalog = (catalog if catalog is not None else default_catalog()).select(only, exclude)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     result = RewriteResult(out, rules=[r.name for r in catalog.ordered()])
     for stage in sorted({rule.stage for rule in catalog}):
-        _rewrite_stage(result, [rule for rule in catalog if rule.stage == stage])
+        _rewrite_stage(result, [rule for rule in catalog if rule.stage == stage], skip or {})
     return result
 
 
-def _rewrite_stage(result: RewriteResult, rules: list[Rule]) -> None:
+def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None:
     view = GraphView(result.model)
     claimed: dict[int, str] = {}  # node index -> label of the fused node that took it
     replacements: list[tuple[int, onnx.NodeProto]] = []
@@ -103,7 +106,7 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule]) -> None:
                 continue
             if (node.domain or "") not in ("", "ai.onnx") and rule.finder is None:
                 continue
-            found = _match_at(view, rule, index, claimed)
+            found = _match_at(view, rule, index, claimed, skip)
             if isinstance(found, Failure):
                 if _is_near_miss(rule, found):
                     result.near_misses.append(NearMiss(rule.name, node_label(node), found.reason))
@@ -119,12 +122,12 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule]) -> None:
         _apply(result.model, view, claimed, replacements, list(functions.values()))
 
 
-def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict):
+def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict):
     """The first acceptable match rooted at node `index` (with its fused node), or a Failure."""
     node = view.nodes[index]
     label = node_label(node)
     if rule.finder is not None:
-        return _accept_found(view, rule, index, claimed)
+        return _accept_found(view, rule, index, claimed, skip)
     root_output = (rule.pattern.index or 0) if isinstance(rule.pattern, Output) else 0
     if root_output >= len(node.output):
         return Failure(0, f"{label}: has no output {root_output}")
@@ -132,14 +135,14 @@ def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict):
     for state in matcher.match(rule.pattern, node.output[root_output], start_state(), label):
         match = Match(view, state)
         outputs = _flat(match[name] for name in rule.outputs) or [node.output[root_output]]
-        reason = _acceptable(view, rule, match, node, outputs, claimed)
+        reason = _acceptable(view, rule, match, node, outputs, claimed, skip)
         if isinstance(reason, tuple):
             return reason
         matcher.fail(state, reason, bonus=FULL_MATCH)
     return matcher.tracer.best or Failure(0, f"{label}: no match")
 
 
-def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict):
+def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict):
     """Candidates from a rule's own finder go through the same checks as pattern matches."""
     node = view.nodes[index]
     found = rule.finder(view, index)
@@ -150,13 +153,13 @@ def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict):
     reason = ""
     for match in found:
         outputs = _flat(match[name] for name in rule.outputs)
-        reason = _acceptable(view, rule, match, node, outputs, claimed)
+        reason = _acceptable(view, rule, match, node, outputs, claimed, skip)
         if isinstance(reason, tuple):
             return reason
     return Failure(FULL_MATCH, reason)
 
 
-def _acceptable(view: GraphView, rule: Rule, match: Match, root, outputs: list, claimed: dict):
+def _acceptable(view, rule: Rule, match: Match, root, outputs: list, claimed: dict, skip: dict):
     """(match, fused node, function) if the match may be fused, else the reason it may not."""
     label = node_label(root)
     reason = _overlap(view, match, claimed) or _escapes(view, match, outputs)
@@ -165,9 +168,12 @@ def _acceptable(view: GraphView, rule: Rule, match: Match, root, outputs: list, 
         reason = f"{label}: {verdict}" if verdict else None
     if not reason:
         try:
-            return match, *_fused_node(view, rule, match, root, outputs)
+            fused, func = _fused_node(view, rule, match, root, outputs)
         except BodyError as exc:
-            reason = f"{label}: {exc}"
+            return f"{label}: {exc}"
+        if fused.name not in skip:
+            return match, fused, func
+        reason = f"{label}: {skip[fused.name]}"
     return reason
 
 
@@ -269,3 +275,35 @@ def _toposort(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> list[onnx.
     if len(order) != len(nodes):
         raise ValueError("the graph has a cycle after rewriting")
     return order
+
+
+class Explanation(list):
+    """Near-misses (NearMiss: rule, at, reason) as data; str() gives the printable text."""
+
+    def __init__(self, misses, text: str):
+        super().__init__(misses)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def explain(model, pattern: str | None = None, catalog: Catalog | None = None) -> Explanation:
+    """Why `pattern` (or every pattern) did not fire where it nearly did.
+
+    >>> print(fusion.explain("model.onnx", pattern="ConvBiasRelu"))
+    ConvBiasRelu: 3 fused, 1 not fused
+      Conv /conv7: dtype float16, kernels are float32-only
+    """
+    if not isinstance(model, onnx.ModelProto):
+        from fusion.io import load_model
+
+        model = load_model(model)
+    catalog = catalog if catalog is not None else default_catalog()
+    if pattern is not None and pattern not in catalog:
+        from fusion.catalog import CatalogError
+
+        raise CatalogError(f"no pattern named {pattern!r}")
+    result = rewrite(model, catalog)
+    misses = [n for n in result.near_misses if pattern is None or n.rule == pattern]
+    return Explanation(misses, result.explain(pattern))
