@@ -1,0 +1,65 @@
+"""The one place for Numba options used by every kernel in this package.
+
+fastmath is a named flag set: "nsz", "arcp", "contract", "afn", "reassoc" let LLVM fuse a*b+c
+into one FMA and reorder sums, while leaving out "nnan"/"ninf" keeps NaN and inf honest (a NaN
+input still gives a NaN output, as onnxruntime does).
+
+GEMM micro-kernels use GEMM_FASTMATH, the same set without "reassoc". Measured on this machine
+(AMD EPYC Zen1, AVX2): with "reassoc" the loop vectorizer turns every register accumulator into a
+strided reduction over k (about 9 GFLOP/s per core); without it the SLP vectorizer packs the 4x16
+accumulator block into ymm registers (about 30-38 GFLOP/s per core, near peak).
+"""
+
+import contextlib
+import os
+
+# Numba's default "omp" threading layer spins idle workers after each parallel loop. On a busy
+# machine, or between onnxruntime ops, that spinning steals the cores others need: measured on
+# the 4-conv bench under load, 170 ms spinning vs 57 ms passive. libgomp reads this once when
+# Numba first starts its thread pool, so it must be set before the first parallel kernel runs;
+# setdefault keeps a user's own choice.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+GEMM_FASTMATH = FASTMATH - {"reassoc"}
+
+# cache=True: a second process loads machine code from __pycache__ instead of recompiling.
+JIT = dict(nopython=True, cache=True, fastmath=set(FASTMATH), error_model="numpy")
+JIT_GEMM = dict(JIT, fastmath=set(GEMM_FASTMATH))
+INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples become registers
+PARALLEL = dict(JIT, parallel=True)
+
+
+@contextlib.contextmanager
+def slp_vectorize():
+    """Compile inside this block with LLVM's SLP vectorizer on (Numba turns it off by default).
+
+    The register-blocked micro-kernel is straight-line code over tuples; only SLP turns it into
+    vector FMAs. The flag is read when a function is compiled, so wrapping the first call is
+    enough; later calls (and cache loads) do not depend on it. A compile running in another
+    thread at the same moment would also get SLP, which is harmless.
+    """
+    old = numba.config.SLP_VECTORIZE
+    numba.config.SLP_VECTORIZE = 1
+    try:
+        yield
+    finally:
+        numba.config.SLP_VECTORIZE = old
+
+
+def set_threads(n):
+    """Set how many threads the parallel kernels use (in the calling thread).
+
+    >>> set_threads(2)
+    """
+    n = int(n)
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")
+    numba.set_num_threads(n)
+
+
+def get_threads():
+    """Number of threads the parallel kernels use (in the calling thread)."""
+    return numba.get_num_threads()
