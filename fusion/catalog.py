@@ -142,13 +142,6 @@ class Catalog:
         rules = list(self._rules.values())
         return sorted(rules, key=lambda r: -r.priority)
 
-    def by_anchor(self) -> dict[str, list[Rule]]:
-        index: dict[str, list[Rule]] = {}
-        for rule in self.ordered():
-            for op_type in sorted(rule.anchors):
-                index.setdefault(op_type, []).append(rule)
-        return index
-
     def select(self, only: Sequence[str] = (), exclude: Sequence[str] = ()) -> Catalog:
         for name in (*only, *exclude):
             if name not in self._rules:

@@ -69,7 +69,9 @@ class GraphView:
         self.opset = {o.domain or "": o.version for o in model.opset_import}
         self.producer: dict[str, tuple[int, int]] = {}  # value -> (node index, output index)
         self.consumers: dict[str, list[int]] = {}  # value -> indices of consuming nodes
+        self.by_op: dict[str, list[int]] = {}  # op_type -> indices of its nodes, in graph order
         for i, node in enumerate(self.nodes):
+            self.by_op.setdefault(node.op_type, []).append(i)
             for k, out in enumerate(node.output):
                 if out:
                     self.producer[out] = (i, k)

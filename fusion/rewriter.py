@@ -100,9 +100,10 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
     replacements: list[tuple[int, onnx.NodeProto]] = []
     functions: dict[tuple[str, str], onnx.FunctionProto] = {}
     for rule in rules:
-        anchors = rule.anchors
-        for index, node in enumerate(view.nodes):
-            if node.op_type not in anchors or index in claimed:
+        candidates = sorted(i for op_type in rule.anchors for i in view.by_op.get(op_type, ()))
+        for index in candidates:
+            node = view.nodes[index]
+            if index in claimed:
                 continue
             if (node.domain or "") not in ("", "ai.onnx") and rule.finder is None:
                 continue
