@@ -135,9 +135,9 @@ def test_missing_output_directory(capsys, model_file, tmp_path):
 
 def test_patterns_listing(capsys):
     code, out, _ = run(capsys, "patterns", "--json")
-    rows = json.loads(out)
-    assert code == 0 and rows[0]["name"] == "ConvBiasRelu"
-    assert rows[0]["kernel"] == "patterns.conv.make_kernel"
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and rows["ConvBiasRelu"]["kernel"] == "patterns.conv.make_kernel"
+    assert list(rows)[0] == "FireModule"  # priority order: the larger pattern first
     code, out, _ = run(capsys, "patterns")
     assert code == 0 and "ConvBiasRelu" in out
 

@@ -72,7 +72,7 @@ def test_four_blocks_in_a_row_all_fuse():
     for form in ("tf", "pytorch"):
         model = conv_stack(blocks=4, channels=8, size=10, form=form)
         result = rewrite_and_compare(model, expect=4)
-        assert result.counts() == {"ConvBiasRelu": 4}
+        assert result.counts()["ConvBiasRelu"] == 4
 
 
 def near_miss(model, *expected: str) -> str:
@@ -143,7 +143,8 @@ def test_unrelated_relu_is_not_reported():
     g = GraphBuilder()
     y = g.node("Relu", [g.node("MatMul", ["x", g.weight(4, 4)])])
     text = near_miss(g.model({"x": [2, 4]}, [y]))
-    assert text == "ConvBiasRelu: 0 fused, 0 not fused"
+    assert "ConvBiasRelu: 0 fused, 0 not fused" in text
+    assert not [line for line in text.splitlines() if line.startswith("  ")]  # no near-miss
 
 
 def test_input_model_is_not_modified():

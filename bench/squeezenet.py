@@ -1,0 +1,208 @@
+"""SqueezeNet 1.1, batch 1, 3x224x224, 2 threads: fusion.Session vs onnxruntime, side by side.
+
+Runs interleaved round by round after warm-up (numpy apart, see main), and prints medians:
+  ort-none   onnxruntime ORT_DISABLE_ALL on the original model
+  ort-all    onnxruntime ORT_ENABLE_ALL on the original (Conv+Relu fusion, NCHWc layouts)
+  fusion     fusion.Session on the rewritten model (8 FireModule + 2 ConvBiasRelu kernels)
+  sgemm      numpy matmul [512, 576] x [576, 3136] (the machine's SGEMM reference)
+then, per Fire module: the fused kernel's time and GFLOP/s, the same split into its squeeze,
+1x1 and 3x3 convs (with the method each runs), numpy SGEMM on each conv's GEMM shape
+(weights [M, K] x im2col [K, OH*OW]), and onnxruntime ORT_ENABLE_ALL's time for the same nodes
+from its profiler (its layout reorders counted separately). Finally where the Session's time
+goes: kernels, onnxruntime islands (MaxPool, pooling head) and the steps in between.
+
+    .venv/bin/python bench/squeezenet.py [--rounds 30] [--version 1.1] [--size 224]
+"""
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # numpy's SGEMM on the same 2 cores
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fusion  # noqa: E402
+from fusion.runtime import Session  # noqa: E402
+from fusion.squeezenet import squeezenet, squeezenet_flops  # noqa: E402
+from kernels.conv2d import conv2d_bias_act, output_shape  # noqa: E402
+
+THREADS = 2
+CATALOG = fusion.default_catalog()
+
+
+def ort_session(model, level, profile=False):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    so.intra_op_num_threads = THREADS
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as fusion's islands
+    so.enable_profiling = profile
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def interleaved(cases: dict, rounds: int, warmup: int = 3) -> dict:
+    """Median seconds per case, the cases run one after another in every round."""
+    for f in cases.values():
+        for _ in range(warmup):
+            f()
+    times = defaultdict(list)
+    for _ in range(rounds):
+        for name, f in cases.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ort_fire_times(model, x, runs: int) -> tuple[dict, float, float]:
+    """From onnxruntime ORT_ENABLE_ALL's profiler, medians per run in µs: per Fire module (its
+    convs and Concat, in NCHWc), of that the Concats, and the layout reorders (NCHW <-> NCHWc)."""
+    sess = ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, profile=True)
+    for _ in range(runs + 3):
+        sess.run(None, {"input": x})
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = [e for e in json.load(f) if e.get("cat") == "Node"]
+    os.remove(path)
+    events = [e for e in events if e["name"].endswith("_kernel_time")]
+    per_run = defaultdict(lambda: defaultdict(float))  # run -> key -> µs
+    run = -1
+    for e in events:
+        run += e["name"] == events[0]["name"]  # the first node of the graph starts a run
+        op, parts = e.get("args", {}).get("op_name", ""), e["name"].split("/")
+        if len(parts) > 3 and parts[1] == "features" and op in ("Conv", "Concat"):
+            per_run[run][parts[2]] += e["dur"]
+        if op == "Concat":
+            per_run[run]["concat"] += e["dur"]
+        if op.startswith("Reorder"):
+            per_run[run]["reorder"] += e["dur"]
+    runs_seen = [per_run[r] for r in sorted(per_run)[3:]]  # without the warm-up runs
+    keys = {k for r in runs_seen for k in r}
+    med = {k: statistics.median(r.get(k, 0.0) for r in runs_seen) for k in keys}
+    return med, med.pop("concat", 0.0), med.pop("reorder", 0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--version", default="1.1")
+    ap.add_argument("--size", type=int, default=224)
+    args = ap.parse_args()
+    model = squeezenet(args.version, size=args.size)
+    x = np.random.default_rng(0).standard_normal((1, 3, args.size, args.size)).astype(np.float32)
+    fused = fusion.rewrite(model, CATALOG)
+    assert fused.counts() == {"FireModule": 8, "ConvBiasRelu": 2}, fused.explain()
+    session = Session(fused.model, threads=THREADS, fuse=False, catalog=CATALOG)
+    none = ort_session(model, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    full = ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((512, 576), np.float32), rng.standard_normal((576, 3136), np.float32)
+    want = none.run(None, {"input": x})[0]
+    err = np.abs(session.run(None, {"input": x})[0] - want).max() / np.abs(want).max()
+
+    med = interleaved(
+        {
+            "ort-none": lambda: none.run(None, {"input": x}),
+            "ort-all": lambda: full.run(None, {"input": x}),
+            "fusion": lambda: session.run(None, {"input": x}),
+        },
+        args.rounds,
+    )
+    # Apart: OpenBLAS's threads spin after each call, and interleaved with the Numba kernels
+    # they made fusion.Session ~1.8x slower on this machine (72 vs 39 ms, measured).
+    med.update(interleaved({"sgemm": lambda: a @ b}, args.rounds))
+    flops = squeezenet_flops(args.version, args.size)
+    sgemm = 2 * a.shape[0] * a.shape[1] * b.shape[1] / med["sgemm"] / 1e9
+    print(f"SqueezeNet {args.version}, 1x3x{args.size}x{args.size}, {THREADS} threads, "
+          f"{args.rounds} interleaved rounds; {flops['total'] / 1e9:.3f} GFLOP per run; "
+          f"max|fusion - ort| / max|ort| = {err:.1e}")  # fmt: skip
+    print(f"{'case':9s} {'ms':>8s} {'GFLOP/s':>8s} {'x sgemm':>8s} {'vs ort-all':>10s}")
+    for name in ("ort-none", "ort-all", "fusion", "sgemm"):
+        gf = (flops["total"] if name != "sgemm" else 2 * 512 * 576 * 3136) / med[name] / 1e9
+        print(f"{name:9s} {med[name] * 1e3:8.2f} {gf:8.1f} {gf / sgemm:8.2f} "
+              f"{med['ort-all'] / med[name]:10.2f}")  # fmt: skip
+
+    # Per Fire module: the fused kernel, its three convs, SGEMM on their shapes, and ORT.
+    values = session.run_with_intermediates({"input": x})
+    steps = [s for s in session.steps if s.kind == "kernel" and s.node.op_type == "FireModule"]
+    cases, shapes = {}, {}
+    for step in steps:
+        key = step.name.split("/")[2]
+        xin = values[step.inputs[0]]
+        cases[key] = lambda k=step.kernel, v=xin: k(v)
+        plan = _fire_plan(step)
+        s = conv2d_bias_act(xin, plan.squeeze)
+        convs = [("squeeze", plan.squeeze, xin)] + [("expand", e, s) for e in plan.expands]
+        for j, (label, p, inp) in enumerate(convs):
+            (_, m, oh, ow), _ = output_shape(inp.shape, p)
+            k_len = p.in_channels * p.kernel[0] * p.kernel[1]
+            tag = f"{key}:{j}"
+            cases[tag] = lambda p=p, v=inp: conv2d_bias_act(v, p)
+            w = rng.standard_normal((m, k_len), np.float32)
+            col = rng.standard_normal((k_len, oh * ow), np.float32)
+            cases[tag + ":gemm"] = lambda w=w, col=col: w @ col
+            shapes[tag] = (label, p, m, k_len, oh * ow)
+    # numpy's OpenBLAS threads spin after each call; timed apart from the Numba kernels
+    others = [s for s in session.steps if s.kind == "kernel" and s.node.op_type != "FireModule"]
+    for step in others:
+        cases[step.name] = lambda k=step.kernel, v=values[step.inputs[0]]: k(v)
+    kmed = interleaved({k: f for k, f in cases.items() if not k.endswith(":gemm")}, args.rounds)
+    kmed.update(interleaved({k: f for k, f in cases.items() if k.endswith(":gemm")}, args.rounds))
+    ort_med, concat, reorder = ort_fire_times(model, x, args.rounds)
+    print("\nper Fire module (median us; GFLOP/s; sgemm = numpy on the same [M,K]x[K,P]; "
+          "ort-all from its profiler: convs + Concat in NCHWc)")  # fmt: skip
+    print(f"{'module':12s} {'conv':22s} {'us':>8s} {'GFLOP/s':>8s} {'sgemm GF/s':>10s} "
+          f"{'ort-all us':>10s}")  # fmt: skip
+    for step in steps:
+        key = step.name.split("/")[2]
+        f = flops[key]
+        print(f"{key:12s} {'FireModule':22s} {kmed[key] * 1e6:8.0f} {f / kmed[key] / 1e9:8.1f} "
+              f"{'':>10s} {ort_med.get(key, float('nan')):10.0f}")  # fmt: skip
+        for j in range(3):
+            label, p, m, k_len, pix = shapes[f"{key}:{j}"]
+            gf = 2 * m * k_len * pix / 1e9
+            kh, kw = p.kernel
+            desc = f"{label} {kh}x{kw} {p.method} {m}x{k_len}x{pix}"
+            t, t_gemm = kmed[f"{key}:{j}"], kmed[f"{key}:{j}:gemm"]
+            print(f"{'':12s} {desc:22s} {t * 1e6:8.0f} {gf / t:8.1f} {gf / t_gemm:10.1f}")
+    for step in others:
+        print(f"{step.name.split('/')[2]:12s} {step.node.op_type:22s} {kmed[step.name] * 1e6:8.0f}")
+    split = defaultdict(lambda: [0.0, 0.0])  # conv kind -> [seconds, FLOPs]
+    for tag, (_, p, m, k_len, pix) in shapes.items():
+        kind = f"{p.kernel[0]}x{p.kernel[1]} {p.method}"
+        split[kind][0] += kmed[tag]
+        split[kind][1] += 2 * m * k_len * pix
+    total_s, total_f = (sum(v[i] for v in split.values()) for i in (0, 1))
+    print("convs of all Fire modules: " + "; ".join(
+        f"{kind}: {t * 1e3:.2f} ms ({t / total_s:.0%} of time, {f / total_f:.0%} of FLOPs, "
+        f"{f / t / 1e9:.1f} GFLOP/s)" for kind, (t, f) in split.items()))  # fmt: skip
+    prof = session.profile({"input": x}, repeat=args.rounds)
+    fire_total = sum(kmed[k.name.split("/")[2]] for k in steps)
+    print(f"\nfusion.Session: {prof.wall * 1e3:.2f} ms per run = kernels "
+          f"{prof.total('kernel') * 1e3:.2f} (Fire modules {fire_total * 1e3:.2f}) + islands "
+          f"{prof.total('island') * 1e3:.2f} ({len(session.islands)} islands) + between "
+          f"{prof.overhead * 1e3:.2f}; ort-all Fire modules "
+          f"{sum(ort_med.values()) / 1e3:.2f} ms (Concat copies {concat / 1e3:.2f} of it), "
+          f"NCHWc reorders {reorder / 1e3:.2f} ms")  # fmt: skip
+
+
+def _fire_plan(step):
+    """The FirePlan the session's kernel for this node runs (held by its run() closure)."""
+    from kernels.fire import FirePlan
+
+    for cell in step.kernel.__closure__ or ():
+        if isinstance(cell.cell_contents, FirePlan):
+            return cell.cell_contents
+    raise RuntimeError(f"no FirePlan in the kernel of {step.name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""FireModule (SqueezeNet):  s = cbr_squeeze(x);  y = concat_1(cbr_1x1(s), cbr_3x3(s))
+
+cbr is ConvBiasRelu: act(conv2d(t, W) + b), in every form that rule accepts (bias as Conv's
+input or an Add, Relu or Clip). Both expand branches read the same squeeze output, and the
+Concat may list them in either order. The kernel computes s once and writes each branch's
+epilogue (bias, activation) straight into its channel range of y, so no Concat copy is left.
+"""
+
+from __future__ import annotations
+
+from fusion.catalog import Rule
+from fusion.pattern import Alt, Pattern, op
+from patterns.conv import check_bias, conv_attributes, conv_bias_relu, conv_plan, folded_bias
+
+SQUEEZE, EXPAND1, EXPAND3 = "squeeze_", "expand1x1_", "expand3x3_"
+BRANCHES = {SQUEEZE: (1, 1), EXPAND1: (1, 1), EXPAND3: (3, 3)}  # capture prefix -> kernel
+ORDERS = {"1x1,3x3": 1, "3x3,1x1": -1}  # branch_order attribute -> step over (e1, e3)
+CHANNEL_AXES = (1, -3)  # axis 1 of an NCHW tensor, however it is written
+
+
+def fire_module(x: Pattern | None = None) -> Pattern:
+    """Squeeze conv, then a 1x1 and a 3x3 expand conv of its output, concatenated."""
+    squeeze = conv_bias_relu(x, SQUEEZE)
+    e1, e3 = conv_bias_relu(squeeze, EXPAND1), conv_bias_relu(squeeze, EXPAND3)
+    # The order is an alternative; `check` tells the branches apart by their kernels.
+    return Alt(*(op.Concat(a, b, _name="concat") for a, b in ((e1, e3), (e3, e1))))
+
+
+def check_fire(m) -> str | None:
+    axis = m.attrs("concat").get("axis")
+    if axis not in CHANNEL_AXES:
+        return f"Concat on axis {axis}; a Fire module concatenates channels (axis 1)"
+    for prefix, kernel in BRANCHES.items():
+        reason = check_bias(m, prefix)
+        if reason:
+            return f"{prefix[:-1]}: {reason}"
+        have = tuple(m.const(prefix + "W").shape[2:])
+        if have != kernel:
+            size = "x".join(map(str, have))
+            return f"{prefix[:-1]} conv is {size}, a Fire module needs {kernel[0]}x{kernel[1]}"
+    return None
+
+
+def fire_attributes(m) -> dict:
+    """Each conv's attributes under its prefix, and which branch comes first in the Concat."""
+    attrs = {}
+    for prefix in BRANCHES:
+        attrs.update({prefix + k: v for k, v in conv_attributes(m, prefix).items()})
+    first = m.node("concat").input[0] == m.node(EXPAND3 + "act").output[0]
+    attrs["branch_order"] = "3x3,1x1" if first else "1x1,3x3"
+    return attrs
+
+
+def make_kernel(attrs: dict, constants: list):
+    """Pack the three convs' weights once; run(x) returns the concatenated output."""
+    from kernels.fire import fire, prepare_fire
+
+    constants = [*constants, *[None] * (len(INPUTS) - len(constants))]  # trailing absent inputs
+    given = dict(zip(INPUTS, constants, strict=True))
+    plans = {}
+    for prefix in BRANCHES:
+        w = given[prefix + "W"]
+        bias = folded_bias(w.shape[0], given[prefix + "B"], given[prefix + "bias_add"])
+        conv = {k[len(prefix) :]: v for k, v in attrs.items() if k.startswith(prefix)}
+        plans[prefix] = conv_plan(conv, w, bias)
+    expands = [plans[EXPAND1], plans[EXPAND3]]
+    plan = prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))
+
+    def run(x, *_constants):
+        return (fire(x, plan),)
+
+    return run
+
+
+INPUTS = ("squeeze_x", *(p + name for p in BRANCHES for name in ("W", "B", "bias_add")))
+
+RULE = Rule(
+    "FireModule",
+    fire_module(),
+    inputs=INPUTS,
+    kernel=make_kernel,
+    attributes=fire_attributes,
+    check=check_fire,
+    priority=20,  # contains three ConvBiasRelu (10) matches, so it goes first
+    description="SqueezeNet Fire: squeeze conv, 1x1 and 3x3 expand convs, Concat on channels",
+    explain_after="Conv",
+)

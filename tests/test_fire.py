@@ -1,0 +1,179 @@
+"""FireModule: every ConvBiasRelu form of its three convs fuses, in either Concat order; the
+kernel matches onnxruntime on several shapes; near-misses are not fused and say why.
+
+Rewritten models pass the full ONNX checker and run in plain onnxruntime (through the fused
+nodes' function bodies) against the original; kernels are checked against onnxruntime too.
+"""
+
+import numpy as np
+import onnx
+import pytest
+from builders import GraphBuilder, conv_block, fused_ops, random_feeds, run_ort
+
+import fusion
+from fusion.runtime import Session
+from kernels import prepare_conv2d
+from kernels.fire import fire, prepare_fire
+from patterns import fire as fire_pattern
+
+CATALOG = fusion.default_catalog()
+
+
+def fire_graph(g, x, cin, squeeze, e1, e3, order="1x1,3x3", axis=1, name="/cat", **block):
+    """Squeeze, 1x1 and 3x3 (pad 1) expand, Concat; `block` passes conv_block's variants."""
+    s = conv_block(g, x, cin, squeeze, k=1, **block)
+    a = conv_block(g, s, squeeze, e1, k=1, **block)
+    b = conv_block(g, s, squeeze, e3, k=3, pads=[1, 1, 1, 1], **block)
+    branches = [a, b] if order == "1x1,3x3" else [b, a]
+    return s, a, b, g.node("Concat", branches, axis=axis, name=name)
+
+
+def rewrite_checked(model, batch=2):
+    result = fusion.rewrite(model, CATALOG)
+    onnx.checker.check_model(result.model, full_check=True)
+    feeds = random_feeds(model, batch=batch)
+    for want, got in zip(run_ort(model, feeds), run_ort(result.model, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return result
+
+
+VARIANTS = [
+    dict(),  # PyTorch: bias as Conv's input, Relu
+    dict(bias="add"),  # TensorFlow: Add of [1,C,1,1]
+    dict(bias="both"),
+    dict(bias="none"),
+    dict(act="clip"),
+    dict(act="relu6", bias="add", opset=9),  # Clip with min/max attributes
+]
+
+
+@pytest.mark.parametrize("order", ["1x1,3x3", "3x3,1x1"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+def test_variant_fuses_and_kernel_matches(variant, order):
+    variant = dict(variant)
+    g = GraphBuilder(opset=variant.pop("opset", 17))
+    *_, y = fire_graph(g, "x", 5, 3, 7, 5, order=order, **variant)  # odd channel counts
+    model = g.model({"x": ["N", 5, 7, 9]}, [y])
+    result = rewrite_checked(model, batch=3)
+    assert fused_ops(result.model) == ["FireModule"], result.explain()
+    assert result.counts() == {"FireModule": 1, "ConvBiasRelu": 0}
+    (node,) = result.model.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["branch_order"].decode() == order
+    session = Session(result.model, threads=2, fuse=False, catalog=CATALOG)
+    for batch in (1, 3):
+        feeds = random_feeds(model, batch=batch, seed=batch)
+        (want,) = run_ort(model, feeds)
+        (got,) = session.run(None, feeds)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x_shape, channels",
+    [
+        ((1, 5, 7, 9), (3, 7, 5)),  # im2col for every conv
+        ((3, 16, 13, 11), (9, 17, 6)),  # squeeze >= 8: the 3x3 branch takes Winograd
+        ((2, 64, 8, 8), (16, 64, 64)),  # SqueezeNet's first Fire module, small image
+    ],
+)
+def test_kernel_matches_onnxruntime(x_shape, channels):
+    g = GraphBuilder(seed=sum(channels))
+    *_, y = fire_graph(g, "x", x_shape[1], *channels, order="3x3,1x1")
+    model = g.model({"x": ["N", *x_shape[1:]]}, [y])
+    (node,) = fusion.rewrite(model, CATALOG).model.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    run = fire_pattern.RULE.make_kernel(attrs, [inits.get(v) for v in node.input])
+    x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
+    (got,) = run(x)
+    (want,) = run_ort(model, {"x": x})
+    assert got.shape == want.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def naive_conv_relu(x, w, b, pad):
+    """Direct convolution in NumPy, stride 1, then bias and ReLU (the per-kernel oracle)."""
+    n, c, h, wd = x.shape
+    m, _, k, _ = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh, ow = h + 2 * pad - k + 1, wd + 2 * pad - k + 1
+    y = np.zeros((n, m, oh, ow), np.float64)
+    for i in range(k):
+        for j in range(k):
+            y += np.einsum("nchw,mc->nmhw", xp[:, :, i : i + oh, j : j + ow], w[:, :, i, j])
+    return np.maximum(y + b.reshape(1, m, 1, 1), 0)
+
+
+def test_kernel_writes_into_a_channel_slice_and_validates():
+    rng = np.random.default_rng(2)
+    shapes, pads = [(4, 6, 1, 1), (3, 4, 1, 1), (5, 4, 3, 3)], [(0,) * 4, (0,) * 4, (1,) * 4]
+    ws = [rng.standard_normal(shape).astype(np.float32) * 0.3 for shape in shapes]
+    bs = [rng.standard_normal(w.shape[0]).astype(np.float32) for w in ws]
+    plans = [
+        prepare_conv2d(w, b, pads=p, activation="relu")
+        for w, b, p in zip(ws, bs, pads, strict=True)
+    ]
+    plan = prepare_fire(*plans)
+    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)
+    buf = np.full((2, 12, 5, 4), -7.0, np.float32)
+    fire(x, plan, out=buf[:, 2:10])
+    s = naive_conv_relu(x, ws[0], bs[0], 0)
+    want = np.concatenate(
+        [naive_conv_relu(s, ws[1], bs[1], 0), naive_conv_relu(s, ws[2], bs[2], 1)], 1
+    )
+    np.testing.assert_allclose(buf[:, 2:10], want, rtol=1e-4, atol=1e-5)
+    assert (buf[:, :2] == -7).all() and (buf[:, 10:] == -7).all()  # nothing outside the slice
+    with pytest.raises(ValueError, match="expand 0 reads 6 channels, the squeeze conv writes 4"):
+        prepare_fire(plans[0], plans[0])
+    unpadded = prepare_fire(plans[0], plans[1], prepare_conv2d(ws[2], bs[2]))
+    with pytest.raises(ValueError, match=r"expand outputs differ in size \(5x4, 3x2\)"):
+        fire(x, unpadded)
+
+
+def explain_fire(model) -> str:
+    result = fusion.rewrite(model, CATALOG)
+    assert "FireModule" not in fused_ops(result.model), "a near-miss was fused"
+    return result.explain("FireModule")
+
+
+def test_concat_on_another_axis_is_not_a_fire_module():
+    g = GraphBuilder()
+    *_, y = fire_graph(g, "x", 4, 3, 6, 6, axis=2)
+    text = explain_fire(g.model({"x": [1, 4, 5, 5]}, [y]))
+    assert "Concat /cat: Concat on axis 2; a Fire module concatenates channels (axis 1)" in text
+
+
+def test_branch_output_used_elsewhere_is_not_fused():
+    g = GraphBuilder()
+    _, a, _, y = fire_graph(g, "x", 4, 3, 6, 6)
+    side = g.node("Neg", [a], name="/side")
+    text = explain_fire(g.model({"x": [1, 4, 5, 5]}, [y, side]))
+    assert f"its output {a} is also used by Neg /side" in text
+    result = fusion.rewrite(g.model({"x": [1, 4, 5, 5]}, [y, side]), CATALOG)
+    assert result.counts() == {"FireModule": 0, "ConvBiasRelu": 3}  # each conv still fuses
+
+
+def test_squeeze_output_with_a_third_consumer_is_not_fused():
+    g = GraphBuilder()
+    s, *_, y = fire_graph(g, "x", 4, 3, 6, 6)
+    pooled = g.node("MaxPool", [s], name="/pool", kernel_shape=[2, 2])
+    text = explain_fire(g.model({"x": [1, 4, 6, 6]}, [y, pooled]))
+    assert f"its output {s} is also used by MaxPool /pool" in text
+
+
+def test_two_1x1_expand_convs_are_not_a_fire_module():
+    g = GraphBuilder()
+    s = conv_block(g, "x", 4, 3, k=1)
+    a, b = conv_block(g, s, 3, 5, k=1), conv_block(g, s, 3, 6, k=1)
+    y = g.node("Concat", [a, b], axis=1)
+    text = explain_fire(g.model({"x": [1, 4, 5, 5]}, [y]))
+    assert "expand3x3 conv is 1x1, a Fire module needs 3x3" in text
+
+
+def test_fire_modules_in_a_row():
+    g = GraphBuilder()
+    *_, y = fire_graph(g, "x", 6, 4, 5, 5)
+    *_, y = fire_graph(g, y, 10, 4, 6, 6, "3x3,1x1", name="/cat2", bias="add", act="clip")
+    result = rewrite_checked(g.model({"x": ["N", 6, 6, 6]}, [y]))
+    assert fused_ops(result.model) == ["FireModule"] * 2
