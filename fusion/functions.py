@@ -37,22 +37,22 @@ def build_function(
     `attributes` are the fused node's attribute names: declared on the function so the node is
     valid, though the body, being the original nodes, has them written out already.
     """
+    matched = [n for i in nodes for n in _inlined(view, view.nodes[i])]
     rename: dict[str, str] = {}
     for k, value in enumerate(inputs):
         if value:
             rename.setdefault(value, f"in{k}")
-    produced = {out for i in nodes for out in view.nodes[i].output if out}
+    produced = {out for node in matched for out in node.output if out}
     body: list[onnx.NodeProto] = []
-    for i in nodes:
-        for value in view.nodes[i].input:
+    for node in matched:
+        for value in node.input:
             if value and value not in rename and value not in produced:
                 constant = f"const{len(rename)}"
                 body.append(_embed_constant(view, value, constant))
                 rename[value] = constant
     for k, value in enumerate(outputs):
         rename[value] = f"out{k}"
-    for i in nodes:
-        node = view.nodes[i]
+    for node in matched:
         for value in node.output:
             if value and value not in rename:
                 rename[value] = f"t{len(rename)}"
@@ -72,6 +72,30 @@ def build_function(
     )
     func.overload = hashlib.sha1(func.SerializeToString(deterministic=True)).hexdigest()[:10]
     return func
+
+
+def _inlined(view: GraphView, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """`node`, or, for a fused node, its function's body in the graph's names: a body that
+    calls another model-local function with an overload does not load in onnxruntime."""
+    if node.domain != DOMAIN:
+        return [node]
+    key = (node.domain, node.op_type, node.overload)
+    func = next((f for f in view.model.functions if (f.domain, f.name, f.overload) == key), None)
+    if func is None:
+        raise BodyError(f"fused node {node.name} has no function body to inline")
+    names = dict(zip(func.input, list(node.input) + [""] * len(func.input), strict=False))
+    names.update(zip(func.output, node.output, strict=False))
+    prefix = f"{node.name or node.output[0]}/"
+    out: list[onnx.NodeProto] = []
+    for inner in func.node:
+        if any(a.ref_attr_name for a in inner.attribute):
+            raise BodyError(f"{node.op_type}'s body reads its attributes; it cannot be inlined")
+        copy = onnx.NodeProto()
+        copy.CopyFrom(inner)
+        copy.input[:] = [names.get(v, prefix + v) if v else "" for v in inner.input]
+        copy.output[:] = [names.get(v, prefix + v) if v else "" for v in inner.output]
+        out.extend(_inlined(view, copy))
+    return out
 
 
 def _embed_constant(view: GraphView, value: str, new_name: str) -> onnx.NodeProto:

@@ -178,8 +178,8 @@ class Matcher:
             self.fail(state, f"{at}: {value} is output {out} of {label}, pattern needs {want_out}")
             return
         if id(op_pat) in state.memo:
-            if state.memo[id(op_pat)] == index:
-                yield state
+            if state.memo[id(op_pat)] == index:  # a second output of a node already matched
+                yield state.bind(pat, value, value) if isinstance(pat, Output) else state
             else:
                 self.fail(state, f"{at}: {value} must come from the same node as before")
             return

@@ -45,10 +45,11 @@ class RewriteResult:
     rules: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
+        """Fusions per pattern, for the patterns that fused, in catalog priority order."""
         counts = dict.fromkeys(self.rules, 0)
         for f in self.fusions:
             counts[f.rule] = counts.get(f.rule, 0) + 1
-        return counts
+        return {rule: n for rule, n in counts.items() if n}
 
     def explain(self, pattern: str | None = None) -> str:
         """Per pattern: how many fused, and each near-miss with its reason."""
@@ -57,7 +58,8 @@ class RewriteResult:
             if pattern is not None and rule != pattern:
                 continue
             misses = [n for n in self.near_misses if n.rule == rule]
-            lines.append(f"{rule}: {self.counts()[rule]} fused, {len(misses)} not fused")
+            fused = sum(f.rule == rule for f in self.fusions)
+            lines.append(f"{rule}: {fused} fused, {len(misses)} not fused")
             lines += [f"  {n.reason}" for n in misses]
         return "\n".join(lines)
 
@@ -241,10 +243,15 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
     graph = model.graph
     del graph.node[:]
     graph.node.extend(_toposort(nodes, graph))
-    alive = {v for n in graph.node for v in (*n.input, *n.output)}
+    alive = {v for n in graph.node for v in (*n.input, *n.output, *implicit_inputs(n))}
+    alive |= {o.name for o in graph.output} | {i.name for i in graph.input}
     kept = [vi for vi in graph.value_info if vi.name in alive]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    # Constants that only the fused nodes' bodies read now live inside those bodies.
+    inits = [t for t in graph.initializer if t.name in alive]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
     known = {(f.domain, f.name, f.overload) for f in model.functions}
     model.functions.extend(f for f in functions if (f.domain, f.name, f.overload) not in known)
     if DOMAIN not in {o.domain for o in model.opset_import}:

@@ -56,7 +56,7 @@ def test_variant_fuses_and_kernel_matches(variant, order):
     model = g.model({"x": ["N", 5, 7, 9]}, [y])
     result = rewrite_checked(model, batch=3)
     assert fused_ops(result.model) == ["FireModule"], result.explain()
-    assert result.counts() == {"FireModule": 1, "ConvBiasRelu": 0}
+    assert result.counts() == {"FireModule": 1}
     (node,) = result.model.graph.node
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["branch_order"].decode() == order
@@ -151,7 +151,7 @@ def test_branch_output_used_elsewhere_is_not_fused():
     text = explain_fire(g.model({"x": [1, 4, 5, 5]}, [y, side]))
     assert f"its output {a} is also used by Neg /side" in text
     result = fusion.rewrite(g.model({"x": [1, 4, 5, 5]}, [y, side]), CATALOG)
-    assert result.counts() == {"FireModule": 0, "ConvBiasRelu": 3}  # each conv still fuses
+    assert result.counts() == {"ConvBiasRelu": 3}  # each conv still fuses
 
 
 def test_squeeze_output_with_a_third_consumer_is_not_fused():

@@ -100,7 +100,7 @@ def test_composition_and_shared_sub_pattern():
     model = g.model({"x": [1, 3, 7, 7]}, [y])
     result = rewrite_checked(model, [rule, CONV_RULE])
     assert fused_ops(result.model) == ["MiniFire"]  # the larger rule wins over ConvBiasRelu
-    assert result.counts() == {"MiniFire": 1, "ConvBiasRelu": 0}
+    assert result.counts() == {"MiniFire": 1}
 
 
 def test_larger_rule_leaves_a_reason_for_the_smaller():
