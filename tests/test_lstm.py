@@ -1,0 +1,170 @@
+"""LSTMCell: every exporter form fuses and matches onnxruntime on the unfused graph; near-misses
+say why; the kernel matches a naive NumPy cell."""
+
+import numpy as np
+import onnx
+import pytest
+from builders import fused_ops, run_ort
+from onnx import numpy_helper
+
+import fusion
+from fusion import Catalog
+from fusion.lstm_models import LSTMWeights, cell_model, unrolled_lstm
+from fusion.runtime import Session
+from kernels.lstm import lstm_sequence, prepare_lstm
+from patterns import lstm
+
+CATALOG = fusion.default_catalog()
+ATOL = 1e-5
+
+
+def cell_feeds(batch, size, hidden, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((batch, size)).astype(np.float32),
+        "h": rng.standard_normal((batch, hidden)).astype(np.float32),
+        "c": rng.standard_normal((batch, hidden)).astype(np.float32),
+    }
+
+
+def check_fused_cell(model, feeds):
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == ["LSTMCell"], result.explain()
+    onnx.checker.check_model(result.model, full_check=True)
+    want = run_ort(model, feeds)
+    for got in (
+        run_ort(result.model, feeds),
+        Session(model, threads=2, catalog=CATALOG).run(None, feeds),
+    ):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=0, atol=ATOL)
+    return result
+
+
+FORMS = [
+    dict(form="gemm"),  # PyTorch nn.LSTMCell, split sizes as input
+    dict(form="gemm", gates="split_attribute"),  # opset < 13
+    dict(form="gemm", gates="num_outputs", order="fgoi"),  # opset 18
+    dict(form="matmul", assoc=0, gates="slice"),
+    dict(form="matmul", assoc=1, order="igfo", forget_bias=1.0),  # TF BasicLSTMCell
+    dict(form="matmul", assoc=2, gates="slice", order="ogif"),
+    dict(form="concat", order="igfo", forget_bias=1.0),  # TF / Keras concat form
+    dict(form="concat", gates="slice", order="gfoi"),
+]
+
+
+@pytest.mark.parametrize("cell", FORMS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_cell_forms_fuse_and_match_onnxruntime(cell):
+    size, hidden, batch = 6, 13, 3  # hidden not a multiple of 8
+    model = cell_model(LSTMWeights.random(size, hidden, seed=1), batch, **cell)
+    check_fused_cell(model, cell_feeds(batch, size, hidden))
+
+
+@pytest.mark.parametrize("batch, size, hidden", [(1, 1, 1), (1, 128, 256), (5, 3, 17), (16, 32, 8)])
+def test_cell_sizes(batch, size, hidden):
+    model = cell_model(LSTMWeights.random(size, hidden, seed=2), batch, form="gemm")
+    check_fused_cell(model, cell_feeds(batch, size, hidden))
+
+
+def test_gate_roles_come_from_structure_not_position():
+    """Every order of the four gate blocks fuses, with the blocks recorded per role."""
+    for order in ("ifgo", "oigf", "gofi"):
+        model = cell_model(LSTMWeights.random(4, 5), 2, order=order)
+        node = fusion.rewrite(model, CATALOG).model.graph.node[0]
+        gates = next(
+            onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "gates"
+        )
+        assert list(gates) == [order.index(g) for g in "ifgo"]
+
+
+def _edit(model, op_type, fn):
+    """Apply fn to the first node of op_type; returns the model."""
+    fn(next(n for n in model.graph.node if n.op_type == op_type))
+    return model
+
+
+def _near_miss(model):
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == []
+    return result.explain("LSTMCell")
+
+
+def test_intermediate_used_outside_prevents_fusion():
+    model = cell_model(LSTMWeights.random(4, 5), 2, extra_output="Tanh")
+    assert "is also a graph output" in _near_miss(model)
+
+
+def test_gemm_with_alpha_is_a_near_miss():
+    model = _edit(
+        cell_model(LSTMWeights.random(4, 5), 2),
+        "Gemm",
+        lambda n: n.attribute.append(onnx.helper.make_attribute("alpha", 0.5)),
+    )
+    assert "alpha=0.5, pattern needs 1.0" in _near_miss(model)
+
+
+def test_split_along_the_wrong_axis_is_a_near_miss():
+    model = _edit(
+        cell_model(LSTMWeights.random(4, 5), 2),
+        "Split",
+        lambda n: n.attribute[0].CopyFrom(onnx.helper.make_attribute("axis", 0)),
+    )
+    assert "gates must be split along the last axis" in _near_miss(model)
+
+
+def test_slice_that_is_not_a_gate_block_is_a_near_miss():
+    model = cell_model(LSTMWeights.random(4, 5), 2, gates="slice")
+    ends = next(n for n in model.graph.node if n.op_type == "Slice").input[2]
+    init = next(t for t in model.graph.initializer if t.name == ends)
+    init.CopyFrom(
+        numpy_helper.from_array(np.array([14], np.int64), ends)
+    )  # block [10:15] -> [10:14]
+    assert "is not a block of 5 columns" in _near_miss(model)
+
+
+def test_output_gate_without_sigmoid_is_a_near_miss():
+    model = cell_model(LSTMWeights.random(4, 5), 2)
+    sig_o = [n for n in model.graph.node if n.op_type == "Sigmoid"][-1]
+    sig_o.op_type = "Relu"
+    assert "pattern needs Sigmoid" in _near_miss(model)
+
+
+def test_unrolled_cells_without_sequence_rule_fuse_one_by_one():
+    model = unrolled_lstm(LSTMWeights.random(4, 6), steps=3, batch=2)
+    result = fusion.rewrite(model, Catalog([lstm.RULE]))
+    assert fused_ops(result.model) == ["LSTMCell"] * 3
+
+
+def naive_lstm(x, h, c, w: LSTMWeights):
+    """PyTorch's LSTM recurrence in float64."""
+    hid = w.hidden
+    hs, cs = [], []
+    for xt in x.astype(np.float64):
+        g = xt @ w.W.T + h @ w.R.T + w.Wb + w.Rb
+        i, f, o = (1 / (1 + np.exp(-g[:, k * hid : (k + 1) * hid])) for k in (0, 1, 3))
+        c = f * c + i * np.tanh(g[:, 2 * hid : 3 * hid])
+        h = o * np.tanh(c)
+        hs.append(h)
+        cs.append(c)
+    return np.array(hs), np.array(cs)
+
+
+@pytest.mark.parametrize(
+    "steps, batch, size, hidden", [(1, 1, 1, 1), (3, 1, 7, 9), (4, 2, 5, 16), (2, 7, 33, 70)]
+)
+def test_kernel_matches_naive(steps, batch, size, hidden):
+    w = LSTMWeights.random(size, hidden, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((steps, batch, size)).astype(np.float32)
+    h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
+    plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+    for got, want in zip(lstm_sequence(x, h0, c0, plan), naive_lstm(x, h0, c0, w), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+
+
+def test_kernel_validates_shapes():
+    plan = prepare_lstm(np.zeros((3, 8), np.float32), np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match=r"x must be \[T, B, 3\]"):
+        lstm_sequence(np.zeros((1, 1, 4), np.float32), np.zeros((1, 2)), np.zeros((1, 2)), plan)
+    with pytest.raises(ValueError, match=r"c0 must be \[1, 2\]"):
+        lstm_sequence(np.zeros((1, 1, 3), np.float32), np.zeros((1, 2)), np.zeros((2, 2)), plan)

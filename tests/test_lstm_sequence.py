@@ -1,0 +1,117 @@
+"""LSTMSequence: unrolled chains of cells become one node, run as island, kernel, island, and
+match onnxruntime on the unfused graph (and the native LSTM op with the same weights)."""
+
+import numpy as np
+import onnx
+import pytest
+from builders import fused_ops, run_ort
+from onnx import numpy_helper
+
+import fusion
+from fusion.lstm_models import LSTMWeights, native_lstm, unrolled_lstm
+from fusion.runtime import Session
+
+CATALOG = fusion.default_catalog()
+ATOL = 1e-5
+
+
+def seq_feeds(steps, batch, size, hidden, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "X": rng.standard_normal((steps, batch, size)).astype(np.float32),
+        "h0": rng.standard_normal((batch, hidden)).astype(np.float32),
+        "c0": rng.standard_normal((batch, hidden)).astype(np.float32),
+    }
+
+
+def assert_close(got, want):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "steps, batch, size, hidden",
+    [(2, 1, 3, 5), (3, 1, 128, 256), (5, 2, 6, 13), (4, 3, 16, 33), (8, 16, 32, 64)],
+)
+def test_sequence_matches_onnxruntime(steps, batch, size, hidden):
+    w = LSTMWeights.random(size, hidden, seed=steps)
+    model = unrolled_lstm(w, steps, batch)
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == ["LSTMSequence"]
+    assert result.counts()["LSTMCell"] == steps and result.counts()["LSTMSequence"] == 1
+    onnx.checker.check_model(result.model, full_check=True)
+    feeds = seq_feeds(steps, batch, size, hidden)
+    session = Session(model, threads=2, catalog=CATALOG)
+    got = session.run(None, feeds)
+    assert_close(got, run_ort(model, feeds))
+    assert_close(got, run_ort(native_lstm(w, steps, batch), feeds))
+    # the Gathers before and Unsqueeze/Concat after fold into the node: no island at all
+    assert [s.kind for s in session.steps] == ["kernel"]
+
+
+def test_gather_used_elsewhere_stays_outside_in_one_island():
+    steps, batch, size, hidden = 3, 2, 4, 6
+    model = unrolled_lstm(LSTMWeights.random(size, hidden), steps, batch)
+    gather = next(n for n in model.graph.node if n.op_type == "Gather")
+    model.graph.node.append(onnx.helper.make_node("Relu", [gather.output[0]], ["x0_relu"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("x0_relu", 1, None))
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert fused_ops(session.model) == ["LSTMSequence"]
+    # one island before (Gathers, Relu), one after (Unsqueeze, Concat), never one per step
+    assert [s.kind for s in session.steps] == ["island", "kernel", "island"]
+    feeds = seq_feeds(steps, batch, size, hidden)
+    assert_close(session.run(None, feeds), run_ort(model, feeds))
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        dict(form="matmul", gates="slice", order="igfo", forget_bias=1.0),
+        dict(form="concat", gates="num_outputs", order="ogif"),
+        dict(form="gemm", gates="split_attribute"),
+    ],
+    ids=["tf-slices", "concat-opset18", "gemm-opset11"],
+)
+def test_sequence_forms(cell):
+    steps, batch, size, hidden = 4, 2, 5, 9
+    w = LSTMWeights.random(size, hidden, seed=1)
+    model = unrolled_lstm(w, steps, batch, **cell)
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert fused_ops(session.model) == ["LSTMSequence"]
+    feeds = seq_feeds(steps, batch, size, hidden)
+    assert_close(session.run(None, feeds), run_ort(model, feeds))
+
+
+def test_one_step_stays_a_cell():
+    w = LSTMWeights.random(4, 6)
+    model = unrolled_lstm(w, 1, 1)
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert fused_ops(session.model) == ["LSTMCell"]
+    feeds = seq_feeds(1, 1, 4, 6)
+    assert_close(session.run(None, feeds), run_ort(model, feeds))
+
+
+def test_cells_with_other_weights_do_not_chain_and_say_why():
+    """Two layers' worth of weights in one chain: step 2 onwards uses a copy with one change."""
+    model = unrolled_lstm(LSTMWeights.random(4, 6), 3, 2)
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    tensor = next(t for t in model.graph.initializer if t.name == gemms[0].input[1])
+    changed = numpy_helper.to_array(tensor) + np.float32(1)
+    model.graph.initializer.append(numpy_helper.from_array(changed, "W_other"))
+    for gemm in gemms[2:]:  # cells 2 and 3 read W_other
+        if gemm.input[1] == tensor.name:
+            gemm.input[1] = "W_other"
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == ["LSTMCell", "LSTMSequence"]
+    assert "has other weights (W)" in result.explain("LSTMSequence")
+    feeds = seq_feeds(3, 2, 4, 6)
+    assert_close(Session(model, threads=2, catalog=CATALOG).run(None, feeds), run_ort(model, feeds))
+
+
+def test_function_body_runs_in_onnxruntime():
+    """The sequence's body inlines its cells' bodies: onnxruntime cannot call an overloaded
+    function from a function body."""
+    model = unrolled_lstm(LSTMWeights.random(3, 4), 3, 2)
+    result = fusion.rewrite(model, CATALOG)
+    feeds = seq_feeds(3, 2, 3, 4)
+    assert_close(run_ort(result.model, feeds), run_ort(model, feeds))
