@@ -9,7 +9,17 @@ import sys
 from pathlib import Path
 
 from fusion.catalog import CatalogError, default_catalog
-from fusion.io import FusionError, check_model, read_model, save_model, write_atomic
+from fusion.io import (
+    FusionError,
+    check_model,
+    is_runtime_error,
+    one_line,
+    read_model,
+    runtime_reason,
+    save_model,
+    writable_folder,
+    write_atomic,
+)
 from fusion.registry import load_plugin
 
 
@@ -21,8 +31,15 @@ def cmd_rewrite(args) -> int:
     src, dst = Path(args.model), Path(args.output)
     if dst.resolve() == src.resolve() and not args.in_place:
         raise FusionError(f"{dst}: output is the input file; pass --in-place to overwrite it")
-    model, external = read_model(src)
+    writable_folder(dst)  # before the work, not after it
+    if args.report:
+        if Path(args.report).resolve() == dst.resolve():
+            raise FusionError(f"{args.report}: --report and the output are the same file")
+        _refuse_overwriting(Path(args.report), src, "--report")
+        writable_folder(args.report)
+    model, data_files = read_model(src)
     check_model(model, full=False, what=str(src))
+    _refuse_overwriting(dst, src, "output", data_files, in_place=args.in_place)
     from fusion.rewriter import rewrite
 
     catalog = default_catalog().select(args.only or (), args.exclude or ())
@@ -36,8 +53,8 @@ def cmd_rewrite(args) -> int:
         except FusionError as exc:  # our bug, not the user's input: do not write it
             print(f"fusion: internal error: {exc}", file=sys.stderr)
             return 1
-        save_model(result.model, dst, external=external)
-    elif external:
+        save_model(result.model, dst, external=bool(data_files))
+    elif data_files:
         save_model(model, dst, external=True)
     else:
         _copy_unchanged(src, dst)
@@ -45,8 +62,25 @@ def cmd_rewrite(args) -> int:
     if args.explain:
         print(result.explain())
     if args.report:
-        Path(args.report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_atomic(args.report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
     return 0
+
+
+def _refuse_overwriting(target: Path, src: Path, what: str, data_files=(), in_place=False):
+    """Writing `target` (and, for a model, its `.data` beside it) must not destroy the input:
+    the input file itself (unless --in-place) or an external data file the input reads."""
+    if in_place and target.resolve() == src.resolve():
+        return  # the user asked to replace the input, weights included
+    targets = [target.resolve()]
+    if what == "output":
+        targets.append(target.resolve().with_name(target.name + ".data"))
+    for path in targets:
+        if path == src.resolve():
+            raise FusionError(f"{target}: the {what} would overwrite the input file {src}")
+        if path in data_files:
+            raise FusionError(
+                f"{target}: the {what} would overwrite {path.name}, where {src} keeps its weights"
+            )
 
 
 def _rewrite_verified(model, result, catalog, args):
@@ -91,6 +125,10 @@ def cmd_run(args) -> int:
     from fusion.runtime import Session
     from fusion.verify import model_inputs
 
+    if args.output:
+        if Path(args.output).resolve() == Path(args.model).resolve():
+            raise FusionError(f"{args.output}: the output would overwrite the model {args.model}")
+        writable_folder(args.output)
     session = _session(args.model, args.threads)
     feeds, source = model_inputs(session.model, _inputs(args.input), args.seed, None)
     outputs = session.run(None, feeds)
@@ -117,14 +155,21 @@ def _session(model_path, threads):
         def progress(name, i, total):
             bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
 
-        return Session(read_model(model_path)[0], threads=threads, progress=progress)
+        return Session(_load(model_path), threads=threads, progress=progress)
+
+
+def _load(path):
+    """A model file read and checked (structure only: a fused model may be run or verified)."""
+    model = read_model(path)[0]
+    check_model(model, full=False, what=str(path))
+    return model
 
 
 def cmd_verify(args) -> int:
     from fusion.verify import verify
 
-    original = read_model(args.original)[0]
-    fused = read_model(args.fused)[0] if args.fused else None
+    original = _load(args.original)
+    fused = _load(args.fused) if args.fused else None
     report = verify(
         original,
         fused,
@@ -155,7 +200,7 @@ def _copy_unchanged(src: Path, dst: Path) -> None:
 def _print_rewrite(result, verbose: bool) -> None:
     total = len(result.fusions)
     counts = ", ".join(f"{name}: {n}" for name, n in result.counts().items())
-    print(f"{total} fusion{'s' if total != 1 else ''} ({counts})")
+    print(f"{total} fusion{'s' if total != 1 else ''}" + (f" ({counts})" if counts else ""))
     if verbose:
         for f in result.fusions:
             print(f"  {f.rule} {f.node} <- {', '.join(f.replaced)}")
@@ -268,7 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     except (FusionError, CatalogError) as exc:
         if args.debug:
             raise
-        print(f"fusion: error: {exc}", file=sys.stderr)
+        print(f"fusion: error: {one_line(exc, limit=1000)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # reading or writing a file the checks above could not foresee
+        if args.debug:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fusion: error: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if args.debug or not is_runtime_error(exc):
+            raise
+        print(f"fusion: error: onnxruntime: {runtime_reason(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fusion: interrupted", file=sys.stderr)

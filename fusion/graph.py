@@ -90,8 +90,11 @@ class GraphView:
         types: dict[str, ValueType] = {}
         for t in self.graph.initializer:
             types[t.name] = ValueType(t.data_type, tuple(t.dims))
+        from fusion.io import over_2gb, weightless_copy
+
+        model = weightless_copy(self.model) if over_2gb(self.model) else self.model
         try:
-            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False).graph
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
         except Exception:  # inference is best effort: declared types still count
             inferred = self.graph
         for vi in list(inferred.value_info) + list(self.graph.value_info):

@@ -1,17 +1,35 @@
-"""Reading and writing model files: clear one-line errors, atomic writes, external data kept."""
+"""Reading and writing model files: clear one-line errors, atomic writes, external data kept.
+
+A file is refused, with one line naming the problem, when it cannot be read as an ONNX model
+(missing, a directory, empty, truncated, another protobuf, weights shorter than their shape),
+when onnxruntime cannot load its IR version or opsets, or when it fails the ONNX checker.
+Writes never leave a partial file: the model and its external data go to temporary files
+beside the target, renamed when complete.
+
+Large weights are never copied inside a protobuf message to write or check a model: Python's
+protobuf (upb) keeps a message's memory in an arena that only grows, so setting weights aside
+and back would cost their size again each time. A weightless skeleton is built instead.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import onnx
-from google.protobuf.message import DecodeError
+import onnxruntime as ort
+from google.protobuf.message import EncodeError
+from onnx import helper
 from onnx.external_data_helper import uses_external_data
 
 TWO_GB = 2**31  # protobuf cannot serialize a message this large: weights go to external data
+EXTERNAL_THRESHOLD = 1024  # bytes: smaller tensors stay inside the model file
+ALIGN = 4096  # external tensors start on a page boundary, so onnxruntime can map them
 
 
 class FusionError(Exception):
@@ -23,8 +41,11 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return read_model(path)[0]
 
 
-def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, bool]:
-    """The model, and whether its weights were stored as external data."""
+def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ...]]:
+    """The model, and the external data files its weights were read from (resolved paths).
+
+    >>> model, data_files = read_model("model.onnx")   # data_files: () when self-contained
+    """
     path = Path(path)
     if not path.exists():
         raise FusionError(f"{path}: no such file")
@@ -34,49 +55,148 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, bool]:
         raise FusionError(f"{path}: the file is empty")
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise FusionError(f"{path}: not an ONNX model ({_first_line(exc)})") from None
+    except OSError as exc:
+        raise FusionError(f"{path}: cannot read it ({exc.strerror or one_line(exc)})") from None
+    except Exception as exc:  # DecodeError, or a text-format parse error: the bytes are not ONNX
+        reason = one_line(exc)
+        raise FusionError(f"{path}: not an ONNX model, or a truncated one ({reason})") from None
     if not model.HasField("graph") or not model.opset_import:
-        raise FusionError(f"{path}: a protobuf message, but not an ONNX model (no graph or opset)")
-    external = any(uses_external_data(t) for t in _all_tensors(model))
-    if external:
-        try:
-            onnx.load_external_data_for_model(model, str(path.parent))
-        except (OSError, ValueError) as exc:
-            raise FusionError(
-                f"{path}: cannot read its external data ({_first_line(exc)})"
-            ) from None
-    return model, external
+        missing = "a graph" if not model.HasField("graph") else "opset_import"
+        raise FusionError(
+            f"{path}: not an ONNX model, or a truncated one (a protobuf message without {missing})"
+        )
+    check_runtime(model, str(path))
+    external = [t for t in all_tensors(model) if uses_external_data(t)]
+    for tensor in all_tensors(model):
+        if not uses_external_data(tensor):
+            _check_size(tensor, len(tensor.raw_data), path)
+    if not external:
+        return model, ()
+    data_files = tuple(sorted({_data_file(path.parent, t)[0] for t in external}))
+    try:
+        for tensor in external:  # before reading: onnx reads a short file without complaint
+            file, offset, length = _data_file(path.parent, tensor)
+            if file.is_file():
+                available = file.stat().st_size - offset
+                _check_size(tensor, min(available, length if length >= 0 else available), path)
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except FusionError:
+        raise
+    except Exception as exc:  # OSError, or the checker refusing a location outside the folder
+        raise FusionError(f"{path}: cannot read its external data ({one_line(exc)})") from None
+    return model, data_files
 
 
 def check_model(model: onnx.ModelProto, full: bool, what: str) -> None:
+    """The ONNX checker (full: with strict shape inference), as a FusionError naming `what`.
+
+    A model over 2 GB is checked as a file without its weights (protobuf cannot serialize it
+    whole), so the checker sees its structure but not its weights' bytes.
+    """
     try:
-        if model.ByteSize() < TWO_GB:
+        if not over_2gb(model):
             onnx.checker.check_model(model, full_check=full)
+            return
+        skeleton, large = _skeleton(model)
+        offset = 0
+        for _, placeholder in large:
+            length = _byte_size(placeholder, 0)
+            _point_to(placeholder, "weights", offset, length)
+            offset += length
+        with tempfile.TemporaryDirectory(prefix="fusion-check-") as folder:
+            # The checker wants the data file to exist, not to hold the bytes.
+            Path(folder, "weights").touch()
+            Path(folder, "model.onnx").write_bytes(skeleton.SerializeToString())
+            onnx.checker.check_model(str(Path(folder, "model.onnx")), full_check=full)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise FusionError(f"{what} fails the ONNX checker: {_first_line(exc)}") from None
+        raise FusionError(f"{what} fails the ONNX checker: {one_line(exc)}") from None
+
+
+def check_runtime(model: onnx.ModelProto, what: str) -> None:
+    """Refuse a model whose IR version or opsets this onnxruntime cannot load."""
+    opsets = tuple(sorted((o.domain or "", o.version) for o in model.opset_import))
+    reason = _runtime_refusal(model.ir_version, opsets)
+    if reason:
+        raise FusionError(f"{what}: onnxruntime {ort.__version__} cannot load it: {reason}")
+
+
+@functools.lru_cache(maxsize=64)
+def _runtime_refusal(ir_version: int, opsets: tuple) -> str | None:
+    """Why onnxruntime refuses an empty model with this IR version and these opsets, if it does.
+
+    An empty model loads in a millisecond, where the real one may take seconds, and it tells a
+    version problem apart from anything wrong with the graph."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    probe = helper.make_model(
+        helper.make_graph([], "probe", [x], [x]),
+        opset_imports=[helper.make_opsetid(d, v) for d, v in opsets],
+    )
+    probe.ir_version = ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: no "opset < 7" warnings on stderr
+    try:
+        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        return runtime_reason(exc)
+    return None
+
+
+def runtime_reason(exc: BaseException) -> str:
+    """onnxruntime's error as one readable line, without its C++ source location."""
+    text = one_line(exc, limit=2000)
+    if m := re.search(r"model IR version: (\d+), max supported IR version: (\d+)", text):
+        return f"IR version {m[1]} (it supports up to {m[2]})"
+    if m := re.search(r"Opset (\d+) is under development.*domain (\S+) is till opset (\d+)", text):
+        return f"opset {m[1]} of domain {m[2]} (it supports up to {m[3]})"
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^/\S+:\d+ .*?\) ", "", text)  # "/src/model.cc:256 onnxruntime::Model(...) "
+    return text[:300]
+
+
+def is_runtime_error(exc: BaseException) -> bool:
+    """An exception raised by onnxruntime's C++ side (its classes derive from Exception only)."""
+    return type(exc).__module__.startswith("onnxruntime")
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False) -> None:
     """Write atomically: a temporary file beside `path`, renamed over it when complete.
 
-    With `external` (or a model over 2 GB), weights go to `<name>.data` beside the model.
+    With `external` (or a model over 2 GB), tensors of 1 KB or more go to `<name>.data` beside
+    the model, written the same way and renamed just before the model. The data file is
+    written whole, never appended to; `model` is not modified.
     """
     path = Path(path)
-    if not (external or model.ByteSize() >= TWO_GB):
+    folder = writable_folder(path)
+    if not (external or over_2gb(model)):
         write_atomic(path, model.SerializeToString(deterministic=True))
         return
-    data_path = _output_folder(path) / f"{path.name}.data"
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    data_path = folder / f"{path.name}.data"
+    skeleton, large = _skeleton(model)
+    with _atomic_temp(path) as model_tmp, _atomic_temp(data_path) as data_tmp:
+        with open(data_tmp, "wb") as data:
+            offset = 0
+            for tensor, placeholder in large:
+                offset += data.write(b"\0" * (-offset % ALIGN))
+                raw = tensor.raw_data  # one tensor's bytes at a time
+                _point_to(placeholder, data_path.name, offset, len(raw))
+                offset += data.write(raw)
+                del raw
+        with open(model_tmp, "wb") as f:
+            f.write(skeleton.SerializeToString(deterministic=True))
+
+
+def over_2gb(model: onnx.ModelProto) -> bool:
+    """Too large for one protobuf message (ByteSize itself fails beyond 2 GB)."""
     try:
-        with _atomic_temp(path) as tmp:
-            onnx.save_model(
-                copy, tmp, save_as_external_data=True, location=data_path.name, size_threshold=1024
-            )
-    except BaseException:
-        data_path.unlink(missing_ok=True)
-        raise
+        return model.ByteSize() >= TWO_GB
+    except EncodeError:
+        return True
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without the bytes of its large tensors (shapes and dtypes kept): what shape
+    inference needs, for a model too large to serialize."""
+    return _skeleton(model)[0]
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -87,7 +207,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
 @contextlib.contextmanager
 def _atomic_temp(path: Path):
     """A temporary file name beside `path`, renamed to `path` if the block succeeds."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=_output_folder(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=writable_folder(path))
     os.close(fd)
     try:
         yield tmp
@@ -96,23 +216,151 @@ def _atomic_temp(path: Path):
         Path(tmp).unlink(missing_ok=True)
 
 
-def _output_folder(path: Path) -> Path:
+def writable_folder(path: str | os.PathLike) -> Path:
+    """The folder `path` would be written in; FusionError when it cannot be."""
+    path = Path(path)
     folder = path.parent
-    if not folder.is_dir():
+    if path.is_dir():
+        raise FusionError(f"{path}: is a directory; give a file name to write")
+    if not folder.exists():
         raise FusionError(f"{path}: the output directory {folder} does not exist")
+    if not folder.is_dir():
+        raise FusionError(f"{path}: cannot write there, {folder} is a file, not a directory")
     if not os.access(folder, os.W_OK):
         raise FusionError(f"{path}: the output directory {folder} is not writable")
     return folder
 
 
-def _all_tensors(model: onnx.ModelProto):
-    yield from model.graph.initializer
-    for node in model.graph.node:
+# ---- tensors ---------------------------------------------------------------------------------
+def all_tensors(model: onnx.ModelProto):
+    """Every TensorProto that can hold weights: initializers, sparse ones, tensor attributes,
+    in the graph, its subgraphs (If/Loop/Scan) and the model's functions."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        yield from _node_tensors(function.node)
+
+
+def _graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes):
+    for node in nodes:
         for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
+            if attr.HasField("t"):
                 yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for g in attr.graphs:
+                yield from _graph_tensors(g)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+# Strings vary in size; 4- and 2-bit types pack several elements per byte.
+_NOT_SIZED = {
+    getattr(onnx.TensorProto, name)
+    for name in ("UNDEFINED", "STRING", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+}
+
+
+def _byte_size(tensor: onnx.TensorProto, default: int) -> int:
+    """The bytes a tensor's shape and element type need (`default` when that cannot be said)."""
+    if tensor.data_type in _NOT_SIZED:
+        return default
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return default
+    return itemsize * math.prod(tensor.dims)
+
+
+def _check_size(tensor: onnx.TensorProto, got: int, path: Path) -> None:
+    """Raw bytes (in the file or in its data file) must fill the tensor's shape."""
+    if not (tensor.HasField("raw_data") or uses_external_data(tensor)):
+        return
+    want = _byte_size(tensor, got)
+    if got < want or (got > want and not uses_external_data(tensor)):
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        raise FusionError(
+            f"{path}: tensor {tensor.name!r} has {got} bytes, but shape {list(tensor.dims)} of "
+            f"{dtype} needs {want} (a corrupt or truncated file?)"
+        )
+
+
+def _data_file(folder: Path, tensor: onnx.TensorProto) -> tuple[Path, int, int]:
+    """Where an external tensor's bytes are: (resolved file, offset, length or -1)."""
+    entries = {e.key: e.value for e in tensor.external_data}
+    file = (folder / entries.get("location", "")).resolve()
+    return file, int(entries.get("offset") or 0), int(entries.get("length") or -1)
+
+
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        tensor.external_data.add(key=key, value=str(value))
+
+
+_HOLDERS = (
+    onnx.ModelProto,
+    onnx.GraphProto,
+    onnx.NodeProto,
+    onnx.AttributeProto,
+    onnx.FunctionProto,
+    onnx.SparseTensorProto,
+    onnx.TrainingInfoProto,
+)
+
+
+def _skeleton(model: onnx.ModelProto):
+    """A copy of `model` without the bytes of tensors of EXTERNAL_THRESHOLD bytes or more, and
+    the (tensor, placeholder) pairs, in a fixed order; the weights themselves are not copied."""
+    skeleton, large = onnx.ModelProto(), []
+    _copy(model, skeleton, large)
+    return skeleton, large
+
+
+def _copy(src, dst, large: list, skip: str = "") -> None:
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        repeated = _is_repeated(field)
+        if field.type != field.TYPE_MESSAGE:
+            if repeated:
+                getattr(dst, field.name).extend(value)
+            else:
+                setattr(dst, field.name, value)
+            continue
+        for item in value if repeated else [value]:
+            target = getattr(dst, field.name).add() if repeated else getattr(dst, field.name)
+            if isinstance(item, onnx.TensorProto) and _is_large(item):
+                _copy(item, target, large, skip="raw_data")
+                large.append((item, target))
+            elif isinstance(item, _HOLDERS):
+                _copy(item, target, large)
+            else:
+                target.CopyFrom(item)
+
+
+def _is_repeated(field) -> bool:
+    if hasattr(field, "is_repeated"):  # protobuf >= 5.29; `label` is gone in 7
+        return field.is_repeated
+    return field.label == field.LABEL_REPEATED
+
+
+def _is_large(tensor: onnx.TensorProto) -> bool:
+    if not tensor.HasField("raw_data"):
+        return False
+    size = _byte_size(tensor, -1)
+    return (size if size >= 0 else len(tensor.raw_data)) >= EXTERNAL_THRESHOLD
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (checker messages span several)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:limit]

@@ -248,10 +248,11 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
     kept = [vi for vi in graph.value_info if vi.name in alive]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    # Constants that only the fused nodes' bodies read now live inside those bodies.
-    inits = [t for t in graph.initializer if t.name in alive]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
+    # Constants that only the fused nodes' bodies read now live inside those bodies. Deleted in
+    # place: re-adding a tensor over 2 GB to a repeated field fails to encode.
+    for i in reversed(range(len(graph.initializer))):
+        if graph.initializer[i].name not in alive:
+            del graph.initializer[i]
     known = {(f.domain, f.name, f.overload) for f in model.functions}
     model.functions.extend(f for f in functions if (f.domain, f.name, f.overload) not in known)
     if DOMAIN not in {o.domain for o in model.opset_import}:

@@ -147,6 +147,7 @@ class Session:
 
     def _session_options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: warnings would break one-line stderr
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

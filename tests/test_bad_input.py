@@ -1,0 +1,583 @@
+"""Bad input gets one clear line and loses nothing; what the catalog cannot fuse stays correct.
+
+Every refusal is checked the same way: exit code 2, exactly one line on stderr naming the
+problem (no traceback), and the folder holding input and output byte for byte as it was (no
+output, no temporary file, the input untouched). The >2 GB case writes 4 GB and holds ~7 GB of
+memory: it runs only with FUSION_SLOW=1 (`FUSION_SLOW=1 python -m pytest tests/test_bad_input.py
+-k 2gb`, about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from builders import GraphBuilder, conv_block, random_feeds, run_ort
+from onnx import TensorProto, helper, numpy_helper
+
+import fusion
+from fusion.cli import main
+from fusion.examples import conv_stack
+from fusion.io import save_model
+from fusion.runtime import InvalidFeed
+
+slow = pytest.mark.skipif(not os.environ.get("FUSION_SLOW"), reason="set FUSION_SLOW=1 to run")
+
+
+def state(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden temporaries too) and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(result, message: str, folder: Path, before: dict) -> None:
+    code, _, err = result
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("fusion: error: ") and message in lines[0], err
+    assert state(folder) == before  # no output, no temporary file, the input unchanged
+
+
+def small_model(**kw) -> onnx.ModelProto:
+    return conv_stack(blocks=2, channels=4, size=6, **kw)
+
+
+def modified(change) -> onnx.ModelProto:
+    model = small_model()
+    change(model)
+    return model
+
+
+def cut_before_opset(model: onnx.ModelProto) -> bytes:
+    """The file cut cleanly between two fields: the graph is whole, opset_import is gone."""
+    data = model.SerializeToString()
+    head = onnx.ModelProto()
+    head.CopyFrom(model)
+    del head.opset_import[:]
+    assert data.startswith(head.SerializeToString())  # fields are written in number order
+    return data[: head.ByteSize()]
+
+
+def undefined_input(m):
+    m.graph.node[0].input[0] = "nowhere"
+
+
+def unknown_op(m):
+    m.graph.node[2].op_type = "Relux"
+
+
+BAD_FILES = {
+    "missing": (None, "no such file"),
+    "empty": (b"", "the file is empty"),
+    "random bytes": (np.random.default_rng(0).bytes(3000), "not an ONNX model"),
+    "text": (b"this is not a model\n" * 10, "not an ONNX model"),
+    "truncated half": (small_model().SerializeToString()[:900], "truncated"),
+    "truncated by one byte": (small_model().SerializeToString()[:-1], "truncated"),
+    "truncated between fields": (cut_before_opset(small_model()), "without opset_import"),
+    "a TensorProto": (numpy_helper.from_array(np.ones(3, np.float32), "t"), "not an ONNX model"),
+    "a GraphProto": (small_model().graph, "not an ONNX model"),
+    "a NodeProto": (helper.make_node("Relu", ["x"], ["y"]), "not an ONNX model"),
+    "checker: undefined input": (modified(undefined_input), "fails the ONNX checker: Nodes"),
+    "checker: unknown op": (modified(unknown_op), "fails the ONNX checker: No Op registered"),
+    "IR version onnxruntime cannot load": (
+        modified(lambda m: setattr(m, "ir_version", 15)),
+        "cannot load it: IR version 15 (it supports up to",
+    ),
+    "opset onnxruntime cannot load": (
+        modified(lambda m: setattr(m.opset_import[0], "version", 99)),
+        "cannot load it: opset 99 of domain ai.onnx (it supports up to",
+    ),
+    "corrupt initializer": (
+        modified(lambda m: setattr(m.graph.initializer[0], "raw_data", b"\0" * 8)),
+        "tensor 'conv0.weight' has 8 bytes, but shape [4, 4, 3, 3] of float32 needs 576",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.parametrize("command", ["rewrite", "run", "verify"])
+def test_bad_file_is_refused(capsys, tmp_path, case, command):
+    content, message = BAD_FILES[case]
+    src = tmp_path / "in.onnx"
+    if content is not None:
+        src.write_bytes(content if isinstance(content, bytes) else content.SerializeToString())
+    before = state(tmp_path)
+    out = ["-o", tmp_path / ("out.onnx" if command == "rewrite" else "out.npz")]
+    result = cli(capsys, command, src, *(out if command != "verify" else []))
+    assert_refused(result, message, tmp_path, before)
+
+
+def test_directory_is_refused(capsys, tmp_path):
+    (tmp_path / "in.onnx").mkdir()
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", tmp_path / "in.onnx", "-o", tmp_path / "out.onnx")
+    assert_refused(result, "is a directory", tmp_path, before)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "in.onnx").write_bytes(b"junk" * 100)
+    with pytest.raises(fusion.FusionError, match="not an ONNX model"):
+        main(["rewrite", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "o.onnx"), "--debug"])
+
+
+# ---- where the output goes -------------------------------------------------------------------
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "in.onnx"
+    save_model(small_model(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ("in.onnx", "output is the input file; pass --in-place"),
+        ("./sub/../in.onnx", "output is the input file"),
+        ("nope/out.onnx", "the output directory"),
+        ("in.onnx/out.onnx", "is a file, not a directory"),
+        ("sub", "is a directory; give a file name"),
+    ],
+)
+def test_output_that_cannot_or_must_not_be_written(capsys, tmp_path, model_file, output, message):
+    (tmp_path / "sub").mkdir()
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", model_file, "-o", tmp_path / output)
+    assert_refused(result, message, tmp_path, before)
+
+
+def test_symlink_to_the_input_is_the_input(capsys, tmp_path, model_file):
+    (tmp_path / "link.onnx").symlink_to(model_file)
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", model_file, "-o", tmp_path / "link.onnx")
+    assert_refused(result, "output is the input file", tmp_path, before)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
+def test_read_only_output_directory(capsys, tmp_path, model_file):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        before = state(tmp_path)
+        result = cli(capsys, "rewrite", model_file, "-o", folder / "out.onnx")
+        assert_refused(result, "is not writable", tmp_path, before)
+    finally:
+        folder.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    "report, message",
+    [
+        ("nope/r.json", "the output directory"),
+        ("in.onnx", "--report would overwrite the input file"),
+        ("out.onnx", "--report and the output are the same file"),
+    ],
+)
+def test_report_is_checked_before_anything_is_written(
+    capsys, tmp_path, model_file, report, message
+):
+    before = state(tmp_path)
+    argv = ["rewrite", model_file, "-o", tmp_path / "out.onnx", "--report", tmp_path / report]
+    assert_refused(cli(capsys, *argv), message, tmp_path, before)
+
+
+def test_run_output_must_not_overwrite_the_model(capsys, tmp_path, model_file):
+    before = state(tmp_path)
+    result = cli(capsys, "run", model_file, "-o", model_file)
+    assert_refused(result, "would overwrite the model", tmp_path, before)
+
+
+def test_in_place_replaces_the_input_atomically(capsys, tmp_path, model_file):
+    feeds = random_feeds(small_model())
+    want = run_ort(small_model(), feeds)
+    code, out, _ = cli(capsys, "rewrite", model_file, "-o", model_file, "--in-place")
+    assert code == 0 and "2 fusions" in out
+    assert sorted(state(tmp_path)) == ["in.onnx"]
+    np.testing.assert_allclose(run_ort(onnx.load(model_file), feeds)[0], want[0], rtol=1e-5)
+
+
+# ---- external data ---------------------------------------------------------------------------
+def save_external(model: onnx.ModelProto, path: Path, location: str = "weights.bin") -> None:
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, location=location, size_threshold=0
+    )
+
+
+def ort_path(path: Path, feeds: dict) -> list[np.ndarray]:
+    """onnxruntime on a file, so that it reads the external data beside it itself."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_external_data_is_written_beside_the_output(capsys, tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    model = conv_stack(blocks=3, channels=16, size=6)
+    src, dst = tmp_path / "a" / "in.onnx", tmp_path / "b" / "out.onnx"
+    save_external(model, src)
+    inputs = state(tmp_path / "a")
+    code, out, _ = cli(capsys, "rewrite", src, "-o", dst)
+    assert code == 0 and "3 fusions" in out
+    assert state(tmp_path / "a") == inputs
+    assert sorted(state(tmp_path / "b")) == ["out.onnx", "out.onnx.data"]
+    fused = onnx.load(str(dst), load_external_data=False)
+    assert all(n.domain == "fusion" for n in fused.graph.node)
+    assert {e.value for t in fusion.io.all_tensors(fused) for e in t.external_data} >= {
+        "out.onnx.data"
+    }  # the weights stay outside the model file
+    onnx.checker.check_model(str(dst), full_check=True)
+    feeds = random_feeds(model)
+    want = ort_path(src, feeds)
+    for got in (ort_path(dst, feeds), fusion.Session(str(dst), threads=1).run(None, feeds)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    first = state(tmp_path / "b")
+    assert cli(capsys, "rewrite", src, "-o", dst)[0] == 0
+    assert state(tmp_path / "b") == first  # the same bytes again: the data is not appended
+
+
+def test_external_data_with_nothing_to_fuse(capsys, tmp_path):
+    g = GraphBuilder()
+    y = g.node("Sigmoid", [g.node("MatMul", ["x", g.weight(64, 64)])])
+    model = g.model({"x": [2, 64]}, [y])
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    save_external(model, src)
+    code, out, _ = cli(capsys, "rewrite", src, "-o", dst)
+    assert code == 0 and "0 fusions" in out
+    assert sorted(state(tmp_path)) == ["in.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
+    feeds = random_feeds(model)
+    np.testing.assert_array_equal(ort_path(dst, feeds)[0], ort_path(src, feeds)[0])
+
+
+def test_in_place_with_external_data(capsys, tmp_path):
+    model = small_model()
+    src = tmp_path / "in.onnx"
+    save_external(model, src, location="in.onnx.data")
+    feeds = random_feeds(model)
+    want = ort_path(src, feeds)
+    assert cli(capsys, "rewrite", src, "-o", src, "--in-place")[0] == 0
+    assert sorted(state(tmp_path)) == ["in.onnx", "in.onnx.data"]
+    np.testing.assert_allclose(ort_path(src, feeds)[0], want[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("output", ["weights.bin", "weights"])  # the file itself, or OUT.data
+def test_output_must_not_replace_the_inputs_data(capsys, tmp_path, output):
+    location = "weights.bin" if output == "weights.bin" else "weights.data"
+    save_external(small_model(), tmp_path / "in.onnx", location=location)
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", tmp_path / "in.onnx", "-o", tmp_path / output)
+    assert_refused(result, "where", tmp_path, before)
+    assert "keeps its weights" in result[2]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda folder: (folder / "weights.bin").unlink(), "cannot read its external data"),
+        (
+            lambda folder: (folder / "weights.bin").write_bytes(b"\0" * 100),
+            "has 100 bytes, but shape [4, 4, 3, 3] of float32 needs 576",
+        ),
+    ],
+    ids=["missing", "truncated"],
+)
+def test_damaged_external_data(capsys, tmp_path, damage, message):
+    save_external(small_model(), tmp_path / "in.onnx")
+    damage(tmp_path)
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", tmp_path / "in.onnx", "-o", tmp_path / "out.onnx")
+    assert_refused(result, message, tmp_path, before)
+
+
+def test_external_data_outside_the_models_folder(capsys, tmp_path):
+    (tmp_path / "sub").mkdir()
+    save_external(small_model(), tmp_path / "sub" / "in.onnx", location="w.bin")
+    model = onnx.load(str(tmp_path / "sub" / "in.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../w.bin"
+    shutil.move(tmp_path / "sub" / "w.bin", tmp_path / "w.bin")
+    (tmp_path / "sub" / "in.onnx").write_bytes(model.SerializeToString())
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", tmp_path / "sub" / "in.onnx", "-o", tmp_path / "out.onnx")
+    assert_refused(result, "points outside the directory", tmp_path, before)
+
+
+@slow
+def test_model_over_2gb_with_external_data(capsys, tmp_path):
+    """One external initializer of 2 GB + 4 KB (a sparse file of zeros, instant to create)
+    read by a Gather, beside a conv block: rewritten, the weights go to OUT.data and the
+    model still loads and gives the same outputs."""
+    n = (2**31 + 4096) // 4
+    model = small_model()
+    big = onnx.TensorProto(name="big", data_type=TensorProto.FLOAT, dims=[n])
+    big.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "big.bin"), ("offset", "0"), ("length", str(4 * n))):
+        big.external_data.add(key=key, value=value)
+    index = numpy_helper.from_array(np.array([0, n - 1], np.int64), "index")
+    model.graph.initializer.extend([big, index])
+    model.graph.node.append(helper.make_node("Gather", ["big", "index"], ["picked"], name="g"))
+    model.graph.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, [2]))
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.seek(4 * n - 4)  # the rest is a hole: zeros that take no disk
+        f.write(np.float32(7.0).tobytes())
+    src.write_bytes(model.SerializeToString())
+    try:
+        code, out, err = cli(capsys, "rewrite", src, "-o", dst)
+        assert code == 0, err
+        assert "fusion" in out and (tmp_path / "out.onnx.data").stat().st_size >= 4 * n
+        feeds = random_feeds(small_model())
+        want, got = ort_path(src, feeds), ort_path(dst, feeds)
+        np.testing.assert_array_equal(got[1], [0.0, 7.0])
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    finally:
+        for name in ("big.bin", "out.onnx.data"):  # pytest keeps tmp folders: not 4 GB of them
+            (tmp_path / name).unlink(missing_ok=True)
+
+
+# ---- running with bad feeds ------------------------------------------------------------------
+def two_input_model() -> onnx.ModelProto:
+    g = GraphBuilder()
+    y = conv_block(g, "x", 3, 4, bias="add")
+    z = g.node("Add", [y, "b"])
+    graph_inputs = {"x": ["N", 3, 5, 5], "b": [1, 4, 1, 1]}
+    return g.model(graph_inputs, [z])
+
+
+def x_value(shape=(1, 3, 5, 5), dtype=np.float32):
+    return np.ones(shape, dtype)
+
+
+FEED_ERRORS = {
+    "missing input": ({"x": x_value()}, r"Required inputs (['b']) are missing"),
+    "extra input": (
+        {"x": x_value(), "b": np.ones((1, 4, 1, 1), np.float32), "c": x_value()},
+        "Invalid input name: c",
+    ),
+    "wrong dtype": (
+        {"x": x_value(dtype=np.float64), "b": np.ones((1, 4, 1, 1), np.float32)},
+        "Actual: (float64), expected: (float32)",
+    ),
+    "wrong shape": (
+        {"x": x_value((1, 2, 5, 5)), "b": np.ones((1, 4, 1, 1), np.float32)},
+        "invalid dimensions for input: x index: 1 Got: 2 Expected: 3",
+    ),
+    "wrong rank": (
+        {"x": x_value((3, 5, 5)), "b": np.ones((1, 4, 1, 1), np.float32)},
+        "Invalid rank for input: x Got: 3 Expected: 4",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FEED_ERRORS))
+def test_session_run_with_bad_feeds(case):
+    feeds, message = FEED_ERRORS[case]
+    session = fusion.Session(two_input_model(), threads=1)
+    assert [s.kind for s in session.steps].count("kernel") == 1
+    with pytest.raises(InvalidFeed) as err:
+        session.run(None, feeds)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", list(FEED_ERRORS))
+def test_fusion_run_with_bad_feeds(capsys, tmp_path, case):
+    feeds, message = FEED_ERRORS[case]
+    save_model(two_input_model(), tmp_path / "m.onnx")
+    argv = ["run", tmp_path / "m.onnx", "-o", tmp_path / "out.npz"]
+    for name, value in feeds.items():
+        np.save(tmp_path / f"{name}.npy", value)
+        argv += ["--input", f"{name}={tmp_path / name}.npy"]
+    before = state(tmp_path)
+    assert_refused(cli(capsys, *argv), message, tmp_path, before)
+
+
+def test_fusion_run_with_an_unreadable_input_file(capsys, tmp_path):
+    save_model(two_input_model(), tmp_path / "m.onnx")
+    (tmp_path / "x.npy").write_bytes(b"not numpy")
+    before = state(tmp_path)
+    result = cli(capsys, "run", tmp_path / "m.onnx", "--input", f"x={tmp_path / 'x.npy'}")
+    assert_refused(result, "cannot read it as .npy", tmp_path, before)
+
+
+def test_fusion_run_of_a_model_onnxruntime_cannot_run(capsys, tmp_path):
+    """float64 Conv has no CPU kernel in onnxruntime: its one-line error, exit 2."""
+    save_model(typed_model(TensorProto.DOUBLE), tmp_path / "m.onnx")
+    before = state(tmp_path)
+    result = cli(capsys, "run", tmp_path / "m.onnx")
+    assert_refused(
+        result, "onnxruntime: Could not find an implementation for Conv", tmp_path, before
+    )
+
+
+# ---- models the catalog cannot fuse ----------------------------------------------------------
+def typed_model(elem: int) -> onnx.ModelProto:
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    g = GraphBuilder()
+    w = g.const((g.rng.standard_normal((4, 2, 3, 3)) * 0.3).astype(dtype))
+    b = g.const(np.full(4, 0.1, dtype))
+    y = g.node("Relu", [g.node("Conv", ["x", w, b], pads=[1, 1, 1, 1], name="/conv")])
+    return g.model({"x": ["N", 2, 5, 5]}, [y], elem=elem)
+
+
+def int8_qdq_model() -> onnx.ModelProto:
+    """A quantized (QDQ) Conv + Relu as quantization tools write it: int8 in, int8 out."""
+    g = GraphBuilder()
+    scale, zero = g.const(np.float32(0.05)), g.const(np.int8(0))
+    w = g.const(g.rng.integers(-50, 50, (4, 2, 3, 3)).astype(np.int8))
+    x = g.node("DequantizeLinear", ["x", scale, zero])
+    wf = g.node("DequantizeLinear", [w, scale, zero])
+    y = g.node("Relu", [g.node("Conv", [x, wf], pads=[1, 1, 1, 1], name="/conv")])
+    q = g.node("QuantizeLinear", [y, scale, zero])
+    return g.model({"x": ["N", 2, 5, 5]}, [q], elem=TensorProto.INT8)
+
+
+def unknown_rank_model() -> onnx.ModelProto:
+    """Conv reads a Reshape to a shape fed at run time: its input's rank is unknown."""
+    g = GraphBuilder()
+    y = conv_block(g, g.node("Reshape", ["x", "shape"]), 2, 4)
+    graph_inputs = {"x": ["N", 50], "shape": ["k"]}
+    graph = helper.make_graph(
+        g.nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, graph_inputs["x"])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", "C", "H", "W"])],
+        g.inits,
+    )
+    graph.input.append(helper.make_tensor_value_info("shape", TensorProto.INT64, ["k"]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+UNFUSABLE = {
+    "float16": (lambda: typed_model(TensorProto.FLOAT16), "dtype float16, kernels are float32"),
+    "float64": (lambda: typed_model(TensorProto.DOUBLE), "dtype float64, kernels are float32"),
+    "int8 QDQ": (int8_qdq_model, "Conv /conv"),
+    "unknown rank": (unknown_rank_model, "rank of /reshape1_out is unknown"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNFUSABLE))
+def test_unfusable_model_is_left_unchanged_with_a_reason(capsys, tmp_path, case):
+    build, reason = UNFUSABLE[case]
+    model = build()
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    save_model(model, src)
+    code, out, _ = cli(capsys, "rewrite", src, "-o", dst, "--explain")
+    assert code == 0 and "0 fusions" in out
+    assert "ConvBiasRelu: 0 fused, 1 not fused" in out and reason in out, out
+    assert dst.read_bytes() == src.read_bytes()
+    if case == "float64":
+        return  # onnxruntime has no float64 Conv on CPU: nothing to run
+    feeds = random_feeds(model)
+    if case == "int8 QDQ":
+        feeds = {"x": np.random.default_rng(0).integers(-100, 100, (2, 2, 5, 5)).astype(np.int8)}
+    if case == "unknown rank":
+        x = np.random.default_rng(0).standard_normal((2, 50)).astype(np.float32)
+        feeds = {"x": x, "shape": np.array([2, 2, 5, 5], np.int64)}
+    want = run_ort(model, feeds)
+    got = fusion.Session(str(dst), threads=1).run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+# ---- control flow ----------------------------------------------------------------------------
+PADS = [1, 1, 1, 1]
+
+
+def builder(seed: int) -> GraphBuilder:
+    """A GraphBuilder whose names do not clash with another's (subgraphs share one namespace)."""
+    g = GraphBuilder(seed=seed)
+    g._count = 100 * seed
+    return g
+
+
+def branch(name: str, x: str, cout: int, seed: int, outer: str | None = None) -> onnx.GraphProto:
+    """A subgraph holding a whole Conv + bias + Relu (weights its own, input from outside)."""
+    g = builder(seed)
+    y = conv_block(g, x, 4, cout, bias="add", pads=PADS)
+    if outer:  # reads a value of the enclosing graph too
+        y = g.node("Add", [y, outer])
+    out = helper.make_tensor_value_info(y, TensorProto.FLOAT, None)
+    return helper.make_graph(g.nodes, name, [], [out], g.inits)
+
+
+def control_flow_model() -> onnx.ModelProto:
+    """Patterns inside If (both branches), Loop and Scan bodies, and in the main graph one
+    block that fuses and one whose Conv output is also read inside the If (an escape the
+    subgraph hides), so it must not fuse."""
+    g = GraphBuilder(seed=1)
+    h = conv_block(g, "x", 4, 4, pads=PADS)  # fuses
+    before = len(g.nodes)
+    read_inside = conv_block(g, h, 4, 4, bias="add", pads=PADS)  # its Conv output is read by the If
+    conv_out = g.nodes[before].output[0]
+    cond = g.node("Greater", [g.node("ReduceSum", ["x"], keepdims=0), g.const(np.float32(0))])
+    if_out = g.node(
+        "If",
+        [cond],
+        then_branch=branch("then", read_inside, 4, 2, outer=conv_out),
+        else_branch=branch("else", read_inside, 4, 3),
+    )
+    # Loop: 2 iterations of v <- cbr(v), a loop-carried value.
+    body = builder(4)
+    v_next = conv_block(body, "v", 4, 4, bias="both", pads=PADS)
+    loop_body = helper.make_graph(
+        [*body.nodes, helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "loop",
+        [
+            helper.make_tensor_value_info("iter", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info(v_next, TensorProto.FLOAT, None),
+        ],
+        body.inits,
+    )
+    trips, true = g.const(np.int64(2)), g.const(np.array(True))
+    loop_out = g.node("Loop", [trips, true, if_out], body=loop_body)
+    # Scan over a leading axis of length 1: the body sees [N, 4, H, W].
+    scan = builder(5)
+    s_out = conv_block(scan, "s", 4, 4, act="clip", pads=PADS)
+    scan_body = helper.make_graph(
+        scan.nodes,
+        "scan",
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["N", 4, 5, 5])],
+        [helper.make_tensor_value_info(s_out, TensorProto.FLOAT, ["N", 4, 5, 5])],
+        scan.inits,
+    )
+    stacked = g.node("Unsqueeze", [loop_out, g.const(np.array([0], np.int64))])
+    scanned = g.node("Scan", [stacked], body=scan_body, num_scan_inputs=1)
+    return g.model({"x": ["N", 4, 5, 5]}, [scanned, h])
+
+
+def test_patterns_in_subgraphs_are_left_alone_and_nothing_breaks(capsys, tmp_path):
+    model = control_flow_model()
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    save_model(model, src)
+    code, out, _ = cli(capsys, "rewrite", src, "-o", dst, "--explain")
+    assert code == 0 and "1 fusion (" in out, out
+    assert "is also used by If" in out  # the escape through the If branch was seen
+    fused = onnx.load(str(dst))
+    onnx.checker.check_model(fused, full_check=True)
+    assert [n.op_type for n in fused.graph.node].count("ConvBiasRelu") == 1
+    for node in fused.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:  # bodies are untouched
+                original = next(n for n in model.graph.node if n.op_type == node.op_type)
+                assert attr.g == next(a.g for a in original.attribute if a.name == attr.name)
+    for seed in range(2):
+        feeds = random_feeds(model, batch=2, seed=seed)
+        want = run_ort(model, feeds)
+        for got in (run_ort(fused, feeds), fusion.Session(fused, threads=1).run(None, feeds)):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,90 @@
+"""Same input, same bytes (across processes and hash seeds); a second rewrite changes nothing;
+Session.run from several threads at once gives what sequential calls give."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import onnx
+from hypothesis import HealthCheck, given, settings
+from test_bad_input import control_flow_model, save_external
+from test_fuzz import models
+
+import fusion
+from fusion.examples import conv_stack
+from fusion.io import save_model
+
+
+def rewrite_in_a_process(src, dst, hash_seed: str) -> None:
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}  # set and dict orders must not leak out
+    cmd = [sys.executable, "-m", "fusion", "rewrite", str(src), "-o", str(dst)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+
+
+def test_byte_identical_across_processes(tmp_path):
+    """A model with fusions, a pattern escaping into an If, Loop and Scan bodies; and the same
+    conv stack with its weights as external data (model file and data file both identical)."""
+    save_model(control_flow_model(), tmp_path / "cf.onnx")
+    save_external(conv_stack(blocks=3, channels=8, size=6), tmp_path / "ext.onnx")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    for name in ("cf", "ext"):
+        for run, seed in (("a", "1"), ("b", "2")):
+            rewrite_in_a_process(tmp_path / f"{name}.onnx", tmp_path / run / f"{name}.onnx", seed)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["cf.onnx", "ext.onnx", "ext.onnx.data"]
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(models())
+def test_rewriting_a_rewritten_model_is_a_no_op(case):
+    model = case[0]
+    once = fusion.rewrite(model).model
+    again = fusion.rewrite(once)
+    assert again.fusions == []
+    assert again.model.SerializeToString(deterministic=True) == once.SerializeToString(
+        deterministic=True
+    )
+    repeat = fusion.rewrite(model).model  # and the same input gives the same model
+    assert repeat.SerializeToString(deterministic=True) == once.SerializeToString(
+        deterministic=True
+    )
+
+
+def test_session_run_from_four_threads_equals_sequential_runs():
+    model = conv_stack(blocks=3, channels=4, size=6)
+    model.graph.node.append(onnx.helper.make_node("Sigmoid", [model.graph.output[0].name], ["s"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("s", 1, None))
+    session = fusion.Session(model, threads=2)
+    assert [s.kind for s in session.steps].count("kernel") == 3
+    rng = np.random.default_rng(0)
+    feeds = [
+        {"input": rng.standard_normal((1 + k % 3, 4, 6, 6)).astype(np.float32)} for k in range(400)
+    ]
+    sequential = [session.run(None, f) for f in feeds]
+    threaded: list = [None] * len(feeds)
+    errors: list = []
+    start = threading.Barrier(4)
+
+    def worker(t: int) -> None:
+        try:
+            start.wait()
+            for k in range(t, len(feeds), 4):  # 100 calls each, interleaved with the others
+                threaded[k] = session.run(None, feeds[k])
+        except Exception as exc:  # re-raised by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors[0]
+    for want, got in zip(sequential, threaded, strict=True):
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w)
