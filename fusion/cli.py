@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from fusion.bench import add_bench_arguments
 from fusion.catalog import CatalogError, default_catalog
 from fusion.io import (
     FusionError,
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="where to write the example files (default: a temp folder)")
     p.add_argument("--threads", type=int, default=None, help="threads for the timing runs")
     p.set_defaults(func=cmd_demo)
+    add_bench_arguments(command("bench", "time a model: onnxruntime vs fusion, side by side"))
     return parser
 
 

@@ -1,63 +1,37 @@
-"""Side-by-side timing of one model: onnxruntime unfused, onnxruntime default, fusion.Session.
+"""`fusion.compare`: one model timed in onnxruntime (unfused and default) and in fusion.Session.
 
-Runs are interleaved (one call of each per round) after warm-up, so that a noisy, shared
-machine slows all of them alike; the figures are medians over rounds. Outputs are compared
-first: no speed is reported for wrong numbers.
+A light front on fusion.bench's runners and timing loop: the same session settings as `fusion
+bench` (`threads` for onnxruntime and Numba alike, idle onnxruntime workers never spin), outputs
+compared with the unfused run first (no speed is reported for wrong numbers), then warm-up and
+rounds of one call of each runner, the order rotated each round, so that a noisy, shared machine
+slows all of them alike; the figures are medians over rounds. No FLOPs, profile, memory or
+compile time: `fusion bench MODEL.onnx` measures those.
+
+    print(fusion.compare(model, feeds, threads=2, rounds=10).table())
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass, field
+import os
 
-import numpy as np
-import onnxruntime as ort
-
+from fusion.bench.runners import (
+    FUSED,
+    ORT_ALL,
+    ORT_NONE,
+    RunnerInfo,
+    Timing,
+    interleave,
+    make_runner,
+    verify_runners,
+)
+from fusion.bench.workload import Options
 from fusion.io import FusionError
 
-
-@dataclass
-class Timing:
-    threads: int
-    rounds: int
-    times: dict[str, list[float]] = field(default_factory=dict)  # runner -> seconds per call
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.times[name])
-
-    def table(self) -> str:
-        base = self.median(UNFUSED)
-        lines = [f"medians of {self.rounds} interleaved rounds, {self.threads} threads"]
-        lines.append(f"{'runner':<42} {'median ms':>10} {'min ms':>9} {'speedup':>8}")
-        for name, samples in self.times.items():
-            med = statistics.median(samples)
-            lines.append(
-                f"{name:<42} {med * 1e3:>10.3f} {min(samples) * 1e3:>9.3f} {base / med:>7.2f}x"
-            )
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {
-            "threads": self.threads,
-            "rounds": self.rounds,
-            "median_ms": {k: self.median(k) * 1e3 for k in self.times},
-        }
-
-
-UNFUSED = "onnxruntime, optimizations disabled"
-DEFAULT = "onnxruntime, ORT_ENABLE_ALL"
-FUSED = "fusion.Session (fused)"
-
-
-def ort_session(model, threads: int, optimize: bool) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    level = ort.GraphOptimizationLevel
-    options.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
-    data = model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+LABELS = {  # the rows of Timing.table(), the first being the base of the speedups
+    ORT_NONE: "onnxruntime, optimizations disabled",
+    ORT_ALL: "onnxruntime, ORT_ENABLE_ALL",
+    FUSED: "fusion.Session (fused)",
+}
 
 
 def compare(
@@ -70,34 +44,31 @@ def compare(
     rtol: float = 1e-3,
     atol: float = 1e-4,
 ) -> Timing:
-    """Time the original model in onnxruntime (both levels) and fused in fusion.Session."""
-    import os
+    """Time the original model in onnxruntime (both levels) and fused in fusion.Session.
 
-    from fusion.runtime import Session, load
+    model: a ModelProto or a path; feeds: random inputs from the declared shapes if None;
+    threads: os.cpu_count() if None. Raises FusionError if a runner's outputs disagree with
+    onnxruntime's unfused run beyond rtol / atol. Times are keyed by LABELS' values.
+    """
+    from fusion.catalog import default_catalog
+    from fusion.rewriter import rewrite
+    from fusion.runtime import is_fused, load
     from fusion.verify import model_inputs
 
     model = load(model)
     threads = threads or os.cpu_count() or 1
     if feeds is None:
         feeds, _ = model_inputs(model, None, 0, None)
-    runners = {
-        UNFUSED: ort_session(model, threads, optimize=False).run,
-        DEFAULT: ort_session(model, threads, optimize=True).run,
-        FUSED: Session(model, threads=threads, catalog=catalog).run,
-    }
-    reference = runners[UNFUSED](None, feeds)
-    for name, run in runners.items():
-        for want, got in zip(reference, run(None, feeds), strict=True):
-            if not np.allclose(got, want, rtol=rtol, atol=atol):
-                err = float(np.abs(np.asarray(got, np.float64) - want).max())
-                raise FusionError(f"{name} disagrees with onnxruntime (max abs error {err:.3g})")
-    for _ in range(warmup):
-        for run in runners.values():
-            run(None, feeds)
-    timing = Timing(threads, rounds, {name: [] for name in runners})
-    for _ in range(rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run(None, feeds)
-            timing.times[name].append(time.perf_counter() - start)
+    catalog = default_catalog() if catalog is None else catalog
+    fused = model if is_fused(model) else rewrite(model, catalog).model
+    models = {ORT_NONE: model, ORT_ALL: model, FUSED: fused}
+    runners = {name: make_runner(name, m, catalog, threads) for name, m in models.items()}
+    infos = {name: RunnerInfo(name) for name in runners}
+    verify_runners(runners, infos, feeds, runners[ORT_NONE](feeds), rtol, atol)
+    for name, info in infos.items():
+        if not info.ok:
+            raise FusionError(f"{LABELS[name]} disagrees with onnxruntime: {info.reason}")
+    opts = Options(threads=threads, rounds=rounds, min_rounds=rounds, warmup=warmup)
+    timing = interleave(runners, feeds, opts)
+    timing.times = {LABELS[name]: times for name, times in timing.times.items()}
     return timing

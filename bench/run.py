@@ -1,0 +1,278 @@
+"""The built-in benchmark suite: fused against unfused and against onnxruntime, side by side.
+
+    .venv/bin/python bench/run.py                      # default run, about 3 minutes on 2 cores
+    .venv/bin/python bench/run.py --quick              # batch 1, short timing, no child processes
+    .venv/bin/python bench/run.py --json b.json --markdown b.md --plot b.png --only lstm
+
+Workloads (generated, no download), each measured by fusion.bench.measure (see fusion/bench/:
+runners.py for the runners, the interleaving and verification; report.py for the columns):
+
+  conv-stack   4 x (3x3 Conv 64 ch, 56x56, no bias) + Add([1,C,1,1]) + Relu, TensorFlow form
+  fire         SqueezeNet 1.1's first Fire module (64 -> 16 -> 64 + 64 ch, 55x55), cut out
+  squeezenet   SqueezeNet 1.0 and 1.1 at 224x224
+  lstm         16 unrolled PyTorch LSTMCell steps, input 128, hidden 256; plus onnxruntime's
+               native LSTM op on the same weights (ort-native)
+  no-pattern   an MLP (MatMul, Add, Tanh, Softmax) the catalog has nothing for: the fused run
+               must cost nothing there
+
+CNNs at batch 1 and 8, LSTM at batch 1 and 16. A workload whose builder module has not landed
+is skipped with a note. Exit code 1 when any runner's numbers were refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Read by OpenBLAS when numpy loads it: idle workers sleep at once instead of spinning for 2^28
+# cycles after each call, so the SGEMM reference can be interleaved with the runners.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from fusion import bench  # noqa: E402
+from fusion.bench import FUSED, ORT_ALL, Options, Workload  # noqa: E402
+
+LSTM_RULES = ("patterns.lstm", "patterns.lstm_sequence")
+# Numba compile time (cold and cached; a cold child takes 20-50 s under load) is measured on the
+# first workload of each kernel family only, and shown for the rest of the family: SqueezeNet
+# runs first, as its kernels (ConvBiasRelu and FireModule) include the conv stack's and the
+# Fire module's.
+FAMILY = {"conv-stack": "cnn", "squeezenet1.1": "cnn", "squeezenet1.0": "cnn", "fire": "cnn"}
+COST_NOTHING = 1.05  # a fused run of a model with no match may be at most 5 % slower
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _normal(shape, seed: int, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+# ---- workloads: (name, builder) where builder() -> Workload, or a string saying why not ------
+def conv_stack(batch: int):
+    from fusion.examples import conv_stack
+
+    model = conv_stack(blocks=4, channels=64, size=56, batch=batch, form="tf")
+    return Workload(
+        f"conv-stack b{batch}",
+        model,
+        {"input": _normal((batch, 64, 56, 56), 1)},
+        description="4 x (3x3 Conv 64ch 56x56 + Add bias + Relu), TensorFlow form",
+    )
+
+
+def fire(batch: int):
+    if not _have("fusion.squeezenet"):
+        return "fusion/squeezenet.py (the Fire module's source) has not landed"
+    from fusion.squeezenet import squeezenet
+
+    model = squeezenet("1.1", size=224, batch=batch)
+    start, end = "/features/features.2/MaxPool_output_0", "/features/features.3/Concat_output_0"
+    model = onnx.utils.Extractor(onnx.shape_inference.infer_shapes(model)).extract_model(
+        [start], [end]
+    )
+    return Workload(
+        f"fire b{batch}",
+        model,
+        {start: np.abs(_normal((batch, 64, 55, 55), 2))},  # it follows a Relu + MaxPool
+        rules=_rules(("patterns.fire",)),
+        description="SqueezeNet 1.1 features.3: 64 -> squeeze 16 -> 64 (1x1) + 64 (3x3), 55x55",
+    )
+
+
+def squeezenet(version: str, batch: int):
+    if not _have("fusion.squeezenet"):
+        return "fusion/squeezenet.py has not landed"
+    from fusion.squeezenet import squeezenet
+
+    return Workload(
+        f"squeezenet{version} b{batch}",
+        squeezenet(version, size=224, batch=batch),
+        {"input": _normal((batch, 3, 224, 224), 3)},
+        rules=_rules(("patterns.fire",)),
+        description=f"SqueezeNet {version}, 3x224x224",
+    )
+
+
+def lstm(batch: int, steps: int = 16, size: int = 128, hidden: int = 256):
+    if not _have("fusion.lstm_models"):
+        return "fusion/lstm_models.py has not landed"
+    from fusion.lstm_models import LSTMWeights, native_lstm, unrolled_lstm
+
+    w = LSTMWeights.random(size, hidden, seed=0)
+    feeds = {
+        "X": _normal((steps, batch, size), 4),
+        "h0": _normal((batch, hidden), 5, 0.5),
+        "c0": _normal((batch, hidden), 6, 0.5),
+    }
+    return Workload(
+        f"lstm b{batch}",
+        unrolled_lstm(w, steps, batch=batch, form="gemm"),
+        feeds,
+        rules=_rules(LSTM_RULES),
+        native=native_lstm(w, steps, batch=batch),
+        description=f"{steps} unrolled LSTMCell steps (PyTorch Gemm form), {size} -> {hidden}",
+    )
+
+
+def no_pattern(batch: int = 64, size: int = 512, hidden: int = 1024, classes: int = 256):
+    """softmax(tanh(x W1 + b1) W2 + b2): nothing in the catalog matches it."""
+    inits = [
+        numpy_helper.from_array(_normal((size, hidden), 7, size**-0.5), "W1"),
+        numpy_helper.from_array(_normal((hidden,), 8, 0.1), "b1"),
+        numpy_helper.from_array(_normal((hidden, classes), 9, hidden**-0.5), "W2"),
+        numpy_helper.from_array(_normal((classes,), 10, 0.1), "b2"),
+    ]
+    steps = [("MatMul", ["x", "W1"], "m1"), ("Add", ["m1", "b1"], "a1"), ("Tanh", ["a1"], "t1"),
+             ("MatMul", ["t1", "W2"], "m2"), ("Add", ["m2", "b2"], "a2"),
+             ("Softmax", ["a2"], "y")]  # fmt: skip
+    nodes = [helper.make_node(o, i, [out], f"/{out}") for o, i, out in steps]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, classes])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return Workload(
+        f"no-pattern b{batch}",
+        model,
+        {"x": _normal((batch, size), 11)},
+        description=f"MLP {size} -> {hidden} (Tanh) -> {classes} (Softmax): nothing to fuse",
+    )
+
+
+def _rules(modules) -> tuple[str, ...]:
+    return tuple(m for m in modules if _have(m))
+
+
+def suite(quick: bool) -> list[tuple[str, object]]:
+    """(name, builder) in run order; quick: batch 1 only."""
+    cnn, rnn = ((1,), (1,)) if quick else ((1, 8), (1, 16))
+    out = [(f"squeezenet{v} b{b}", lambda v=v, b=b: squeezenet(v, b)) for v in ("1.1", "1.0")
+           for b in cnn]  # fmt: skip
+    out += [(f"conv-stack b{b}", lambda b=b: conv_stack(b)) for b in cnn]
+    out += [(f"fire b{b}", lambda b=b: fire(b)) for b in cnn]
+    out += [(f"lstm b{b}", lambda b=b: lstm(b)) for b in rnn]
+    out.append(("no-pattern b64", no_pattern))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 1, short timing, no children")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every runner")
+    ap.add_argument("--rounds", type=int, default=None, help="at most this many timed rounds")
+    ap.add_argument("--budget", type=float, default=None, help="seconds of timing per workload")
+    ap.add_argument("--only", help="comma-separated substrings of workload names to run")
+    ap.add_argument("--no-memory", action="store_true", help="skip peak memory (child process)")
+    ap.add_argument("--no-compile", action="store_true", help="skip Numba compile time")
+    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--markdown", help="write a Markdown table to this file")
+    ap.add_argument("--plot", help="write a PNG bar chart of speedups to this file")
+    args = ap.parse_args(argv)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    threads = args.threads or os.cpu_count() or 1
+    quick = args.quick
+    opts = Options(
+        threads=threads,
+        rounds=args.rounds or (10 if quick else 20),
+        min_rounds=3 if quick else 5,
+        budget=args.budget if args.budget is not None else (1.5 if quick else 2.5),
+        warmup=1,
+        memory=not (quick or args.no_memory),
+        compile=not (quick or args.no_compile),
+    )
+    todo = suite(quick)
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        todo = [(n, b) for n, b in todo if any(k in n for k in keys)]
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 180))  # logs and pipes: keep rows whole
+    info = bench.machine()
+    command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    console.print(
+        f"{info['cpu']}, {info['nproc']} cores, {threads} threads; onnxruntime "
+        f"{info['onnxruntime']}, numba {info['numba']}; load average "
+        f"{' '.join(f'{x:.2f}' for x in info['load_average'] or [])}"
+    )
+    results, skipped, compile_cache, compiled = [], [], {}, {}
+    start = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=len(todo))
+        for name, build in todo:
+            bar.update(task, description=f"{name}: building")
+            workload = build()
+            if isinstance(workload, str):
+                skipped.append({"workload": name, "reason": workload})
+                console.print(f"skipped {name}: {workload}")
+                bar.advance(task)
+                continue
+
+            def say(phase, name=name):
+                bar.update(task, description=f"{name}: {phase}")
+
+            family = FAMILY.get(name.split()[0], name.split()[0])
+            first = family not in compiled
+            todo_opts = dataclasses.replace(opts, compile=opts.compile and first)
+            result = bench.measure(workload, todo_opts, say, compile_cache)
+            if result.compile:
+                compiled[family] = result.compile
+            elif opts.compile and family in compiled and not result.refused and result.fused:
+                result.compile = compiled[family]  # carries measured_on
+            _annotate(result)
+            results.append(result)
+            bar.advance(task)
+    elapsed = time.perf_counter() - start
+    title = f"fusion bench: {threads} threads, {info['cpu']} ({info['nproc']} cores)"
+    for table in bench.rich_tables(results, title=title):
+        console.print(table)
+    for line in bench.notes(results):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"{len(results)} workloads in {elapsed:.0f} s; command: {command}")
+    extra = {"command": command, "elapsed_s": elapsed, "skipped": skipped, "quick": quick}
+    if args.json:
+        bench.write_json(results, args.json, info, **extra)
+    if args.markdown:
+        text = bench.markdown(results, info, command)
+        text += "".join(f"- skipped {s['workload']}: {s['reason']}\n" for s in skipped)
+        Path(args.markdown).write_text(text + f"\nRun time: {elapsed:.0f} s.\n")
+    if args.plot:
+        bench.write_plot(results, args.plot, title=title)
+    return 1 if any(r.refused for r in results) else 0
+
+
+def _annotate(result) -> None:
+    """Flag a fused run that costs something on a model where nothing was fused."""
+    if result.fused:
+        return
+    cost = result.speedup(FUSED, of=ORT_ALL)  # fusion median / ort-all median
+    if cost is None:
+        return
+    best = min(result.timing.times[FUSED]) / min(result.timing.times[ORT_ALL])
+    verdict = "ok" if min(cost, best) <= COST_NOTHING else "TOO SLOW"
+    result.notes.append(
+        f"nothing fused: fusion / ort-all = {cost:.3f} by medians, {best:.3f} by minima "
+        f"({verdict}: limit {COST_NOTHING})"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

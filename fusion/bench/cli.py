@@ -1,0 +1,81 @@
+"""`fusion bench MODEL.onnx`: one model file through fusion.bench.measure, tables printed."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fusion.bench.measure import measure
+from fusion.bench.report import machine, notes, rich_tables, write_json, write_markdown, write_plot
+from fusion.bench.workload import Options, Workload
+
+
+def add_bench_arguments(parser) -> None:
+    """`fusion bench`'s arguments. In cli.py: add_bench_arguments(command("bench", "..."))."""
+    parser.add_argument("model", help="the .onnx file to benchmark (original, not fused)")
+    parser.add_argument("--threads", type=int, default=None, help="threads for every runner")
+    parser.add_argument("--rounds", type=int, default=20, help="at most this many timed rounds")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed rounds")
+    parser.add_argument("--batch", type=int, default=1, help="size of symbolic first axes")
+    parser.add_argument("--input", action="append", help="NAME=FILE.npy (repeatable) or FILE.npz")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random inputs")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compile-time children")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.add_argument("--markdown", help="write a Markdown table to this file")
+    parser.add_argument("--plot", help="write a PNG bar chart of speedups to this file")
+    parser.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    """Benchmark one model file; exit 1 if any runner's numbers were refused."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fusion.io import read_model
+    from fusion.verify import model_inputs
+
+    model = read_model(args.model)[0]
+    batch_dims = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
+        if dims and dims[0].HasField("dim_param"):
+            batch_dims[dims[0].dim_param] = args.batch
+    inputs = None
+    if args.input:
+        from fusion.cli import _inputs
+
+        inputs = _inputs(args.input)
+    feeds, source = model_inputs(model, inputs, args.seed, batch_dims)
+    opts = Options(
+        threads=args.threads or os.cpu_count() or 1,
+        rounds=args.rounds,
+        budget=args.budget,
+        memory=not args.no_memory,
+        compile=not args.no_compile,
+    )
+    workload = Workload(
+        Path(args.model).stem,
+        model,
+        feeds,
+        description=f"inputs: {source}",
+        plugins=tuple(getattr(args, "plugin", None) or ()),
+    )
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(workload.name, total=None)
+        result = measure(workload, opts, lambda s: bar.update(task, description=s))
+    info = machine()
+    for table in rich_tables([result], title=f"{args.model}, {opts.threads} threads"):
+        console.print(table)
+    for line in notes([result]):
+        console.print(line, markup=False, highlight=False)
+    command = " ".join(["fusion", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
+    if args.json:
+        write_json([result], args.json, info, command=command)
+    if args.markdown:
+        write_markdown([result], args.markdown, info, command)
+    if args.plot:
+        write_plot([result], args.plot, title=f"{args.model}, {opts.threads} threads")
+    return 1 if result.refused else 0

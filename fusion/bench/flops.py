@@ -1,0 +1,95 @@
+"""FLOPs of a model: 2 x multiply-adds of its Conv, MatMul, Gemm and LSTM nodes.
+
+Shapes are inferred for the actual inputs; all runners are credited with the original model's
+FLOPs. The heaviest node's GEMM shape ([M, K] x [K, N]; a Conv's im2col shape) is kept for the
+SGEMM reference (fusion.bench.sgemm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+
+@dataclass
+class Flops:
+    total: int
+    by_op: dict[str, int]
+    gemm_shape: tuple[int, int, int] | None  # [M, K] x [K, N] of the heaviest node
+    notes: list[str]
+
+
+def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
+    """2 x multiply-adds of Conv, MatMul, Gemm and LSTM nodes, shapes inferred for `feeds`.
+
+    >>> count_flops(conv_stack(blocks=1, channels=8, size=4, batch=1)).total   # 2*8*8*9*16
+    18432
+    """
+    model = _with_input_shapes(model, feeds or {})
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {t.name: list(t.dims) for t in inferred.graph.initializer}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+            if all(d is not None for d in dims):
+                shapes[vi.name] = dims
+    by_op: dict[str, int] = {}
+    best, best_shape, unknown = 0, None, 0
+    for node in inferred.graph.node:
+        if node.op_type not in ("Conv", "MatMul", "Gemm", "LSTM"):
+            continue
+        got = _node_flops(node, shapes)
+        if got is None:
+            unknown += 1
+            continue
+        flops, gemm = got
+        by_op[node.op_type] = by_op.get(node.op_type, 0) + flops
+        if flops > best:
+            best, best_shape = flops, gemm
+    notes = [f"{unknown} Conv/MatMul/Gemm/LSTM nodes of unknown shape not counted"] * (unknown > 0)
+    return Flops(sum(by_op.values()), by_op, best_shape, notes)
+
+
+def _node_flops(node, shapes) -> tuple[int, tuple[int, int, int]] | None:
+    ins = [shapes.get(v) if v else None for v in node.input]
+    out = shapes.get(node.output[0])
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Conv" and ins[1] and out:
+        m, cg, *kernel = ins[1]
+        k = cg * int(np.prod(kernel))
+        pixels = int(np.prod(out)) // m  # N x spatial
+        return 2 * m * k * pixels, (m, k, pixels)
+    if node.op_type == "MatMul" and ins[0] and ins[1] and out:
+        k = ins[0][-1]
+        n = ins[1][-1] if len(ins[1]) > 1 else 1
+        rows = max(1, int(np.prod(out)) // n)
+        return 2 * rows * k * n, (rows, k, n)
+    if node.op_type == "Gemm" and ins[0] and out:
+        k = ins[0][0] if attrs.get("transA") else ins[0][-1]
+        m, n = out
+        return 2 * m * k * n, (m, k, n)
+    if node.op_type == "LSTM" and ins[0] and ins[2]:
+        steps, batch, size = ins[0]
+        dirs, gates, hidden = ins[2]
+        return 2 * steps * batch * dirs * gates * (size + hidden), (steps * batch, size, gates)
+    return None
+
+
+def _with_input_shapes(model: onnx.ModelProto, feeds: dict) -> onnx.ModelProto:
+    """A copy whose graph inputs declare the fed arrays' shapes (so inference gets numbers)."""
+    if not feeds:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for vi in copy.graph.input:
+        if vi.name in feeds and vi.type.HasField("tensor_type"):
+            shape = vi.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in np.shape(feeds[vi.name]):
+                shape.dim.add().dim_value = int(d)
+    del copy.graph.value_info[:]  # stale symbolic shapes would win over the inferred ones
+    return copy

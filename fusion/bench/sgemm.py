@@ -1,0 +1,86 @@
+"""The SGEMM reference: what the machine's BLAS does on the workload's heaviest GEMM shape.
+
+numpy float32 matmul of [M, K] x [K, N] on `threads` OpenBLAS threads. OpenBLAS's idle workers
+spin for a while after each call (2^28 cycles by default), which slows whatever runs next
+(measured: the 4-conv stack's fused run 54 ms right after a GEMM, 34 ms after a pause). With
+OPENBLAS_THREAD_TIMEOUT set to at most 8 before Python starts (bench/run.py sets 4), the SGEMM
+is interleaved in the rounds like a runner; otherwise it is timed in its own blocks just before
+and just after the runners.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+class Sgemm:
+    """numpy float32 [M, K] x [K, N] on `threads` OpenBLAS threads, timed in short blocks."""
+
+    def __init__(self, shape: tuple[int, int, int], threads: int):
+        self.interleaved = _short_blas_spin()
+        rng = np.random.default_rng(0)
+        m, k, n = self.shape = tuple(int(d) for d in shape)
+        self.a = rng.standard_normal((m, k), dtype=np.float32)
+        self.b = rng.standard_normal((k, n), dtype=np.float32)
+        self.threads = threads if _blas_threads(threads) else "library default"
+        self.times: list[float] = []
+        self.a @ self.b
+
+    def __call__(self, _feeds=None) -> None:
+        self.a @ self.b
+
+    def block(self, budget: float = 0.25) -> None:
+        start, count = time.perf_counter(), 0
+        while count < 5 or (count < 200 and time.perf_counter() - start < budget):
+            t0 = time.perf_counter()
+            self.a @ self.b
+            self.times.append(time.perf_counter() - t0)
+            count += 1
+        time.sleep(0.1)  # let OpenBLAS's workers stop spinning before anything else is timed
+
+    def to_dict(self) -> dict:
+        m, k, n = self.shape
+        med = statistics.median(self.times)
+        return {
+            "shape_mkn": [m, k, n],
+            "median_ms": med * 1e3,
+            "min_ms": min(self.times) * 1e3,
+            "max_ms": max(self.times) * 1e3,
+            "gflops": 2 * m * k * n / med / 1e9,
+            "gflops_best": 2 * m * k * n / min(self.times) / 1e9,
+            "blas_threads": self.threads,
+            "interleaved": self.interleaved,
+        }
+
+
+def _short_blas_spin() -> bool:
+    """OpenBLAS's workers stop spinning at once (OPENBLAS_THREAD_TIMEOUT <= 8, read at load)."""
+    value = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")
+    return value.isdigit() and int(value) <= 8
+
+
+def _blas_threads(n: int) -> bool:
+    """Set numpy's OpenBLAS thread count through the library itself (numpy has no API)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return False
+    names = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+             "openblas_set_num_threads")  # fmt: skip
+    for path in sorted(libs):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in names:
+            if hasattr(lib, name):
+                getattr(lib, name)(int(n))
+                return True
+    return False

@@ -1,0 +1,197 @@
+"""fusion.bench on tiny models: every runner is verified against onnxruntime, a kernel that gives
+wrong numbers is refused (no speed reported for it), and the JSON / Markdown / PNG outputs are
+written and well-formed. Child-process measurements (peak memory, compile time cold and cached)
+run once, on a rule with a NumPy kernel so that nothing slow compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fusion import bench
+from fusion.bench import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, Options, Workload
+from fusion.catalog import Catalog
+from fusion.examples import conv_stack, conv_stack_flops
+from fusion.io import save_model
+from patterns import conv
+
+FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, memory=False, compile=False)
+
+
+def tiny_conv(batch=1):
+    model = conv_stack(blocks=2, channels=4, size=6, batch=batch, form="tf")
+    x = np.random.default_rng(0).standard_normal((batch, 4, 6, 6)).astype(np.float32)
+    return model, {"input": x}
+
+
+def wrong_kernel(attrs, constants):
+    """The real ConvBiasRelu kernel, plus 0.5 everywhere."""
+    run = conv.make_kernel(attrs, constants)
+    return lambda *args: tuple(y + np.float32(0.5) for y in run(*args))
+
+
+def test_flops_of_conv_stack_match_the_closed_form():
+    model, feeds = tiny_conv(batch=3)
+    flops = bench.count_flops(model, feeds)
+    assert flops.total == conv_stack_flops(blocks=2, channels=4, size=6, batch=3)
+    assert flops.gemm_shape == (4, 36, 3 * 36)  # [M, C*kh*kw] x [C*kh*kw, N*OH*OW]
+
+
+def test_flops_of_matmul_gemm_and_native_lstm():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Gemm", ["m", "V"], ["y"], transB=1),
+    ]
+    inits = [
+        numpy_helper.from_array(np.zeros((8, 16), np.float32), "W"),
+        numpy_helper.from_array(np.zeros((5, 16), np.float32), "V"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    flops = bench.count_flops(model, {"x": np.zeros((4, 8), np.float32)})
+    assert flops.by_op == {"MatMul": 2 * 4 * 8 * 16, "Gemm": 2 * 4 * 16 * 5}
+    lstm_models = pytest.importorskip("fusion.lstm_models")
+    w = lstm_models.LSTMWeights.random(6, 5)
+    native = lstm_models.native_lstm(w, steps=3, batch=2)
+    feeds = {"X": np.zeros((3, 2, 6), np.float32)}
+    assert bench.count_flops(native, feeds).by_op == {"LSTM": 2 * 3 * 2 * 20 * (6 + 5)}
+
+
+def test_measure_verifies_and_times_every_runner():
+    model, feeds = tiny_conv()
+    result = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
+    assert result.fused == {"ConvBiasRelu": 2}
+    assert result.refused == []
+    assert set(result.timing.times) == {ORT_NONE, ORT_ALL, FUSED, ORT_FUSED}
+    assert all(len(t) == result.timing.rounds >= 2 for t in result.timing.times.values())
+    assert result.speedup(ORT_NONE) > 0 and result.gflops(FUSED) > 0
+    assert result.sgemm["gflops"] > 0 and result.sgemm["shape_mkn"] == [4, 36, 36]
+    assert result.profile["kernels"] == 2 and result.profile["wall_s"] > 0
+
+
+def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
+    model, feeds = tiny_conv()
+    bad = Catalog([dataclasses.replace(conv.RULE, kernel=wrong_kernel)])
+    result = bench.measure(Workload("bad", model, feeds, catalog=bad), Options(**FAST))
+    assert result.refused == [FUSED]
+    assert result.runners[FUSED].reason.startswith("wrong numbers")
+    assert result.runners[FUSED].max_abs >= 0.5 - 1e-6  # the last layer adds 0.5 at least
+    assert FUSED not in result.timing.times
+    assert result.speedup(ORT_NONE) is None and result.gflops(FUSED) is None
+    assert result.runners[ORT_FUSED].ok  # the function bodies are right; only the kernel is not
+    doc = result.to_dict()
+    assert doc["refused"] == [FUSED] and "median_ms" not in doc["runners"][FUSED]
+    assert doc["fusion_speedup_over"][ORT_ALL] is None
+    text = bench.markdown([result])
+    assert "| bad | ConvBiasRelu 2 |" in text and "refused" in text
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf")
+    path = tmp_path / "tiny.onnx"
+    save_model(model, path)
+    out = {k: tmp_path / f"out.{k}" for k in ("json", "md", "png")}
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(
+        [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
+        + ["--no-memory", "--no-compile", "--json", str(out["json"])]
+        + ["--markdown", str(out["md"]), "--plot", str(out["png"])]
+    )
+    assert args.func(args) == 0
+    doc = json.loads(out["json"].read_text())
+    assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu"]
+    (w,) = doc["workloads"]
+    assert w["workload"] == "tiny" and w["fused_nodes"] == {"ConvBiasRelu": 2}
+    assert w["refused"] == [] and w["gflop_per_run"] == pytest.approx(2 * 2 * 16 * 9 * 36 * 2e-9)
+    for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):
+        r = w["runners"][name]
+        assert r["ok"] and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert len(r["samples_ms"]) == w["rounds"]
+    lines = out["md"].read_text().splitlines()
+    tables = [ln for ln in lines if ln.startswith("| tiny |")]
+    assert len(tables) == 2  # times and details
+    header = next(ln for ln in lines if ln.startswith("| workload |"))
+    assert all(ln.count("|") == header.count("|") for ln in tables[:1])
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fusion_bench_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
+    from fusion.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")  # rich: one line per table row
+
+    path = tmp_path / "tiny.onnx"
+    save_model(tiny_conv()[0], path)
+    argv = ["bench", str(path), "--threads", "1", "--rounds", "2", "--budget", "0"]
+    assert main([*argv, "--no-memory", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "time per run" in out and "ConvBiasRelu 2" in out
+
+
+def test_compare_times_on_the_bench_runners():
+    """fusion.compare: the light front on the same runners and interleaved loop."""
+    from fusion import compare
+
+    model, feeds = tiny_conv()
+    timing = compare(model, feeds, threads=1, rounds=3, warmup=1)
+    assert timing.rounds == 3 and all(len(t) == 3 for t in timing.times.values())
+    table = timing.table()
+    for label in ("onnxruntime, optimizations disabled", "onnxruntime, ORT_ENABLE_ALL"):
+        assert label in table
+    assert "fusion.Session (fused)" in table and table.count("x\n") == 2
+
+
+NEG_RELU = """
+    import numpy as np
+    from fusion.catalog import Rule
+    from fusion.pattern import Var, op
+
+    def make_kernel(attrs, constants):
+        return lambda x: (np.maximum(-x, 0),)
+
+    RULE = Rule("NegRelu", op.Relu(op.Neg(Var("x", dtype="float32"))), inputs=("x",),
+                kernel=make_kernel)
+"""
+
+
+def test_child_processes_measure_memory_and_compile_time(tmp_path, monkeypatch):
+    """A rules module named in the workload is rebuilt in the children (found on PYTHONPATH)."""
+    (tmp_path / "negrelu_rules.py").write_text(textwrap.dedent(NEG_RELU))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)}
+    native = onnx.ModelProto()
+    native.CopyFrom(model)  # stands in for a native-op twin
+    workload = Workload("negrelu", model, feeds, rules=("negrelu_rules",), native=native)
+    cache = {}
+    opts = Options(**{**FAST, "memory": True, "compile": True})
+    result = bench.measure(workload, opts, compile_cache=cache)
+    assert result.fused == {"NegRelu": 1} and result.refused == []
+    for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE):
+        assert result.runners[name].peak_mb > 0, result.notes
+    assert result.compile["cold_s"] > 0 and result.compile["cached_s"] > 0, result.compile
+    assert list(cache) == ["NegRelu"]  # measured once per set of fused ops
