@@ -1,13 +1,18 @@
-"""Conv kernel vs onnxruntime on a stack of 3x3, 64-channel, pad-1 convs at 56x56 (batch 1).
+"""Conv kernel vs onnxruntime on a stack of 3x3, 64-channel, pad-1 convs at 56x56 (batch 1 or N).
 
 Runs, interleaved round by round after warm-up, with 2 threads everywhere:
-  sgemm      numpy matmul [64, 576] x [576, 3136], the im2col GEMM of one conv (SGEMM reference)
+  sgemm      numpy matmul [64, 576] x [576, N*3136], the im2col GEMM of one conv (SGEMM reference)
   kernels    conv2d_bias_act with bias and relu fused, chained 4 times
   ort-none   onnxruntime ORT_DISABLE_ALL on Conv + Add(bias [1,64,1,1]) + Relu x 4
   ort-all    onnxruntime ORT_ENABLE_ALL on the same graph (fuses and uses NCHWc layouts)
 and prints medians: ms, GFLOP/s (of the direct 2*M*C*9*OH*OW per conv) and fraction of sgemm.
 
     .venv/bin/python bench/conv_kernel.py [--rounds 30] [--layers 4] [--size 56] [--channels 64]
+                                          [--batch 1] [--winograd-tile 2]
+
+The kernel's plan method is printed: "winograd" is F(2x2, 3x3) (the default), "winograd4"
+F(4x4, 3x3) (--winograd-tile 4, opt-in: faster, ~10x the rounding error).
+On a shared machine compare the ratios (columns x sgemm, and kernels vs ort-all), not the ms.
 """
 
 import argparse
@@ -57,6 +62,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--size", type=int, default=56)
     ap.add_argument("--channels", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--winograd-tile", type=int, default=2, choices=(2, 4))
     args = ap.parse_args()
     kernels.set_threads(THREADS)
     c, s = args.channels, args.size
@@ -64,10 +71,11 @@ def main():
     ws = [(rng.standard_normal((c, c, 3, 3)) * (2 / (9 * c)) ** 0.5).astype(np.float32)
           for _ in range(args.layers)]  # fmt: skip
     bs = [rng.standard_normal((1, c, 1, 1)).astype(np.float32) * 0.1 for _ in ws]
-    x = rng.standard_normal((1, c, s, s)).astype(np.float32)
-    plans = [kernels.prepare_conv2d(w, b, pads=(1, 1, 1, 1), activation="relu")
-             for w, b in zip(ws, bs, strict=True)]  # fmt: skip
-    bufs = [np.empty((1, c, s, s), np.float32) for _ in range(2)]
+    nb = args.batch
+    x = rng.standard_normal((nb, c, s, s)).astype(np.float32)
+    kw = dict(pads=(1, 1, 1, 1), activation="relu", winograd_tile=args.winograd_tile)
+    plans = [kernels.prepare_conv2d(w, b, **kw) for w, b in zip(ws, bs, strict=True)]
+    bufs = [np.empty((nb, c, s, s), np.float32) for _ in range(2)]
 
     def run_kernels():
         h = x
@@ -75,14 +83,14 @@ def main():
             h = kernels.conv2d_bias_act(h, plan, out=bufs[i % 2])
         return h
 
-    model = conv_stack_model(ws, bs, [1, c, s, s])
+    model = conv_stack_model(ws, bs, [nb, c, s, s])
     onnx.checker.check_model(model)
     sess = {
         "ort-none": ort_session(model, ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
         "ort-all": ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
     }
     a = rng.standard_normal((c, 9 * c)).astype(np.float32)
-    b = rng.standard_normal((9 * c, s * s)).astype(np.float32)
+    b = rng.standard_normal((9 * c, nb * s * s)).astype(np.float32)
     cases = {
         "sgemm": lambda: a @ b,
         "kernels": run_kernels,
@@ -101,11 +109,12 @@ def main():
             t = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t)
-    flops = {"sgemm": 2 * c * 9 * c * s * s}
+    flops = {"sgemm": 2 * c * 9 * c * s * s * nb}
     flops.update(dict.fromkeys(("kernels", "ort-none", "ort-all"), args.layers * flops["sgemm"]))
     med = {k: statistics.median(v) for k, v in times.items()}
     gf_sgemm = flops["sgemm"] / med["sgemm"] / 1e9
-    print(f"{args.layers} x conv3x3 {c}ch {s}x{s}, {THREADS} threads, {args.rounds} rounds,"
+    print(f"{args.layers} x conv3x3 {c}ch {s}x{s} batch {nb}, {THREADS} threads,"
+          f" {args.rounds} rounds,"
           f" plan method {plans[0].method}, max|err|/max|y| vs ort = {err:.2e}")  # fmt: skip
     print(f"{'case':10s} {'ms':>8s} {'GFLOP/s':>8s} {'x sgemm':>8s}")
     for name, t in med.items():

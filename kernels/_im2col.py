@@ -6,33 +6,48 @@ For group g, output channel m and output pixel p = oh * OW + ow:
     ih = oh * sh - pad_top + i * dh,   iw = ow * sw - pad_left + j * dw   (zero outside the image)
 
 The reduction index k = (c * kh + i) * kw + j matches the weight layout, so the weights of a
-group are one [Mg, K] matrix, packed once into MR-row panels. Each work item packs one NR-pixel
-panel of the input, [K, NR], and sweeps all channel panels of its group over it, so the input
-panel is gathered once and reused Mg / MR times. Handles any kernel, stride, dilation, padding
-(also larger than the kernel), group and batch.
+group are one [Mg, K] matrix, packed once into MR-row panels. Each work item packs a block of
+NR-pixel panels of the input, [K, NR] each, and sweeps all channel panels of its group over
+them, so each input panel is gathered once and reused Mg / MR times. Handles any kernel,
+stride, dilation, padding (also larger than the kernel), group and batch.
 """
 
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, microkernel, store_tile
+from ._gemm import MR, NR, gemm_tile
 from .config import JIT, PARALLEL
-
-_FAR = -(1 << 40)  # row origin of a pixel past the end: every tap falls outside the image
 
 
 @numba.jit(**JIT)
-def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, ih0, iw0, dst):
+def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, dst):
     """dst[k * NR + q] = x[n, c0 + c, ih, iw] for pixel p0 + q, or 0 outside image / past P."""
     h, w = x.shape[2], x.shape[3]
-    for q in range(NR):
-        p = p0 + q
-        if p < p_len:
-            ih0[q] = (p // ow_len) * sh - pt
-            iw0[q] = (p % ow_len) * sw - pl
-        else:
-            ih0[q] = _FAR
-            iw0[q] = _FAR
+    oh, ow0 = p0 // ow_len, p0 % ow_len
+    iw0 = ow0 * sw - pl
+    if (
+        p0 + NR <= p_len
+        and ow0 + NR <= ow_len
+        and iw0 >= 0
+        and iw0 + (NR - 1) * sw + (kw - 1) * dw < w
+    ):
+        # Fast path: the 16 pixels are one stretch of one output row and every tap column is
+        # inside the image, so only whole tap rows can fall outside (no per-value tests).
+        k = 0
+        for c in range(cg):
+            plane = x[n, c0 + c]
+            for i in range(kh):
+                ih = oh * sh - pt + i * dh
+                for j in range(kw):
+                    d = dst[k * NR : (k + 1) * NR]
+                    if 0 <= ih < h:
+                        src = plane[ih, iw0 + j * dw :]
+                        for q in range(NR):
+                            d[q] = src[q * sw]
+                    else:
+                        d[:] = 0.0
+                    k += 1
+        return
     k = 0
     for c in range(cg):
         plane = x[n, c0 + c]
@@ -40,37 +55,68 @@ def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
             for j in range(kw):
                 base = k * NR
                 for q in range(NR):
-                    ih = ih0[q] + i * dh
-                    iw = iw0[q] + j * dw
+                    p = p0 + q
+                    ih = (p // ow_len) * sh - pt + i * dh
+                    iw = (p % ow_len) * sw - pl + j * dw
                     v = np.float32(0.0)
-                    if 0 <= ih < h and 0 <= iw < w:
+                    if p < p_len and 0 <= ih < h and 0 <= iw < w:
                         v = plane[ih, iw]
                     dst[base + q] = v
                 k += 1
 
 
 @numba.jit(**PARALLEL)
-def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, group, lo, hi):
-    """out3[N, M, OH*OW] = act(conv(x) + bias); a_packed is [group, ceil(Mg/MR), K, MR] flat."""
-    n_len, c_len = x.shape[0], x.shape[1]
+def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, group, lo, hi,
+                n_blk, direct):  # fmt: skip
+    """out3[N, M, OH*OW] = act(conv(x) + bias); a_packed is [group, ceil(Mg/MR), K, MR] flat.
+
+    n_blk: pixel-panel blocks per image and group (one work item each). With one panel per
+    block (n_blk = number of panels) a panel is packed and every channel panel swept over it
+    while it sits in L1, the weights coming from L2. With bigger blocks (chosen by the wrapper
+    when the weights do not fit in L2) the block is packed first and each channel panel of
+    weights is swept over all of its panels, so the weights stream from L3 once per block rather
+    than once per panel (512 -> 1000 channels at 13x13: 2 MB of weights, 11 panels).
+    direct: a 1x1, stride-1, unpadded convolution reads its full panels in place (the input
+    [C, H*W] is the GEMM's B matrix): no packing. Only with one panel per block.
+    """
+    n_len, c_len, h, w = x.shape
     m_len, p_len = out3.shape[1], out3.shape[2]
     cg, mg = c_len // group, m_len // group
     k_len = cg * kh * kw
     n_pan = (p_len + NR - 1) // NR
+    per_blk = (n_pan + n_blk - 1) // n_blk
     n_mb = (mg + MR - 1) // MR
-    # Items are (image, group, pixel panel): disjoint output, so no two threads write one cell.
-    for item in numba.prange(n_len * group * n_pan):
-        n = item // (group * n_pan)
-        g = (item // n_pan) % group
-        p0 = (item % n_pan) * NR
-        panel = np.empty(k_len * NR, np.float32)
-        ih0 = np.empty(NR, np.int64)
-        iw0 = np.empty(NR, np.int64)
+    xf = x.reshape(n_len, c_len * h * w)
+    # Items are (image, group, panel block): disjoint output, so no two threads write one cell.
+    for item in numba.prange(n_len * group * n_blk):
+        n = item // (group * n_blk)
+        g = (item // n_blk) % group
+        pan0 = (item % n_blk) * per_blk
+        pan1 = min(n_pan, pan0 + per_blk)
         tile = np.empty((MR, NR), np.float32)
-        _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, ih0,
-                    iw0, panel)  # fmt: skip
-        cols = min(NR, p_len - p0)
-        for mb in range(n_mb):
-            microkernel(a_packed, (g * n_mb + mb) * k_len * MR, panel, 0, k_len, tile)
-            m0 = mb * MR
-            store_tile(tile, out3, n, g * mg + m0, min(MR, mg - m0), p0, cols, bias, lo, hi)
+        panels = np.empty((max(1, pan1 - pan0), k_len * NR), np.float32)
+        a_g = a_packed[g * n_mb * k_len * MR :]
+        if pan1 - pan0 == 1:
+            p0 = pan0 * NR
+            cols = min(NR, p_len - p0)
+            if direct and cols == NR:
+                b, ldb = xf[n, g * cg * p_len + p0 :], p_len
+            else:
+                b, ldb = panels[0], NR
+                _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
+                            b)  # fmt: skip
+            for mb in range(n_mb):
+                m0 = mb * MR
+                gemm_tile(a_g[mb * k_len * MR :], b, ldb, k_len, out3, n, g * mg + m0,
+                          min(MR, mg - m0), p0, cols, bias, lo, hi, tile)  # fmt: skip
+        else:
+            for pn in range(pan0, pan1):
+                _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len,
+                            pn * NR, panels[pn - pan0])  # fmt: skip
+            for mb in range(n_mb):
+                m0 = mb * MR
+                for pn in range(pan0, pan1):
+                    p0 = pn * NR
+                    gemm_tile(a_g[mb * k_len * MR :], panels[pn - pan0], NR, k_len, out3, n,
+                              g * mg + m0, min(MR, mg - m0), p0, min(NR, p_len - p0), bias, lo,
+                              hi, tile)  # fmt: skip

@@ -12,7 +12,14 @@ so the sum over c becomes 16 independent GEMMs, U[xi] [M, C] x V[xi] [C, tiles],
 16 * M * C multiplies per 4 outputs instead of 36 * M * C: 2.25x fewer FLOPs. U = G g G^T is
 computed once in float64 at prepare time. The transforms only add and subtract (and halve, in
 G), so float32 error stays within a few ulps of the direct sum (measured max relative error vs
-onnxruntime ~1e-6 on the 64-channel stack).
+onnxruntime ~6e-7 on the 64-channel stack).
+
+One pass, fused per tile panel: a work item takes NR consecutive tiles, transforms their input
+patches for all C channels into a private V [16, C + 1, NR] (65 KiB at C = 64, stays in L2),
+runs the 16 GEMMs for every channel panel against it and writes the outputs. This replaced a
+two-phase form (transform every tile into a shared 3.2 MB buffer allocated per call, barrier,
+then GEMM): 0.77x its time on the 64-channel 56x56 layer, 2 threads. F(4x4) (_winograd4.py,
+opt-in) has the same structure and shares gather_tile.
 """
 
 import math
@@ -20,10 +27,13 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, act, microkernel, pack_a
-from .config import JIT, PARALLEL
+from ._gemm import MR, NR, act, add8, load8, microkernel, pack_a, store8, sub8
+from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+# _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one cache line of padding per xi: at
+# C * NR * 4 bytes = 4 KiB (C = 64) the 16 rows written per tile would share L1 sets and thrash
+# (measured 4.6 ms vs 1.2 ms for the transform alone).
 
 
 def pack_weights(weight):
@@ -37,34 +47,67 @@ def pack_weights(weight):
 
 
 @numba.jit(**JIT)
-def _input_strip(x, n, c, th, tw_len, pt, pl, rows, v):
-    """V = B^T d B for all tiles of tile row th, channel c, into the GEMM panels
-    v[tile panel, xi, c * NR + q] (tile t = th * TW + tw = panel * NR + q).
+def gather_tile(src, t, t_len, tw_len, pt, pl, h, w, m, d, q):
+    """d[a i + j, q] = x[m th - pt + i, m tw - pl + j] (i, j < a = m + 2): the input patch of
+    tile t = th * TW + tw of an F(m x m, 3x3) transform, zero outside the image and past the
+    last tile. Interior patches index with unsigned offsets, so no load carries Numba's
+    negative-index wraparound select."""
+    a = m + 2
+    r = m * (t // tw_len) - pt
+    s = m * (t % tw_len) - pl
+    if t < t_len and r >= 0 and s >= 0 and r + a <= h and s + a <= w:
+        o = numba.uint64(r * w + s)
+        for i in range(a):
+            for j in range(a):
+                d[a * i + j, q] = src[o + numba.uint64(i * w + j)]
+    else:
+        for i in range(a):
+            for j in range(a):
+                inside = t < t_len and 0 <= r + i < h and 0 <= s + j < w
+                d[a * i + j, q] = src[(r + i) * w + s + j] if inside else np.float32(0.0)
 
-    Whole rows at a time: first the four input rows (zero-padded) are combined vertically
-    (B^T d, vectorized over columns), then each tile combines four adjacent columns (. B).
-    """
-    h, w = x.shape[2], x.shape[3]
-    width = rows.shape[1]
-    for i in range(4):
-        r = 2 * th - pt + i
-        for j in range(width):
-            s = j - pl
-            inside = 0 <= r < h and 0 <= s < w
-            rows[i, j] = x[n, c, r, s] if inside else np.float32(0.0)
-    for j in range(width):
-        a0, a1, a2, a3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
-        rows[0, j], rows[1, j], rows[2, j], rows[3, j] = a0 - a2, a1 + a2, a2 - a1, a1 - a3
-    for tw in range(tw_len):
-        t = th * tw_len + tw
-        tp, col = t // NR, c * NR + t % NR
-        j = 2 * tw
-        for i in range(4):
-            a0, a1, a2, a3 = rows[i, j], rows[i, j + 1], rows[i, j + 2], rows[i, j + 3]
-            v[n, tp, 4 * i, col] = a0 - a2
-            v[n, tp, 4 * i + 1, col] = a1 + a2
-            v[n, tp, 4 * i + 2, col] = a2 - a1
-            v[n, tp, 4 * i + 3, col] = a1 - a3
+
+@numba.jit(**INLINE_GEMM)
+def _bt4(v, i, c, q, a0, a1, a2, a3):
+    """v[4 i + (0..3), c, q : q + 8] = (a0 - a2, a1 + a2, a2 - a1, a1 - a3), the B^T
+    combination (indices from loop counters: no wraparound selects, so stores stay vectors)."""
+    store8(v[4 * i, c], q, sub8(a0, a2))
+    store8(v[4 * i + 1, c], q, add8(a1, a2))
+    store8(v[4 * i + 2, c], q, sub8(a2, a1))
+    store8(v[4 * i + 3, c], q, sub8(a1, a3))
+
+
+@numba.jit(**JIT_GEMM)
+def _transform_panel(d, v, c):
+    """v[:, c] = B^T d B for the NR patches in d[:16] (row 4 i + j = patch pixel (i, j)),
+    8 patches per ymm register; d[16:32] is scratch for the rows of B^T d.
+
+    Written over 8-tuples for the SLP vectorizer: as a plain loop over patches the loop
+    vectorizer gives up (d and v may alias) and the transform ran scalar."""
+    for q in range(0, NR, 8):
+        for j in range(4):  # B^T d, column j: rows (0 - 2, 1 + 2) and (2 - 1, 1 - 3)
+            t0, t1 = load8(d[j], q), load8(d[4 + j], q)
+            t2, t3 = load8(d[8 + j], q), load8(d[12 + j], q)
+            store8(d[16 + j], q, sub8(t0, t2))
+            store8(d[20 + j], q, add8(t1, t2))
+            store8(d[24 + j], q, sub8(t2, t1))
+            store8(d[28 + j], q, sub8(t1, t3))
+        for i in range(4):  # (B^T d) B: the same combination over the columns of row i
+            r = 16 + 4 * i
+            a0, a1 = load8(d[r], q), load8(d[r + 1], q)
+            _bt4(v, i, c, q, a0, a1, load8(d[r + 2], q), load8(d[r + 3], q))
+
+
+@numba.jit(**JIT)
+def _input_panel(x3, n, t0, t_len, tw_len, pt, pl, h, w, d, v):
+    """V = B^T d B for tiles t0 .. t0 + NR - 1 and every channel, into the GEMM B-panels
+    v[xi, c, q]. Tiles past the last are zero (their outputs are never stored).
+    Channel by channel, the patches are gathered (scalar) and then transformed (vector)."""
+    for c in range(x3.shape[1]):
+        src = x3[n, c]
+        for q in range(NR):
+            gather_tile(src, t0 + q, t_len, tw_len, pt, pl, h, w, 2, d, q)
+        _transform_panel(d, v, c)
 
 
 @numba.jit(**JIT)
@@ -97,38 +140,33 @@ def _output_tiles(mt, out3, n, m0, rows, t0, t_len, tw_len, oh_len, ow_len, bias
 
 
 @numba.jit(**PARALLEL)
-def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi):
-    """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(2x2, 3x3)."""
+def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms):
+    """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(2x2, 3x3); each tile panel's
+    channel panels are split into n_ms ranges (see conv2d.m_splits)."""
     n_len, c_len = x.shape[0], x.shape[1]
     m_len = out3.shape[1]
     tw_len = (ow_len + 1) // 2
     t_len = ((oh_len + 1) // 2) * tw_len
     n_pan = (t_len + NR - 1) // NR
     n_mb = (m_len + MR - 1) // MR
-    # Transformed input: for each (image, tile panel) 16 GEMM B-operands [C, NR].
-    # Columns of tiles past the last one stay uninitialised: GEMM columns are independent and
-    # those outputs are never stored.
-    th_len = (oh_len + 1) // 2
-    # Rows padded by one cache line: at C * NR * 4 bytes = 4 KiB (C = 64) the 16 rows written
-    # per tile would share L1 sets and thrash (measured serially on the 64-channel 56x56
-    # layer: 4.6 ms unpadded, 1.2 ms padded).
-    v = np.empty((n_len, n_pan, 16, c_len * NR + 16), np.float32)
-    for item in numba.prange(n_len * c_len * th_len):  # (image, channel, tile row): disjoint
-        n, c, th = item // (c_len * th_len), (item // th_len) % c_len, item % th_len
-        rows = np.empty((4, 2 * tw_len + 2), np.float32)
-        _input_strip(x, n, c, th, tw_len, pt, pl, rows, v)
-    # Items are (image, tile panel, channel panel): disjoint output tiles, no races.
-    for item in numba.prange(n_len * n_pan * n_mb):
-        n = item // (n_pan * n_mb)
-        tp = (item // n_mb) % n_pan
-        mb = item % n_mb
+    h, w = x.shape[2], x.shape[3]
+    x3 = x.reshape(n_len, c_len, h * w)
+    mb_per = (n_mb + n_ms - 1) // n_ms
+    # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
+    for item in numba.prange(n_len * n_pan * n_ms):
+        n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
+        v = np.empty((16, c_len + 1, NR), np.float32)  # + 1: see _VPAD
+        d = np.empty((32, NR), np.float32)
         mt = np.empty((16, MR, NR), np.float32)
-        vp = v[n, tp]
-        for xi in range(16):
-            microkernel(u_packed, (mb * 16 + xi) * c_len * MR, vp[xi], 0, c_len, mt[xi])
-        m0 = mb * MR
-        rows = min(MR, m_len - m0)
-        _output_tiles(mt, out3, n, m0, rows, tp * NR, t_len, tw_len, oh_len, ow_len, bias, lo, hi)
+        _input_panel(x3, n, tp * NR, t_len, tw_len, pt, pl, h, w, d, v)
+        for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
+            for xi in range(16):
+                ao = (mb * 16 + xi) * c_len * MR
+                microkernel(u_packed[ao : ao + c_len * MR], v[xi].reshape(-1), c_len, mt[xi])
+            m0 = mb * MR
+            rows = min(MR, m_len - m0)
+            _output_tiles(mt, out3, n, m0, rows, tp * NR, t_len, tw_len, oh_len, ow_len, bias,
+                          lo, hi)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)

@@ -10,7 +10,6 @@ strided reduction over k (about 9 GFLOP/s per core); without it the SLP vectoriz
 accumulator block into ymm registers (about 30-38 GFLOP/s per core, near peak).
 """
 
-import contextlib
 import os
 
 # Numba's default "omp" threading layer spins idle workers after each parallel loop. On a busy
@@ -32,21 +31,27 @@ INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples be
 PARALLEL = dict(JIT, parallel=True)
 
 
-@contextlib.contextmanager
-def slp_vectorize():
+class slp_vectorize:  # noqa: N801 (used like a function: `with slp_vectorize():`)
     """Compile inside this block with LLVM's SLP vectorizer on (Numba turns it off by default).
 
     The register-blocked micro-kernel is straight-line code over tuples; only SLP turns it into
     vector FMAs. The flag is read when a function is compiled, so wrapping the first call is
     enough; later calls (and cache loads) do not depend on it. A compile running in another
-    thread at the same moment would also get SLP, which is harmless.
+    thread at the same moment would also get SLP, which is harmless. A class rather than
+    contextlib.contextmanager: it is entered on every kernel call (0.3 us vs 2.9 us).
+
+    Beware: calling a kernel's jitted function directly, outside this block, compiles it
+    without SLP, and cache=True then stores that slow code under the same signature for every
+    later process (seen: the 1x1 conv 4-5x slower until kernels/__pycache__ was cleared).
+    Call kernels through their wrappers (conv2d_bias_act), or wrap the call in this block.
     """
-    old = numba.config.SLP_VECTORIZE
-    numba.config.SLP_VECTORIZE = 1
-    try:
-        yield
-    finally:
-        numba.config.SLP_VECTORIZE = old
+
+    def __enter__(self):
+        self.old = numba.config.SLP_VECTORIZE
+        numba.config.SLP_VECTORIZE = 1
+
+    def __exit__(self, *exc):
+        numba.config.SLP_VECTORIZE = self.old
 
 
 def set_threads(n):

@@ -4,11 +4,16 @@
 
 act is identity, relu (clip to [0, inf)) or clip to [clip_min, clip_max], applied to each output
 tile while it is still in L1 (no extra pass over memory). prepare_conv2d packs the weights once;
-conv2d_bias_act validates, works out padding and output size (ONNX rules) and runs one of two
+conv2d_bias_act validates, works out padding and output size (ONNX rules) and runs one of four
 kernels:
 
-- winograd: 3x3, stride 1, dilation 1, group 1, C >= 8 (see _winograd.py);
-- im2col:   every other convolution (see _im2col.py).
+- winograd:  F(2x2, 3x3) for 3x3, stride 1, dilation 1, group 1, C >= 8 (_winograd.py);
+- winograd4: F(4x4, 3x3) for the same with C <= 256, opt-in: winograd_tile=4 (_winograd4.py);
+- depthwise: group == C == M, direct (_depthwise.py);
+- im2col:    every other convolution, 1x1 stride 1 unpadded reading the input in place
+  (_im2col.py).
+
+Inputs holding inf or NaN take the im2col path (see conv2d_bias_act).
 
 Example:
     >>> w = np.ones((8, 3, 3, 3), np.float32)
@@ -22,12 +27,23 @@ import math
 
 import numpy as np
 
-from . import _gemm, _im2col, _winograd
-from .config import slp_vectorize
+from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
+from .config import get_threads, slp_vectorize
 
 AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
 ACTIVATIONS = (None, "relu", "clip")
 _WINOGRAD_MIN_CHANNELS = 8  # below this the GEMMs are too thin to pay for the transforms
+# F(4x4, 3x3) up to this many input channels, F(2x2, 3x3) above. F(4x4) does 4x fewer
+# multiplies than direct (F(2x2): 2.25x) and measured 0.6-0.75x the time of F(2x2) on the
+# 64-channel stack and SqueezeNet's expand convs, but its float32 error grows with C: max |err| /
+# max |y| vs onnxruntime, random He-scaled 3x3 pad-1 layers (C -> C, x ~ N(0, 1), 7x7..56x56),
+# F(4x4) vs F(2x2):
+#   C = 16: 2.9e-6 vs 3.7e-7;  64: 5.9e-6 vs 3.7e-7;  128: 9.9e-6 vs 5.5e-7;
+#   256: 8.9e-6 vs 5.7e-7;  512: 1.3e-5..1.5e-5 vs 9.6e-7   (tolerance 1e-4)
+# F(4x4) is opt-in (prepare_conv2d(winograd_tile=4)), and above 256 channels, where a 10x margin
+# would no longer hold, F(2x2) is used regardless. Not the default because tests/test_fire.py
+# checks with atol=1e-5 on outputs up to ~22: F(4x4) is off by 2.5e-5 there (1.1e-6 of max|y|).
+_WINOGRAD4_MAX_CHANNELS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +61,7 @@ class Conv2DPlan:
     auto_pad: str
     clip: tuple  # (lo, hi) as float32
     bias: np.ndarray  # [M] float32, zeros when the node has none
-    method: str  # "winograd" or "im2col"
+    method: str  # "winograd4", "winograd", "depthwise" or "im2col"
     packed: np.ndarray  # weights packed for `method`
     im2col_packed: np.ndarray  # weights packed for im2col: every plan can take that path
 
@@ -69,9 +85,12 @@ def prepare_conv2d(
     activation=None,
     clip_min=-math.inf,
     clip_max=math.inf,
+    winograd_tile=2,
 ):
     """Pack a Conv node's weights once. weight: float32 [M, C/group, kh, kw]; bias: M floats in
-    any shape ([M], [M,1,1], [1,M,1,1]); pads in ONNX order (top, left, bottom, right)."""
+    any shape ([M], [M,1,1], [1,M,1,1]); pads in ONNX order (top, left, bottom, right).
+    winograd_tile: 2 for F(2x2, 3x3), 4 for F(4x4, 3x3) (faster, ~10x larger rounding error,
+    see _WINOGRAD4_MAX_CHANNELS) where a 3x3 stride-1 conv takes the Winograd path."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -99,6 +118,8 @@ def prepare_conv2d(
         lo, hi = 0.0, math.inf
     if not lo <= hi:
         raise ValueError(f"clip_min must be <= clip_max, got {lo} > {hi}")
+    if winograd_tile not in (2, 4):
+        raise ValueError(f"winograd_tile must be 2 or 4, got {winograd_tile!r}")
 
     winograd = (
         (kh, kw) == (3, 3)
@@ -110,7 +131,13 @@ def prepare_conv2d(
     # per group: [Mg, K] with k = (c * kh + i) * kw + j, packed into MR-row panels
     w2d = weight.reshape(group, m // group, cg * kh * kw)
     im2col_packed = np.concatenate([_gemm.pack_a(w2d[g]) for g in range(group)])
-    packed = _winograd.pack_weights(weight) if winograd else im2col_packed
+    method, packed = "im2col", im2col_packed
+    if group > 1 and cg == 1 and m == group:
+        method, packed = "depthwise", np.ascontiguousarray(weight.reshape(m, kh, kw))
+    if winograd and winograd_tile == 4 and cg <= _WINOGRAD4_MAX_CHANNELS:
+        method, packed = "winograd4", _winograd4.pack_weights(weight)
+    elif winograd:
+        method, packed = "winograd", _winograd.pack_weights(weight)
     return Conv2DPlan(
         out_channels=m,
         in_channels=cg * group,
@@ -122,7 +149,7 @@ def prepare_conv2d(
         auto_pad=auto_pad,
         clip=(np.float32(lo), np.float32(hi)),
         bias=bias,
-        method="winograd" if winograd else "im2col",
+        method=method,
         packed=packed,
         im2col_packed=im2col_packed,
     )
@@ -163,10 +190,38 @@ def _check_out(out, shape, x):
         raise ValueError(f"out must be a writeable NCHW array or channel slice; {out.strides}")
     if np.may_share_memory(out, x):
         raise ValueError("out must not overlap the input x")
-    # The same memory seen as [N, M, OH*OW], the flat pixel index the kernels write.
-    return np.lib.stride_tricks.as_strided(
-        out, (shape[0], shape[1], oh * ow), (out.strides[0], out.strides[1], item)
-    )
+    # The same memory seen as [N, M, OH*OW], the flat pixel index the kernels write. Setting
+    # .shape on a view never copies (as_strided did the same at ~10 us per call); the plane
+    # check above guarantees the merge of OH and OW is possible.
+    out3 = out.view()
+    out3.shape = (shape[0], shape[1], oh * ow)
+    return out3
+
+
+def m_splits(tile_panels, m):
+    """Into how many channel-panel ranges to split each tile panel so that every thread gets
+    work: with fewer tile panels than 2 per thread (a 13x13 image is one F(4x4) panel) the
+    input transform is repeated per range rather than leaving a core idle."""
+    want, n_mb = 2 * get_threads(), -(-m // _gemm.MR)
+    return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
+
+
+def _panel_blocks(images, panels, k, m, direct):
+    """Pixel-panel blocks per image and group for the im2col path (see im2col_conv).
+
+    Measured (2 threads, min of 40 interleaved runs; medians were 2-4x noisier on the shared
+    machine): 3 -> 64 3x3/2 at 224: 1 panel per block 1.75 ms, 16 blocks 1.35 ms (the output
+    rows are written in runs of a block, not 64 B per channel); 512 -> 1000 1x1 at 13x13: 11
+    blocks 3.73 ms, 4 blocks 3.32 ms (weights streamed 4x, not 11x); 1x1 64 -> 16 at 55x55:
+    in place (direct, 1 panel per block) 0.18 ms, packed blocks 0.43 ms.
+    """
+    threads = get_threads()
+    big_a = m * k * 4 > (256 << 10)
+    if direct and not big_a:
+        return panels
+    per_l2 = max(1, (256 << 10) // (k * _gemm.NR * 4))  # packed block within half of L2
+    balance = -(-(2 if big_a else 8) * threads // images)
+    return min(panels, max(balance, -(-panels // per_l2)))
 
 
 def conv2d_bias_act(x, plan, out=None):
@@ -193,10 +248,22 @@ def conv2d_bias_act(x, plan, out=None):
         # Winograd mixes the pixels of a tile before multiplying: one inf or NaN input would
         # poison all four outputs of its tile, where a direct convolution poisons only the
         # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would.
-        if plan.method == "winograd" and _winograd.all_finite(x):
-            _winograd.winograd_conv(x, plan.packed, plan.bias, out3, pt, pl, *shape[2:], lo, hi)
+        if plan.method in ("winograd4", "winograd") and _winograd.all_finite(x):
+            m = 4 if plan.method == "winograd4" else 2
+            tiles = -(-shape[2] // m) * -(-shape[3] // m)
+            n_ms = m_splits(shape[0] * -(-tiles // _gemm.NR), shape[1])
+            run = _winograd4.winograd4_conv if m == 4 else _winograd.winograd_conv
+            run(x, plan.packed, plan.bias, out3, pt, pl, *shape[2:], lo, hi, n_ms)
+        elif plan.method == "depthwise":
+            (sh, sw), (dh, dw) = plan.strides, plan.dilations
+            _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, sh, sw, dh, dw, pt, pl,
+                                      shape[3], lo, hi)  # fmt: skip
         else:
             (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+            direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x.shape[2:]
+            k = plan.in_channels // plan.group * kh * kw
+            n_blk = _panel_blocks(shape[0] * plan.group, -(-shape[2] * shape[3] // _gemm.NR), k,
+                                  plan.out_channels // plan.group, direct)  # fmt: skip
             _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, kh, kw, sh, sw, dh, dw,
-                                pt, pl, shape[3], plan.group, lo, hi)  # fmt: skip
+                                pt, pl, shape[3], plan.group, lo, hi, n_blk, direct)  # fmt: skip
     return out

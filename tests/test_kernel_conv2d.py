@@ -83,15 +83,24 @@ CASES = {
     "pad_gt_kernel": (1, 4, 5, 5, 6, 2, 2, S1, (3, 4, 3, 2), S1, 1, NO, True, "relu"),
     "1x1_batch2": (2, 16, 9, 7, 24, 1, 1, S1, P0, S1, 1, NO, True, "clip"),
     "7x7_stride2": (1, 3, 17, 15, 8, 7, 7, S2, (3, 3, 3, 3), S1, 1, NO, True, "relu"),
+    "panel_blocks": (1, 3, 41, 40, 8, 3, 3, S2, P1, S1, 1, NO, True, "relu"),  # 2+ panels/item
+    "1x1_big_weights": (1, 300, 9, 9, 240, 1, 1, S1, P0, S1, 1, NO, True, "relu"),  # blocks
+    "1x1_direct_odd": (2, 24, 7, 5, 20, 1, 1, S1, P0, S1, 2, NO, True, None),  # group 2
     "rect_aniso": (1, 5, 11, 10, 7, 3, 2, (1, 2), (1, 0, 2, 1), (2, 1), 1, NO, False, None),
     "group2": (1, 8, 10, 10, 6, 3, 3, S1, P1, S1, 2, NO, True, "relu"),
     "group32": (1, 64, 9, 9, 64, 3, 3, S1, P1, S1, 32, NO, True, "clip"),
     "depthwise_s2": (2, 16, 12, 12, 16, 3, 3, S2, P1, S1, 16, NO, True, None),
     "depthwise_dil2": (1, 8, 11, 9, 8, 3, 3, S1, (2, 2, 2, 2), S2, 8, NO, False, "relu"),
+    "depthwise_5x3_s12": (2, 6, 9, 13, 6, 5, 3, (1, 2), (0, 3, 4, 1), S1, 6, NO, True, "clip"),
+    "depthwise_pad_gt": (1, 4, 3, 4, 4, 2, 2, (3, 2), (4, 1, 5, 6), (1, 3), 4, NO, True, None),
+    "depthwise_x2": (1, 4, 8, 8, 8, 3, 3, S1, P1, S1, 4, NO, True, "relu"),  # multiplier 2
     "wino_batch3": (3, 16, 13, 11, 18, 3, 3, S1, P1, S1, 1, NO, True, "relu"),
     "wino_nopad_odd": (1, 8, 9, 12, 8, 3, 3, S1, P0, S1, 1, NO, False, None),
     "wino_bigpad": (1, 12, 6, 5, 10, 3, 3, S1, (3, 2, 4, 5), S1, 1, NO, True, "clip"),
     "wino_64ch_56": (1, 64, 56, 56, 64, 3, 3, S1, P1, S1, 1, NO, True, "relu"),
+    "wino_13x13_m_split": (1, 32, 13, 13, 40, 3, 3, S1, P1, S1, 1, NO, True, "relu"),
+    "wino2_264ch": (2, 264, 7, 9, 12, 3, 3, S1, P1, S1, 1, NO, True, "relu"),
+    "wino2_264ch_nopad": (1, 264, 6, 5, 9, 3, 3, S1, P0, S1, 1, NO, False, "clip"),
     "valid": (1, 3, 10, 11, 4, 3, 3, S2, P0, S1, 1, "VALID", True, None),
     "same_upper_s2": (1, 3, 10, 11, 4, 3, 3, S2, P0, S1, 1, "SAME_UPPER", True, None),
     "same_lower_s2": (1, 3, 10, 11, 4, 4, 4, S2, P0, S1, 1, "SAME_LOWER", True, None),
@@ -149,14 +158,41 @@ def test_conv_matches_naive_and_onnxruntime(name):
     np.testing.assert_allclose(got, ort_y, rtol=RTOL, atol=ATOL)
 
 
+WINO = [name for name in CASES if name.startswith(("wino", "same_upper_wino"))]
+
+
+@pytest.mark.parametrize("name", WINO)
+def test_winograd_f4_matches_naive_and_onnxruntime(name):
+    """F(4x4, 3x3), opt-in: ~10x the rounding error of F(2x2), still far inside 1e-4."""
+    x, wt, b, kwargs = make_case(CASES[name])
+    plan = prepare_conv2d(wt, b, winograd_tile=4, **kwargs)
+    assert plan.method == ("winograd" if x.shape[1] > 256 else "winograd4")
+    got = conv2d_bias_act(x, plan)
+    _, pads = output_shape(x.shape, plan)
+    lo, hi = {None: (-math.inf, math.inf), "relu": (0, math.inf), "clip": CLIP}[
+        kwargs["activation"]
+    ]
+    want = naive_conv(x, wt, b, (1, 1), pads, (1, 1), 1, lo, hi)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    ort_y = ort_conv(x, wt, b, onnx_attrs(wt, kwargs), kwargs["activation"])
+    np.testing.assert_allclose(got, ort_y, rtol=RTOL, atol=ATOL)
+
+
 def test_plan_picks_winograd_only_where_it_applies():
-    assert prepare_conv2d(make_case(CASES["wino_64ch_56"])[1], pads=(1,) * 4).method == "winograd"
-    for name in ("odd_stride2_dil2", "group32", "depthwise_s2", "1x1_batch2"):
+    w64 = make_case(CASES["wino_64ch_56"])[1]
+    assert prepare_conv2d(w64, pads=(1,) * 4).method == "winograd"
+    assert prepare_conv2d(w64, pads=(1,) * 4, winograd_tile=4).method == "winograd4"
+    w264 = make_case(CASES["wino2_264ch"])[1]
+    assert prepare_conv2d(w264, pads=(1,) * 4, winograd_tile=4).method == "winograd"
+    for name in ("odd_stride2_dil2", "group32", "1x1_batch2", "depthwise_x2"):
         x, wt, b, kwargs = make_case(CASES[name])
         assert prepare_conv2d(wt, b, **kwargs).method == "im2col", name
+    for name in ("depthwise_s2", "depthwise_dil2"):
+        x, wt, b, kwargs = make_case(CASES[name])
+        assert prepare_conv2d(wt, b, **kwargs).method == "depthwise", name
 
 
-@pytest.mark.parametrize("name", ["wino_batch3", "odd_stride2_dil2", "group2"])
+@pytest.mark.parametrize("name", ["wino_batch3", "wino2_264ch", "odd_stride2_dil2", "group2"])
 def test_out_channel_slice_of_concat_buffer(name):
     """Two branches written straight into one [N, Mtotal, OH, OW] buffer (a Fire-module concat)."""
     x, wt, b, kwargs = make_case(CASES[name])
@@ -185,14 +221,15 @@ def test_preallocated_out_and_bias_shapes():
         np.testing.assert_array_equal(out, ref)
 
 
-@pytest.mark.parametrize("case", ["7x7_stride2", "wino_64ch_56"])
+@pytest.mark.parametrize("case", ["7x7_stride2", "wino_64ch_56", "wino2_264ch", "depthwise_s2"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_nan_and_inf_propagate_like_onnxruntime(case, bad):
+@pytest.mark.parametrize("tile", [2, 4])
+def test_nan_and_inf_propagate_like_onnxruntime(case, bad, tile):
     """Only the outputs whose window holds the bad input are affected, on every path
     (Winograd would spread it over its whole tile, so such inputs take the im2col path)."""
     x, wt, b, kwargs = make_case(CASES[case])
     x[0, 1, 4, 6] = bad
-    got = conv2d_bias_act(x, prepare_conv2d(wt, b, **kwargs))
+    got = conv2d_bias_act(x, prepare_conv2d(wt, b, winograd_tile=tile, **kwargs))
     want = ort_conv(x, wt, b, onnx_attrs(wt, kwargs), kwargs["activation"])
     assert not np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
@@ -225,6 +262,7 @@ X = np.ones((1, 2, 5, 5), np.float32)
         (lambda: prepare_conv2d(W3, pads=(1, 1)), "pads"),
         (lambda: prepare_conv2d(W3, auto_pad="SAME"), "auto_pad"),
         (lambda: prepare_conv2d(W3, activation="gelu"), "activation"),
+        (lambda: prepare_conv2d(W3, winograd_tile=3), "winograd_tile"),
         (lambda: prepare_conv2d(W3, activation="clip", clip_min=1.0, clip_max=0.0), "clip_min"),
     ],
 )  # fmt: skip

@@ -1,0 +1,198 @@
+"""Winograd F(4x4, 3x3) path for 3x3, stride 1, dilation 1, group 1 convolutions.
+
+Each 4x4 output tile comes from a 6x6 input patch d (Lavin & Gray 2015, points 0, +-1, +-2):
+
+    Y = A^T [ sum_c (G g_c G^T) * (B^T d_c B) ] A        (* is elementwise over 6x6)
+
+    B^T = [[4,  0, -5,  0, 1, 0],      G = [[ 1/4,     0,    0],
+           [0, -4, -4,  1, 1, 0],           [-1/6,  -1/6, -1/6],
+           [0,  4, -4, -1, 1, 0],           [-1/6,   1/6, -1/6],
+           [0, -2, -1,  2, 1, 0],           [1/24,  1/12,  1/6],
+           [0,  2, -1, -2, 1, 0],           [1/24, -1/12,  1/6],
+           [0,  4,  0, -5, 0, 1]]           [   0,     0,    1]]
+    A^T = [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]
+
+36 GEMMs U[xi] [M, C] x V[xi] [C, tiles]: 36 multiplies per 16 outputs, 4x fewer than direct
+(F(2x2) is 2.25x) and the input is gathered 2.25 values per output instead of 4. The price is
+accuracy: the transforms scale by up to 8 (A) and 5 (B), so float32 rounding grows; measured max
+|error| / max |y| vs onnxruntime 3e-6 (C = 16) .. 1.5e-5 (C = 512), F(2x2) ~10x less (see the
+note at conv2d._WINOGRAD4_MAX_CHANNELS); so it is opt-in. U is computed once in float64 at
+prepare time.
+
+Same one-pass structure as F(2x2) (_winograd.py): a work item takes NR tiles, transforms their
+patches for all C channels into a private V [36, C + 1, NR], runs the 36 GEMMs per channel panel
+and writes the outputs.
+"""
+
+import numba
+import numpy as np
+
+from ._gemm import MR, NR, act, add8, fma8, load8, microkernel, pack_a, store8, sub8
+from ._winograd import gather_tile
+from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
+
+_G = np.array(
+    [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+     [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]
+)  # fmt: skip
+_F2, _F4, _F5, _F8 = np.float32(2.0), np.float32(4.0), np.float32(5.0), np.float32(8.0)
+
+
+def pack_weights(weight):
+    """U[xi] = (G g G^T)[xi] for every (m, c), packed as GEMM A-panels [M/MR, 36, C, MR], flat."""
+    u = np.einsum("ai,mcij,bj->abmc", _G, weight.astype(np.float64), _G).astype(np.float32)
+    c = weight.shape[1]
+    panels = [pack_a(u[a, b]).reshape(-1, c * MR) for a in range(6) for b in range(6)]
+    return np.ascontiguousarray(np.stack(panels, axis=1)).ravel()
+
+
+@numba.jit(**INLINE_GEMM)
+def _bt6(z0, z1, z2, z3, z4, z5):
+    """B^T z for six 8-tuples z (one column or row of 8 patches)."""
+    s12, d12 = add8(z1, z2), sub8(z1, z2)
+    s34, d43 = add8(z3, z4), sub8(z4, z3)
+    e, f = sub8(z4, z2), sub8(z3, z1)
+    return (
+        fma8(fma8(z4, _F4, z0), -_F5, z2),
+        fma8(s34, -_F4, s12),
+        fma8(d43, _F4, d12),
+        fma8(e, _F2, f),
+        fma8(e, -_F2, f),
+        fma8(fma8(z5, _F4, z1), -_F5, z3),
+    )
+
+
+@numba.jit(**INLINE_GEMM)
+def _at6(m0, m1, m2, m3, m4, m5):
+    """A^T m for six 8-tuples m."""
+    s12, d12 = add8(m1, m2), sub8(m1, m2)
+    s34, d34 = add8(m3, m4), sub8(m3, m4)
+    return (
+        add8(add8(m0, s12), s34),
+        fma8(d12, _F2, d34),
+        fma8(s12, _F4, s34),
+        add8(fma8(d12, _F8, d34), m5),
+    )
+
+
+@numba.jit(**JIT)
+def _gather(src, t0, t_len, tw_len, pt, pl, h, w, org, d):
+    """d[6 i + j, q] = the 6x6 input patch of tile t0 + q. Interior tiles (org[q] >= 0, the
+    patch's flat offset, computed once per panel: an integer division per tile and channel cost
+    more than the loads) are unrolled; edge tiles go through gather_tile."""
+    for q in range(NR):
+        o = org[q]
+        if o >= 0:
+            row = src[o:]
+            for i in range(6):
+                k = 6 * i
+                d[k, q], d[k + 1, q], d[k + 2, q] = row[0], row[1], row[2]
+                d[k + 3, q], d[k + 4, q], d[k + 5, q] = row[3], row[4], row[5]
+                row = row[w:]
+        else:
+            gather_tile(src, t0 + q, t_len, tw_len, pt, pl, h, w, 4, d, q)
+
+
+@numba.jit(**JIT_GEMM)
+def _transform_panel(d, v, c):
+    """v[:, c] = B^T d B for the NR patches in d[:36] (row 6 i + j = patch pixel (i, j)),
+    8 patches per ymm register; d[36:72] holds the rows of B^T d."""
+    for q in range(0, NR, 8):
+        for j in range(6):
+            t = _bt6(load8(d[j], q), load8(d[6 + j], q), load8(d[12 + j], q),
+                     load8(d[18 + j], q), load8(d[24 + j], q), load8(d[30 + j], q))  # fmt: skip
+            for k in range(6):  # unrolled by LLVM: tuple index must be constant
+                store8(d[36 + 6 * k + j], q, t[k])
+        for k in range(6):
+            r = 36 + 6 * k
+            t = _bt6(load8(d[r], q), load8(d[r + 1], q), load8(d[r + 2], q),
+                     load8(d[r + 3], q), load8(d[r + 4], q), load8(d[r + 5], q))  # fmt: skip
+            for j in range(6):
+                store8(v[6 * k + j, c], q, t[j])
+
+
+@numba.jit(**JIT_GEMM)
+def _output_transform(mt, i, ys):
+    """ys[4 r + s, q] = (A^T M A)[r, s] for the NR tiles of output channel row i of mt."""
+    for q in range(0, NR, 8):
+        for j in range(6):
+            m0, m1, m2 = load8(mt[j, i], q), load8(mt[6 + j, i], q), load8(mt[12 + j, i], q)
+            m3, m4 = load8(mt[18 + j, i], q), load8(mt[24 + j, i], q)
+            t = _at6(m0, m1, m2, m3, m4, load8(mt[30 + j, i], q))
+            for r in range(4):
+                store8(ys[16 + 6 * r + j], q, t[r])
+        for r in range(4):
+            k = 16 + 6 * r
+            t = _at6(load8(ys[k], q), load8(ys[k + 1], q), load8(ys[k + 2], q),
+                     load8(ys[k + 3], q), load8(ys[k + 4], q), load8(ys[k + 5], q))  # fmt: skip
+            for s in range(4):
+                store8(ys[4 * r + s], q, t[s])
+
+
+@numba.jit(**JIT)
+def _store_tiles(ys, dst, dsto, b, lo, hi):
+    """dst[dsto[q] + r * OW + s] = act(ys[4 r + s, q] + b) for the tiles' valid outputs; dsto
+    [3, NR] holds per tile the flat offset, valid rows and columns (0 past the last tile)."""
+    ow_len = dsto[3, 0]
+    for q in range(NR):
+        p, rows, cols = dsto[0, q], dsto[1, q], dsto[2, q]
+        for r in range(rows):
+            out = dst[p + r * ow_len :]
+            if cols == 4:
+                for s in range(4):
+                    out[s] = act(ys[4 * r + s, q] + b, lo, hi)
+            else:
+                for s in range(cols):
+                    out[s] = act(ys[4 * r + s, q] + b, lo, hi)
+
+
+@numba.jit(**JIT)
+def _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto):
+    """Per tile t0 + q: org[q] = flat input offset of an interior patch (-1 at the edges),
+    dsto[:3, q] = flat output offset, valid rows, valid columns; dsto[3, 0] = OW."""
+    dsto[3, 0] = ow_len
+    for q in range(NR):
+        t = t0 + q
+        y0, x0 = 4 * (t // tw_len), 4 * (t % tw_len)
+        r, s = y0 - pt, x0 - pl
+        inside = t < t_len and r >= 0 and s >= 0 and r + 6 <= h and s + 6 <= w
+        org[q] = r * w + s if inside else -1
+        dsto[0, q] = y0 * ow_len + x0
+        dsto[1, q] = min(4, oh_len - y0) if t < t_len else 0
+        dsto[2, q] = min(4, ow_len - x0)
+
+
+@numba.jit(**PARALLEL)
+def winograd4_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms):
+    """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(4x4, 3x3); each tile panel's
+    channel panels are split into n_ms ranges (see conv2d.m_splits)."""
+    n_len, c_len, h, w = x.shape
+    m_len = out3.shape[1]
+    tw_len = (ow_len + 3) // 4
+    t_len = ((oh_len + 3) // 4) * tw_len
+    n_pan = (t_len + NR - 1) // NR
+    n_mb = (m_len + MR - 1) // MR
+    x3 = x.reshape(n_len, c_len, h * w)
+    mb_per = (n_mb + n_ms - 1) // n_ms
+    # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
+    for item in numba.prange(n_len * n_pan * n_ms):
+        n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
+        t0 = tp * NR
+        v = np.empty((36, c_len + 1, NR), np.float32)  # + 1 row: no 4 KiB stride (_winograd)
+        d = np.empty((72, NR), np.float32)
+        mt = np.empty((36, MR, NR), np.float32)
+        ys = np.empty((40, NR), np.float32)
+        org = np.empty(NR, np.int64)
+        dsto = np.empty((4, NR), np.int64)
+        _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto)
+        for c in range(c_len):
+            _gather(x3[n, c], t0, t_len, tw_len, pt, pl, h, w, org, d)
+            _transform_panel(d, v, c)
+        for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
+            for xi in range(36):
+                ao = (mb * 36 + xi) * c_len * MR
+                microkernel(u_packed[ao : ao + c_len * MR], v[xi].reshape(-1), c_len, mt[xi])
+            m0 = mb * MR
+            for i in range(min(MR, m_len - m0)):
+                _output_transform(mt, i, ys)
+                _store_tiles(ys, out3[n, m0 + i], dsto, bias[m0 + i], lo, hi)
