@@ -4,15 +4,23 @@ Per batch size, interleaved round by round after warm-up, 2 threads everywhere:
   fused       fusion.Session (LSTMCell + LSTMSequence) on the unrolled PyTorch-style graph
   ort-unroll  onnxruntime ORT_ENABLE_ALL on the same unrolled graph
   ort-lstm    onnxruntime ORT_ENABLE_ALL on the native ONNX LSTM op with the same weights
-and, in the same run (in its own phase: OpenBLAS threads spin after a call and would slow the
-others down), the machine's SGEMM: numpy (OpenBLAS) matmul of 512 x 512 x 512. It prints
-medians (us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and checks that the outputs
-agree within 1e-5.
+  sgemm       the machine's SGEMM on the same work as one product: numpy (OpenBLAS, 2 threads)
+              [T B, I + H] x [I + H, 4H], no recurrence in the way
+all in the same rounds, so load from other processes hits them alike. OpenBLAS threads spin for
+a while after a call and would slow the next run down, so each round's SGEMM is followed by a
+pause (not timed). It prints medians (us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and
+checks that the outputs agree within 1e-5.
 
-    .venv/bin/python bench/lstm.py [--rounds 30] [--steps 16] [--batch 1 16]
+    .venv/bin/python bench/lstm.py [--rounds 30] [--steps 16] [--batch 1 16] [--baseline DIR]
+
+--baseline DIR adds "fused-base": the same Session with DIR's kernels/ package (for example a
+`git archive HEAD | tar -x -C DIR` of the last commit) standing in for kernels.lstm while the
+session is built, so an old and a new kernel are measured side by side in the same rounds.
 """
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -38,6 +46,24 @@ def ort_session(model):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+@contextlib.contextmanager
+def baseline_kernels(directory):
+    """Import DIR/kernels as package "baseline_kernels" and let `kernels.lstm` name its lstm."""
+    name = "baseline_kernels"
+    if name not in sys.modules:
+        init = os.path.join(directory, "kernels", "__init__.py")
+        spec = importlib.util.spec_from_file_location(name, init)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    base = importlib.import_module(f"{name}.lstm")
+    current = sys.modules.get("kernels.lstm")
+    sys.modules["kernels.lstm"] = base
+    try:
+        yield
+    finally:
+        sys.modules["kernels.lstm"] = current
+
+
 def timed(fn, repeat):
     start = time.perf_counter()
     for _ in range(repeat):
@@ -45,13 +71,10 @@ def timed(fn, repeat):
     return (time.perf_counter() - start) / repeat
 
 
-def sgemm_gflops(rounds):
-    a = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
-    timed(lambda: a @ a, 5)
-    return 2 * 512**3 / statistics.median(timed(lambda: a @ a, 5) for _ in range(rounds)) / 1e9
+SGEMM_PAUSE = 0.25  # s; OpenBLAS idles its threads after about 2^28 cycles of spinning
 
 
-def bench_batch(batch, steps, rounds, weights, catalog, sgemm):
+def bench_batch(batch, steps, rounds, weights, catalog, baseline=None):
     unrolled = unrolled_lstm(weights, steps, batch)
     rng = np.random.default_rng(0)
     feeds = {
@@ -67,27 +90,38 @@ def bench_batch(batch, steps, rounds, weights, catalog, sgemm):
         "ort-unroll": lambda: ort_unroll.run(None, feeds),
         "ort-lstm": lambda: ort_lstm.run(None, feeds),
     }
+    if baseline:
+        with baseline_kernels(baseline):
+            base = Session(unrolled, threads=THREADS, catalog=catalog)
+        runs["fused-base"] = lambda: base.run(None, feeds)
+    rng_g = np.random.default_rng(1)
+    a = rng_g.standard_normal((steps * batch, INPUT + HIDDEN)).astype(np.float32)
+    b = rng_g.standard_normal((INPUT + HIDDEN, 4 * HIDDEN)).astype(np.float32)
     want = ort_unroll.run(None, feeds)
-    for name in ("fused", "ort-lstm"):
+    for name in runs:
         err = max(float(np.abs(g - w).max()) for g, w in zip(runs[name](), want, strict=True))
         assert err <= 1e-5, f"{name}: max abs error {err:.2e} vs onnxruntime"
     for fn in runs.values():  # warm-up
         timed(fn, 5)
-    times = {name: [] for name in runs}
+    timed(lambda: a @ b, 5)
+    times = {name: [] for name in (*runs, "sgemm")}
     repeat = 20 if batch == 1 else 5
     for _ in range(rounds):
         for name, fn in runs.items():
             times[name].append(timed(fn, repeat))
+        times["sgemm"].append(timed(lambda: a @ b, repeat))
+        time.sleep(SGEMM_PAUSE)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     flops = 2 * steps * batch * (INPUT + HIDDEN) * 4 * HIDDEN
     print(f"\nbatch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads")
     print(f"{'':<11} {'median us':>10} {'GFLOP/s':>8} {'x sgemm':>8}")
-    for name in ("fused", "ort-unroll", "ort-lstm"):
+    for name in (*runs, "sgemm"):
         gf = flops / med[name] / 1e9
-        print(f"{name:<11} {med[name] * 1e6:>10.1f} {gf:>8.2f} {gf / sgemm:>8.2f}")
-    print(f"{'sgemm':<11} {'':>10} {sgemm:>8.2f} {1:>8.2f}")
+        print(f"{name:<11} {med[name] * 1e6:>10.1f} {gf:>8.2f} {med['sgemm'] / med[name]:>8.2f}")
     print(f"fused vs ort-unroll: {med['ort-unroll'] / med['fused']:.2f}x faster")
     print(f"fused vs ort-lstm:   {med['ort-lstm'] / med['fused']:.2f}x faster")
+    if baseline:
+        print(f"fused vs fused-base: {med['fused-base'] / med['fused']:.2f}x faster")
     print("fused profile (us):\n" + str(fused.profile(feeds, repeat=50)))
 
 
@@ -96,14 +130,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--baseline", help="a checkout whose kernels/ to compare against")
     args = ap.parse_args()
     weights = LSTMWeights.random(INPUT, HIDDEN, seed=0)
     catalog = fusion.default_catalog()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    sgemm = sgemm_gflops(args.rounds)
-    print(f"sgemm 512^3, {THREADS} OpenBLAS threads: {sgemm:.1f} GFLOP/s")
     for batch in args.batch:
-        bench_batch(batch, args.steps, args.rounds, weights, catalog, sgemm)
+        bench_batch(batch, args.steps, args.rounds, weights, catalog, args.baseline)
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

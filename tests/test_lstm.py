@@ -168,3 +168,69 @@ def test_kernel_validates_shapes():
         lstm_sequence(np.zeros((1, 1, 4), np.float32), np.zeros((1, 2)), np.zeros((1, 2)), plan)
     with pytest.raises(ValueError, match=r"c0 must be \[1, 2\]"):
         lstm_sequence(np.zeros((1, 1, 3), np.float32), np.zeros((1, 2)), np.zeros((2, 2)), plan)
+
+
+# Kernel paths: batch 1 runs a GEMV per block, batch > 1 the 4x16 micro-kernel per group of 4
+# rows (a last, partial group is zero-padded); one thread runs everything in order, two share
+# one parallel region whose threads claim items and finish any item still open.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "steps, batch, size, hidden",
+    [(5, 1, 20, 130), (3, 5, 17, 67), (4, 16, 24, 40), (1, 1, 128, 256), (2, 3, 8, 512)],
+)
+def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypatch):
+    import numba
+
+    from kernels import lstm as kernel
+
+    monkeypatch.setattr(kernel, "SERIAL_MACS_PER_STEP", 0)  # threads=2: always parallel
+    w = LSTMWeights.random(size, hidden, seed=5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((steps, batch, size)).astype(np.float32)
+    h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
+    plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+    old = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        got = lstm_sequence(x, h0, c0, plan)
+    finally:
+        numba.set_num_threads(old)
+    for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
+        assert g.flags.c_contiguous and g.shape == (steps, batch, hidden)
+        np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_a_late_thread_delays_nobody(batch):
+    """Part 0 never runs, after claiming the first item of every stage: part 1 alone claims
+    the rest of part 0's run and recomputes the claimed, unfinished items."""
+    from kernels import lstm as kernel
+
+    steps, size, hidden = 3, 9, 20
+    w = LSTMWeights.random(size, hidden, seed=7)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((steps, batch, size)).astype(np.float32)
+    h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
+    plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+    hs = np.zeros((steps + 1, batch, plan.wh.shape[0] * kernel.U), np.float32)
+    cs = np.zeros_like(hs)
+    hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
+    xp, wx, wh, bias, gx, hp, claims, done = kernel._buffers(x, hs, plan, parts=2)
+    claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
+    kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
+    assert done.all()
+    got = (hs[1:, :, :hidden], cs[1:, :, :hidden])
+    for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
+        np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
+
+
+def test_kernel_keeps_nan():
+    """A NaN in one batch row stays NaN in that row's outputs (the gate math clamps with
+    compares, not min/max) and does not leak into the other rows."""
+    w = LSTMWeights.random(6, 16, seed=9)
+    x = np.ones((2, 3, 6), np.float32)
+    x[0, 1, 2] = np.nan
+    h0 = c0 = np.zeros((3, 16), np.float32)
+    hs, cs = lstm_sequence(x, h0, c0, prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb))
+    assert np.isnan(hs[:, 1]).all() and np.isnan(cs[:, 1]).all()
+    assert np.isfinite(hs[:, [0, 2]]).all() and np.isfinite(cs[:, [0, 2]]).all()
