@@ -9,8 +9,8 @@ config.GEMM_FASTMATH). Measured single-core on this machine: 4x16 ~33-38 GFLOP/s
 6x8 ~31, 8x8 ~31 (K = 64 and 576); the scalar form without SLP was ~3.
 
 Two entry points: microkernel returns the raw tile (Winograd transforms it further);
-gemm_tile reads B with any row stride and fuses bias + activation into the stores (im2col and
-1x1 convolutions). Both want their operands as views starting at index 0 (see microkernel).
+gemm_tile fuses bias + activation into the stores (im2col and 1x1 convolutions).
+Both want their operands as views starting at index 0 (see microkernel).
 """
 
 import numba
@@ -102,21 +102,20 @@ def _store_act8(dst, q, r, b, lo, hi):
                     _act1(r[6], b, lo, hi), _act1(r[7], b, lo, hi)))  # fmt: skip
 
 
-@numba.jit(**INLINE_GEMM)
-def gemm_tile(a, b, ldb, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
+@numba.jit(**JIT_GEMM)
+def gemm_tile(a, b, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
     """out3[n, m0 + i, p0 + j] = act(sum_k A[k, i] B[k, j] + bias[m0 + i]) for i < rows, j < cols.
 
-    B is read in place: element (k, j) at b[k * ldb + j], so a packed panel (ldb = NR) and a
-    1x1 convolution's input rows (ldb = OH * OW, no im2col copy) are the same call. A full
-    4x16 tile gets bias and activation in registers and is stored straight to out3 (the
-    scalar store_tile epilogue cost as much as the FMAs at K = 16); a partial tile goes
-    through `tile` and store_tile.
+    a and b are packed panels (views starting at 0, see microkernel). A full 4x16 tile gets
+    bias and activation in registers and is stored straight to out3 (the scalar store_tile
+    epilogue cost as much as the FMAs at K = 16); a partial tile goes through `tile` and
+    store_tile. A separate function, not inlined at the Numba level: inlined into the parallel
+    im2col driver twice it took that driver 350 s to compile (now a few seconds).
     """
     z = np.float32(0.0)
     r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
     for k in range(k_len):
-        row = b[k * ldb :]  # a view per row: its loads have constant indices (no wraparound)
-        lo8, hi8 = load8(row, 0), load8(row, 8)
+        lo8, hi8 = load8(b, NR * k), load8(b, NR * k + 8)
         q = MR * k
         a0, a1, a2, a3 = a[q], a[q + 1], a[q + 2], a[q + 3]
         r0, s0 = fma8(r0, a0, lo8), fma8(s0, a0, hi8)

@@ -65,19 +65,32 @@ def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
                 k += 1
 
 
+@numba.jit(**JIT)
+def _copy_panel(src, p_len, p0, k_len, dst):
+    """dst[k * NR + q] = src[k * p_len + p0 + q], zero past P: the B panel of a 1x1, stride-1,
+    unpadded convolution, whose input [C, H*W] already is the GEMM's B matrix (a copy of
+    contiguous rows, no index arithmetic per value)."""
+    cols = min(NR, p_len - p0)
+    for k in range(k_len):
+        s = src[k * p_len + p0 :]
+        d = dst[k * NR : (k + 1) * NR]
+        for q in range(cols):
+            d[q] = s[q]
+        for q in range(cols, NR):
+            d[q] = 0.0
+
+
 @numba.jit(**PARALLEL)
 def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, group, lo, hi,
                 n_blk, direct):  # fmt: skip
     """out3[N, M, OH*OW] = act(conv(x) + bias); a_packed is [group, ceil(Mg/MR), K, MR] flat.
 
-    n_blk: pixel-panel blocks per image and group (one work item each). With one panel per
-    block (n_blk = number of panels) a panel is packed and every channel panel swept over it
-    while it sits in L1, the weights coming from L2. With bigger blocks (chosen by the wrapper
-    when the weights do not fit in L2) the block is packed first and each channel panel of
-    weights is swept over all of its panels, so the weights stream from L3 once per block rather
-    than once per panel (512 -> 1000 channels at 13x13: 2 MB of weights, 11 panels).
-    direct: a 1x1, stride-1, unpadded convolution reads its full panels in place (the input
-    [C, H*W] is the GEMM's B matrix): no packing. Only with one panel per block.
+    n_blk: pixel-panel blocks per image and group (one work item each). A work item packs its
+    block of input panels, then sweeps every channel panel of weights over all of them: each
+    input panel is gathered once and reused Mg / MR times, and the weights are read once per
+    block (from L3 when they do not fit in L2: 512 -> 1000 channels is 2 MB). The wrapper sizes
+    the blocks so that they stay within half of L2 (see conv2d._panel_blocks).
+    direct: a 1x1, stride-1, unpadded convolution: panels are plain row copies (_copy_panel).
     """
     n_len, c_len, h, w = x.shape
     m_len, p_len = out3.shape[1], out3.shape[2]
@@ -95,28 +108,17 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
         pan1 = min(n_pan, pan0 + per_blk)
         tile = np.empty((MR, NR), np.float32)
         panels = np.empty((max(1, pan1 - pan0), k_len * NR), np.float32)
-        a_g = a_packed[g * n_mb * k_len * MR :]
-        if pan1 - pan0 == 1:
-            p0 = pan0 * NR
-            cols = min(NR, p_len - p0)
-            if direct and cols == NR:
-                b, ldb = xf[n, g * cg * p_len + p0 :], p_len
+        for pn in range(pan0, pan1):
+            if direct:
+                _copy_panel(xf[n, g * cg * p_len :], p_len, pn * NR, k_len, panels[pn - pan0])
             else:
-                b, ldb = panels[0], NR
-                _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
-                            b)  # fmt: skip
-            for mb in range(n_mb):
-                m0 = mb * MR
-                gemm_tile(a_g[mb * k_len * MR :], b, ldb, k_len, out3, n, g * mg + m0,
-                          min(MR, mg - m0), p0, cols, bias, lo, hi, tile)  # fmt: skip
-        else:
-            for pn in range(pan0, pan1):
                 _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len,
                             pn * NR, panels[pn - pan0])  # fmt: skip
-            for mb in range(n_mb):
-                m0 = mb * MR
-                for pn in range(pan0, pan1):
-                    p0 = pn * NR
-                    gemm_tile(a_g[mb * k_len * MR :], panels[pn - pan0], NR, k_len, out3, n,
-                              g * mg + m0, min(MR, mg - m0), p0, min(NR, p_len - p0), bias, lo,
-                              hi, tile)  # fmt: skip
+        for mb in range(n_mb):
+            m0 = mb * MR
+            a_mb = a_packed[(g * n_mb + mb) * k_len * MR : (g * n_mb + mb + 1) * k_len * MR]
+            for pn in range(pan0, pan1):
+                p0 = pn * NR
+                gemm_tile(a_mb, panels[pn - pan0], k_len, out3, n, g * mg + m0,
+                          min(MR, mg - m0), p0, min(NR, p_len - p0), bias, lo, hi,
+                          tile)  # fmt: skip

@@ -206,21 +206,15 @@ def m_splits(tile_panels, m):
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
 
-def _panel_blocks(images, panels, k, m, direct):
-    """Pixel-panel blocks per image and group for the im2col path (see im2col_conv).
-
-    Measured (2 threads, min of 40 interleaved runs; medians were 2-4x noisier on the shared
-    machine): 3 -> 64 3x3/2 at 224: 1 panel per block 1.75 ms, 16 blocks 1.35 ms (the output
-    rows are written in runs of a block, not 64 B per channel); 512 -> 1000 1x1 at 13x13: 11
-    blocks 3.73 ms, 4 blocks 3.32 ms (weights streamed 4x, not 11x); 1x1 64 -> 16 at 55x55:
-    in place (direct, 1 panel per block) 0.18 ms, packed blocks 0.43 ms.
-    """
+def _panel_blocks(images, panels, k, m):
+    """Pixel-panel blocks per image and group for the im2col path (see im2col_conv): enough
+    blocks that every thread gets several (the last one is often short), few enough that the
+    weights, streamed once per block, are not re-read for every panel, and each packed block
+    stays within half of L2 (256 KiB of Zen1's 512)."""
     threads = get_threads()
-    big_a = m * k * 4 > (256 << 10)
-    if direct and not big_a:
-        return panels
-    per_l2 = max(1, (256 << 10) // (k * _gemm.NR * 4))  # packed block within half of L2
-    balance = -(-(2 if big_a else 8) * threads // images)
+    per_l2 = max(1, (256 << 10) // (k * _gemm.NR * 4))
+    big_a = m * k * 4 > (256 << 10)  # weights past L2 come from L3: fewer, bigger blocks
+    balance = -(-(2 if big_a else 4) * threads // images)
     return min(panels, max(balance, -(-panels // per_l2)))
 
 
@@ -263,7 +257,7 @@ def conv2d_bias_act(x, plan, out=None):
             direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x.shape[2:]
             k = plan.in_channels // plan.group * kh * kw
             n_blk = _panel_blocks(shape[0] * plan.group, -(-shape[2] * shape[3] // _gemm.NR), k,
-                                  plan.out_channels // plan.group, direct)  # fmt: skip
+                                  plan.out_channels // plan.group)  # fmt: skip
             _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, kh, kw, sh, sw, dh, dw,
                                 pt, pl, shape[3], plan.group, lo, hi, n_blk, direct)  # fmt: skip
     return out
