@@ -95,7 +95,7 @@ def _act1(v, b, lo, hi):
 
 
 @numba.jit(**INLINE_GEMM)
-def _store_act8(dst, q, r, b, lo, hi):
+def store_act8(dst, q, r, b, lo, hi):
     """dst[q : q + 8] = act(r + b): the epilogue on one ymm register (compare + blend)."""
     store8(dst, q, (_act1(r[0], b, lo, hi), _act1(r[1], b, lo, hi), _act1(r[2], b, lo, hi),
                     _act1(r[3], b, lo, hi), _act1(r[4], b, lo, hi), _act1(r[5], b, lo, hi),
@@ -126,14 +126,14 @@ def gemm_tile(a, b, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
         d0, d1 = out3[n, m0, p0:], out3[n, m0 + 1, p0:]
         d2, d3 = out3[n, m0 + 2, p0:], out3[n, m0 + 3, p0:]
         b0, b1, b2, b3 = bias[m0], bias[m0 + 1], bias[m0 + 2], bias[m0 + 3]
-        _store_act8(d0, 0, r0, b0, lo, hi)
-        _store_act8(d0, 8, s0, b0, lo, hi)
-        _store_act8(d1, 0, r1, b1, lo, hi)
-        _store_act8(d1, 8, s1, b1, lo, hi)
-        _store_act8(d2, 0, r2, b2, lo, hi)
-        _store_act8(d2, 8, s2, b2, lo, hi)
-        _store_act8(d3, 0, r3, b3, lo, hi)
-        _store_act8(d3, 8, s3, b3, lo, hi)
+        store_act8(d0, 0, r0, b0, lo, hi)
+        store_act8(d0, 8, s0, b0, lo, hi)
+        store_act8(d1, 0, r1, b1, lo, hi)
+        store_act8(d1, 8, s1, b1, lo, hi)
+        store_act8(d2, 0, r2, b2, lo, hi)
+        store_act8(d2, 8, s2, b2, lo, hi)
+        store_act8(d3, 0, r3, b3, lo, hi)
+        store_act8(d3, 8, s3, b3, lo, hi)
     else:
         store8(tile[0], 0, r0)
         store8(tile[0], 8, s0)

@@ -27,7 +27,7 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, act, add8, load8, microkernel, pack_a, store8, sub8
+from ._gemm import MR, NR, add8, load8, microkernel, pack_a, store8, store_act8, sub8
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
@@ -110,33 +110,46 @@ def _input_panel(x3, n, t0, t_len, tw_len, pt, pl, h, w, d, v):
         _transform_panel(d, v, c)
 
 
-@numba.jit(**JIT)
-def _output_tiles(mt, out3, n, m0, rows, t0, t_len, tw_len, oh_len, ow_len, bias, lo, hi):
-    """Epilogue: Y = A^T M A for each tile in mt [16, MR, NR], then bias and activation."""
+@numba.jit(**JIT_GEMM)
+def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y):
+    """Epilogue: Y = A^T M A for each tile in mt [16, MR, NR], then bias and activation.
+
+    The transform runs on 8 tiles per ymm register into y [4, NR] (the four outputs of each
+    tile, bias and activation applied), then each tile's 2x2 block is stored at its place:
+    tile q's top-left output is (ty[q], tx[q]); n_t tiles are real. Scalar, this transform
+    cost as much as the 16 GEMMs at C = 16."""
     for i in range(rows):
         b = bias[m0 + i]
+        for q in range(0, NR, 8):
+            # A^T M: rows u (0 + 4 + 8) and l (4 - 8 - 12) of four columns each
+            m4, m5, m6, m7 = (load8(mt[4, i], q), load8(mt[5, i], q), load8(mt[6, i], q),
+                              load8(mt[7, i], q))  # fmt: skip
+            m8, m9, m10, m11 = (load8(mt[8, i], q), load8(mt[9, i], q), load8(mt[10, i], q),
+                                load8(mt[11, i], q))  # fmt: skip
+            u0 = add8(add8(load8(mt[0, i], q), m4), m8)
+            u1 = add8(add8(load8(mt[1, i], q), m5), m9)
+            u2 = add8(add8(load8(mt[2, i], q), m6), m10)
+            u3 = add8(add8(load8(mt[3, i], q), m7), m11)
+            l0 = sub8(sub8(m4, m8), load8(mt[12, i], q))
+            l1 = sub8(sub8(m5, m9), load8(mt[13, i], q))
+            l2 = sub8(sub8(m6, m10), load8(mt[14, i], q))
+            l3 = sub8(sub8(m7, m11), load8(mt[15, i], q))
+            # (A^T M) A: columns (0 + 1 + 2) and (1 - 2 - 3)
+            store_act8(y[0], q, add8(add8(u0, u1), u2), b, lo, hi)
+            store_act8(y[1], q, sub8(sub8(u1, u2), u3), b, lo, hi)
+            store_act8(y[2], q, add8(add8(l0, l1), l2), b, lo, hi)
+            store_act8(y[3], q, sub8(sub8(l1, l2), l3), b, lo, hi)
         dst = out3[n, m0 + i]
-        for q in range(min(NR, t_len - t0)):
-            t = t0 + q
-            y0, x0 = 2 * (t // tw_len), 2 * (t % tw_len)
-            # A^T M: two rows of four
-            u0 = mt[0, i, q] + mt[4, i, q] + mt[8, i, q]
-            u1 = mt[1, i, q] + mt[5, i, q] + mt[9, i, q]
-            u2 = mt[2, i, q] + mt[6, i, q] + mt[10, i, q]
-            u3 = mt[3, i, q] + mt[7, i, q] + mt[11, i, q]
-            l0 = mt[4, i, q] - mt[8, i, q] - mt[12, i, q]
-            l1 = mt[5, i, q] - mt[9, i, q] - mt[13, i, q]
-            l2 = mt[6, i, q] - mt[10, i, q] - mt[14, i, q]
-            l3 = mt[7, i, q] - mt[11, i, q] - mt[15, i, q]
-            # (A^T M) A, cropped at the right and bottom edge for odd output sizes
+        for q in range(n_t):  # cropped at the right and bottom edge for odd output sizes
+            y0, x0 = ty[q], tx[q]
             p = y0 * ow_len + x0
-            dst[p] = act(u0 + u1 + u2 + b, lo, hi)
+            dst[p] = y[0, q]
             if x0 + 1 < ow_len:
-                dst[p + 1] = act(u1 - u2 - u3 + b, lo, hi)
+                dst[p + 1] = y[1, q]
             if y0 + 1 < oh_len:
-                dst[p + ow_len] = act(l0 + l1 + l2 + b, lo, hi)
+                dst[p + ow_len] = y[2, q]
                 if x0 + 1 < ow_len:
-                    dst[p + ow_len + 1] = act(l1 - l2 - l3 + b, lo, hi)
+                    dst[p + ow_len + 1] = y[3, q]
 
 
 @numba.jit(**PARALLEL)
@@ -158,6 +171,12 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms)
         v = np.empty((16, c_len + 1, NR), np.float32)  # + 1: see _VPAD
         d = np.empty((32, NR), np.float32)
         mt = np.empty((16, MR, NR), np.float32)
+        y = np.empty((4, NR), np.float32)
+        ty = np.empty(NR, np.int64)
+        tx = np.empty(NR, np.int64)
+        n_t = min(NR, t_len - tp * NR)
+        for q in range(n_t):
+            ty[q], tx[q] = 2 * ((tp * NR + q) // tw_len), 2 * ((tp * NR + q) % tw_len)
         _input_panel(x3, n, tp * NR, t_len, tw_len, pt, pl, h, w, d, v)
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
             for xi in range(16):
@@ -165,8 +184,7 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms)
                 microkernel(u_packed[ao : ao + c_len * MR], v[xi].reshape(-1), c_len, mt[xi])
             m0 = mb * MR
             rows = min(MR, m_len - m0)
-            _output_tiles(mt, out3, n, m0, rows, tp * NR, t_len, tw_len, oh_len, ow_len, bias,
-                          lo, hi)  # fmt: skip
+            _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y)
 
 
 @numba.jit(**PARALLEL)
