@@ -102,7 +102,7 @@ def store_act8(dst, q, r, b, lo, hi):
                     _act1(r[6], b, lo, hi), _act1(r[7], b, lo, hi)))  # fmt: skip
 
 
-@numba.jit(**JIT_GEMM)
+@numba.jit(**INLINE_GEMM)
 def gemm_tile(a, b, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
     """out3[n, m0 + i, p0 + j] = act(sum_k A[k, i] B[k, j] + bias[m0 + i]) for i < rows, j < cols.
 
@@ -144,6 +144,17 @@ def gemm_tile(a, b, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
         store8(tile[3], 0, r3)
         store8(tile[3], 8, s3)
         store_tile(tile, out3, n, m0, rows, p0, cols, bias, lo, hi)
+
+
+@numba.jit(**JIT_GEMM)
+def gemm_panels(a, panels, k_len, out3, n, m0, rows, p0, p_len, bias, lo, hi, tile):
+    """gemm_tile for one A panel over consecutive B panels: panels[j] holds pixels
+    p0 + j * NR ... (up to p_len). One call per A panel rather than per tile: at K = 16 the
+    call and its array views cost as much as the tile's FMAs."""
+    for j in range(panels.shape[0]):
+        q0 = p0 + j * NR
+        gemm_tile(a, panels[j], k_len, out3, n, m0, rows, q0, min(NR, p_len - q0), bias, lo, hi,
+                  tile)  # fmt: skip
 
 
 def pack_a(w2d):

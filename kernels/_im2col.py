@@ -15,7 +15,7 @@ stride, dilation, padding (also larger than the kernel), group and batch.
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, gemm_tile
+from ._gemm import MR, NR, gemm_panels
 from .config import JIT, PARALLEL
 
 
@@ -117,8 +117,5 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
         for mb in range(n_mb):
             m0 = mb * MR
             a_mb = a_packed[(g * n_mb + mb) * k_len * MR : (g * n_mb + mb + 1) * k_len * MR]
-            for pn in range(pan0, pan1):
-                p0 = pn * NR
-                gemm_tile(a_mb, panels[pn - pan0], k_len, out3, n, g * mg + m0,
-                          min(MR, mg - m0), p0, min(NR, p_len - p0), bias, lo, hi,
-                          tile)  # fmt: skip
+            gemm_panels(a_mb, panels[: pan1 - pan0], k_len, out3, n, g * mg + m0,
+                        min(MR, mg - m0), pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
