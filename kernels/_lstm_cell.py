@@ -156,3 +156,91 @@ def step(t, b, g, w, gx, hs, cs, hp, t0, t1):
             dst = hp[t + 1, g]
             for u in range(min(U, hidden - j0)):
                 dst[MR * (j0 + u) + r] = h[u]
+
+
+# Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.
+# A unit's four gate columns (i f g o) are one [K, 4] weight panel, K = I + Hp, and the batch
+# runs along the vector lanes in panels of 8 columns: a 4 x 16 tile of accumulators (4 gates x
+# 16 batch rows, eight ymm) holds everything the cell needs for one unit, so the gate math runs
+# on the accumulators as they leave the k loop and h_t goes straight into the next step's
+# panel. The weights are read once per step (4 floats per k), the [K, 8] panels of x_t and
+# h_{t-1} (12 KB each at I + H = 384) stay in L1, and the input projection is the first I
+# rows of the same k loop.
+
+
+@numba.jit(**INLINE_GEMM)
+def _splat(s):
+    return (s, s, s, s, s, s, s, s)
+
+
+@numba.jit(**INLINE_GEMM)
+def _gates16(a, z0, z1, k_len, bias):
+    """Pre-activations (i, f, g, o) of one unit for the 16 batch columns of panels z0, z1."""
+    i0 = i1 = _splat(bias[0])
+    f0 = f1 = _splat(bias[1])
+    g0 = g1 = _splat(bias[2])
+    o0 = o1 = _splat(bias[3])
+    for k in range(k_len):
+        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
+        q = 4 * k
+        wi, wf, wg, wo = a[q], a[q + 1], a[q + 2], a[q + 3]
+        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
+        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
+        g0, g1 = fma8(g0, wg, x0), fma8(g1, wg, x1)
+        o0, o1 = fma8(o0, wo, x0), fma8(o1, wo, x1)
+    return i0, i1, f0, f1, g0, g1, o0, o1
+
+
+@numba.jit(**INLINE_GEMM)
+def _gates8(a, z0, k_len, bias):
+    """_gates16 for a last panel of 8 columns."""
+    i0, f0, g0, o0 = _splat(bias[0]), _splat(bias[1]), _splat(bias[2]), _splat(bias[3])
+    for k in range(k_len):
+        x0 = load8(z0, 8 * k)
+        q = 4 * k
+        i0, f0 = fma8(i0, a[q], x0), fma8(f0, a[q + 1], x0)
+        g0, o0 = fma8(g0, a[q + 2], x0), fma8(o0, a[q + 3], x0)
+    return i0, f0, g0, o0
+
+
+@numba.jit(**JIT_GEMM)
+def _cell_cols(gi, gf, gg, go, c):
+    """(h', c') of 8 batch columns from their pre-activations and c (8-tuples, no arrays: a
+    call with array arguments costs two atomic reference-count updates per array)."""
+    cn = add8(_mul8(_sigmoid8(gf), c), _mul8(_sigmoid8(gi), _tanh8(gg)))
+    return _mul8(_sigmoid8(go), _tanh8(cn)), cn
+
+
+@numba.jit(**JIT_GEMM)
+def step_cols(t, b, pair, w, bias, z, c, hs, cs):
+    """Units of block b at step t for batch panels 2 pair and 2 pair + 1 (if it exists).
+
+    z[t, q] is the [K, 8] panel of batch columns 8q .. 8q + 7: x_t in rows < I, h_{t-1} below;
+    c[t, q] is c_{t-1} as [Hp, 8]. Writes h_t into z[t + 1], c_t into c[t + 1] and both into
+    the outputs hs[t + 1], cs[t + 1] ([T + 1, B, Hp]).
+    """
+    panels, k_len, batch = z.shape[1], w.shape[1] // 4, hs.shape[1]
+    i_len = k_len - c.shape[2] // 8
+    q0 = 2 * pair
+    q1 = q0 + 1 if q0 + 1 < panels else q0
+    for u in range(U):
+        j = b * U + u
+        a, bj = w[j], bias[j]
+        h_at, c_at = 8 * (i_len + j), 8 * j
+        if q1 != q0:
+            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
+            h1, c1 = _cell_cols(gi1, gf1, gg1, go1, load8(c[t, q1, c_at:], 0))
+            store8(z[t + 1, q1, h_at:], 0, h1)
+            store8(c[t + 1, q1, c_at:], 0, c1)
+        else:
+            gi0, gf0, gg0, go0 = _gates8(a, z[t, q0], k_len, bj)
+        h0, c0 = _cell_cols(gi0, gf0, gg0, go0, load8(c[t, q0, c_at:], 0))
+        store8(z[t + 1, q0, h_at:], 0, h0)
+        store8(c[t + 1, q0, c_at:], 0, c0)
+    for q in range(q0, q1 + 1):  # the outputs, [B, H] like ONNX
+        hz, cz = z[t + 1, q, 8 * (i_len + b * U) :], c[t + 1, q, 8 * b * U :]
+        for r in range(min(8, batch - 8 * q)):
+            h_row, c_row = hs[t + 1, 8 * q + r, b * U :], cs[t + 1, 8 * q + r, b * U :]
+            for u in range(U):
+                h_row[u] = hz[8 * u + r]
+                c_row[u] = cz[8 * u + r]

@@ -28,7 +28,7 @@ import numpy as np
 from numba import prange
 
 from ._gemm import MR, NR
-from ._lstm_cell import U, W, project, step
+from ._lstm_cell import U, W, project, step, step_cols
 from ._lstm_sync import atomic_add, atomic_load, atomic_store
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
 
@@ -48,6 +48,8 @@ class LSTMPlan:
     bias: np.ndarray  # [blocks, W], i f g o of each block's units
     input_size: int
     hidden: int
+    wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
+    bu: np.ndarray  # [Hp, 4] the same unit's biases
 
 
 def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
@@ -78,7 +80,22 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None)
     bias = np.zeros(4 * hidden, np.float32) if bias is None else bias.reshape(4 * hidden)
     wx32, wh32, b32 = (np.asarray(a, np.float32) for a in (wx, wh, bias[None]))
     b = _panels(b32, hidden).reshape(-1, W)
-    return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden)
+    wu, bu = _unit_panels(wx32, wh32, b32, hidden)
+    return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu)
+
+
+def _unit_panels(wx, wh, bias, hidden):
+    """[I, 4H], [H, 4H], [1, 4H] -> per unit [I + Hp, 4] panels (flat) and [4] biases; padded
+    units and the rows of padded h are zero."""
+    units = -(-hidden // U) * U
+    k = wx.shape[0] + units
+    w = np.zeros((k, 4, units), np.float32)
+    w[: wx.shape[0], :, :hidden] = wx.reshape(-1, 4, hidden)
+    w[wx.shape[0] : wx.shape[0] + hidden, :, :hidden] = wh.reshape(hidden, 4, hidden)
+    b = np.zeros((4, units), np.float32)
+    b[:, :hidden] = bias.reshape(4, hidden)
+    wu = np.ascontiguousarray(w.transpose(2, 0, 1)).reshape(units, k * 4)
+    return wu, np.ascontiguousarray(b.T)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -137,6 +154,36 @@ def _sequence(parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done):
         _run(p, parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
 
 
+@numba.jit(**JIT_GEMM)
+def _run_cols(p, parts, w, bias, z, c, hs, cs, claims, done):
+    """Batch > 1: thread p's part of all steps; an item is one block of units for 16 batch
+    columns (see _lstm_cell.step_cols). Claiming and finishing open items as in _run."""
+    blocks, pairs, steps = w.shape[0] // U, (z.shape[1] + 1) // 2, z.shape[0] - 1
+    items = blocks * pairs
+    for s in range(steps):
+        k = scan = 0
+        while True:
+            i = -1
+            while i < 0 and k < parts:
+                i = _claim(claims, s, (p + k) % parts, parts, items)
+                if i < 0:
+                    k += 1
+            while i < 0 and scan < items:
+                if atomic_load(done, s * items + scan) == 0:
+                    i = scan
+                scan += 1
+            if i < 0:
+                break
+            step_cols(s, i // pairs, i % pairs, w, bias, z, c, hs, cs)
+            atomic_store(done, s * items + i, 1)
+
+
+@numba.jit(**PARALLEL)
+def _sequence_cols(parts, w, bias, z, c, hs, cs, claims, done):
+    for p in prange(parts):
+        _run_cols(p, parts, w, bias, z, c, hs, cs, claims, done)
+
+
 def _call(fn, *args):
     # Every call, not only the first: a new signature compiles inside it (see config).
     with slp_vectorize():  # the register tiles need LLVM's SLP vectorizer
@@ -158,6 +205,31 @@ def _buffers(x, hs, plan, parts):
     return xp, plan.wx, plan.wh, plan.bias, gx, hp, claims, done
 
 
+def _panels8(a: np.ndarray, panels: int, out: np.ndarray) -> None:
+    """out[..., q, k, r] = a[..., 8q + r, k]: rows in panels of 8 columns, zero past the end."""
+    padded = np.zeros((*a.shape[:-2], panels * 8, a.shape[-1]), np.float32)
+    padded[..., : a.shape[-2], :] = a
+    out[...] = padded.reshape(*a.shape[:-2], panels, 8, a.shape[-1]).swapaxes(-1, -2)
+
+
+def _buffers_cols(x, hs, cs, plan, parts):
+    """Arguments of _run_cols / _sequence_cols: z [T + 1, panels, (I + Hp) * 8] holds x_t and
+    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}. Only what
+    the steps read is initialised (z[T]'s x part is never read)."""
+    steps, batch, size = x.shape
+    units, panels = hs.shape[2], -(-batch // 8)
+    z = np.empty((steps + 1, panels, size + units, 8), np.float32)
+    c = np.empty((steps + 1, panels, units, 8), np.float32)
+    _panels8(x, panels, z[:steps, :, :size])
+    _panels8(hs[0], panels, z[0, :, size:])
+    _panels8(cs[0], panels, c[0])
+    items = (units // U) * -(-panels // 2)
+    claims = np.zeros(steps * parts * LINE, np.int32)
+    done = np.zeros(steps * items, np.int32)
+    z, c = z.reshape(steps + 1, panels, -1), c.reshape(steps + 1, panels, -1)
+    return plan.wu, plan.bu, z, c, claims, done
+
+
 def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan):
     """All steps of one LSTM layer: x [T, B, I], h0, c0 [B, H] -> (h [T, B, H], c [T, B, H]).
 
@@ -177,7 +249,17 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
     cs = np.empty_like(hs)
     hs[0, :, hidden:] = cs[0, :, hidden:] = 0
     hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
-    if steps > 0:
+    if steps > 0 and batch > 1:
+        items = blocks * -(-batch // 16)
+        macs = batch * 4 * hidden * (plan.input_size + hidden)
+        parts = min(numba.get_num_threads(), items)
+        parts = 1 if macs < SERIAL_MACS_PER_STEP else parts
+        w, bias, z, c, claims, done = _buffers_cols(x, hs, cs, plan, parts)
+        if parts == 1:
+            _call(_run_cols, 0, 1, w, bias, z, c, hs, cs, claims, done)
+        else:
+            _call(_sequence_cols, parts, w, bias, z, c, hs, cs, claims, done)
+    elif steps > 0:
         groups = -(-batch // MR) if batch > 1 else 1
         macs = batch * 4 * hidden * (plan.input_size + hidden)
         parts = min(numba.get_num_threads(), blocks * groups)

@@ -170,13 +170,22 @@ def test_kernel_validates_shapes():
         lstm_sequence(np.zeros((1, 1, 3), np.float32), np.zeros((1, 2)), np.zeros((2, 2)), plan)
 
 
-# Kernel paths: batch 1 runs a GEMV per block, batch > 1 the 4x16 micro-kernel per group of 4
-# rows (a last, partial group is zero-padded); one thread runs everything in order, two share
-# one parallel region whose threads claim items and finish any item still open.
+# Kernel paths: batch 1 runs a GEMV per block, batch > 1 a 4 gates x 16 (or a last 8) batch
+# columns tile per unit (columns past the batch are zero-padded); one thread runs everything
+# in order, two share one parallel region whose threads claim items and finish any item still
+# open.
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "steps, batch, size, hidden",
-    [(5, 1, 20, 130), (3, 5, 17, 67), (4, 16, 24, 40), (1, 1, 128, 256), (2, 3, 8, 512)],
+    [
+        (5, 1, 20, 130),
+        (3, 5, 17, 67),
+        (4, 16, 24, 40),
+        (1, 1, 128, 256),
+        (2, 3, 8, 512),
+        (3, 24, 10, 20),
+        (2, 33, 6, 9),
+    ],
 )
 def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypatch):
     import numba
@@ -200,7 +209,25 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("batch", [1, 6])
+def _late_thread_run(kernel, x, h0, c0, plan):
+    """Run part 1 of 2 alone after part 0 claimed the first item of every stage."""
+    steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
+    hs = np.zeros((steps + 1, batch, plan.wh.shape[0] * kernel.U), np.float32)
+    cs = np.zeros_like(hs)
+    hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
+    if batch == 1:
+        xp, wx, wh, bias, gx, hp, claims, done = kernel._buffers(x, hs, plan, parts=2)
+        claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
+        kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
+    else:
+        w, bias, z, c, claims, done = kernel._buffers_cols(x, hs, cs, plan, parts=2)
+        claims[:: 2 * kernel.LINE] = 1
+        kernel._call(kernel._run_cols, 1, 2, w, bias, z, c, hs, cs, claims, done)
+    assert done.all()
+    return hs[1:, :, :hidden], cs[1:, :, :hidden]
+
+
+@pytest.mark.parametrize("batch", [1, 6, 20])
 def test_a_late_thread_delays_nobody(batch):
     """Part 0 never runs, after claiming the first item of every stage: part 1 alone claims
     the rest of part 0's run and recomputes the claimed, unfinished items."""
@@ -212,14 +239,7 @@ def test_a_late_thread_delays_nobody(batch):
     x = rng.standard_normal((steps, batch, size)).astype(np.float32)
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
-    hs = np.zeros((steps + 1, batch, plan.wh.shape[0] * kernel.U), np.float32)
-    cs = np.zeros_like(hs)
-    hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
-    xp, wx, wh, bias, gx, hp, claims, done = kernel._buffers(x, hs, plan, parts=2)
-    claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
-    kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
-    assert done.all()
-    got = (hs[1:, :, :hidden], cs[1:, :, :hidden])
+    got = _late_thread_run(kernel, x, h0, c0, plan)
     for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
