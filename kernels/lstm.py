@@ -205,11 +205,21 @@ def _buffers(x, hs, plan, parts):
     return xp, plan.wx, plan.wh, plan.bias, gx, hp, claims, done
 
 
-def _panels8(a: np.ndarray, panels: int, out: np.ndarray) -> None:
-    """out[..., q, k, r] = a[..., 8q + r, k]: rows in panels of 8 columns, zero past the end."""
-    padded = np.zeros((*a.shape[:-2], panels * 8, a.shape[-1]), np.float32)
-    padded[..., : a.shape[-2], :] = a
-    out[...] = padded.reshape(*a.shape[:-2], panels, 8, a.shape[-1]).swapaxes(-1, -2)
+@numba.jit(**JIT_GEMM)
+def _pack_cols(a, out):
+    """out[t, q, k, r] = a[t, 8q + r, k], zero past the batch: rows as [K, 8] column panels.
+    (A jitted loop: 23 us for x at T = 16, B = 16, I = 128 vs 53 us for numpy's pad + swap.)"""
+    for t in range(a.shape[0]):
+        for q in range(out.shape[1]):
+            o = out[t, q]
+            for r in range(8):
+                if 8 * q + r < a.shape[1]:
+                    src = a[t, 8 * q + r]
+                    for k in range(a.shape[2]):
+                        o[k, r] = src[k]
+                else:
+                    for k in range(a.shape[2]):
+                        o[k, r] = 0
 
 
 def _buffers_cols(x, hs, cs, plan, parts):
@@ -220,9 +230,9 @@ def _buffers_cols(x, hs, cs, plan, parts):
     units, panels = hs.shape[2], -(-batch // 8)
     z = np.empty((steps + 1, panels, size + units, 8), np.float32)
     c = np.empty((steps + 1, panels, units, 8), np.float32)
-    _panels8(x, panels, z[:steps, :, :size])
-    _panels8(hs[0], panels, z[0, :, size:])
-    _panels8(cs[0], panels, c[0])
+    _call(_pack_cols, x, z[:steps, :, :size])
+    _call(_pack_cols, hs[:1], z[:1, :, size:])
+    _call(_pack_cols, cs[:1], c[:1])
     items = (units // U) * -(-panels // 2)
     claims = np.zeros(steps * parts * LINE, np.int32)
     done = np.zeros(steps * items, np.int32)
