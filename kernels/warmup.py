@@ -1,0 +1,125 @@
+"""Compile every kernel path ahead of use, several at once, into Numba's on-disk cache.
+
+Numba compiles a kernel on its first call and, with cache=True, stores the machine code in
+kernels/__pycache__ (or NUMBA_CACHE_DIR) for later processes. A first call costs 3-35 s of CPU
+per path on this project's machines, and a process compiles its paths one after another.
+Here each group of paths compiles in its own process, `jobs` at a time, by calling the public
+wrappers on tiny inputs: the same argument types as real use, so the cached signatures are the
+ones later calls look up (a fresh output array and a channel slice of a bigger one differ, but
+with batch 1 a channel slice is contiguous: the slice case runs at batch 2).
+
+    python -m kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
+
+A group that fails prints its error and makes the command exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+def _conv(weight_shape, x_shape, **kwargs):
+    from .conv2d import conv2d_bias_act, output_shape, prepare_conv2d
+
+    rng = np.random.default_rng(0)
+    plan = prepare_conv2d(rng.standard_normal(weight_shape, dtype=np.float32), **kwargs)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    conv2d_bias_act(x, plan)  # a fresh output array
+    x2 = rng.standard_normal((2, *x_shape[1:]), dtype=np.float32)
+    n, m, oh, ow = output_shape(x2.shape, plan)[0]  # a channel slice (Fire's branch outputs)
+    conv2d_bias_act(x2, plan, out=np.empty((n, m + 2, oh, ow), np.float32)[:, 1 : m + 1])
+
+
+def _im2col():
+    _conv((8, 16, 1, 1), (1, 16, 9, 9))  # 1x1: panels copied
+    _conv((8, 16, 3, 3), (1, 16, 9, 9), strides=(2, 2))  # general: panels gathered
+
+
+def _winograd():
+    _conv((8, 16, 3, 3), (1, 16, 9, 9), pads=(1, 1, 1, 1))
+
+
+def _winograd4():
+    _conv((8, 16, 3, 3), (1, 16, 9, 9), pads=(1, 1, 1, 1), winograd_tile=4)
+
+
+def _depthwise():
+    _conv((16, 1, 3, 3), (1, 16, 9, 9), pads=(1, 1, 1, 1), group=16)
+
+
+def _lstm():
+    from .lstm import lstm_cell, lstm_sequence, prepare_lstm
+
+    rng = np.random.default_rng(0)
+    # Serial and parallel (above SERIAL_MACS_PER_STEP) forms, batch 1 and the batched layout.
+    for batch, size, hidden in ((1, 12, 20), (1, 200, 64), (3, 12, 20), (16, 12, 20), (16, 32, 64)):
+        x = rng.standard_normal((4, batch, size), dtype=np.float32)
+        h = rng.standard_normal((batch, hidden), dtype=np.float32)
+        plan = prepare_lstm(
+            rng.standard_normal((size, 4 * hidden), dtype=np.float32),  # x W: [I, 4H]
+            rng.standard_normal((hidden, 4 * hidden), dtype=np.float32),  # h R: [H, 4H]
+            rng.standard_normal(4 * hidden, dtype=np.float32),
+        )
+        lstm_sequence(x, h, h.copy(), plan)
+        lstm_cell(x[0], h, h.copy(), plan)
+
+
+GROUPS = {
+    "im2col": _im2col,
+    "winograd": _winograd,
+    "winograd4": _winograd4,
+    "depthwise": _depthwise,
+    "lstm": _lstm,
+}
+
+
+def warm_up(jobs: int = 2, groups=None) -> dict[str, float]:
+    """Compile the given groups (all by default), `jobs` processes at a time; returns each
+    group's wall seconds. Raises RuntimeError naming the groups that failed."""
+    names = list(GROUPS) if groups is None else list(groups)
+    unknown = sorted(set(names) - set(GROUPS))
+    if unknown:
+        raise ValueError(f"unknown warm-up groups {unknown}; known: {sorted(GROUPS)}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+
+    def one(name):
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "kernels.warmup", "--group", name]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return name, time.perf_counter() - start, done.returncode, tail
+
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(one, names))
+    failed = [f"{name}: {tail}" for name, _, code, tail in results if code]
+    if failed:
+        raise RuntimeError("kernel warm-up failed: " + "; ".join(failed))
+    return {name: seconds for name, seconds, _, _ in results}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.warmup", description=__doc__)
+    parser.add_argument("--jobs", type=int, default=2, help="processes at once (default 2)")
+    parser.add_argument("--group", choices=sorted(GROUPS), help="compile one group, here")
+    args = parser.parse_args(argv)
+    if args.group:
+        GROUPS[args.group]()
+        return 0
+    try:
+        times = warm_up(args.jobs)
+    except (RuntimeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

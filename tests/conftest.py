@@ -1,0 +1,20 @@
+"""Compile the Numba kernels once, in parallel, before any test process needs them.
+
+Without this, each pytest-xdist worker compiled every kernel it met (both workers the same
+ones, at the same time: most of a 14-minute cold run). kernels.warmup compiles each group of
+kernel paths in its own process into the on-disk cache, where the workers then find them; on a
+warm cache it only loads them (about 9 s). Only for parallel runs (`-n`): a single-process run
+compiles just what its tests use. FUSION_NO_WARMUP=1 skips it.
+"""
+
+import os
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or os.environ.get("FUSION_NO_WARMUP") == "1":
+        return  # an xdist worker: the controller has done it
+    if not config.getoption("numprocesses", None):
+        return
+    from kernels.warmup import warm_up
+
+    warm_up(jobs=max(1, min(4, os.cpu_count() or 1)))
