@@ -415,3 +415,36 @@ if __name__ == "__main__":
     # Two crossings (onnxruntime -> kernel -> onnxruntime) replace Mul + Relu inside one run.
     extra = result["fusion.Session"] - result["onnxruntime"] - prof["kernel_seconds"] * 1e6
     print(f"{'per crossing':16} {extra / 2:8.1f} us (Session - onnxruntime - kernel) / 2")
+
+
+@pytest.mark.parametrize(
+    ("ops", "level"),
+    [
+        (["MaxPool"], ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED),
+        (["Conv", "MaxPool"], ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
+    ],
+)
+def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
+    # NCHWc pays for its border reorders only across convolutions (see Session._session_options)
+    nodes, value, inits = [], "x", []
+    for k, op_type in enumerate(ops):
+        extra = dict(kernel_shape=[3, 3], strides=[2, 2]) if op_type == "MaxPool" else {}
+        inputs = [value, "w"] if op_type == "Conv" else [value]
+        nodes.append(h.make_node(op_type, inputs, [f"v{k}"], name=f"n{k}", **extra))
+        value = f"v{k}"
+    if "Conv" in ops:
+        w = np.random.default_rng(0).standard_normal((8, 8, 1, 1)).astype(np.float32)
+        inits.append(onnx.numpy_helper.from_array(w, "w"))
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 9, 9])],
+        [h.make_tensor_value_info(value, T.FLOAT, None)],
+        inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    sess = Session(model, threads=1, catalog=Catalog())
+    assert [s.kind for s in sess.steps] == ["island"]
+    assert sess.steps[0]._options.graph_optimization_level == level
+    x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype(np.float32)
+    assert_same(sess.run(None, {"x": x}), reference(model, {"x": x}))
