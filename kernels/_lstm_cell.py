@@ -1,9 +1,9 @@
 """Serial inner kernels of the LSTM: one work item of the input projection or of one step.
 
-A block is 8 hidden units; its weights are two packed panels [K, 16]: panel 0 holds gates i and
-f of the 8 units, panel 1 gates g and o, so the 4x16 micro-kernel of _gemm.py (4 batch rows x
-16 columns in registers) computes a block's pre-activations for 4 rows in two calls. One batch
-row (batch 1, memory-bound) uses a GEMV over the same panels instead.
+Batch 1: a block is 8 hidden units; its weights are two packed panels [K, 16]: panel 0 holds
+gates i and f of the 8 units, panel 1 gates g and o. The input projection of all T steps runs
+the 4x16 micro-kernel of _gemm.py over them (4 time steps x 16 columns in registers); each
+step (memory-bound) is a GEMV over the same panels. Batch > 1: step_cols (below).
 
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
 
@@ -130,32 +130,17 @@ def project(xp, w, bias, rows, gx, t0, t1):
 
 
 @numba.jit(**INLINE_GEMM)
-def step(t, b, g, w, gx, hs, cs, hp, t0, t1):
-    """Units of block b for batch rows 4g .. 4g + 3 at step t, from hs[t - 1] (or hp[t]).
-
-    Rows are [T + 1, B, Hp] with row 0 the initial state; hp[t, g] is h_{t-1} of the group's 4
-    rows packed [H, 4] for the micro-kernel, and this item writes its units of hp[t + 1, g].
+def step(t, b, w, gx, hs, cs, acc):
+    """Units of block b of the one batch row at step t, from hs[t] (rows are [T + 1, 1, Hp]
+    with row 0 the initial state); acc is [W] scratch for the gate pre-activations.
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
     per array argument (measured batch 1, one thread: 800 -> 703 us for T = 16). Its helpers
     stay calls: Numba inlines by copying IR, and nesting cell8's copies made compiles explode.
+    Batch > 1 runs step_cols (below).
     """
-    batch, hidden, j0 = hs.shape[1], w.shape[1] // NR, b * U
-    acc = t0.reshape(MR * NR)  # batch 1: the tile's storage as one flat row of W
-    if batch == 1:
-        gemv(hs[t, 0], w[0], w[1], hidden, acc)
-    else:
-        h_prev = hp[t, g]
-        microkernel(h_prev, w[0], hidden, t0)
-        microkernel(h_prev, w[1], hidden, t1)
-    for r in range(min(MR, batch - MR * g)):
-        row = MR * g + r
-        a_if, a_go = (acc[:NR], acc[NR:W]) if batch == 1 else (t0[r], t1[r])
-        h = hs[t + 1, row, j0:]
-        cell8(a_if, a_go, gx[t * batch + row], cs[t, row, j0:], h, cs[t + 1, row, j0:])
-        if batch > 1:
-            dst = hp[t + 1, g]
-            for u in range(min(U, hidden - j0)):
-                dst[MR * (j0 + u) + r] = h[u]
+    j0 = b * U
+    gemv(hs[t, 0], w[0], w[1], w.shape[1] // NR, acc)
+    cell8(acc[:NR], acc[NR:W], gx[t], cs[t, 0, j0:], hs[t + 1, 0, j0:], cs[t + 1, 0, j0:])
 
 
 # Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.

@@ -117,27 +117,27 @@ def _claim(claims, s, q, parts, items):
 
 
 @numba.jit(**INLINE_GEMM)
-def _item(s, i, xp, wx, wh, bias, gx, hs, cs, hp, done, t0, t1):
+def _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, t0, t1):
     """Item i of stage s, then its done flag (release: its writes are visible to whoever sees
     the flag). A step item first makes sure its block's input projection exists."""
-    blocks, groups, rows = wh.shape[0], hp.shape[1], gx.shape[1]
-    b = i if s == 0 else i // groups
+    blocks, rows = wh.shape[0], gx.shape[1]
+    b = i
     if s == 0 or atomic_load(done, b) == 0:
         project(xp, wx[b], bias[b], rows, gx[b], t0, t1)
         atomic_store(done, b, 1)
     if s > 0:
-        step(s - 1, b, i % groups, wh[b], gx[b], hs, cs, hp, t0, t1)
-        atomic_store(done, blocks + (s - 1) * blocks * groups + i, 1)
+        step(s - 1, b, wh[b], gx[b], hs, cs, t0.reshape(-1))
+        atomic_store(done, blocks + (s - 1) * blocks + i, 1)
 
 
 @numba.jit(**JIT_GEMM)
-def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done):
+def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
     """Thread p's part of the whole sequence (any subset of parts may run, in any order)."""
-    blocks, groups, steps = wh.shape[0], hp.shape[1], hs.shape[0] - 1
+    blocks, steps = wh.shape[0], hs.shape[0] - 1
     t0 = np.empty((MR, NR), np.float32)
     t1 = np.empty((MR, NR), np.float32)
     for s in range(steps + 1):
-        items = blocks if s == 0 else blocks * groups
+        items = blocks
         first = blocks + (s - 1) * items
         k = scan = 0
         while True:
@@ -152,13 +152,13 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done):
                 scan += 1
             if i < 0:
                 break  # (stage 0 is not waited for: a step item projects its block if need be)
-            _item(s, i, xp, wx, wh, bias, gx, hs, cs, hp, done, t0, t1)
+            _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, t0, t1)
 
 
 @numba.jit(**PARALLEL)
-def _sequence(parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done):
+def _sequence(parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
     for p in prange(parts):
-        _run(p, parts, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
+        _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done)
 
 
 @numba.jit(**JIT_GEMM)
@@ -197,19 +197,14 @@ def _call(fn, *args):
         return fn(*args)
 
 
-def _buffers(x, hs, plan, parts):
-    """Arguments of _run / _sequence for x [T, B, I] and states hs, cs [T + 1, B, Hp]."""
-    steps, batch = x.shape[:2]
-    hidden, blocks = plan.hidden, plan.wh.shape[0]
-    groups = -(-batch // MR) if batch > 1 else 1
-    hp = np.zeros((steps + 1, groups, hidden * MR) if batch > 1 else (1, 1, 1), np.float32)
-    if batch > 1:
-        hp[0] = _row_panels(hs[0, :, :hidden])
-    xp = _row_panels(x.reshape(steps * batch, x.shape[2]))
-    gx = np.empty((blocks, steps * batch, W), np.float32)
+def _buffers(x, plan, parts):
+    """Arguments of _run / _sequence (batch 1) for x [T, 1, I]."""
+    steps, blocks = x.shape[0], plan.wh.shape[0]
+    xp = _row_panels(x.reshape(steps, x.shape[2]))
+    gx = np.empty((blocks, steps, W), np.float32)
     claims = np.zeros((steps + 1) * parts * LINE, np.int32)
-    done = np.zeros(blocks * (1 + steps * groups), np.int32)
-    return xp, plan.wx, plan.wh, plan.bias, gx, hp, claims, done
+    done = np.zeros(blocks * (1 + steps), np.int32)
+    return xp, plan.wx, plan.wh, plan.bias, gx, claims, done
 
 
 @numba.jit(**JIT_GEMM)
@@ -276,13 +271,12 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
             _call(_run_cols, 0, 1, w, bias, z, c, hs, cs, claims, done)
         else:
             _call(_sequence_cols, parts, w, bias, z, c, hs, cs, claims, done)
-    elif steps > 0:
-        groups = -(-batch // MR) if batch > 1 else 1
-        macs = batch * 4 * hidden * (plan.input_size + hidden)
-        parts = min(numba.get_num_threads(), blocks * groups)
+    elif steps > 0 and batch == 1:
+        macs = 4 * hidden * (plan.input_size + hidden)
+        parts = min(numba.get_num_threads(), blocks)
         parts = 1 if macs < SERIAL_MACS_PER_STEP else parts
-        xp, wx, wh, bias, gx, hp, claims, done = _buffers(x, hs, plan, parts)
-        args = (xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
+        xp, wx, wh, bias, gx, claims, done = _buffers(x, plan, parts)
+        args = (xp, wx, wh, bias, gx, hs, cs, claims, done)
         if parts == 1:
             _call(_run, 0, 1, *args)
         else:

@@ -216,9 +216,9 @@ def _late_thread_run(kernel, x, h0, c0, plan):
     cs = np.zeros_like(hs)
     hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
     if batch == 1:
-        xp, wx, wh, bias, gx, hp, claims, done = kernel._buffers(x, hs, plan, parts=2)
+        xp, wx, wh, bias, gx, claims, done = kernel._buffers(x, plan, parts=2)
         claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
-        kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, hp, claims, done)
+        kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, claims, done)
     else:
         w, bias, z, c, claims, done = kernel._buffers_cols(x, hs, cs, plan, parts=2)
         claims[:: 2 * kernel.LINE] = 1
