@@ -64,6 +64,8 @@ class Conv2DPlan:
     method: str  # "winograd4", "winograd", "depthwise" or "im2col"
     packed: np.ndarray  # weights packed for `method`
     im2col_packed: np.ndarray  # weights packed for im2col: every plan can take that path
+    # (input shape, threads) -> _launch(...): the per-call arithmetic done once per shape
+    launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def _pair(name, value, minimum):
@@ -198,23 +200,22 @@ def _check_out(out, shape, x):
     return out3
 
 
-def m_splits(tile_panels, m):
+def m_splits(tile_panels, m, threads):
     """Into how many channel-panel ranges to split each tile panel so that every thread gets
     work: with fewer tile panels than 2 per thread (a 13x13 image is one F(4x4) panel) the
     input transform is repeated per range rather than leaving a core idle. Splitting more
     often measured 1.09-1.13x the time (SqueezeNet's expand convs): a short last panel costs
     as much as a full one in the GEMMs, so equal item counts are already balanced, and the
     split only repeats the input transform. Claiming items dynamically gained nothing either."""
-    want, n_mb = 2 * get_threads(), -(-m // _gemm.MR)
+    want, n_mb = 2 * threads, -(-m // _gemm.MR)
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
 
-def _panel_blocks(images, panels, k, m):
+def _panel_blocks(images, panels, k, m, threads):
     """Pixel-panel blocks per image and group for the im2col path (see im2col_conv): enough
     blocks that every thread gets several (the last one is often short), few enough that the
     weights, streamed once per block, are not re-read for every panel, and each packed block
     stays within half of L2 (256 KiB of Zen1's 512)."""
-    threads = get_threads()
     per_l2 = max(1, (256 << 10) // (k * _gemm.NR * 4))
     big_a = m * k * 4 > (256 << 10)  # weights past L2 come from L3: fewer, bigger blocks
     balance = -(-(2 if big_a else 4) * threads // images)
@@ -223,6 +224,31 @@ def _panel_blocks(images, panels, k, m):
     # of 2 panels over 11 panels gave one thread 8 panels and the other 3 (13x13 1x1 convs
     # ran at 1.1x their one-thread speed on two threads).
     return -(-panels // per_blk)
+
+
+def _launch(plan, x_shape, threads):
+    """(output shape, arguments of the plan's own kernel after out3, arguments of im2col_conv
+    after out3) for an input of shape x_shape: everything a call needs besides the arrays."""
+    shape, (pt, pl, _, _) = output_shape(x_shape, plan)
+    if min(shape) < 1:
+        raise ValueError(f"output shape {shape} is empty for input {x_shape}")
+    lo, hi = plan.clip
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x_shape[2:]
+    k = plan.in_channels // plan.group * kh * kw
+    panels = -(-shape[2] * shape[3] // _gemm.NR)
+    n_blk = _panel_blocks(shape[0] * plan.group, panels, k, plan.out_channels // plan.group,
+                          threads)  # fmt: skip
+    im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, direct)
+    fast = None
+    if plan.method in ("winograd4", "winograd"):
+        m = 4 if plan.method == "winograd4" else 2
+        tiles = -(-shape[2] // m) * -(-shape[3] // m)
+        n_ms = m_splits(shape[0] * -(-tiles // _gemm.NR), shape[1], threads)
+        fast = (pt, pl, shape[2], shape[3], lo, hi, n_ms)
+    elif plan.method == "depthwise":
+        fast = (sh, sw, dh, dw, pt, pl, shape[3], lo, hi)
+    return shape, fast, im2col
 
 
 def conv2d_bias_act(x, plan, out=None):
@@ -238,33 +264,28 @@ def conv2d_bias_act(x, plan, out=None):
         raise ValueError("x must be C-contiguous (use np.ascontiguousarray)")
     if x.shape[1] != plan.in_channels:
         raise ValueError(f"x has {x.shape[1]} channels, the weights expect {plan.in_channels}")
-    shape, (pt, pl, _, _) = output_shape(x.shape, plan)
-    if min(shape) < 1:
-        raise ValueError(f"output shape {shape} is empty for input {x.shape}")
+    key = (x.shape, get_threads())
+    launch = plan.launches.get(key)
+    if launch is None:
+        if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
+            plan.launches.clear()
+        launch = plan.launches[key] = _launch(plan, x.shape, key[1])
+    shape, fast, im2col = launch
     if out is None:
         out = np.empty(shape, np.float32)
-    out3 = _check_out(out, shape, x)
-    lo, hi = plan.clip
+        out3 = out.reshape(shape[0], shape[1], shape[2] * shape[3])
+    else:
+        out3 = _check_out(out, shape, x)
     with slp_vectorize():  # only has an effect when the kernel is compiled
         # Winograd mixes the pixels of a tile before multiplying: one inf or NaN input would
         # poison all four outputs of its tile, where a direct convolution poisons only the
         # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would.
-        if plan.method in ("winograd4", "winograd") and _winograd.all_finite(x):
-            m = 4 if plan.method == "winograd4" else 2
-            tiles = -(-shape[2] // m) * -(-shape[3] // m)
-            n_ms = m_splits(shape[0] * -(-tiles // _gemm.NR), shape[1])
-            run = _winograd4.winograd4_conv if m == 4 else _winograd.winograd_conv
-            run(x, plan.packed, plan.bias, out3, pt, pl, *shape[2:], lo, hi, n_ms)
+        if plan.method == "winograd" and _winograd.all_finite(x):
+            _winograd.winograd_conv(x, plan.packed, plan.bias, out3, *fast)
+        elif plan.method == "winograd4" and _winograd.all_finite(x):
+            _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
         elif plan.method == "depthwise":
-            (sh, sw), (dh, dw) = plan.strides, plan.dilations
-            _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, sh, sw, dh, dw, pt, pl,
-                                      shape[3], lo, hi)  # fmt: skip
+            _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
         else:
-            (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-            direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x.shape[2:]
-            k = plan.in_channels // plan.group * kh * kw
-            n_blk = _panel_blocks(shape[0] * plan.group, -(-shape[2] * shape[3] // _gemm.NR), k,
-                                  plan.out_channels // plan.group)  # fmt: skip
-            _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, kh, kw, sh, sw, dh, dw,
-                                pt, pl, shape[3], plan.group, lo, hi, n_blk, direct)  # fmt: skip
+            _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
     return out
