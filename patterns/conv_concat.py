@@ -1,0 +1,99 @@
+"""ConvConcat:  y = concat_1(cbr_1(x_1), ..., cbr_B(x_B))   for B >= 2 branches
+
+cbr_k is a ConvBiasRelu node (stage 0's fused Conv + bias + Relu/Clip) whose output only the
+Concat reads. This is the general form of SqueezeNet's Fire module that TensorRT calls concat
+elision: the last convolution of each branch of an Inception block (GoogLeNet's 1x1, 3x3, 5x5
+and pool-projection branches) writes its epilogue straight into its channel range of y, so the
+Concat copy disappears. The branches may read different inputs (Inception's 3x3 branch reads a
+1x1 reduction, its pool branch a MaxPool) and have any kernel, stride or padding, as long as
+their outputs agree in batch and size (checked when the kernel runs).
+
+A Concat has any number of inputs, which a pattern cannot state, so this rule has a finder
+anchored on Concat, at stage 1 (it reads the ConvBiasRelu nodes stage 0 made). A Fire module,
+fused at stage 0, has no Concat left for it.
+"""
+
+from __future__ import annotations
+
+from fusion.catalog import DOMAIN, Rule
+from fusion.graph import GraphView
+from fusion.matcher import Match
+from patterns.conv import conv_plan, folded_bias
+from patterns.fire import CHANNEL_AXES
+
+CONV_INPUTS = 4  # a ConvBiasRelu node's inputs: x, W, B, bias_add ("" when absent)
+
+
+def _branch(view: GraphView, value: str) -> int | None:
+    """The ConvBiasRelu node that produces `value`, if one does."""
+    producer = view.producer.get(value)
+    if producer is None:
+        return None
+    node = view.nodes[producer[0]]
+    return producer[0] if node.op_type == "ConvBiasRelu" and node.domain == DOMAIN else None
+
+
+def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
+    """The Concat at `index` with every input a ConvBiasRelu output; a reason when only some
+    are, or when the Concat is not on the channel axis; None when none is."""
+    concat = view.nodes[index]
+    branches = [_branch(view, value) for value in concat.input]
+    if len(branches) < 2 or all(b is None for b in branches):
+        return None
+    for k, (value, b) in enumerate(zip(concat.input, branches, strict=True)):
+        if b is None:
+            return f"input {k} ({value}) is not the output of a ConvBiasRelu"
+    if len(set(branches)) != len(branches):
+        return "the same ConvBiasRelu output is concatenated more than once"
+    axis = view.attributes(concat).get("axis")
+    if axis not in CHANNEL_AXES:
+        return f"Concat on axis {axis}, not on the channels (axis 1)"
+    parts = []
+    for b in branches:
+        inputs = list(view.nodes[b].input)
+        parts += inputs + [""] * (CONV_INPUTS - len(inputs))
+    names = {f"b{k}": b for k, b in enumerate(branches)}
+    values = {"parts": parts, "y": concat.output[0]}
+    return [Match.of(view, values, {"concat": index, **names}, [*branches, index])]
+
+
+def attributes(m: Match) -> dict:
+    """Each branch's ConvBiasRelu attributes under the prefix b<k>_, and the branch count."""
+    count = sum(1 for name in m.node_index if name.startswith("b"))
+    attrs = {"branches": count}
+    for k in range(count):
+        attrs.update({f"b{k}_{key}": v for key, v in m.attrs(f"b{k}").items()})
+    return attrs
+
+
+def make_kernel(attrs: dict, constants: list):
+    """Pack every branch's weights once; run(*inputs) returns the concatenated output."""
+    from kernels.conv_concat import conv_concat
+
+    count = attrs["branches"]
+    constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]
+    plans = []
+    for k in range(count):
+        _, w, b, bias_add = constants[k * CONV_INPUTS : (k + 1) * CONV_INPUTS]
+        conv = {key[len(f"b{k}_") :]: v for key, v in attrs.items() if key.startswith(f"b{k}_")}
+        plans.append(conv_plan(conv, w, folded_bias(w.shape[0], b, bias_add)))
+
+    def run(*inputs):
+        return (conv_concat(list(inputs[::CONV_INPUTS]), plans),)
+
+    return run
+
+
+RULE = Rule(
+    "ConvConcat",
+    None,
+    inputs=("parts",),
+    outputs=("y",),
+    kernel=make_kernel,
+    attributes=attributes,
+    finder=find_concat,
+    anchor_ops=("Concat",),
+    stage=1,
+    priority=10,
+    description="Concat on channels of ConvBiasRelu outputs (Inception branches), no copy",
+)

@@ -1,0 +1,148 @@
+"""ConvConcat: a Concat of ConvBiasRelu outputs (Inception branches) becomes one node whose
+convs write into their channel ranges; checked against onnxruntime on the original graph, at
+more than one shape; near-misses are not fused and say why."""
+
+import numpy as np
+import onnx
+import pytest
+from builders import GraphBuilder, conv_block, fused_ops, random_feeds, run_ort
+
+import fusion
+from fusion.runtime import Session
+from kernels import prepare_conv2d
+from kernels.conv_concat import conv_concat
+
+CATALOG = fusion.default_catalog()
+
+
+def inception(g, x, cin, widths=(16, (24, 32), (8, 16), 16), name="/cat", **block):
+    """GoogLeNet's block as torchvision exports it (BatchNorm folded into Conv): a 1x1 branch,
+    1x1 -> 3x3 and 1x1 -> 3x3 branches, MaxPool(3, stride 1, pad 1) -> 1x1, Concat(axis=1)."""
+    one, (r3, c3), (r5, c5), proj = widths
+    pad = dict(pads=[1, 1, 1, 1])
+    b1 = conv_block(g, x, cin, one, k=1, **block)
+    b2 = conv_block(g, conv_block(g, x, cin, r3, k=1, **block), r3, c3, k=3, **pad, **block)
+    b3 = conv_block(g, conv_block(g, x, cin, r5, k=1, **block), r5, c5, k=3, **pad, **block)
+    pooled = g.node("MaxPool", [x], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
+    b4 = conv_block(g, pooled, cin, proj, k=1, **block)
+    return [b1, b2, b3, b4], g.node("Concat", [b1, b2, b3, b4], axis=1, name=name)
+
+
+def check_against_onnxruntime(model, batches=(1, 3)):
+    result = fusion.rewrite(model, CATALOG)
+    onnx.checker.check_model(result.model, full_check=True)
+    session = Session(result.model, threads=2, catalog=CATALOG)
+    for batch in batches:
+        feeds = random_feeds(model, batch=batch, seed=batch)
+        (want,) = run_ort(model, feeds)
+        (plain,) = run_ort(result.model, feeds)  # the function bodies, in plain onnxruntime
+        (got,) = session.run(None, feeds)
+        np.testing.assert_allclose(plain, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize(
+    "block",
+    [dict(), dict(bias="add"), dict(bias="none", act="clip"), dict(act="relu6", opset=9)],
+    ids=["pytorch", "add-bias", "no-bias-clip", "clip-attributes-opset9"],
+)
+def test_inception_block_fuses_into_one_node(block):
+    block = dict(block)
+    g = GraphBuilder(opset=block.pop("opset", 17))
+    _, y = inception(g, "x", 12, **block)
+    result = check_against_onnxruntime(g.model({"x": ["N", 12, 9, 11]}, [y]))
+    assert sorted(fused_ops(result.model)) == ["ConvBiasRelu", "ConvBiasRelu", "ConvConcat"]
+    (cat,) = [n for n in result.model.graph.node if n.op_type == "ConvConcat"]
+    assert cat.name == "/cat" and len(cat.input) >= 13  # 4 branches x (x, W, B, bias_add)
+    assert "Concat" not in [n.op_type for n in result.model.graph.node]
+
+
+class HeScaled(GraphBuilder):
+    """Conv weights with std sqrt(2 / fan_in), as trained networks keep activations O(1)."""
+
+    def weight(self, *shape, scale=0.3):
+        return super().weight(
+            *shape, scale=np.sqrt(2 / np.prod(shape[1:])) if len(shape) == 4 else scale
+        )
+
+
+def test_two_inception_blocks_in_a_row_at_googlenet_width():
+    g = HeScaled(seed=3)
+    _, y = inception(g, "x", 48, widths=(16, (24, 32), (4, 8), 8))
+    _, y = inception(g, y, 64, widths=(32, (32, 48), (8, 24), 16), name="/cat2")
+    result = check_against_onnxruntime(g.model({"x": ["N", 48, 14, 14]}, [y]), batches=(2,))
+    assert fused_ops(result.model).count("ConvConcat") == 2
+
+
+def test_kernel_matches_a_numpy_concat_of_each_conv_and_writes_a_slice():
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in [(2, 6, 9, 9), (2, 3, 17, 17)]]
+    plans = [
+        prepare_conv2d(rng.standard_normal((5, 6, 3, 3)).astype(np.float32), pads=(1,) * 4),
+        prepare_conv2d(
+            rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+            strides=(2, 2),
+            pads=(1,) * 4,
+            activation="relu",
+        ),  # fmt: skip
+    ]
+    buf = np.full((2, 12, 9, 9), -7.0, np.float32)
+    conv_concat(xs, plans, out=buf[:, 1:10])
+    from kernels import conv2d_bias_act
+
+    want = np.concatenate([conv2d_bias_act(x, p) for x, p in zip(xs, plans, strict=True)], 1)
+    np.testing.assert_array_equal(buf[:, 1:10], want)
+    assert (buf[:, :1] == -7).all() and (buf[:, 10:] == -7).all()
+    with pytest.raises(ValueError, match=r"differ in batch or size \(2x9x9, 2x17x17\)"):
+        conv_concat([xs[0], xs[1]], [plans[0], prepare_conv2d(np.ones((4, 3, 1, 1), np.float32))])
+    with pytest.raises(ValueError, match="one input per conv plan"):
+        conv_concat(xs[:1], plans)
+
+
+def explain_concat(model) -> str:
+    result = fusion.rewrite(model, CATALOG)
+    assert "ConvConcat" not in fused_ops(result.model), "a near-miss was fused"
+    return result.explain("ConvConcat")
+
+
+def test_concat_on_another_axis_is_not_fused():
+    g = GraphBuilder()
+    a, b = conv_block(g, "x", 4, 3, k=1), conv_block(g, "x", 4, 3, k=3, pads=[1, 1, 1, 1])
+    y = g.node("Concat", [a, b], axis=2, name="/cat")
+    text = explain_concat(g.model({"x": [1, 4, 5, 5]}, [y]))
+    assert "Concat /cat: Concat on axis 2, not on the channels (axis 1)" in text
+
+
+def test_branch_output_used_elsewhere_is_not_fused():
+    g = GraphBuilder()
+    (b1, *_), y = inception(g, "x", 8)
+    side = g.node("Neg", [b1], name="/side")
+    text = explain_concat(g.model({"x": [1, 8, 6, 6]}, [y, side]))
+    assert "is also used by Neg /side" in text
+
+
+def test_input_that_is_not_a_conv_is_not_fused():
+    g = GraphBuilder()
+    a = conv_block(g, "x", 4, 3, k=1)
+    pooled = g.node("MaxPool", ["x"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
+    y = g.node("Concat", [a, pooled], axis=1, name="/cat")
+    text = explain_concat(g.model({"x": [1, 4, 5, 5]}, [y]))
+    assert f"Concat /cat: input 1 ({pooled}) is not the output of a ConvBiasRelu" in text
+
+
+def test_the_same_branch_twice_is_not_fused():
+    g = GraphBuilder()
+    a = conv_block(g, "x", 4, 3, k=1)
+    y = g.node("Concat", [a, a], axis=1, name="/cat")
+    text = explain_concat(g.model({"x": [1, 4, 5, 5]}, [y]))
+    assert "the same ConvBiasRelu output is concatenated more than once" in text
+
+
+def test_fire_module_wins_over_conv_concat():
+    from test_fire import fire_graph
+
+    g = GraphBuilder()
+    *_, y = fire_graph(g, "x", 6, 4, 5, 5)
+    result = fusion.rewrite(g.model({"x": ["N", 6, 6, 6]}, [y]), CATALOG)
+    assert fused_ops(result.model) == ["FireModule"]
