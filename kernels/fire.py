@@ -5,11 +5,12 @@
 with each conv_k = act(conv2d(., W_k) + b_k) a kernels.conv2d plan. SqueezeNet's Fire module
 is B = 2 (a 1x1 and a 3x3 expand conv after a 1x1 squeeze conv); the concatenation costs
 nothing, because every branch's epilogue stores into a channel-slice view of y, and the
-squeeze output s is computed once and read by all branches. The inner loops and the parallel
-drivers are conv2d's (one prange over image x pixel panel per conv, disjoint output tiles);
-this module is the validating wrapper.
+squeeze output s is computed once and read by all branches: Fire is the squeeze conv followed
+by conv_concat (conv_concat.py) with every branch reading s. The inner loops and the parallel
+drivers are conv2d's; this module is the validating wrapper.
 
 Example:
+    >>> import numpy as np
     >>> from kernels import prepare_conv2d
     >>> sq = prepare_conv2d(np.ones((2, 3, 1, 1), np.float32), activation="relu")
     >>> e1 = prepare_conv2d(np.ones((4, 2, 1, 1), np.float32), activation="relu")
@@ -20,9 +21,8 @@ Example:
 
 import dataclasses
 
-import numpy as np
-
-from .conv2d import Conv2DPlan, conv2d_bias_act, output_shape
+from .conv2d import Conv2DPlan, conv2d_bias_act
+from .conv_concat import conv_concat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +51,4 @@ def fire(x, plan: FirePlan, out=None):
     out: optional float32 [N, M, OH, OW] array, or a channel slice of a bigger buffer.
     """
     s = conv2d_bias_act(x, plan.squeeze)  # validates x
-    shapes = [output_shape(s.shape, e)[0] for e in plan.expands]
-    n, _, oh, ow = shapes[0]
-    if any(shape[2:] != (oh, ow) for shape in shapes):
-        sizes = ", ".join(f"{h}x{w}" for *_, h, w in shapes)
-        raise ValueError(f"expand outputs differ in size ({sizes}); they cannot be concatenated")
-    if out is None:
-        out = np.empty((n, plan.out_channels, oh, ow), np.float32)
-    elif out.shape != (n, plan.out_channels, oh, ow):
-        raise ValueError(f"out must have shape {(n, plan.out_channels, oh, ow)}, got {out.shape}")
-    c = 0
-    for e in plan.expands:  # each conv is parallel inside; their output ranges are disjoint
-        conv2d_bias_act(s, e, out=out[:, c : c + e.out_channels])
-        c += e.out_channels
-    return out
+    return conv_concat([s] * len(plan.expands), plan.expands, out)

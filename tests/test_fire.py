@@ -127,7 +127,7 @@ def test_kernel_writes_into_a_channel_slice_and_validates():
     with pytest.raises(ValueError, match="expand 0 reads 6 channels, the squeeze conv writes 4"):
         prepare_fire(plans[0], plans[0])
     unpadded = prepare_fire(plans[0], plans[1], prepare_conv2d(ws[2], bs[2]))
-    with pytest.raises(ValueError, match=r"expand outputs differ in size \(5x4, 3x2\)"):
+    with pytest.raises(ValueError, match=r"outputs differ in batch or size \(2x5x4, 2x3x2\)"):
         fire(x, unpadded)
 
 
