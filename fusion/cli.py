@@ -199,7 +199,7 @@ def _copy_unchanged(src: Path, dst: Path) -> None:
 
 
 def _print_rewrite(result, verbose: bool) -> None:
-    total = len(result.fusions)
+    total = sum(result.counts().values())
     counts = ", ".join(f"{name}: {n}" for name, n in result.counts().items())
     print(f"{total} fusion{'s' if total != 1 else ''}" + (f" ({counts})" if counts else ""))
     if verbose:

@@ -45,10 +45,14 @@ class RewriteResult:
     rules: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        """Fusions per pattern, for the patterns that fused, in catalog priority order."""
+        """Fused nodes per pattern in the rewritten model, in catalog priority order. A fusion
+        that a later stage absorbed (LSTMCell nodes into an LSTMSequence) is in `fusions` but
+        not counted here: these are the nodes the model runs."""
+        made = {(f.rule, f.node) for f in self.fusions}  # not fused nodes the input had
         counts = dict.fromkeys(self.rules, 0)
-        for f in self.fusions:
-            counts[f.rule] = counts.get(f.rule, 0) + 1
+        for node in self.model.graph.node:
+            if node.domain == DOMAIN and (node.op_type, node.name) in made:
+                counts[node.op_type] += 1
         return {rule: n for rule, n in counts.items() if n}
 
     def explain(self, pattern: str | None = None) -> str:
