@@ -26,8 +26,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
-import onnxruntime as ort
+# Read by OpenBLAS when numpy loads it: idle workers sleep at once instead of spinning after
+# each call, so the interleaved SGEMM reference does not slow the other runners (as bench/run.py).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fusion  # noqa: E402
