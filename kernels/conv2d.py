@@ -251,11 +251,8 @@ def _launch(plan, x_shape, threads):
     return shape, fast, im2col
 
 
-def conv2d_bias_act(x, plan, out=None):
-    """y = act(conv2d(x, w) + bias) for x float32 C-contiguous [N, C, H, W]; returns `out`.
-
-    out: optional float32 [N, M, OH, OW] array, or a channel-slice view of a bigger buffer.
-    """
+def check_input(x, plan):
+    """Raise ValueError unless x is a float32 C-contiguous [N, C, H, W] array for `plan`."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32:
         raise ValueError(f"x must be a float32 numpy array, got {getattr(x, 'dtype', type(x))}")
     if x.ndim != 4:
@@ -264,13 +261,26 @@ def conv2d_bias_act(x, plan, out=None):
         raise ValueError("x must be C-contiguous (use np.ascontiguousarray)")
     if x.shape[1] != plan.in_channels:
         raise ValueError(f"x has {x.shape[1]} channels, the weights expect {plan.in_channels}")
-    key = (x.shape, get_threads())
-    launch = plan.launches.get(key)
-    if launch is None:
+
+
+def launch(plan, x_shape):
+    """_launch for this input shape and the calling thread's thread count, cached on the plan."""
+    key = (x_shape, get_threads())
+    found = plan.launches.get(key)
+    if found is None:
         if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
             plan.launches.clear()
-        launch = plan.launches[key] = _launch(plan, x.shape, key[1])
-    shape, fast, im2col = launch
+        found = plan.launches[key] = _launch(plan, x_shape, key[1])
+    return found
+
+
+def conv2d_bias_act(x, plan, out=None):
+    """y = act(conv2d(x, w) + bias) for x float32 C-contiguous [N, C, H, W]; returns `out`.
+
+    out: optional float32 [N, M, OH, OW] array, or a channel-slice view of a bigger buffer.
+    """
+    check_input(x, plan)
+    shape, fast, im2col = launch(plan, x.shape)
     if out is None:
         out = np.empty(shape, np.float32)
         out3 = out.reshape(shape[0], shape[1], shape[2] * shape[3])

@@ -21,8 +21,18 @@ Example:
 
 import dataclasses
 
-from .conv2d import Conv2DPlan, conv2d_bias_act
+import numba
+import numpy as np
+
+from ._im2col import im2col_conv
+from ._winograd import all_finite, winograd_conv
+from .config import JIT, get_threads, slp_vectorize
+from .conv2d import Conv2DPlan, _check_out, check_input, conv2d_bias_act, launch
 from .conv_concat import conv_concat
+
+# One compiled call per Fire module when its convs take these paths (SqueezeNet's always do):
+# the Python between its convs and a finiteness pass cost ~60 us per module in a 1 ms budget.
+_ONE_CALL = {"squeeze": ("im2col",), "expand": ("im2col", "winograd")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +40,16 @@ class FirePlan:
     squeeze: Conv2DPlan
     expands: tuple  # Conv2DPlans, in output channel order
     out_channels: int
+    # (input shape, threads) -> _launch(...), as Conv2DPlan.launches
+    launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def one_call(self) -> bool:
+        return (
+            len(self.expands) == 2
+            and self.squeeze.method in _ONE_CALL["squeeze"]
+            and all(e.method in _ONE_CALL["expand"] for e in self.expands)
+        )
 
 
 def prepare_fire(squeeze: Conv2DPlan, *expands: Conv2DPlan) -> FirePlan:
@@ -50,5 +70,75 @@ def fire(x, plan: FirePlan, out=None):
 
     out: optional float32 [N, M, OH, OW] array, or a channel slice of a bigger buffer.
     """
-    s = conv2d_bias_act(x, plan.squeeze)  # validates x
-    return conv_concat([s] * len(plan.expands), plan.expands, out)
+    if not plan.one_call:
+        s = conv2d_bias_act(x, plan.squeeze)  # validates x
+        return conv_concat([s] * len(plan.expands), plan.expands, out)
+    check_input(x, plan.squeeze)
+    key = (x.shape, get_threads())
+    found = plan.launches.get(key)
+    if found is None:
+        if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
+            plan.launches.clear()
+        found = plan.launches[key] = _launch(plan, x.shape)
+    s_shape, shape, ma, args = found
+    n, m, oh, ow = shape
+    if out is None:
+        out = np.empty(shape, np.float32)
+        y3 = out.reshape(n, m, oh * ow)
+        ya, yb = y3[:, :ma], y3[:, ma:]
+    elif out.shape != shape:
+        raise ValueError(f"out must have shape {shape}, got {out.shape}")
+    else:
+        ya = _check_out(out[:, :ma], (n, ma, oh, ow), x)
+        yb = _check_out(out[:, ma:], (n, m - ma, oh, ow), x)
+    s = np.empty(s_shape, np.float32)
+    squeeze = plan.squeeze
+    with slp_vectorize():  # only has an effect when the kernel is compiled
+        _fire_one_call(x, s, s.reshape(s_shape[0], s_shape[1], -1), squeeze.im2col_packed,
+                       squeeze.bias, ya, yb, *args)  # fmt: skip
+    return out
+
+
+def _launch(plan, x_shape):
+    """(squeeze output shape, output shape, channels of the first expand, the arguments of
+    _fire_one_call after yb) for an input of shape x_shape."""
+    s_shape, _, s_args = launch(plan.squeeze, x_shape)
+    a, b = plan.expands
+    (n, ma, oh, ow), a_fast, a_args = launch(a, s_shape)
+    b_shape, b_fast, b_args = launch(b, s_shape)
+    if b_shape[2:] != (oh, ow):
+        sizes = f"{n}x{oh}x{ow}, {n}x{b_shape[2]}x{b_shape[3]}"
+        raise ValueError(f"branch outputs differ in batch or size ({sizes}): cannot concatenate")
+    args = (s_args, _weights(a), _fast_args(a, a_fast), a_args, a.method == "winograd",
+            _weights(b), _fast_args(b, b_fast), b_args, b.method == "winograd")  # fmt: skip
+    return s_shape, (n, ma + b_shape[1], oh, ow), ma, args
+
+
+def _weights(plan):
+    """(own packed weights, im2col packed weights, bias) of a conv plan."""
+    return plan.packed, plan.im2col_packed, plan.bias
+
+
+def _fast_args(plan, fast):
+    """Winograd's arguments, or same-typed placeholders for a conv that has none."""
+    return fast if plan.method == "winograd" else (0, 0, 1, 1, *plan.clip, 1)
+
+
+@numba.jit(**JIT)
+def _fire_one_call(x, s, s3, sq_w, sq_b, ya, yb, sq_args, a, a_fast, a_args, a_winograd,
+                   b, b_fast, b_args, b_winograd):  # fmt: skip
+    """s = squeeze(x) by im2col (s3: s as [N, M, P]), then each expand into its channel range
+    of y (ya, yb: [N, M, P] views): by Winograd if its plan is for Winograd and s holds no inf
+    or NaN (see conv2d_bias_act), else by im2col. Arguments as conv2d's launch() gives them."""
+    im2col_conv(x, sq_w, sq_b, s3, *sq_args)
+    finite = (a_winograd or b_winograd) and all_finite(s)
+    _expand(s, ya, a, a_fast, a_args, a_winograd and finite)
+    _expand(s, yb, b, b_fast, b_args, b_winograd and finite)
+
+
+@numba.jit(**JIT)
+def _expand(s, y, w, fast, args, winograd):
+    if winograd:
+        winograd_conv(s, w[0], w[2], y, *fast)
+    else:
+        im2col_conv(s, w[1], w[2], y, *args)

@@ -53,6 +53,25 @@ def _depthwise():
     _conv((16, 1, 3, 3), (1, 16, 9, 9), pads=(1, 1, 1, 1), group=16)
 
 
+def _fire():
+    from .conv2d import prepare_conv2d
+    from .fire import fire, prepare_fire
+
+    rng = np.random.default_rng(0)
+    for squeeze in (8, 4):  # the 3x3 expand by Winograd (>= 8 channels), by im2col
+        sq, e1 = (
+            rng.standard_normal(s, dtype=np.float32)
+            for s in [(squeeze, 6, 1, 1), (5, squeeze, 1, 1)]
+        )
+        e3 = rng.standard_normal((7, squeeze, 3, 3), dtype=np.float32)
+        plan = prepare_fire(prepare_conv2d(sq), prepare_conv2d(e1),
+                            prepare_conv2d(e3, pads=(1, 1, 1, 1)))  # fmt: skip
+        for batch in (1, 2):  # at batch 2 the expands' outputs are non-contiguous slices
+            x = rng.standard_normal((batch, 6, 7, 7), dtype=np.float32)
+            fire(x, plan)
+            fire(x, plan, out=np.empty((batch, 14, 7, 7), np.float32)[:, 1:-1])
+
+
 def _lstm():
     from .lstm import lstm_cell, lstm_sequence, prepare_lstm
 
@@ -76,6 +95,7 @@ GROUPS = {
     "winograd4": _winograd4,
     "depthwise": _depthwise,
     "lstm": _lstm,
+    "fire": _fire,  # last: by then im2col and winograd are cached for it to link
 }
 
 

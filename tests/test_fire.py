@@ -177,3 +177,34 @@ def test_fire_modules_in_a_row():
     *_, y = fire_graph(g, y, 10, 4, 6, 6, "3x3,1x1", name="/cat2", bias="add", act="clip")
     result = rewrite_checked(g.model({"x": ["N", 6, 6, 6]}, [y]))
     assert fused_ops(result.model) == ["FireModule"] * 2
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan-and-inf"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_call_and_per_conv_paths_agree(poison, batch):
+    """fire() runs a usual Fire module (squeeze im2col, expands im2col or Winograd) as one
+    compiled call; anything else (here a third expand) conv by conv. Both must give what the
+    convs give one by one, also when the input holds NaN and inf (Winograd steps aside)."""
+    from kernels import conv2d_bias_act
+
+    rng = np.random.default_rng(batch)
+    w = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in
+         [(16, 12, 1, 1), (10, 16, 1, 1), (9, 16, 3, 3), (7, 16, 3, 3)]]  # fmt: skip
+    pads = [(0,) * 4, (0,) * 4, (1,) * 4, (1,) * 4]
+    sq, e1, e3, e3b = (
+        prepare_conv2d(a, pads=p, activation="relu") for a, p in zip(w, pads, strict=True)
+    )
+    assert e3.method == "winograd"
+    x = rng.standard_normal((batch, 12, 9, 10)).astype(np.float32)
+    if poison:
+        x[0, 3, 4, 4], x[-1, 5, 0, 9] = np.nan, np.inf
+    s = conv2d_bias_act(x, sq)
+    for expands in [(e3, e1), (e1, e3, e3b)]:
+        plan = prepare_fire(sq, *expands)
+        assert plan.one_call == (len(expands) == 2)
+        want = np.concatenate([conv2d_bias_act(s, e) for e in expands], 1)
+        np.testing.assert_array_equal(fire(x, plan), want)
+        buf = np.full((batch, plan.out_channels + 3, 9, 10), -7.0, np.float32)
+        fire(x, plan, out=buf[:, 1:-2])
+        np.testing.assert_array_equal(buf[:, 1:-2], want)
+        assert (buf[:, :1] == -7).all() and (buf[:, -2:] == -7).all()
