@@ -85,7 +85,7 @@ def _inlined(view: GraphView, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         raise BodyError(f"fused node {node.name} has no function body to inline")
     names = dict(zip(func.input, list(node.input) + [""] * len(func.input), strict=False))
     names.update(zip(func.output, node.output, strict=False))
-    prefix = f"{node.name or node.output[0]}/"
+    prefix = f"{node.output[0]}/"  # unique (SSA), where node names need not be
     out: list[onnx.NodeProto] = []
     for inner in func.node:
         if any(a.ref_attr_name for a in inner.attribute):

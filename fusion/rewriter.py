@@ -169,7 +169,11 @@ def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: 
 def _acceptable(view, rule: Rule, match: Match, root, outputs: list, claimed: dict, skip: dict):
     """(match, fused node, function) if the match may be fused, else the reason it may not."""
     label = node_label(root)
-    reason = _overlap(view, match, claimed) or _escapes(view, match, outputs)
+    reason = (
+        _overlap(view, match, claimed)
+        or _escapes(view, match, outputs)
+        or _feeds_itself(view, rule, match)
+    )
     if not reason and rule.check is not None:
         verdict = rule.check(match)
         reason = f"{label}: {verdict}" if verdict else None
@@ -221,6 +225,18 @@ def _escapes(view: GraphView, match: Match, outputs: list[str]) -> str | None:
                 if user not in inside:
                     other = node_label(view.nodes[user])
                     return f"{node_label(node)}: its output {value} is also used by {other}"
+    return None
+
+
+def _feeds_itself(view: GraphView, rule: Rule, match: Match) -> str | None:
+    """Why the fused node would read a value only it computes, if it would (a finder's match
+    whose parts feed each other, e.g. consecutive convs that are all concatenated)."""
+    inside = set(match.nodes)
+    for value in _flat(match[name] for name in rule.inputs):
+        producer = view.producer.get(value) if value else None
+        if producer is not None and producer[0] in inside:
+            node = node_label(view.nodes[producer[0]])
+            return f"{node}: its output {value} would be an input of the node that replaces it"
     return None
 
 

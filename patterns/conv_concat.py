@@ -45,6 +45,11 @@ def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
             return f"input {k} ({value}) is not the output of a ConvBiasRelu"
     if len(set(branches)) != len(branches):
         return "the same ConvBiasRelu output is concatenated more than once"
+    outputs = {view.nodes[b].output[0]: k for k, b in enumerate(branches)}
+    for k, b in enumerate(branches):
+        if view.nodes[b].input[0] in outputs:
+            j = outputs[view.nodes[b].input[0]]
+            return f"branch {k} reads branch {j}'s output (consecutive convs, not branches)"
     axis = view.attributes(concat).get("axis")
     if axis not in CHANNEL_AXES:
         return f"Concat on axis {axis}, not on the channels (axis 1)"

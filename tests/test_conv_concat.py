@@ -146,3 +146,39 @@ def test_fire_module_wins_over_conv_concat():
     *_, y = fire_graph(g, "x", 6, 4, 5, 5)
     result = fusion.rewrite(g.model({"x": ["N", 6, 6, 6]}, [y]), CATALOG)
     assert fused_ops(result.model) == ["FireModule"]
+
+
+def test_consecutive_convs_concatenated_are_not_fused():
+    # VoVNet's one-shot aggregation: Concat([a, conv(a)]); a fused node cannot read `a`,
+    # which it would compute itself
+    g = GraphBuilder()
+    a = conv_block(g, "x", 4, 3, k=1)
+    b = conv_block(g, a, 3, 5, k=3, pads=[1, 1, 1, 1])
+    y = g.node("Concat", [a, b], axis=1, name="/cat")
+    model = g.model({"x": ["N", 4, 5, 5]}, [y])
+    text = explain_concat(model)
+    assert "Concat /cat: branch 1 reads branch 0's output (consecutive convs" in text
+    check_against_onnxruntime(model, batches=(2,))  # still valid, still right
+
+
+def test_branches_with_the_same_node_names_keep_a_valid_body():
+    # node names need not be unique in ONNX (onnxruntime refuses such a model, the checker
+    # does not); the bodies inlined into the fused node must still be SSA
+    g = GraphBuilder()
+    a = conv_block(g, "x", 4, 3, k=1)
+    b = conv_block(g, "x", 4, 5, k=3, pads=[1, 1, 1, 1])
+    y = g.node("Concat", [a, b], axis=1, name="/cat")
+    unique = g.model({"x": ["N", 4, 5, 5]}, [y])
+    same = onnx.ModelProto()
+    same.CopyFrom(unique)
+    for node in same.graph.node:
+        node.name = node.op_type.lower()
+    onnx.checker.check_model(same, full_check=True)
+    result = fusion.rewrite(same, CATALOG)
+    assert fused_ops(result.model) == ["ConvConcat"] and len(result.model.graph.node) == 1
+    onnx.checker.check_model(result.model, full_check=True)
+    feeds = random_feeds(unique, batch=2)
+    (want,) = run_ort(unique, feeds)
+    np.testing.assert_allclose(run_ort(result.model, feeds)[0], want, rtol=1e-6, atol=1e-6)
+    got = Session(result.model, threads=2, catalog=CATALOG).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
