@@ -65,7 +65,7 @@ class Conv2DPlan:
     packed: np.ndarray  # weights packed for `method`
     im2col_packed: np.ndarray  # weights packed for im2col: every plan can take that path
     # (input shape, threads) -> _launch(...): the per-call arithmetic done once per shape
-    launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 def _pair(name, value, minimum):

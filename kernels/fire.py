@@ -41,7 +41,7 @@ class FirePlan:
     expands: tuple  # Conv2DPlans, in output channel order
     out_channels: int
     # (input shape, threads) -> _launch(...), as Conv2DPlan.launches
-    launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def one_call(self) -> bool:

@@ -269,3 +269,14 @@ X = np.ones((1, 2, 5, 5), np.float32)
 def test_bad_inputs_raise_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_replaced_plan_does_not_reuse_the_old_launch_arguments():
+    import dataclasses
+    import math
+
+    x = np.random.default_rng(0).standard_normal((1, 4, 6, 6)).astype(np.float32)
+    relu = prepare_conv2d(np.ones((3, 4, 1, 1), np.float32), activation="relu")
+    assert conv2d_bias_act(x, relu).min() >= 0  # caches launch arguments (lo = 0) on the plan
+    plain = dataclasses.replace(relu, clip=(np.float32(-math.inf), np.float32(math.inf)))
+    assert conv2d_bias_act(x, plain).min() < 0
