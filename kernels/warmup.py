@@ -10,12 +10,14 @@ with batch 1 a channel slice is contiguous: the slice case runs at batch 2).
 
     python -m kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
 
-A group that fails prints its error and makes the command exit non-zero.
+A group that fails prints its error and makes the command exit non-zero. Concurrent saves into
+Numba's cache are serialized by a file lock (see _serialize_cache_saves).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -89,13 +91,15 @@ def _lstm():
         lstm_cell(x[0], h, h.copy(), plan)
 
 
+TIMEOUT_S = 1800  # per group: a compile that hangs must not hang the test run
+
 GROUPS = {
     "im2col": _im2col,
     "winograd": _winograd,
     "winograd4": _winograd4,
     "depthwise": _depthwise,
     "lstm": _lstm,
-    "fire": _fire,  # last: by then im2col and winograd are cached for it to link
+    "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 
 
@@ -112,16 +116,43 @@ def warm_up(jobs: int = 2, groups=None) -> dict[str, float]:
     def one(name):
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "kernels.warmup", "--group", name]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return name, time.perf_counter() - start, done.returncode, tail
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+            code, err = done.returncode, done.stderr
+        except subprocess.TimeoutExpired:
+            code, err = -1, f"no result after {TIMEOUT_S} s"
+        return name, time.perf_counter() - start, code, err
 
     with ThreadPoolExecutor(jobs) as pool:
         results = list(pool.map(one, names))
-    failed = [f"{name}: {tail}" for name, _, code, tail in results if code]
+    failed = [(name, err) for name, _, code, err in results if code]
     if failed:
-        raise RuntimeError("kernel warm-up failed: " + "; ".join(failed))
+        # the whole error (a Numba typing error ends in a line that says nothing by itself)
+        tails = ["\n".join(err.strip().splitlines()[-40:]) for _, err in failed]
+        raise RuntimeError(
+            f"kernel warm-up failed in {', '.join(name for name, _ in failed)}:\n"
+            + "\n\n".join(tails)
+        )
     return {name: seconds for name, seconds, _, _ in results}
+
+
+def _serialize_cache_saves():
+    """Numba saves a cache entry by reading the function's index, adding the entry and writing
+    the index back, with no lock: two processes adding different signatures of one function
+    at the same time can leave the index naming the other's machine code (numba#4807). The
+    warm-up's processes run at the same time and share callees, so their saves take a lock."""
+    import fcntl
+
+    from numba.core import caching
+
+    save = caching.IndexDataCacheFile.save
+
+    def locked_save(self, key, data):
+        with open(os.path.join(self._cache_path, ".kernels-warmup.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return save(self, key, data)
+
+    caching.IndexDataCacheFile.save = locked_save
 
 
 def main(argv=None) -> int:
@@ -130,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--group", choices=sorted(GROUPS), help="compile one group, here")
     args = parser.parse_args(argv)
     if args.group:
+        _serialize_cache_saves()
         GROUPS[args.group]()
         return 0
     try:

@@ -8,6 +8,7 @@ compiles just what its tests use. FUSION_NO_WARMUP=1 skips it.
 """
 
 import os
+import warnings
 
 
 def pytest_configure(config):
@@ -17,4 +18,7 @@ def pytest_configure(config):
         return
     from kernels.warmup import warm_up
 
-    warm_up(jobs=max(1, min(4, os.cpu_count() or 1)))
+    try:
+        warm_up(jobs=max(1, min(4, os.cpu_count() or 1)))
+    except RuntimeError as err:  # the tests compile and report it themselves, with context
+        warnings.warn(f"{err}", stacklevel=1)
