@@ -47,6 +47,18 @@ Progress = Callable[[str, int, int], None]  # (step name, index from 1, total)
 _BLOCKED_LAYOUT_OPS = {"Conv", "ConvTranspose", "FusedConv"}  # ops NCHWc speeds up
 
 
+def _may_hold_a_conv(node: onnx.NodeProto) -> bool:
+    """A conv op, or a node whose function body or subgraphs (If, Loop, Scan) may hold one."""
+    return (
+        node.op_type in _BLOCKED_LAYOUT_OPS
+        or node.domain not in ("", "ai.onnx")
+        or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for a in node.attribute
+        )
+    )
+
+
 class InvalidFeed(FusionError, ValueError):
     """A run's feeds do not fit the model's inputs (missing, unknown, wrong dtype or rank)."""
 
@@ -150,7 +162,7 @@ class Session:
 
     def _session_options(self, island: IslandPlan | None = None) -> ort.SessionOptions:
         options = ort.SessionOptions()
-        if island is not None and not any(n.op_type in _BLOCKED_LAYOUT_OPS for n in island.nodes):
+        if island is not None and not any(_may_hold_a_conv(n) for n in island.nodes):
             # onnxruntime's default level also converts to its blocked NCHWc layout, which pays
             # for itself across convolutions; an island without one (SqueezeNet's MaxPools
             # between Fire kernels) only gets the reorders at its borders. Measured on

@@ -448,3 +448,13 @@ def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
     assert sess.steps[0]._options.graph_optimization_level == level
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype(np.float32)
     assert_same(sess.run(None, {"x": x}), reference(model, {"x": x}))
+
+
+def test_islands_keep_blocked_layouts_for_nodes_that_may_hide_a_conv():
+    from fusion.runtime import _may_hold_a_conv
+
+    empty = h.make_graph([], "g", [], [])
+    assert not _may_hold_a_conv(h.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2]))
+    assert _may_hold_a_conv(h.make_node("Conv", ["x", "w"], ["y"]))
+    assert _may_hold_a_conv(h.make_node("ConvBiasRelu", ["x"], ["y"], domain=DOMAIN))  # a body
+    assert _may_hold_a_conv(h.make_node("If", ["c"], ["y"], then_branch=empty, else_branch=empty))
