@@ -40,8 +40,8 @@ def conv_concat(xs, plans, out=None):
     channels = sum(s[1] for s in shapes)
     if out is None:
         out = np.empty((n, channels, oh, ow), np.float32)
-    elif out.shape != (n, channels, oh, ow):
-        raise ValueError(f"out must have shape {(n, channels, oh, ow)}, got {out.shape}")
+    elif not isinstance(out, np.ndarray) or out.shape != (n, channels, oh, ow):
+        raise ValueError(f"out must be an array of shape {(n, channels, oh, ow)}, got {out!r:.80}")
     c = 0
     for x, plan, shape in zip(xs, plans, shapes, strict=True):  # disjoint output ranges
         conv2d_bias_act(x, plan, out=out[:, c : c + shape[1]])

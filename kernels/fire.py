@@ -86,8 +86,8 @@ def fire(x, plan: FirePlan, out=None):
         out = np.empty(shape, np.float32)
         y3 = out.reshape(n, m, oh * ow)
         ya, yb = y3[:, :ma], y3[:, ma:]
-    elif out.shape != shape:
-        raise ValueError(f"out must have shape {shape}, got {out.shape}")
+    elif not isinstance(out, np.ndarray) or out.shape != shape:
+        raise ValueError(f"out must be an array of shape {shape}, got {out!r:.80}")
     else:
         ya = _check_out(out[:, :ma], (n, ma, oh, ow), x)
         yb = _check_out(out[:, ma:], (n, m - ma, oh, ow), x)
