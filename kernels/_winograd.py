@@ -152,10 +152,27 @@ def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, 
                     dst[p + ow_len + 1] = y[3, q]
 
 
+@numba.jit(**JIT)
+def _finite_panel(v, c_len):
+    """True when no transformed value is inf or NaN: x * 0 is NaN exactly for those, and a
+    NaN makes the sum NaN (fastmath here keeps NaN and inf, see config)."""
+    acc = np.float32(0.0)
+    for xi in range(16):
+        row = v[xi].reshape(-1)
+        for k in range(c_len * NR):
+            acc += row[k] * np.float32(0.0)
+    return acc == 0.0
+
+
 @numba.jit(**PARALLEL)
-def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms):
+def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms, bad):
     """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(2x2, 3x3); each tile panel's
-    channel panels are split into n_ms ranges (see conv2d.m_splits)."""
+    channel panels are split into n_ms ranges (see conv2d.m_splits).
+
+    Sets bad[0] when an inf or NaN reached a transformed tile: out3 is then not what a direct
+    convolution gives, and the caller must run im2col instead (see conv2d_bias_act). Checking
+    the transformed panels costs one multiply-add per value already in L1, where a separate
+    pass over x cost a parallel region and a read of the whole input."""
     n_len, c_len = x.shape[0], x.shape[1]
     m_len = out3.shape[1]
     tw_len = (ow_len + 1) // 2
@@ -178,6 +195,8 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms)
         for q in range(n_t):
             ty[q], tx[q] = 2 * ((tp * NR + q) // tw_len), 2 * ((tp * NR + q) % tw_len)
         _input_panel(x3, n, tp * NR, t_len, tw_len, pt, pl, h, w, d, v)
+        if not _finite_panel(v, c_len):
+            bad[0] = 1  # any item may set it; all set the same value
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
             for xi in range(16):
                 ao = (mb * 16 + xi) * c_len * MR

@@ -289,13 +289,19 @@ def conv2d_bias_act(x, plan, out=None):
     with slp_vectorize():  # only has an effect when the kernel is compiled
         # Winograd mixes the pixels of a tile before multiplying: one inf or NaN input would
         # poison all four outputs of its tile, where a direct convolution poisons only the
-        # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would.
-        if plan.method == "winograd" and _winograd.all_finite(x):
-            _winograd.winograd_conv(x, plan.packed, plan.bias, out3, *fast)
+        # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would:
+        # F(2x2) finds them in its transformed tiles (and is then redone), F(4x4) beforehand.
+        done = False
+        if plan.method == "winograd":
+            bad = np.zeros(1, np.int32)
+            _winograd.winograd_conv(x, plan.packed, plan.bias, out3, *fast, bad)
+            done = bad[0] == 0
         elif plan.method == "winograd4" and _winograd.all_finite(x):
             _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
+            done = True
         elif plan.method == "depthwise":
             _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
-        else:
+            done = True
+        if not done:
             _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
     return out

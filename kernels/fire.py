@@ -25,7 +25,7 @@ import numba
 import numpy as np
 
 from ._im2col import im2col_conv
-from ._winograd import all_finite, winograd_conv
+from ._winograd import winograd_conv
 from .config import JIT, get_threads, slp_vectorize
 from .conv2d import Conv2DPlan, _check_out, check_input, conv2d_bias_act, launch
 from .conv_concat import conv_concat
@@ -128,17 +128,17 @@ def _fast_args(plan, fast):
 def _fire_one_call(x, s, s3, sq_w, sq_b, ya, yb, sq_args, a, a_fast, a_args, a_winograd,
                    b, b_fast, b_args, b_winograd):  # fmt: skip
     """s = squeeze(x) by im2col (s3: s as [N, M, P]), then each expand into its channel range
-    of y (ya, yb: [N, M, P] views): by Winograd if its plan is for Winograd and s holds no inf
-    or NaN (see conv2d_bias_act), else by im2col. Arguments as conv2d's launch() gives them."""
+    of y (ya, yb: [N, M, P] views): by Winograd if its plan is for Winograd and no inf or NaN
+    got into its tiles (see winograd_conv), else by im2col. Arguments as launch() gives them."""
     im2col_conv(x, sq_w, sq_b, s3, *sq_args)
-    finite = (a_winograd or b_winograd) and all_finite(s)
-    _expand(s, ya, a, a_fast, a_args, a_winograd and finite)
-    _expand(s, yb, b, b_fast, b_args, b_winograd and finite)
+    _expand(s, ya, a, a_fast, a_args, a_winograd)
+    _expand(s, yb, b, b_fast, b_args, b_winograd)
 
 
 @numba.jit(**JIT)
 def _expand(s, y, w, fast, args, winograd):
+    bad = np.zeros(1, np.int32)
     if winograd:
-        winograd_conv(s, w[0], w[2], y, *fast)
-    else:
+        winograd_conv(s, w[0], w[2], y, *fast, bad)
+    if not winograd or bad[0]:  # im2col, or Winograd met an inf or NaN (see winograd_conv)
         im2col_conv(s, w[1], w[2], y, *args)
