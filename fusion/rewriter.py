@@ -57,13 +57,15 @@ class RewriteResult:
 
     def explain(self, pattern: str | None = None) -> str:
         """Per pattern: how many fused, and each near-miss with its reason."""
-        lines = []
+        lines, kept = [], self.counts()
         for rule in self.rules:
             if pattern is not None and rule != pattern:
                 continue
             misses = [n for n in self.near_misses if n.rule == rule]
             fused = sum(f.rule == rule for f in self.fusions)
-            lines.append(f"{rule}: {fused} fused, {len(misses)} not fused")
+            inside = fused - kept.get(rule, 0)
+            within = f" ({inside} of them inside later fusions)" if inside else ""
+            lines.append(f"{rule}: {fused} fused{within}, {len(misses)} not fused")
             lines += [f"  {n.reason}" for n in misses]
         return "\n".join(lines)
 

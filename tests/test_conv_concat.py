@@ -56,6 +56,8 @@ def test_inception_block_fuses_into_one_node(block):
     (cat,) = [n for n in result.model.graph.node if n.op_type == "ConvConcat"]
     assert cat.name == "/cat" and len(cat.input) >= 13  # 4 branches x (x, W, B, bias_add)
     assert "Concat" not in [n.op_type for n in result.model.graph.node]
+    assert result.counts() == {"ConvBiasRelu": 2, "ConvConcat": 1}
+    assert "ConvBiasRelu: 6 fused (4 of them inside later fusions)" in result.explain()
 
 
 class HeScaled(GraphBuilder):
