@@ -25,10 +25,11 @@ Example:
 import dataclasses
 import math
 
+import numba
 import numpy as np
 
 from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
-from .config import get_threads, slp_vectorize
+from .config import JIT, get_threads, slp_vectorize
 
 AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
 ACTIVATIONS = (None, "relu", "clip")
@@ -204,9 +205,10 @@ def m_splits(tile_panels, m, threads):
     """Into how many channel-panel ranges to split each tile panel so that every thread gets
     work: with fewer tile panels than 2 per thread (a 13x13 image is one F(4x4) panel) the
     input transform is repeated per range rather than leaving a core idle. Splitting more
-    often measured 1.09-1.13x the time (SqueezeNet's expand convs): a short last panel costs
-    as much as a full one in the GEMMs, so equal item counts are already balanced, and the
-    split only repeats the input transform. Claiming items dynamically gained nothing either."""
+    often was 1.09-1.13x the time on SqueezeNet's expand convs in a scratch A/B against this
+    code: a short last panel costs as much as a full one in the GEMMs, so equal item counts
+    are already balanced, and the split only repeats the input transform. Claiming items
+    dynamically gained nothing either."""
     want, n_mb = 2 * threads, -(-m // _gemm.MR)
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
@@ -221,8 +223,7 @@ def _panel_blocks(images, panels, k, m, threads):
     balance = -(-(2 if big_a else 4) * threads // images)
     per_blk = -(-panels // min(panels, max(balance, -(-panels // per_l2))))
     # No empty trailing blocks: prange hands each thread an equal count of blocks, so 8 blocks
-    # of 2 panels over 11 panels gave one thread 8 panels and the other 3 (13x13 1x1 convs
-    # ran at 1.1x their one-thread speed on two threads).
+    # of 2 panels over 11 panels gave one thread 8 panels and the other 3.
     return -(-panels // per_blk)
 
 
@@ -263,15 +264,37 @@ def check_input(x, plan):
         raise ValueError(f"x has {x.shape[1]} channels, the weights expect {plan.in_channels}")
 
 
-def launch(plan, x_shape):
-    """_launch for this input shape and the calling thread's thread count, cached on the plan."""
+def cached_launch(make, plan, x_shape):
+    """make(plan, x_shape, threads) for the calling thread's thread count, cached in
+    plan.launches (a Conv2DPlan's or a FirePlan's) per input shape and thread count."""
     key = (x_shape, get_threads())
     found = plan.launches.get(key)
     if found is None:
         if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
             plan.launches.clear()
-        found = plan.launches[key] = _launch(plan, x_shape, key[1])
+        found = plan.launches[key] = make(plan, x_shape, key[1])
     return found
+
+
+def launch(plan, x_shape):
+    """_launch for this input shape and the calling thread's thread count, cached on the plan."""
+    return cached_launch(_launch, plan, x_shape)
+
+
+def kernel_weights(plan):
+    """(own packed weights, im2col packed weights, bias): winograd_or_im2col's `weights`."""
+    return plan.packed, plan.im2col_packed, plan.bias
+
+
+@numba.jit(**JIT)
+def winograd_or_im2col(x, out3, weights, fast, im2col, winograd):
+    """F(2x2) Winograd when `winograd` (fast: its arguments), redone by im2col if an inf or NaN
+    reached its tiles (see winograd_conv); otherwise im2col (im2col: its arguments)."""
+    bad = np.zeros(1, np.int32)
+    if winograd:
+        _winograd.winograd_conv(x, weights[0], weights[2], out3, *fast, bad)
+    if not winograd or bad[0]:
+        _im2col.im2col_conv(x, weights[1], weights[2], out3, *im2col)
 
 
 def conv2d_bias_act(x, plan, out=None):
@@ -291,17 +314,12 @@ def conv2d_bias_act(x, plan, out=None):
         # poison all four outputs of its tile, where a direct convolution poisons only the
         # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would:
         # F(2x2) finds them in its transformed tiles (and is then redone), F(4x4) beforehand.
-        done = False
         if plan.method == "winograd":
-            bad = np.zeros(1, np.int32)
-            _winograd.winograd_conv(x, plan.packed, plan.bias, out3, *fast, bad)
-            done = bad[0] == 0
+            winograd_or_im2col(x, out3, kernel_weights(plan), fast, im2col, True)
         elif plan.method == "winograd4" and _winograd.all_finite(x):
             _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
-            done = True
         elif plan.method == "depthwise":
             _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
-            done = True
-        if not done:
+        else:
             _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
     return out

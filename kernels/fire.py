@@ -25,13 +25,22 @@ import numba
 import numpy as np
 
 from ._im2col import im2col_conv
-from ._winograd import winograd_conv
-from .config import JIT, get_threads, slp_vectorize
-from .conv2d import Conv2DPlan, _check_out, check_input, conv2d_bias_act, launch
+from .config import JIT, slp_vectorize
+from .conv2d import (
+    Conv2DPlan,
+    _check_out,
+    cached_launch,
+    check_input,
+    conv2d_bias_act,
+    kernel_weights,
+    launch,
+    winograd_or_im2col,
+)
 from .conv_concat import conv_concat
 
 # One compiled call per Fire module when its convs take these paths (SqueezeNet's always do):
-# the Python between its convs and a finiteness pass cost ~60 us per module in a 1 ms budget.
+# the Python between its convs cost ~45 us per module in a budget of about 1 ms (a tiny Fire
+# module: 104 us conv by conv, 60 us in one call, 2 threads; `python bench/overheads.py`).
 _ONE_CALL = {"squeeze": ("im2col",), "expand": ("im2col", "winograd")}
 
 
@@ -74,13 +83,7 @@ def fire(x, plan: FirePlan, out=None):
         s = conv2d_bias_act(x, plan.squeeze)  # validates x
         return conv_concat([s] * len(plan.expands), plan.expands, out)
     check_input(x, plan.squeeze)
-    key = (x.shape, get_threads())
-    found = plan.launches.get(key)
-    if found is None:
-        if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
-            plan.launches.clear()
-        found = plan.launches[key] = _launch(plan, x.shape)
-    s_shape, shape, ma, args = found
+    s_shape, shape, ma, args = cached_launch(_launch, plan, x.shape)
     n, m, oh, ow = shape
     if out is None:
         out = np.empty(shape, np.float32)
@@ -99,9 +102,10 @@ def fire(x, plan: FirePlan, out=None):
     return out
 
 
-def _launch(plan, x_shape):
+def _launch(plan, x_shape, _threads):
     """(squeeze output shape, output shape, channels of the first expand, the arguments of
-    _fire_one_call after yb) for an input of shape x_shape."""
+    _fire_one_call after yb) for an input of shape x_shape (cached by cached_launch; each conv's
+    own launch() reads the same thread count)."""
     s_shape, _, s_args = launch(plan.squeeze, x_shape)
     a, b = plan.expands
     (n, ma, oh, ow), a_fast, a_args = launch(a, s_shape)
@@ -109,14 +113,9 @@ def _launch(plan, x_shape):
     if b_shape[2:] != (oh, ow):
         sizes = f"{n}x{oh}x{ow}, {n}x{b_shape[2]}x{b_shape[3]}"
         raise ValueError(f"branch outputs differ in batch or size ({sizes}): cannot concatenate")
-    args = (s_args, _weights(a), _fast_args(a, a_fast), a_args, a.method == "winograd",
-            _weights(b), _fast_args(b, b_fast), b_args, b.method == "winograd")  # fmt: skip
+    args = (s_args, kernel_weights(a), _fast_args(a, a_fast), a_args, a.method == "winograd",
+            kernel_weights(b), _fast_args(b, b_fast), b_args, b.method == "winograd")  # fmt: skip
     return s_shape, (n, ma + b_shape[1], oh, ow), ma, args
-
-
-def _weights(plan):
-    """(own packed weights, im2col packed weights, bias) of a conv plan."""
-    return plan.packed, plan.im2col_packed, plan.bias
 
 
 def _fast_args(plan, fast):
@@ -128,17 +127,8 @@ def _fast_args(plan, fast):
 def _fire_one_call(x, s, s3, sq_w, sq_b, ya, yb, sq_args, a, a_fast, a_args, a_winograd,
                    b, b_fast, b_args, b_winograd):  # fmt: skip
     """s = squeeze(x) by im2col (s3: s as [N, M, P]), then each expand into its channel range
-    of y (ya, yb: [N, M, P] views): by Winograd if its plan is for Winograd and no inf or NaN
-    got into its tiles (see winograd_conv), else by im2col. Arguments as launch() gives them."""
+    of y (ya, yb: [N, M, P] views) by conv2d.winograd_or_im2col. Arguments as launch() gives
+    them."""
     im2col_conv(x, sq_w, sq_b, s3, *sq_args)
-    _expand(s, ya, a, a_fast, a_args, a_winograd)
-    _expand(s, yb, b, b_fast, b_args, b_winograd)
-
-
-@numba.jit(**JIT)
-def _expand(s, y, w, fast, args, winograd):
-    bad = np.zeros(1, np.int32)
-    if winograd:
-        winograd_conv(s, w[0], w[2], y, *fast, bad)
-    if not winograd or bad[0]:  # im2col, or Winograd met an inf or NaN (see winograd_conv)
-        im2col_conv(s, w[1], w[2], y, *args)
+    winograd_or_im2col(s, ya, a, a_fast, a_args, a_winograd)
+    winograd_or_im2col(s, yb, b, b_fast, b_args, b_winograd)
