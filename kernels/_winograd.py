@@ -117,7 +117,7 @@ def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, 
     The transform runs on 8 tiles per ymm register into y [4, NR] (the four outputs of each
     tile, bias and activation applied), then each tile's 2x2 block is stored at its place:
     tile q's top-left output is (ty[q], tx[q]); n_t tiles are real. Scalar, this transform
-    cost as much as the 16 GEMMs at C = 16."""
+    cost about as much as the 16 GEMMs at C = 16 (a scratch profile, not kept)."""
     for i in range(rows):
         b = bias[m0 + i]
         for q in range(0, NR, 8):

@@ -18,12 +18,12 @@ import os
 # Numba first starts its thread pool, so it must be set before the first parallel kernel runs;
 # setdefault keeps a user's own choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ...but sleeping at once costs a futex wake-up (~20 us) at the start of every parallel region,
-# and a fused model runs many short ones back to back (a Fire module: 3 convs and a finiteness
-# check, ~25 us of Python apart). An explicit spin count overrides PASSIVE's zero: 1000 spins
-# keep a worker awake ~50 us after a region. Measured, 2 threads, per call: a tiny 1x1 conv
-# 47 -> 27 us, all_finite 14 -> 2.7 us; CPU burnt per idle gap 142 -> 202 us (3000 spins:
-# 297 us, no faster; 30000: 1.7 ms). The workers never spin longer than that gap.
+# ...but sleeping at once costs a futex wake-up at the start of every parallel region, and a
+# fused model runs short ones back to back (convs a few tens of microseconds of Python apart).
+# An explicit spin count overrides PASSIVE's zero: 1000 spins keep a worker awake for some tens
+# of microseconds after a region, then it sleeps as before. A tiny 1x1 conv call, 2 threads:
+# 40 us with GOMP_SPINCOUNT=0, 17 us with 1000 (`python bench/overheads.py`, with and without
+# the variable). 3000 and 30000 spins were no faster in a scratch run and burnt more CPU.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numba  # noqa: E402
