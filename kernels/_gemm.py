@@ -8,9 +8,9 @@ ymm registers as eight 8-tuples, which the SLP vectorizer turns into vector FMAs
 config.GEMM_FASTMATH). Measured single-core on this machine: 4x16 ~33-38 GFLOP/s, 4x8 ~29,
 6x8 ~31, 8x8 ~31 (K = 64 and 576); the scalar form without SLP was ~3.
 
-Two entry points: microkernel returns the raw tile (Winograd transforms it further);
-gemm_tile fuses bias + activation into the stores (im2col and 1x1 convolutions).
-Both want their operands as views starting at index 0 (see microkernel).
+Two entry points: gemm_batch returns raw tiles (Winograd transforms them further, the LSTM
+adds its gates); gemm_block fuses bias + activation into the stores (im2col and 1x1
+convolutions). Both index their operands as rows of 2-D arrays (see tile_sum).
 """
 
 import numba
@@ -58,33 +58,64 @@ def store8(v, q, r):
     v[q + 4], v[q + 5], v[q + 6], v[q + 7] = r[4], r[5], r[6], r[7]
 
 
-@numba.jit(**JIT_GEMM)
-def microkernel(a, b, k_len, tile):
-    """tile[:MR, :NR] = A^T B for panels a[: k_len*MR] and b[: k_len*NR].
+@numba.jit(**INLINE_GEMM)
+def load8u(m, r, q):
+    """m[r, q : q + 8] of a 2-D array, q unsigned: no negative-index wraparound select on the
+    offset, so the eight loads stay one vector load. (The row's select is loop-invariant.)"""
+    u = np.uint64
+    return (m[r, q], m[r, q + u(1)], m[r, q + u(2)], m[r, q + u(3)],
+            m[r, q + u(4)], m[r, q + u(5)], m[r, q + u(6)], m[r, q + u(7)])  # fmt: skip
 
-    Pass the panels as views starting at 0, not as (array, offset): with an offset of unknown
-    sign every load keeps Numba's negative-index wraparound select, which blocks SLP (measured
-    K = 64: 9 GFLOP/s with offsets into both, 30 with B a view, 38 with both views).
-    """
+
+@numba.jit(**INLINE_GEMM)
+def tile_sum(a2, ar, b2, br, b0, bs, k_len):
+    """The 4x16 tile sum_k A[k, i] B[k, j] as eight 8-tuples (r_i: columns 0-7 of row i, s_i:
+    8-15). A is the packed panel a2[ar] ([K, MR] flat); B[k, j] = b2[br, b0 + k * bs + j]
+    (b0, bs unsigned): a packed panel (bs = NR) or, for a 1x1 convolution, 16 pixels of the
+    input's rows in place (bs = H*W).
+
+    Operands are rows of 2-D arrays indexed in place, never sliced views: a view of an array
+    that both threads use costs an atomic refcount update on a shared cache line (Numba's NRT
+    incref/decref), and per 4x16 tile that was as slow as the FMAs at K = 16 (17 GFLOP/s per
+    core with per-tile views, 31 without; 37 for the bare tile loop)."""
     z = np.float32(0.0)
     r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
+    o = b0
     for k in range(k_len):
-        lo = load8(b, NR * k)
-        hi = load8(b, NR * k + 8)
+        lo8, hi8 = load8u(b2, br, o), load8u(b2, br, o + np.uint64(8))
+        o += bs
         q = MR * k
-        a0, a1, a2, a3 = a[q], a[q + 1], a[q + 2], a[q + 3]
-        r0, s0 = fma8(r0, a0, lo), fma8(s0, a0, hi)
-        r1, s1 = fma8(r1, a1, lo), fma8(s1, a1, hi)
-        r2, s2 = fma8(r2, a2, lo), fma8(s2, a2, hi)
-        r3, s3 = fma8(r3, a3, lo), fma8(s3, a3, hi)
-    store8(tile[0], 0, r0)
-    store8(tile[0], 8, s0)
-    store8(tile[1], 0, r1)
-    store8(tile[1], 8, s1)
-    store8(tile[2], 0, r2)
-    store8(tile[2], 8, s2)
-    store8(tile[3], 0, r3)
-    store8(tile[3], 8, s3)
+        a0, a1, a2_, a3 = a2[ar, q], a2[ar, q + 1], a2[ar, q + 2], a2[ar, q + 3]
+        r0, s0 = fma8(r0, a0, lo8), fma8(s0, a0, hi8)
+        r1, s1 = fma8(r1, a1, lo8), fma8(s1, a1, hi8)
+        r2, s2 = fma8(r2, a2_, lo8), fma8(s2, a2_, hi8)
+        r3, s3 = fma8(r3, a3, lo8), fma8(s3, a3, hi8)
+    return r0, r1, r2, r3, s0, s1, s2, s3
+
+
+@numba.jit(**INLINE_GEMM)
+def store8r(m, x, i, q, r):
+    """m[x, i, q : q + 8] = r for a 3-D array, q a constant."""
+    m[x, i, q], m[x, i, q + 1], m[x, i, q + 2], m[x, i, q + 3] = r[0], r[1], r[2], r[3]
+    m[x, i, q + 4], m[x, i, q + 5], m[x, i, q + 6], m[x, i, q + 7] = r[4], r[5], r[6], r[7]
+
+
+@numba.jit(**JIT_GEMM)
+def gemm_batch(a2, a0, a_step, b2, n_b, k_len, mt):
+    """mt[x, :MR, :NR] = A^T B for x < n_b, A the panel a2[a0 + x * a_step] and B the panel
+    b2[x]: the n_b independent GEMMs of a Winograd transform (a_step 1), or one A against
+    several B (a_step 0), in one call, so the call's argument refcounts are paid once."""
+    for x in range(n_b):
+        b0, bs = np.uint64(0), np.uint64(NR)
+        r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(a2, a0 + x * a_step, b2, x, b0, bs, k_len)
+        store8r(mt, x, 0, 0, r0)
+        store8r(mt, x, 0, 8, s0)
+        store8r(mt, x, 1, 0, r1)
+        store8r(mt, x, 1, 8, s1)
+        store8r(mt, x, 2, 0, r2)
+        store8r(mt, x, 2, 8, s2)
+        store8r(mt, x, 3, 0, r3)
+        store8r(mt, x, 3, 8, s3)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -103,58 +134,58 @@ def store_act8(dst, q, r, b, lo, hi):
 
 
 @numba.jit(**INLINE_GEMM)
-def gemm_tile(a, b, k_len, out3, n, m0, rows, p0, cols, bias, lo, hi, tile):
-    """out3[n, m0 + i, p0 + j] = act(sum_k A[k, i] B[k, j] + bias[m0 + i]) for i < rows, j < cols.
-
-    a and b are packed panels (views starting at 0, see microkernel). A full 4x16 tile gets
-    bias and activation in registers and is stored straight to out3 (the scalar store_tile
-    epilogue cost as much as the FMAs at K = 16); a partial tile goes through `tile` and
-    store_tile. A separate function, not inlined at the Numba level: inlined into the parallel
-    im2col driver twice it took that driver 350 s to compile (now a few seconds).
-    """
-    z = np.float32(0.0)
-    r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
-    for k in range(k_len):
-        lo8, hi8 = load8(b, NR * k), load8(b, NR * k + 8)
-        q = MR * k
-        a0, a1, a2, a3 = a[q], a[q + 1], a[q + 2], a[q + 3]
-        r0, s0 = fma8(r0, a0, lo8), fma8(s0, a0, hi8)
-        r1, s1 = fma8(r1, a1, lo8), fma8(s1, a1, hi8)
-        r2, s2 = fma8(r2, a2, lo8), fma8(s2, a2, hi8)
-        r3, s3 = fma8(r3, a3, lo8), fma8(s3, a3, hi8)
-    if rows == MR and cols == NR:
-        d0, d1 = out3[n, m0, p0:], out3[n, m0 + 1, p0:]
-        d2, d3 = out3[n, m0 + 2, p0:], out3[n, m0 + 3, p0:]
-        b0, b1, b2, b3 = bias[m0], bias[m0 + 1], bias[m0 + 2], bias[m0 + 3]
-        store_act8(d0, 0, r0, b0, lo, hi)
-        store_act8(d0, 8, s0, b0, lo, hi)
-        store_act8(d1, 0, r1, b1, lo, hi)
-        store_act8(d1, 8, s1, b1, lo, hi)
-        store_act8(d2, 0, r2, b2, lo, hi)
-        store_act8(d2, 8, s2, b2, lo, hi)
-        store_act8(d3, 0, r3, b3, lo, hi)
-        store_act8(d3, 8, s3, b3, lo, hi)
-    else:
-        store8(tile[0], 0, r0)
-        store8(tile[0], 8, s0)
-        store8(tile[1], 0, r1)
-        store8(tile[1], 8, s1)
-        store8(tile[2], 0, r2)
-        store8(tile[2], 8, s2)
-        store8(tile[3], 0, r3)
-        store8(tile[3], 8, s3)
-        store_tile(tile, out3, n, m0, rows, p0, cols, bias, lo, hi)
+def _store_act8u(out3, n, m, q, r, b, lo, hi):
+    """out3[n, m, q : q + 8] = act(r + b) with q unsigned: no negative-index wraparound select
+    on the pixel index, so the eight stores stay one vector store (and no view of out3)."""
+    u = np.uint64
+    out3[n, m, q], out3[n, m, q + u(1)] = _act1(r[0], b, lo, hi), _act1(r[1], b, lo, hi)
+    out3[n, m, q + u(2)], out3[n, m, q + u(3)] = _act1(r[2], b, lo, hi), _act1(r[3], b, lo, hi)
+    out3[n, m, q + u(4)], out3[n, m, q + u(5)] = _act1(r[4], b, lo, hi), _act1(r[5], b, lo, hi)
+    out3[n, m, q + u(6)], out3[n, m, q + u(7)] = _act1(r[6], b, lo, hi), _act1(r[7], b, lo, hi)
 
 
 @numba.jit(**JIT_GEMM)
-def gemm_panels(a, panels, k_len, out3, n, m0, rows, p0, p_len, bias, lo, hi, tile):
-    """gemm_tile for one A panel over consecutive B panels: panels[j] holds pixels
-    p0 + j * NR ... (up to p_len). One call per A panel rather than per tile: at K = 16 the
-    call and its array views cost as much as the tile's FMAs."""
-    for j in range(panels.shape[0]):
-        q0 = p0 + j * NR
-        gemm_tile(a, panels[j], k_len, out3, n, m0, rows, q0, min(NR, p_len - q0), bias, lo, hi,
-                  tile)  # fmt: skip
+def gemm_block(a2, a0, n_mb, b2, br, b0, b_step, bs, n_pan, k_len, out3, n, m0, m_len, p0,
+               p_len, bias, lo, hi, tile):  # fmt: skip
+    """out3[n, m0 + m, p0 + p] = act(sum_k A[k, m] B[k, p] + bias[m0 + m]) for m < m_len and
+    the n_pan input panels: every channel panel a2[a0 + mb] (mb < n_mb, MR rows each) against
+    every input panel j (pixels p0 + j NR ..., up to p_len), all in one call. Panel j is B of
+    tile_sum at row br, offset b0 + j * b_step and row stride bs (all unsigned).
+
+    A full 4x16 tile gets bias and activation in registers and is stored straight to out3 (a
+    scalar epilogue cost as much as the FMAs at K = 16); a partial one goes through `tile` and
+    store_tile. One tile body for the whole block: inlined into the parallel im2col driver
+    twice, it took that driver 350 s to compile."""
+    for mb in range(n_mb):
+        mm = mb * MR
+        rows = min(MR, m_len - mm)
+        m = m0 + mm
+        for j in range(n_pan):
+            q0 = p0 + j * NR
+            cols = min(NR, p_len - q0)
+            bj = b0 + np.uint64(j) * b_step
+            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(a2, a0 + mb, b2, br, bj, bs, k_len)
+            if rows == MR and cols == NR:
+                uq, u8 = np.uint64(q0), np.uint64(8)
+                c0, c1, c2, c3 = bias[m], bias[m + 1], bias[m + 2], bias[m + 3]
+                _store_act8u(out3, n, m, uq, r0, c0, lo, hi)
+                _store_act8u(out3, n, m, uq + u8, s0, c0, lo, hi)
+                _store_act8u(out3, n, m + 1, uq, r1, c1, lo, hi)
+                _store_act8u(out3, n, m + 1, uq + u8, s1, c1, lo, hi)
+                _store_act8u(out3, n, m + 2, uq, r2, c2, lo, hi)
+                _store_act8u(out3, n, m + 2, uq + u8, s2, c2, lo, hi)
+                _store_act8u(out3, n, m + 3, uq, r3, c3, lo, hi)
+                _store_act8u(out3, n, m + 3, uq + u8, s3, c3, lo, hi)
+            else:
+                store8(tile[0], 0, r0)
+                store8(tile[0], 8, s0)
+                store8(tile[1], 0, r1)
+                store8(tile[1], 8, s1)
+                store8(tile[2], 0, r2)
+                store8(tile[2], 8, s2)
+                store8(tile[3], 0, r3)
+                store8(tile[3], 8, s3)
+                store_tile(tile, out3, n, m, rows, q0, cols, bias, lo, hi)
 
 
 def pack_a(w2d):

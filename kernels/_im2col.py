@@ -15,13 +15,22 @@ stride, dilation, padding (also larger than the kernel), group and batch.
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, gemm_panels
-from .config import JIT, PARALLEL
+from ._gemm import MR, NR, gemm_block
+from .config import INLINE, JIT, PARALLEL
+
+# 1x1, stride-1, unpadded convolutions with K up to this read their input in place as the
+# GEMM's B (no packing). Measured on SqueezeNet's 1x1 convs against packing (2 threads, a
+# scratch A/B): K = 16..128 0.54-0.78x the time, K = 256..512 1.04-1.26x, where a tile's K
+# unaligned 64-byte stretches no longer stay in L1 between channel panels.
+IN_PLACE_MAX_K = 128
 
 
-@numba.jit(**JIT)
-def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, dst):
-    """dst[k * NR + q] = x[n, c0 + c, ih, iw] for pixel p0 + q, or 0 outside image / past P."""
+@numba.jit(**INLINE)
+def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, dst, off):
+    """dst[0, off + k * NR + q] = x[n, c0 + c, ih, iw] for pixel p0 + q, or 0 outside image /
+    past P. x is indexed directly, never sliced: a view of the shared input would cost an
+    atomic refcount update per view (see _gemm.tile_sum)."""
+    u = np.uint64
     h, w = x.shape[2], x.shape[3]
     oh, ow0 = p0 // ow_len, p0 % ow_len
     iw0 = ow0 * sw - pl
@@ -35,17 +44,17 @@ def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
         # inside the image, so only whole tap rows can fall outside (no per-value tests).
         k = 0
         for c in range(cg):
-            plane = x[n, c0 + c]
             for i in range(kh):
                 ih = oh * sh - pt + i * dh
                 for j in range(kw):
-                    d = dst[k * NR : (k + 1) * NR]
+                    d = u(off + k * NR)
                     if 0 <= ih < h:
-                        src = plane[ih, iw0 + j * dw :]
+                        s = u(iw0 + j * dw)
                         for q in range(NR):
-                            d[q] = src[q * sw]
+                            dst[0, d + u(q)] = x[n, c0 + c, ih, s + u(q * sw)]
                     else:
-                        d[:] = 0.0
+                        for q in range(NR):
+                            dst[0, d + u(q)] = 0.0
                     k += 1
         return
     # General path (a panel across two output rows, at an image edge, or past P): each
@@ -59,33 +68,47 @@ def _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0,
         iw0s[q] = (p % ow_len) * sw - pl
     k = 0
     for c in range(cg):
-        plane = x[n, c0 + c]
         for i in range(kh):
             for j in range(kw):
-                base = k * NR
+                base = off + k * NR
                 for q in range(NR):
                     ih = ih0[q] + i * dh
                     iw = iw0s[q] + j * dw
                     v = np.float32(0.0)
                     if 0 <= ih < h and 0 <= iw < w:
-                        v = plane[ih, iw]
-                    dst[base + q] = v
+                        v = x[n, c0 + c, ih, iw]
+                    dst[0, base + q] = v
                 k += 1
 
 
-@numba.jit(**JIT)
-def _copy_panel(src, p_len, p0, k_len, dst):
-    """dst[k * NR + q] = src[k * p_len + p0 + q], zero past P: the B panel of a 1x1, stride-1,
-    unpadded convolution, whose input [C, H*W] already is the GEMM's B matrix (a copy of
-    contiguous rows, no index arithmetic per value)."""
+@numba.jit(**INLINE)
+def _copy_panel(xf, n, c0, p_len, p0, k_len, dst, off):
+    """dst[0, off + k * NR + q] = x[n, c0 + k, p0 + q], zero past P: the B panel of a 1x1,
+    stride-1, unpadded convolution, whose input [C, H*W] already is the GEMM's B matrix (a
+    copy of contiguous rows, no index arithmetic per value)."""
+    u = np.uint64
     cols = min(NR, p_len - p0)
     for k in range(k_len):
-        s = src[k * p_len + p0 :]
-        d = dst[k * NR : (k + 1) * NR]
+        s, d = u((c0 + k) * p_len + p0), u(off + k * NR)
         for q in range(cols):
-            d[q] = s[q]
+            dst[0, d + u(q)] = xf[n, s + u(q)]
         for q in range(cols, NR):
-            d[q] = 0.0
+            dst[0, d + u(q)] = 0.0
+
+
+@numba.jit(**JIT)
+def _pack_panels(x, xf, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, pan0, pan1,
+                 direct, dst):  # fmt: skip
+    """Panels pan0 .. pan1 - 1 of image n into dst[0] ([K, NR] each, one after another): one
+    call per work item, not per panel (a call pays refcounts on its array arguments)."""
+    size = cg * kh * kw * NR
+    for j in range(pan1 - pan0):
+        p0 = (pan0 + j) * NR
+        if direct:
+            _copy_panel(xf, n, c0, p_len, p0, cg, dst, j * size)
+        else:
+            _pack_panel(x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, p0, dst,
+                        j * size)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
@@ -98,7 +121,8 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
     input panel is gathered once and reused Mg / MR times, and the weights are read once per
     block (from L3 when they do not fit in L2: 512 -> 1000 channels is 2 MB). The wrapper sizes
     the blocks so that they stay within half of L2 (see conv2d._panel_blocks).
-    direct: a 1x1, stride-1, unpadded convolution: panels are plain row copies (_copy_panel).
+    direct: a 1x1, stride-1, unpadded convolution: the input is the B matrix; with K up to
+    IN_PLACE_MAX_K its full panels are read in place, otherwise copied (no gather).
     """
     n_len, c_len, h, w = x.shape
     m_len, p_len = out3.shape[1], out3.shape[2]
@@ -108,6 +132,9 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
     per_blk = (n_pan + n_blk - 1) // n_blk
     n_mb = (mg + MR - 1) // MR
     xf = x.reshape(n_len, c_len * h * w)
+    a2 = a_packed.reshape(group * n_mb, k_len * MR)  # row g * n_mb + mb: one channel panel
+    size = k_len * NR
+    u = np.uint64
     # Items are (image, group, panel block): disjoint output, so no two threads write one cell.
     for item in numba.prange(n_len * group * n_blk):
         n = item // (group * n_blk)
@@ -115,15 +142,15 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
         pan0 = (item % n_blk) * per_blk
         pan1 = min(n_pan, pan0 + per_blk)
         tile = np.empty((MR, NR), np.float32)
-        panels = np.empty((max(1, pan1 - pan0), k_len * NR), np.float32)
-        for pn in range(pan0, pan1):
-            if direct:
-                _copy_panel(xf[n, g * cg * p_len :], p_len, pn * NR, k_len, panels[pn - pan0])
-            else:
-                _pack_panel(x, n, g * cg, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len,
-                            pn * NR, panels[pn - pan0])  # fmt: skip
-        for mb in range(n_mb):
-            m0 = mb * MR
-            a_mb = a_packed[(g * n_mb + mb) * k_len * MR : (g * n_mb + mb + 1) * k_len * MR]
-            gemm_panels(a_mb, panels[: pan1 - pan0], k_len, out3, n, g * mg + m0,
-                        min(MR, mg - m0), pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+        a0, m0, c0 = g * n_mb, g * mg, g * cg
+        if direct and k_len <= IN_PLACE_MAX_K:
+            full = min(pan1, p_len // NR) - pan0
+            gemm_block(a2, a0, n_mb, xf, n, u(c0 * p_len + pan0 * NR), u(NR), u(p_len), full,
+                       k_len, out3, n, m0, mg, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+            pan0 += full  # what is left: the last, partial panel (packed, zero-padded)
+        if pan0 < pan1:
+            panels = np.empty((1, (pan1 - pan0) * size), np.float32)
+            _pack_panels(x, xf, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, pan0,
+                         pan1, direct, panels)  # fmt: skip
+            gemm_block(a2, a0, n_mb, panels, 0, u(0), u(size), u(NR), pan1 - pan0, k_len, out3,
+                       n, m0, mg, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip

@@ -10,7 +10,7 @@ step (memory-bound) is a GEMV over the same panels. Batch > 1: step_cols (below)
 The gate math runs on 8-tuples (one ymm register each after SLP, like the micro-kernel):
 measured 2.0 us per step for H = 256 vs 8.1 us for the scalar loop it replaces. Arrays are
 passed as views starting at 0: a variable offset keeps Numba's wraparound select on every load
-and SLP gives up (see _gemm.microkernel).
+and SLP gives up (see _gemm.tile_sum).
 """
 
 import math
@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, fma8, load8, microkernel, store8
+from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8
 from .config import INLINE_GEMM, JIT_GEMM
 
 U = 8  # hidden units per block
@@ -115,18 +115,17 @@ def gemv(h, w0, w1, k_len, out):
 
 
 @numba.jit(**JIT_GEMM)
-def project(xp, w, bias, rows, gx, t0, t1):
-    """gx[r] = x[r] @ Wx_block + bias_block for all rows; xp holds x as [K, 4]-row panels."""
-    k_len, w0, w1 = w.shape[1] // NR, w[0], w[1]
+def project(xp, w, bias, rows, gx, tiles):
+    """gx[r] = x[r] @ Wx_block + bias_block for all rows; xp holds x as [K, 4]-row panels,
+    w the block's two weight panels [2, K * NR]; tiles is [2, MR, NR] scratch."""
+    k_len = w.shape[1] // NR
     for g in range(xp.shape[0]):
-        x = xp[g]
-        microkernel(x, w0, k_len, t0)
-        microkernel(x, w1, k_len, t1)
+        gemm_batch(xp, g, 0, w, 2, k_len, tiles)  # x panel g against both weight panels
         for r in range(min(MR, rows - MR * g)):
             dst = gx[MR * g + r]
             for q in range(NR):
-                dst[q] = t0[r, q] + bias[q]
-                dst[NR + q] = t1[r, q] + bias[NR + q]
+                dst[q] = tiles[0, r, q] + bias[q]
+                dst[NR + q] = tiles[1, r, q] + bias[NR + q]
 
 
 @numba.jit(**INLINE_GEMM)

@@ -27,8 +27,8 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, load8, microkernel, pack_a, store8, store_act8, sub8
-from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
+from ._gemm import MR, NR, add8, gemm_batch, load8, pack_a, store8, store_act8, sub8
+from .config import INLINE, INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 # _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one cache line of padding per xi: at
@@ -46,12 +46,13 @@ def pack_weights(weight):
     return np.ascontiguousarray(np.stack(panels, axis=1)).ravel()
 
 
-@numba.jit(**JIT)
-def gather_tile(src, t, t_len, tw_len, pt, pl, h, w, m, d, q):
-    """d[a i + j, q] = x[m th - pt + i, m tw - pl + j] (i, j < a = m + 2): the input patch of
-    tile t = th * TW + tw of an F(m x m, 3x3) transform, zero outside the image and past the
-    last tile. Interior patches index with unsigned offsets, so no load carries Numba's
-    negative-index wraparound select."""
+@numba.jit(**INLINE)
+def gather_tile(x3, n, c, t, t_len, tw_len, pt, pl, h, w, m, d, q):
+    """d[a i + j, q] = x[n, c, m th - pt + i, m tw - pl + j] (i, j < a = m + 2): the input patch
+    of tile t = th * TW + tw of an F(m x m, 3x3) transform, zero outside the image and past
+    the last tile. Interior patches index with unsigned offsets, so no load carries Numba's
+    negative-index wraparound select; x3 ([N, C, H*W]) is indexed, not sliced (a view of the
+    shared input costs an atomic refcount update, see _gemm.tile_sum)."""
     a = m + 2
     r = m * (t // tw_len) - pt
     s = m * (t % tw_len) - pl
@@ -59,12 +60,12 @@ def gather_tile(src, t, t_len, tw_len, pt, pl, h, w, m, d, q):
         o = numba.uint64(r * w + s)
         for i in range(a):
             for j in range(a):
-                d[a * i + j, q] = src[o + numba.uint64(i * w + j)]
+                d[a * i + j, q] = x3[n, c, o + numba.uint64(i * w + j)]
     else:
         for i in range(a):
             for j in range(a):
                 inside = t < t_len and 0 <= r + i < h and 0 <= s + j < w
-                d[a * i + j, q] = src[(r + i) * w + s + j] if inside else np.float32(0.0)
+                d[a * i + j, q] = x3[n, c, (r + i) * w + s + j] if inside else np.float32(0.0)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -104,9 +105,8 @@ def _input_panel(x3, n, t0, t_len, tw_len, pt, pl, h, w, d, v):
     v[xi, c, q]. Tiles past the last are zero (their outputs are never stored).
     Channel by channel, the patches are gathered (scalar) and then transformed (vector)."""
     for c in range(x3.shape[1]):
-        src = x3[n, c]
         for q in range(NR):
-            gather_tile(src, t0 + q, t_len, tw_len, pt, pl, h, w, 2, d, q)
+            gather_tile(x3, n, c, t0 + q, t_len, tw_len, pt, pl, h, w, 2, d, q)
         _transform_panel(d, v, c)
 
 
@@ -139,17 +139,17 @@ def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, 
             store_act8(y[1], q, sub8(sub8(u1, u2), u3), b, lo, hi)
             store_act8(y[2], q, add8(add8(l0, l1), l2), b, lo, hi)
             store_act8(y[3], q, sub8(sub8(l1, l2), l3), b, lo, hi)
-        dst = out3[n, m0 + i]
+        m = m0 + i
         for q in range(n_t):  # cropped at the right and bottom edge for odd output sizes
             y0, x0 = ty[q], tx[q]
             p = y0 * ow_len + x0
-            dst[p] = y[0, q]
+            out3[n, m, p] = y[0, q]
             if x0 + 1 < ow_len:
-                dst[p + 1] = y[1, q]
+                out3[n, m, p + 1] = y[1, q]
             if y0 + 1 < oh_len:
-                dst[p + ow_len] = y[2, q]
+                out3[n, m, p + ow_len] = y[2, q]
                 if x0 + 1 < ow_len:
-                    dst[p + ow_len + 1] = y[3, q]
+                    out3[n, m, p + ow_len + 1] = y[3, q]
 
 
 @numba.jit(**JIT)
@@ -182,10 +182,12 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms,
     h, w = x.shape[2], x.shape[3]
     x3 = x.reshape(n_len, c_len, h * w)
     mb_per = (n_mb + n_ms - 1) // n_ms
+    u2 = u_packed.reshape(n_mb * 16, c_len * MR)  # row mb * 16 + xi: U[xi]'s channel panel mb
     # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
     for item in numba.prange(n_len * n_pan * n_ms):
         n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
         v = np.empty((16, c_len + 1, NR), np.float32)  # + 1: see _VPAD
+        v2 = v.reshape(16, (c_len + 1) * NR)  # row xi: the GEMM's B panel [C, NR], then padding
         d = np.empty((32, NR), np.float32)
         mt = np.empty((16, MR, NR), np.float32)
         y = np.empty((4, NR), np.float32)
@@ -198,9 +200,7 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms,
         if not _finite_panel(v, c_len):
             bad[0] = 1  # any item may set it; all set the same value
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            for xi in range(16):
-                ao = (mb * 16 + xi) * c_len * MR
-                microkernel(u_packed[ao : ao + c_len * MR], v[xi].reshape(-1), c_len, mt[xi])
+            gemm_batch(u2, mb * 16, 1, v2, 16, c_len, mt)
             m0 = mb * MR
             rows = min(MR, m_len - m0)
             _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y)

@@ -27,7 +27,7 @@ and writes the outputs.
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, act, add8, fma8, load8, microkernel, pack_a, store8, sub8
+from ._gemm import MR, NR, act, add8, fma8, gemm_batch, load8, pack_a, store8, sub8
 from ._winograd import gather_tile
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 
@@ -76,21 +76,21 @@ def _at6(m0, m1, m2, m3, m4, m5):
 
 
 @numba.jit(**JIT)
-def _gather(src, t0, t_len, tw_len, pt, pl, h, w, org, d):
-    """d[6 i + j, q] = the 6x6 input patch of tile t0 + q. Interior tiles (org[q] >= 0, the
-    patch's flat offset, computed once per panel: an integer division per tile and channel cost
-    more than the loads) are unrolled; edge tiles go through gather_tile."""
+def _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d):
+    """d[6 i + j, q] = the 6x6 input patch of tile t0 + q in channel c. Interior tiles (org[q]
+    >= 0, the patch's flat offset, computed once per panel: an integer division per tile and
+    channel cost more than the loads) are unrolled; edge tiles go through gather_tile."""
+    u = numba.uint64
     for q in range(NR):
         o = org[q]
         if o >= 0:
-            row = src[o:]
             for i in range(6):
-                k = 6 * i
-                d[k, q], d[k + 1, q], d[k + 2, q] = row[0], row[1], row[2]
-                d[k + 3, q], d[k + 4, q], d[k + 5, q] = row[3], row[4], row[5]
-                row = row[w:]
+                k, r = 6 * i, u(o + i * w)
+                d[k, q], d[k + 1, q] = x3[n, c, r], x3[n, c, r + u(1)]
+                d[k + 2, q], d[k + 3, q] = x3[n, c, r + u(2)], x3[n, c, r + u(3)]
+                d[k + 4, q], d[k + 5, q] = x3[n, c, r + u(4)], x3[n, c, r + u(5)]
         else:
-            gather_tile(src, t0 + q, t_len, tw_len, pt, pl, h, w, 4, d, q)
+            gather_tile(x3, n, c, t0 + q, t_len, tw_len, pt, pl, h, w, 4, d, q)
 
 
 @numba.jit(**JIT_GEMM)
@@ -174,11 +174,13 @@ def winograd4_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms
     n_mb = (m_len + MR - 1) // MR
     x3 = x.reshape(n_len, c_len, h * w)
     mb_per = (n_mb + n_ms - 1) // n_ms
+    u2 = u_packed.reshape(n_mb * 36, c_len * MR)  # row mb * 36 + xi: U[xi]'s channel panel mb
     # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
     for item in numba.prange(n_len * n_pan * n_ms):
         n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
         t0 = tp * NR
         v = np.empty((36, c_len + 1, NR), np.float32)  # + 1 row: no 4 KiB stride (_winograd)
+        v2 = v.reshape(36, (c_len + 1) * NR)
         d = np.empty((72, NR), np.float32)
         mt = np.empty((36, MR, NR), np.float32)
         ys = np.empty((40, NR), np.float32)
@@ -186,12 +188,10 @@ def winograd4_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms
         dsto = np.empty((4, NR), np.int64)
         _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto)
         for c in range(c_len):
-            _gather(x3[n, c], t0, t_len, tw_len, pt, pl, h, w, org, d)
+            _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d)
             _transform_panel(d, v, c)
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            for xi in range(36):
-                ao = (mb * 36 + xi) * c_len * MR
-                microkernel(u_packed[ao : ao + c_len * MR], v[xi].reshape(-1), c_len, mt[xi])
+            gemm_batch(u2, mb * 36, 1, v2, 36, c_len, mt)
             m0 = mb * MR
             for i in range(min(MR, m_len - m0)):
                 _output_transform(mt, i, ys)

@@ -35,6 +35,7 @@ GEMM_FASTMATH = FASTMATH - {"reassoc"}
 JIT = dict(nopython=True, cache=True, fastmath=set(FASTMATH), error_model="numpy")
 JIT_GEMM = dict(JIT, fastmath=set(GEMM_FASTMATH))
 INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples become registers
+INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
 PARALLEL = dict(JIT, parallel=True)
 
 

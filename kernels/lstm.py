@@ -117,16 +117,16 @@ def _claim(claims, s, q, parts, items):
 
 
 @numba.jit(**INLINE_GEMM)
-def _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, t0, t1):
+def _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, tiles):
     """Item i of stage s, then its done flag (release: its writes are visible to whoever sees
     the flag). A step item first makes sure its block's input projection exists."""
     blocks, rows = wh.shape[0], gx.shape[1]
     b = i
     if s == 0 or atomic_load(done, b) == 0:
-        project(xp, wx[b], bias[b], rows, gx[b], t0, t1)
+        project(xp, wx[b], bias[b], rows, gx[b], tiles)
         atomic_store(done, b, 1)
     if s > 0:
-        step(s - 1, b, wh[b], gx[b], hs, cs, t0.reshape(-1))
+        step(s - 1, b, wh[b], gx[b], hs, cs, tiles.reshape(-1))
         atomic_store(done, blocks + (s - 1) * blocks + i, 1)
 
 
@@ -134,8 +134,7 @@ def _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, t0, t1):
 def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
     """Thread p's part of the whole sequence (any subset of parts may run, in any order)."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
-    t0 = np.empty((MR, NR), np.float32)
-    t1 = np.empty((MR, NR), np.float32)
+    tiles = np.empty((2, MR, NR), np.float32)
     for s in range(steps + 1):
         items = blocks
         first = blocks + (s - 1) * items
@@ -152,7 +151,7 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
                 scan += 1
             if i < 0:
                 break  # (stage 0 is not waited for: a step item projects its block if need be)
-            _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, t0, t1)
+            _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, tiles)
 
 
 @numba.jit(**PARALLEL)
