@@ -1,5 +1,5 @@
 """The built-in catalog: one module per family, each defining its rules with the public API."""
 
-from patterns import conv, conv_concat, fire, lstm, lstm_sequence
+from patterns import conv, conv_concat, fire, lstm, lstm_sequence, pool
 
-RULES = [conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, conv_concat.RULE]
+RULES = [conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, conv_concat.RULE, pool.RULE]

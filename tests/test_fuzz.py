@@ -153,17 +153,26 @@ def drop_initializer(g: GraphBuilder, name: str) -> tuple:
 # ---- other nodes between blocks --------------------------------------------------------------
 def plain(draw, g: GraphBuilder, x: Tensor) -> Block:
     """Nodes no rule fuses: the graph around the patterns."""
-    kind = draw(st.sampled_from(["sigmoid", "residual", "pool"]))
-    if kind == "sigmoid":
+    if draw(st.sampled_from(["sigmoid", "residual"])) == "sigmoid":
         return Block(Tensor(g.node("Sigmoid", [x.name]), x.channels, x.size))
-    if kind == "residual":
-        return Block(Tensor(g.node("Add", [x.name, g.node("Tanh", [x.name])]), x.channels, x.size))
-    y = g.node("MaxPool", [x.name], kernel_shape=[2, 2], pads=[1, 1, 1, 1], strides=[1, 1])
-    return Block(Tensor(y, x.channels, x.size + 1))
+    return Block(Tensor(g.node("Add", [x.name, g.node("Tanh", [x.name])]), x.channels, x.size))
+
+
+def max_pool(draw, g: GraphBuilder, x: Tensor) -> Block:
+    """A lone MaxPool (MaxPool2D): padded 2x2 stride 1, or SqueezeNet's 3x3 stride 2 ceil_mode
+    (whose size rule drops a last window that would start past the image)."""
+    if x.size < 3 or draw(st.booleans()):
+        y = g.node("MaxPool", [x.name], kernel_shape=[2, 2], pads=[1, 1, 1, 1], strides=[1, 1])
+        size = x.size + 1
+    else:
+        y = g.node("MaxPool", [x.name], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+        size = -(-(x.size - 3) // 2) + 1
+        size -= (size - 1) * 2 >= x.size
+    return Block(Tensor(y, x.channels, size), fused=y.removesuffix("_out"), rule="MaxPool2D")
 
 
 Generator = Callable[..., Block]
-FAMILIES: dict[str, Generator] = {"ConvBiasRelu": conv_bias_relu}
+FAMILIES: dict[str, Generator] = {"ConvBiasRelu": conv_bias_relu, "MaxPool2D": max_pool}
 OTHERS: list[Generator] = [plain]
 
 

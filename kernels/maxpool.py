@@ -1,0 +1,201 @@
+"""MaxPool 2-D (NCHW, float32) with onnxruntime's semantics.
+
+    y[n, c, oh, ow] = max over the taps (i, j) inside the image of
+                      x[n, c, oh * sh - pt + i * dh, ow * sw - pl + j * dw]
+
+Padding never wins (it is not a value), as in ONNX. The output size follows onnxruntime:
+floor or, with ceil_mode, ceil of (H + pads - ((kh - 1) dh + 1)) / sh + 1, minus one when that
+last window would start past the image and its leading padding (PyTorch's rule; ONNX's shape
+inference omits it, onnxruntime applies it).
+
+The maximum is separable: per output row, the column-wise maximum of its kh input rows is one
+contiguous vector loop per row, then each tap column j takes a strided pass over that row into
+the output columns where the tap is inside the image (worked out once per call, as in
+_depthwise). One work item is one channel plane; x and y are indexed, never sliced (a view of
+a shared array costs an atomic refcount update, see _gemm.tile_sum).
+
+NaN: onnxruntime keeps m = m if m > v else v over a window in row-major order, so a NaN
+survives only as the window's last value (an earlier one is replaced by the next value). The
+separable order gives NaN for exactly the same outputs; in a window with a NaN that is not last,
+which finite value wins can differ.
+"""
+
+import dataclasses
+
+import numba
+import numpy as np
+
+from .config import INLINE, PARALLEL
+from .conv2d import AUTO_PADS, _axis_pads, _pair, cached_launch
+
+# onnxruntime starts every window at the lowest float (a window with no tap inside the image,
+# possible with dilation, gives that, not -inf)
+LOWEST = np.float32(np.finfo(np.float32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxPoolPlan:
+    """A MaxPool node's attributes, checked once. Build it with prepare_maxpool."""
+
+    kernel: tuple
+    strides: tuple
+    dilations: tuple
+    pads: tuple  # (top, left, bottom, right); ignored unless auto_pad == "NOTSET"
+    auto_pad: str
+    ceil_mode: bool
+    launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+
+def prepare_maxpool(kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
+                    ceil_mode=False, auto_pad="NOTSET"):  # fmt: skip
+    """Check a MaxPool's attributes (pads in ONNX order: top, left, bottom, right)."""
+    kernel = _pair("kernel", kernel, 1)
+    strides = _pair("strides", strides, 1)
+    dilations = _pair("dilations", dilations, 1)
+    pads = tuple(int(p) for p in pads)
+    if len(pads) != 4 or min(pads) < 0:
+        raise ValueError(f"pads must be 4 integers >= 0 (top, left, bottom, right), got {pads}")
+    if auto_pad not in AUTO_PADS:
+        raise ValueError(f"auto_pad must be one of {AUTO_PADS}, got {auto_pad!r}")
+    if auto_pad == "NOTSET" and any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
+        raise ValueError(f"pads {pads} must be smaller than the kernel {kernel} (as onnxruntime)")
+    return MaxPoolPlan(kernel, strides, dilations, pads, auto_pad, bool(ceil_mode))
+
+
+def _axis_size(size, k, s, d, begin, end, ceil_mode):
+    extent = size + begin + end - ((k - 1) * d + 1)
+    out = (-(-extent // s) if ceil_mode else extent // s) + 1
+    if ceil_mode and (out - 1) * s >= size + begin:
+        out -= 1  # the last window would start in the trailing padding
+    return out
+
+
+def output_shape(x_shape, plan):
+    """(N, C, OH, OW) and pads (top, left, bottom, right) for an input of shape x_shape."""
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    pt, pb = _axis_pads(h, kh, sh, dh, plan.auto_pad, plan.pads[0], plan.pads[2])
+    pl, pr = _axis_pads(w, kw, sw, dw, plan.auto_pad, plan.pads[1], plan.pads[3])
+    ceil = plan.ceil_mode and plan.auto_pad == "NOTSET"
+    oh = _axis_size(h, kh, sh, dh, pt, pb, ceil)
+    ow = _axis_size(w, kw, sw, dw, pl, pr, ceil)
+    return (n, c, oh, ow), (pt, pl, pb, pr)
+
+
+def _launch(plan, x_shape, threads):
+    """(output shape, the kernel's arguments after y) for an input of shape x_shape."""
+    shape, (pt, pl, _, _) = output_shape(x_shape, plan)
+    if min(shape) < 1:
+        raise ValueError(f"MaxPool output shape {shape} is empty for input {x_shape}")
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    w, ow_len = x_shape[3], shape[3]
+    # Output columns a <= ow < b have every tap column inside [0, W): no tests there.
+    a = max(0, -(-pl // sw))
+    b = min(ow_len, (w - 1 - (kw - 1) * dw + pl) // sw + 1) if (kw - 1) * dw - pl < w else 0
+    planes = shape[0] * shape[1]
+    per_item = max(1, -(-planes // (8 * threads)))  # ~8 items per thread: few allocations
+    return shape, (kh, kw, sh, sw, dh, dw, pt, pl, a, max(a, b), per_item)
+
+
+@numba.jit(**INLINE)
+def _max(m, v):
+    return m if m > v else v  # onnxruntime's order: a later NaN wins, an earlier one does not
+
+
+@numba.jit(**INLINE)
+def _row(col, y, n, c, oh, a, b, pl, sw, kw, dw):
+    """y[n, c, oh, ow] = max_j col[ow * sw - pl + j * dw] for a <= ow < b (every tap inside).
+    The 3-wide windows of stride 1 and 2 get loops with constant strides, which LLVM
+    vectorizes (stride 2 as interleaved loads); a runtime stride or tap count stays scalar."""
+    u = np.uint64
+    base, o = u(a * sw - pl), u(a)
+    if kw == 3 and dw == 1 and sw == 2:
+        for t in range(b - a):
+            q = base + u(2 * t)
+            y[n, c, oh, o + u(t)] = _max(_max(col[q], col[q + u(1)]), col[q + u(2)])
+    elif kw == 3 and dw == 1 and sw == 1:
+        for t in range(b - a):
+            q = base + u(t)
+            y[n, c, oh, o + u(t)] = _max(_max(col[q], col[q + u(1)]), col[q + u(2)])
+    else:
+        for t in range(b - a):
+            q = base + u(t * sw)
+            m = col[q]
+            for j in range(1, kw):
+                m = _max(m, col[q + u(j * dw)])
+            y[n, c, oh, o + u(t)] = m
+
+
+@numba.jit(**INLINE)
+def _edge(col, y, n, c, oh, ow, pl, sw, kw, dw):
+    """y[n, c, oh, ow] for an output column with a tap outside the image."""
+    m = LOWEST
+    for j in range(kw):
+        iw = ow * sw - pl + j * dw
+        if 0 <= iw < col.shape[0]:
+            m = _max(m, col[iw])
+    y[n, c, oh, ow] = m
+
+
+@numba.jit(**INLINE)
+def _plane(x, n, c, y, kh, kw, sh, sw, dh, dw, pt, pl, a, b, col):
+    """Plane (n, c), row by row: the column-wise maximum of the row's valid input rows into
+    col, then the windows along it (_row, _edge)."""
+    h, w = x.shape[2], x.shape[3]
+    ow_len = y.shape[3]
+    for oh in range(y.shape[2]):
+        # Ping-pong between col[0] and col[1]: an in-place col[iw] = max(col[iw], v) became a
+        # masked store (vmaskmovps, microcoded on Zen1: the pass took 4x longer).
+        valid = p = first = 0
+        for i in range(kh):
+            ih = oh * sh - pt + i * dh
+            if ih < 0 or ih >= h:
+                continue
+            if valid == 1:
+                for iw in range(w):
+                    col[0, iw] = _max(x[n, c, first, iw], x[n, c, ih, iw])
+            elif valid > 1:
+                for iw in range(w):
+                    col[1 - p, iw] = _max(col[p, iw], x[n, c, ih, iw])
+                p = 1 - p
+            first = ih if valid == 0 else first
+            valid += 1
+        if valid == 0:
+            for ow in range(ow_len):
+                y[n, c, oh, ow] = LOWEST
+            continue
+        if valid == 1:
+            for iw in range(w):
+                col[0, iw] = x[n, c, first, iw]
+        cp = col[p]
+        _row(cp, y, n, c, oh, a, b, pl, sw, kw, dw)
+        for ow in range(a):
+            _edge(cp, y, n, c, oh, ow, pl, sw, kw, dw)
+        for ow in range(b, ow_len):
+            _edge(cp, y, n, c, oh, ow, pl, sw, kw, dw)
+
+
+@numba.jit(**PARALLEL)
+def maxpool_nchw(x, y, kh, kw, sh, sw, dh, dw, pt, pl, a, b, per_item):
+    """y[N, C, OH, OW] = MaxPool(x); arguments as _launch makes them. An item is per_item
+    consecutive channel planes."""
+    c_len = x.shape[1]
+    planes = x.shape[0] * c_len
+    for item in numba.prange(-(-planes // per_item)):
+        col = np.empty((2, x.shape[3]), np.float32)
+        for q in range(item * per_item, min(planes, (item + 1) * per_item)):
+            _plane(x, q // c_len, q % c_len, y, kh, kw, sh, sw, dh, dw, pt, pl, a, b, col)
+
+
+def maxpool2d(x, plan, out=None):
+    """MaxPool of x float32 C-contiguous [N, C, H, W]; returns `out` (made if None)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4:
+        raise ValueError(f"x must be a float32 [N, C, H, W] array, got {getattr(x, 'shape', x)!r}")
+    x = np.ascontiguousarray(x)
+    shape, args = cached_launch(_launch, plan, x.shape)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
+        raise ValueError(f"out must be a float32 array of shape {shape}")
+    maxpool_nchw(x, out, *args)
+    return out

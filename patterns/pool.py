@@ -1,0 +1,69 @@
+"""MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding, dilation.
+
+A one-op rule. Between fused nodes a lone MaxPool (SqueezeNet's and GoogLeNet's, after a conv
+or a Fire module) would otherwise run as an onnxruntime island of its own: a session call, a
+layout its conv-less island keeps NCHW, and the kernels' threads sleeping meanwhile. As a kernel
+it runs in-process (kernels/maxpool.py). The Indices output, if something reads it, keeps the
+node out (the rewriter says which node reads it).
+"""
+
+from __future__ import annotations
+
+from fusion.catalog import Rule
+from fusion.pattern import Var, op
+
+
+def attributes(m) -> dict:
+    pool = m.attrs("pool")
+    return {
+        "kernel_shape": list(pool["kernel_shape"]),
+        "strides": list(pool["strides"]),
+        "pads": list(pool["pads"]),
+        "dilations": list(pool["dilations"]),
+        "ceil_mode": int(pool.get("ceil_mode", 0)),
+        "auto_pad": pool.get("auto_pad", "NOTSET"),
+    }
+
+
+def check(m) -> str | None:
+    pool = m.attrs("pool")
+    if len(pool["kernel_shape"]) != 2:
+        return f"a {len(pool['kernel_shape'])}-D MaxPool, the kernel is 2-D"
+    pads, kernel = list(pool["pads"]), list(pool["kernel_shape"]) * 2
+    if pool.get("auto_pad", "NOTSET") == "NOTSET" and any(
+        p >= k for p, k in zip(pads, kernel, strict=True)
+    ):
+        return f"pads {pads} not smaller than the kernel (onnxruntime rejects the node too)"
+    return None
+
+
+def make_kernel(attrs: dict, constants: list):
+    from kernels.maxpool import maxpool2d, prepare_maxpool
+
+    plan = prepare_maxpool(
+        attrs["kernel_shape"],
+        strides=attrs["strides"],
+        pads=attrs["pads"],
+        dilations=attrs["dilations"],
+        ceil_mode=attrs["ceil_mode"],
+        auto_pad=attrs["auto_pad"],
+    )
+
+    def run(x):
+        return (maxpool2d(x, plan),)
+
+    return run
+
+
+RULE = Rule(
+    "MaxPool2D",
+    op.MaxPool(Var("x", dtype="float32", rank=4), _name="pool"),
+    inputs=("x",),
+    kernel=make_kernel,
+    attributes=attributes,
+    check=check,
+    description="2-D MaxPool, float32 NCHW, in-process between fused nodes (no island)",
+    explain_after="MaxPool",
+    rtol=0.0,
+    atol=0.0,
+)

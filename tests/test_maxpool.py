@@ -1,0 +1,116 @@
+"""MaxPool2D: a lone MaxPool fuses into the in-process kernel, which matches onnxruntime exactly
+(output size rules included) on many configurations; near-misses are not fused and say why."""
+
+import numpy as np
+import onnx
+import pytest
+from builders import GraphBuilder, fused_ops, run_ort
+
+import fusion
+from fusion.runtime import Session
+from kernels.maxpool import maxpool2d, prepare_maxpool
+
+CATALOG = fusion.default_catalog()
+
+# (input shape, MaxPool attributes)
+CASES = [
+    ((1, 6, 23, 23), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),  # SqueezeNet
+    ((2, 3, 7, 9), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    ((1, 2, 5, 5), dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)),
+    ((1, 4, 8, 10), dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),  # GoogLeNet
+    ((2, 3, 9, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 0, 2, 2])),
+    ((1, 2, 10, 11), dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[2, 2, 2, 2])),
+    ((1, 3, 9, 9), dict(kernel_shape=[2, 3], strides=[1, 2], auto_pad="SAME_UPPER")),
+    ((1, 3, 8, 9), dict(kernel_shape=[3, 2], strides=[2, 2], auto_pad="SAME_LOWER")),
+    ((1, 3, 8, 9), dict(kernel_shape=[3, 3], strides=[3, 3], auto_pad="VALID")),
+    ((3, 2, 6, 5), dict(kernel_shape=[1, 1], strides=[2, 2])),
+    ((1, 5, 12, 13), dict(kernel_shape=[5, 5], strides=[3, 1], pads=[2, 2, 2, 2], ceil_mode=1)),
+    ((1, 2, 4, 40), dict(kernel_shape=[3, 3], strides=[2, 3], pads=[1, 2, 1, 2], ceil_mode=1)),
+]
+
+
+def pool_model(shape, attrs, opset=18):
+    g = GraphBuilder(opset=opset)
+    y = g.node("MaxPool", ["x"], name="/pool", **attrs)
+    return g.model({"x": list(shape)}, [y])
+
+
+@pytest.mark.parametrize(("shape", "attrs"), CASES, ids=lambda c: str(c))
+def test_kernel_matches_onnxruntime_exactly(shape, attrs):
+    model = pool_model(shape, attrs)
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == ["MaxPool2D"], result.explain()
+    onnx.checker.check_model(result.model, full_check=True)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    (want,) = run_ort(model, {"x": x})
+    (got,) = Session(result.model, threads=2, fuse=False, catalog=CATALOG).run(None, {"x": x})
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    (body,) = run_ort(result.model, {"x": x})  # the fused node's function body, in onnxruntime
+    np.testing.assert_array_equal(body, want)
+
+
+def test_squeezenet_sized_planes_and_one_thread():
+    plan = prepare_maxpool((3, 3), (2, 2), ceil_mode=True)
+    model = pool_model((1, 64, 111, 111), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1))
+    x = np.random.default_rng(2).standard_normal((1, 64, 111, 111)).astype(np.float32)
+    (want,) = run_ort(model, {"x": x}, optimize=True)
+    np.testing.assert_array_equal(maxpool2d(x, plan), want)
+    out = np.empty_like(want)
+    assert maxpool2d(x, plan, out) is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_nan_gives_nan_where_onnxruntime_does():
+    """onnxruntime keeps a NaN only when it is the last value of its window; so does the
+    kernel (see kernels/maxpool.py), and both keep inf."""
+    shape, attrs = (2, 3, 11, 12), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[rng.random(shape) < 0.08] = np.nan
+    x[rng.random(shape) < 0.03] = np.inf
+    (want,) = run_ort(pool_model(shape, attrs), {"x": x})
+    got = maxpool2d(x, prepare_maxpool((3, 3), (2, 2), pads=(1, 1, 1, 1)))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).any() and np.isinf(want).any()
+
+
+def explain_pool(model) -> str:
+    result = fusion.rewrite(model, CATALOG)
+    assert "MaxPool2D" not in fused_ops(result.model), "a near-miss was fused"
+    return result.explain("MaxPool2D")
+
+
+def test_indices_output_in_use_is_not_fused():
+    g = GraphBuilder()
+    y, idx = g.node("MaxPool", ["x"], n_out=2, name="/pool", kernel_shape=[2, 2], strides=[2, 2])
+    where = g.node("Cast", [idx], name="/cast", to=onnx.TensorProto.FLOAT)
+    text = explain_pool(g.model({"x": [1, 2, 4, 4]}, [y, where]))
+    assert f"its output {idx} is also used by Cast /cast" in text
+
+
+def test_one_d_and_three_d_pools_are_not_fused():
+    g = GraphBuilder()
+    y = g.node("MaxPool", ["x"], name="/pool1d", kernel_shape=[2])
+    text = explain_pool(g.model({"x": [1, 2, 8]}, [y]))
+    assert "MaxPool /pool1d" in text and "rank 3" in text
+    g = GraphBuilder()
+    y = g.node("MaxPool", ["x"], name="/pool3d", kernel_shape=[2, 2, 2])
+    text = explain_pool(g.model({"x": [1, 2, 4, 4, 4]}, [y]))
+    assert "MaxPool /pool3d" in text and "rank 5" in text
+
+
+def test_integer_pool_is_not_fused():
+    g = GraphBuilder()
+    y = g.node("MaxPool", ["x"], name="/pool", kernel_shape=[2, 2])
+    model = g.model({"x": [1, 2, 4, 4]}, [y], elem=onnx.TensorProto.UINT8)
+    assert "MaxPool /pool" in explain_pool(model)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="smaller than the kernel"):
+        prepare_maxpool((2, 2), pads=(2, 0, 0, 0))
+    with pytest.raises(ValueError, match="float32"):
+        maxpool2d(np.zeros((1, 1, 4, 4), np.float64), prepare_maxpool((2, 2)))
+    with pytest.raises(ValueError, match="empty"):
+        maxpool2d(np.zeros((1, 1, 2, 2), np.float32), prepare_maxpool((3, 3)))
