@@ -76,6 +76,18 @@ def _pair(name, value, minimum):
     return t
 
 
+def window_attributes(strides, dilations, pads, auto_pad):
+    """(strides, dilations, pads) as int tuples, checked; a Conv's or a pool's attributes."""
+    strides = _pair("strides", strides, 1)
+    dilations = _pair("dilations", dilations, 1)
+    pads = tuple(int(p) for p in pads)
+    if len(pads) != 4 or min(pads) < 0:
+        raise ValueError(f"pads must be 4 integers >= 0 (top, left, bottom, right), got {pads}")
+    if auto_pad not in AUTO_PADS:
+        raise ValueError(f"auto_pad must be one of {AUTO_PADS}, got {auto_pad!r}")
+    return strides, dilations, pads
+
+
 def prepare_conv2d(
     weight,
     bias=None,
@@ -107,13 +119,7 @@ def prepare_conv2d(
         if bias.dtype != np.float32 or bias.size != m:
             raise ValueError(f"bias must be {m} float32 values, got {bias.dtype} {bias.shape}")
         bias = np.ascontiguousarray(bias.reshape(m))
-    strides = _pair("strides", strides, 1)
-    dilations = _pair("dilations", dilations, 1)
-    pads = tuple(int(p) for p in pads)
-    if len(pads) != 4 or min(pads) < 0:
-        raise ValueError(f"pads must be 4 integers >= 0 (top, left, bottom, right), got {pads}")
-    if auto_pad not in AUTO_PADS:
-        raise ValueError(f"auto_pad must be one of {AUTO_PADS}, got {auto_pad!r}")
+    strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     lo, hi = (-math.inf, math.inf) if activation is None else (float(clip_min), float(clip_max))

@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 from .config import INLINE, PARALLEL
-from .conv2d import AUTO_PADS, _axis_pads, _pair, cached_launch
+from .conv2d import _axis_pads, _pair, cached_launch, window_attributes
 
 # onnxruntime starts every window at the lowest float (a window with no tap inside the image,
 # possible with dilation, gives that, not -inf)
@@ -50,13 +50,7 @@ def prepare_maxpool(kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
                     ceil_mode=False, auto_pad="NOTSET"):  # fmt: skip
     """Check a MaxPool's attributes (pads in ONNX order: top, left, bottom, right)."""
     kernel = _pair("kernel", kernel, 1)
-    strides = _pair("strides", strides, 1)
-    dilations = _pair("dilations", dilations, 1)
-    pads = tuple(int(p) for p in pads)
-    if len(pads) != 4 or min(pads) < 0:
-        raise ValueError(f"pads must be 4 integers >= 0 (top, left, bottom, right), got {pads}")
-    if auto_pad not in AUTO_PADS:
-        raise ValueError(f"auto_pad must be one of {AUTO_PADS}, got {auto_pad!r}")
+    strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
     if auto_pad == "NOTSET" and any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
         raise ValueError(f"pads {pads} must be smaller than the kernel {kernel} (as onnxruntime)")
     return MaxPoolPlan(kernel, strides, dilations, pads, auto_pad, bool(ceil_mode))
