@@ -91,11 +91,12 @@ def _lstm():
         lstm_cell(x[0], h, h.copy(), plan)
 
 
-def _maxpool():
-    from .maxpool import maxpool2d, prepare_maxpool
+def _pool():
+    from .pool import global_average_pool, maxpool2d, prepare_maxpool
 
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 9), dtype=np.float32)
     maxpool2d(x, prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
+    global_average_pool(x)
 
 
 TIMEOUT_S = 1800  # per group: a compile that hangs must not hang the test run
@@ -106,7 +107,7 @@ GROUPS = {
     "winograd4": _winograd4,
     "depthwise": _depthwise,
     "lstm": _lstm,
-    "maxpool": _maxpool,
+    "pool": _pool,
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 

@@ -2,4 +2,7 @@
 
 from patterns import conv, conv_concat, fire, lstm, lstm_sequence, pool
 
-RULES = [conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, conv_concat.RULE, pool.RULE]
+RULES = [
+    conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, conv_concat.RULE, pool.RULE,
+    pool.GAP_FLATTEN,
+]  # fmt: skip

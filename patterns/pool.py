@@ -1,10 +1,14 @@
-"""MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding, dilation.
+"""Pooling. MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding,
+dilation. GlobalAvgPoolFlatten:  y = Flatten(GlobalAveragePool(x), axis=1)   ([N, C]).
 
 A one-op rule. Between fused nodes a lone MaxPool (SqueezeNet's and GoogLeNet's, after a conv
 or a Fire module) would otherwise run as an onnxruntime island of its own: a session call, a
 layout its conv-less island keeps NCHW, and the kernels' threads sleeping meanwhile. As a kernel
-it runs in-process (kernels/maxpool.py). The Indices output, if something reads it, keeps the
+it runs in-process (kernels/pool.py). The Indices output, if something reads it, keeps the
 node out (the rewriter says which node reads it).
+
+GlobalAveragePool + Flatten is the head PyTorch exports for every torchvision classifier
+(adaptive_avg_pool2d to 1x1, then torch.flatten(x, 1)); fused, the model's tail needs no island.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.maxpool import maxpool2d, prepare_maxpool
+    from kernels.pool import maxpool2d, prepare_maxpool
 
     plan = prepare_maxpool(
         attrs["kernel_shape"],
@@ -66,4 +70,29 @@ RULE = Rule(
     explain_after="MaxPool",
     rtol=0.0,
     atol=0.0,
+)
+
+
+def make_gap_kernel(attrs: dict, constants: list):
+    from kernels.pool import global_average_pool
+
+    def run(x):
+        return (global_average_pool(x),)
+
+    return run
+
+
+def check_flatten(m) -> str | None:
+    axis = m.attrs("flat").get("axis", 1)
+    return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
+
+
+GAP_FLATTEN = Rule(
+    "GlobalAvgPoolFlatten",
+    op.Flatten(op.GlobalAveragePool(Var("x", dtype="float32", rank=4), _name="gap"), _name="flat"),
+    inputs=("x",),
+    kernel=make_gap_kernel,
+    check=check_flatten,
+    description="GlobalAveragePool + Flatten(axis=1), float32 NCHW -> [N, C] (classifier heads)",
+    explain_after="GlobalAveragePool",
 )

@@ -1,4 +1,4 @@
-"""MaxPool 2-D (NCHW, float32) with onnxruntime's semantics.
+"""Pooling (NCHW, float32): MaxPool 2-D with onnxruntime's semantics, GlobalAveragePool.
 
     y[n, c, oh, ow] = max over the taps (i, j) inside the image of
                       x[n, c, oh * sh - pt + i * dh, ow * sw - pl + j * dw]
@@ -193,3 +193,25 @@ def maxpool2d(x, plan, out=None):
         raise ValueError(f"out must be a float32 array of shape {shape}")
     maxpool_nchw(x, out, *args)
     return out
+
+
+@numba.jit(**PARALLEL)
+def _plane_means(x3, y):
+    """y[n, c] = mean of x3[n, c, :], summed in float64 (onnxruntime sums in float32)."""
+    c_len, p_len = x3.shape[1], x3.shape[2]
+    for item in numba.prange(x3.shape[0] * c_len):
+        n, c = item // c_len, item % c_len
+        s = 0.0
+        for p in range(p_len):
+            s += x3[n, c, p]
+        y[n, c] = s / p_len
+
+
+def global_average_pool(x):
+    """GlobalAveragePool of x float32 [N, C, H, W], flattened: [N, C]."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4 or x.size == 0:
+        raise ValueError(f"x must be a non-empty float32 [N, C, H, W] array, got {x!r:.60}")
+    x = np.ascontiguousarray(x)
+    y = np.empty(x.shape[:2], np.float32)
+    _plane_means(x.reshape(x.shape[0], x.shape[1], -1), y)
+    return y

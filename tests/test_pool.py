@@ -1,5 +1,6 @@
-"""MaxPool2D: a lone MaxPool fuses into the in-process kernel, which matches onnxruntime exactly
-(output size rules included) on many configurations; near-misses are not fused and say why."""
+"""Pooling rules. MaxPool2D: a lone MaxPool fuses into the in-process kernel, which matches
+onnxruntime exactly (output size rules included) on many configurations. GlobalAvgPoolFlatten:
+a classifier head. Near-misses of both are not fused and say why."""
 
 import numpy as np
 import onnx
@@ -8,7 +9,7 @@ from builders import GraphBuilder, fused_ops, run_ort
 
 import fusion
 from fusion.runtime import Session
-from kernels.maxpool import maxpool2d, prepare_maxpool
+from kernels.pool import maxpool2d, prepare_maxpool
 
 CATALOG = fusion.default_catalog()
 
@@ -63,7 +64,7 @@ def test_squeezenet_sized_planes_and_one_thread():
 
 def test_nan_gives_nan_where_onnxruntime_does():
     """onnxruntime keeps a NaN only when it is the last value of its window; so does the
-    kernel (see kernels/maxpool.py), and both keep inf."""
+    kernel (see kernels/pool.py), and both keep inf."""
     shape, attrs = (2, 3, 11, 12), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
     rng = np.random.default_rng(3)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -114,3 +115,42 @@ def test_bad_arguments_raise():
         maxpool2d(np.zeros((1, 1, 4, 4), np.float64), prepare_maxpool((2, 2)))
     with pytest.raises(ValueError, match="empty"):
         maxpool2d(np.zeros((1, 1, 2, 2), np.float32), prepare_maxpool((3, 3)))
+
+
+# ---- GlobalAveragePool + Flatten -------------------------------------------------------------
+def head_model(shape, axis=1):
+    g = GraphBuilder()
+    gap = g.node("GlobalAveragePool", ["x"], name="/gap")
+    y = g.node("Flatten", [gap], name="/flat", axis=axis)
+    return g.model({"x": list(shape)}, [y])
+
+
+@pytest.mark.parametrize("shape", [(1, 1000, 13, 13), (3, 7, 5, 9), (2, 4, 1, 1)])
+def test_classifier_head_fuses_and_matches_onnxruntime(shape):
+    model = head_model(shape)
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model) == ["GlobalAvgPoolFlatten"], result.explain()
+    onnx.checker.check_model(result.model, full_check=True)
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32) * 10
+    (want,) = run_ort(model, {"x": x})
+    (got,) = Session(result.model, threads=2, fuse=False, catalog=CATALOG).run(None, {"x": x})
+    assert got.shape == want.shape == shape[:2]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flatten_on_another_axis_is_not_fused():
+    result = fusion.rewrite(head_model((1, 4, 3, 3), axis=2), CATALOG)
+    assert "GlobalAvgPoolFlatten" not in fused_ops(result.model)
+    assert "Flatten /flat: Flatten on axis 2; the head flattens from axis 1" in result.explain(
+        "GlobalAvgPoolFlatten"
+    )
+
+
+def test_pooled_value_used_elsewhere_is_not_fused():
+    g = GraphBuilder()
+    gap = g.node("GlobalAveragePool", ["x"], name="/gap")
+    y = g.node("Flatten", [gap], name="/flat", axis=1)
+    side = g.node("Neg", [gap], name="/side")
+    result = fusion.rewrite(g.model({"x": [1, 4, 3, 3]}, [y, side]), CATALOG)
+    assert "GlobalAvgPoolFlatten" not in fused_ops(result.model)
+    assert f"its output {gap} is also used by Neg /side" in result.explain("GlobalAvgPoolFlatten")
