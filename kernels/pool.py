@@ -3,21 +3,22 @@
     y[n, c, oh, ow] = max over the taps (i, j) inside the image of
                       x[n, c, oh * sh - pt + i * dh, ow * sw - pl + j * dw]
 
-Padding never wins (it is not a value), as in ONNX. The output size follows onnxruntime:
-floor or, with ceil_mode, ceil of (H + pads - ((kh - 1) dh + 1)) / sh + 1, minus one when that
-last window would start past the image and its leading padding (PyTorch's rule; ONNX's shape
-inference omits it, onnxruntime applies it).
+Padding never wins (it is not a value), as in ONNX. The output size follows onnxruntime
+(pool_attributes.h), which differs from ONNX's shape inference in places: e = H + pads -
+(kh - 1) dh - 1, OH = e / sh + 1 truncated toward zero, or with ceil_mode rounded up and then
+one less when the last window would start past the image and its leading padding (PyTorch's
+rule); ceil_mode applies under auto_pad VALID too; SAME pads for the undilated kernel.
 
 The maximum is separable: per output row, the column-wise maximum of its kh input rows is one
-contiguous vector loop per row, then each tap column j takes a strided pass over that row into
-the output columns where the tap is inside the image (worked out once per call, as in
-_depthwise). One work item is one channel plane; x and y are indexed, never sliced (a view of
-a shared array costs an atomic refcount update, see _gemm.tile_sum).
+contiguous vector loop per row, then the windows along that row (constant-stride loops for the
+common 3-wide ones), with tests only at the columns where a tap falls outside the image. One
+work item is one channel plane; x and y are indexed, never sliced (a view of a shared array
+costs an atomic refcount update, see _gemm.tile_sum).
 
-NaN: onnxruntime keeps m = m if m > v else v over a window in row-major order, so a NaN
-survives only as the window's last value (an earlier one is replaced by the next value). The
-separable order gives NaN for exactly the same outputs; in a window with a NaN that is not last,
-which finite value wins can differ.
+NaN: outputs whose window holds no NaN are exact. For a window with a NaN, onnxruntime itself
+answers NaN or a value of the window depending on its code path (vector or scalar lanes, with or
+without dilation); this kernel gives NaN when the NaN is in the window's last column after the
+column-wise pass, and a value of the window otherwise. Not guaranteed to agree.
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ import numba
 import numpy as np
 
 from .config import INLINE, PARALLEL
-from .conv2d import _axis_pads, _pair, cached_launch, window_attributes
+from .conv2d import _pair, cached_launch, window_attributes
 
 # onnxruntime starts every window at the lowest float (a window with no tap inside the image,
 # possible with dilation, gives that, not -inf)
@@ -51,28 +52,46 @@ def prepare_maxpool(kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
     """Check a MaxPool's attributes (pads in ONNX order: top, left, bottom, right)."""
     kernel = _pair("kernel", kernel, 1)
     strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
-    if auto_pad == "NOTSET" and any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
+    if any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
         raise ValueError(f"pads {pads} must be smaller than the kernel {kernel} (as onnxruntime)")
     return MaxPoolPlan(kernel, strides, dilations, pads, auto_pad, bool(ceil_mode))
 
 
-def _axis_size(size, k, s, d, begin, end, ceil_mode):
-    extent = size + begin + end - ((k - 1) * d + 1)
-    out = (-(-extent // s) if ceil_mode else extent // s) + 1
-    if ceil_mode and (out - 1) * s >= size + begin:
-        out -= 1  # the last window would start in the trailing padding
-    return out
+def _div0(a, b):
+    """a / b rounded toward zero, as C++ divides."""
+    return a // b if a >= 0 else -(-a // b)
+
+
+def _axis(size, k, s, d, mode, begin, end, ceil_mode, dilated):
+    """(output size, leading pad, trailing pad) of one axis, as onnxruntime computes them."""
+    if mode == "VALID":
+        begin = end = 0
+    elif mode in ("SAME_UPPER", "SAME_LOWER"):
+        total = (-(-size // s) - 1) * s + k - size  # the undilated kernel, as onnxruntime
+        if total < 0 and not dilated:  # (its path for dilated pools goes on with a negative
+            # trailing pad, on every axis)
+            raise ValueError(f"{mode} padding of a size-{size} axis is negative (kernel {k} < "
+                             f"stride {s}); onnxruntime rejects it too")  # fmt: skip
+        begin = _div0(total + 1, 2) if mode == "SAME_LOWER" else _div0(total, 2)
+        end = total - begin
+    e = size + begin + end - (k - 1) * d - 1
+    if ceil_mode:
+        out = -(-e // s) + 1
+        if (out - 1) * s >= size + begin:
+            out -= 1  # the last window would start in the trailing padding
+    else:
+        out = _div0(e, s) + 1
+    return out, begin, end
 
 
 def output_shape(x_shape, plan):
     """(N, C, OH, OW) and pads (top, left, bottom, right) for an input of shape x_shape."""
     n, c, h, w = x_shape
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-    pt, pb = _axis_pads(h, kh, sh, dh, plan.auto_pad, plan.pads[0], plan.pads[2])
-    pl, pr = _axis_pads(w, kw, sw, dw, plan.auto_pad, plan.pads[1], plan.pads[3])
-    ceil = plan.ceil_mode and plan.auto_pad == "NOTSET"
-    oh = _axis_size(h, kh, sh, dh, pt, pb, ceil)
-    ow = _axis_size(w, kw, sw, dw, pl, pr, ceil)
+    mode, pads, ceil = plan.auto_pad, plan.pads, plan.ceil_mode
+    dilated = plan.dilations != (1, 1)
+    oh, pt, pb = _axis(h, kh, sh, dh, mode, pads[0], pads[2], ceil, dilated)
+    ow, pl, pr = _axis(w, kw, sw, dw, mode, pads[1], pads[3], ceil, dilated)
     return (n, c, oh, ow), (pt, pl, pb, pr)
 
 
@@ -83,9 +102,11 @@ def _launch(plan, x_shape, threads):
         raise ValueError(f"MaxPool output shape {shape} is empty for input {x_shape}")
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     w, ow_len = x_shape[3], shape[3]
-    # Output columns a <= ow < b have every tap column inside [0, W): no tests there.
-    a = max(0, -(-pl // sw))
-    b = min(ow_len, (w - 1 - (kw - 1) * dw + pl) // sw + 1) if (kw - 1) * dw - pl < w else 0
+    # Output columns a <= ow < b have every tap column inside [0, W): no tests there. Both
+    # within [0, OW]: a left padding wider than the output must not move a past it.
+    a = min(ow_len, -(-pl // sw))
+    last = w - 1 - (kw - 1) * dw + pl  # ow * sw <= last: the window's last tap is inside
+    b = min(ow_len, last // sw + 1) if last >= 0 else 0
     planes = shape[0] * shape[1]
     per_item = max(1, -(-planes // (8 * threads)))  # ~8 items per thread: few allocations
     return shape, (kh, kw, sh, sw, dh, dw, pt, pl, a, max(a, b), per_item)
@@ -93,7 +114,7 @@ def _launch(plan, x_shape, threads):
 
 @numba.jit(**INLINE)
 def _max(m, v):
-    return m if m > v else v  # onnxruntime's order: a later NaN wins, an earlier one does not
+    return m if m > v else v  # one vmaxps (a NaN in v wins, a NaN in m does not: see above)
 
 
 @numba.jit(**INLINE)
@@ -191,6 +212,8 @@ def maxpool2d(x, plan, out=None):
         out = np.empty(shape, np.float32)
     elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
         raise ValueError(f"out must be a float32 array of shape {shape}")
+    elif not out.flags.writeable or np.may_share_memory(out, x):
+        raise ValueError("out must be writeable and must not overlap x")
     maxpool_nchw(x, out, *args)
     return out
 

@@ -33,11 +33,17 @@ def check(m) -> str | None:
     pool = m.attrs("pool")
     if len(pool["kernel_shape"]) != 2:
         return f"a {len(pool['kernel_shape'])}-D MaxPool, the kernel is 2-D"
-    pads, kernel = list(pool["pads"]), list(pool["kernel_shape"]) * 2
-    if pool.get("auto_pad", "NOTSET") == "NOTSET" and any(
-        p >= k for p, k in zip(pads, kernel, strict=True)
-    ):
+    pads, kernel = list(pool["pads"]), list(pool["kernel_shape"])
+    if any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
         return f"pads {pads} not smaller than the kernel (onnxruntime rejects the node too)"
+    strides = list(pool["strides"])
+    if pool.get("auto_pad", "NOTSET").startswith("SAME") and any(
+        k < s for k, s in zip(kernel, strides, strict=True)
+    ):
+        return (
+            f"SAME padding with a kernel {kernel} smaller than the stride {strides}: "
+            "its padding can be negative (onnxruntime rejects such inputs)"
+        )
     return None
 
 
