@@ -62,9 +62,17 @@ def interleaved(cases: dict, rounds: int, warmup: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def scope(name: str) -> str:
+    """A node's module: "/features/features.2/MaxPool" -> "features.2", "/Flatten" -> "Flatten"
+    (onnxruntime keeps the scope when it renames fused and NCHWc nodes)."""
+    parts = name.split("/")
+    return parts[2] if len(parts) > 3 else parts[-1]
+
+
 def ort_fire_times(model, x, runs: int) -> tuple[dict, float, float]:
-    """From onnxruntime ORT_ENABLE_ALL's profiler, medians per run in µs: per Fire module (its
-    convs and Concat, in NCHWc), of that the Concats, and the layout reorders (NCHW <-> NCHWc)."""
+    """From onnxruntime ORT_ENABLE_ALL's profiler, medians per run in µs: per module scope (a
+    Fire module: its convs and Concat, in NCHWc), of all that the Concats, and the layout
+    reorders (NCHW <-> NCHWc)."""
     sess = ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, profile=True)
     for _ in range(runs + 3):
         sess.run(None, {"input": x})
@@ -77,13 +85,13 @@ def ort_fire_times(model, x, runs: int) -> tuple[dict, float, float]:
     run = -1
     for e in events:
         run += e["name"] == events[0]["name"]  # the first node of the graph starts a run
-        op, parts = e.get("args", {}).get("op_name", ""), e["name"].split("/")
-        if len(parts) > 3 and parts[1] == "features" and op in ("Conv", "Concat"):
-            per_run[run][parts[2]] += e["dur"]
-        if op == "Concat":
-            per_run[run]["concat"] += e["dur"]
+        op = e.get("args", {}).get("op_name", "")
         if op.startswith("Reorder"):
             per_run[run]["reorder"] += e["dur"]
+            continue
+        per_run[run][scope(e["name"][: -len("_kernel_time")])] += e["dur"]
+        if op == "Concat":
+            per_run[run]["concat"] += e["dur"]
     runs_seen = [per_run[r] for r in sorted(per_run)[3:]]  # without the warm-up runs
     keys = {k for r in runs_seen for k in r}
     med = {k: statistics.median(r.get(k, 0.0) for r in runs_seen) for k in keys}
@@ -174,8 +182,11 @@ def main():
             desc = f"{label} {kh}x{kw} {p.method} {m}x{k_len}x{pix}"
             t, t_gemm = kmed[f"{key}:{j}"], kmed[f"{key}:{j}:gemm"]
             print(f"{'':12s} {desc:22s} {t * 1e6:8.0f} {gf / t:8.1f} {gf / t_gemm:10.1f}")
-    for step in others:
-        print(f"{step.name.split('/')[2]:12s} {step.node.op_type:22s} {kmed[step.name] * 1e6:8.0f}")
+    replaced = {f.node: [label.split(" ", 1)[1] for label in f.replaced] for f in fused.fusions}
+    for step in others:  # onnxruntime's time for the nodes this one replaced
+        ort_t = sum(ort_med.get(k, 0.0) for k in {scope(n) for n in replaced[step.node.name]})
+        print(f"{scope(step.node.name):12s} {step.node.op_type:22s} {kmed[step.name] * 1e6:8.0f} "
+              f"{'':>8s} {'':>10s} {ort_t:10.0f}")  # fmt: skip
     split = defaultdict(lambda: [0.0, 0.0])  # conv kind -> [seconds, FLOPs]
     for tag, (_, p, m, k_len, pix) in shapes.items():
         kind = f"{p.kernel[0]}x{p.kernel[1]} {p.method}"
@@ -191,7 +202,8 @@ def main():
           f"{prof.total('kernel') * 1e3:.2f} (Fire modules {fire_total * 1e3:.2f}) + islands "
           f"{prof.total('island') * 1e3:.2f} ({len(session.islands)} islands) + between "
           f"{prof.overhead * 1e3:.2f}; ort-all Fire modules "
-          f"{sum(ort_med.values()) / 1e3:.2f} ms (Concat copies {concat / 1e3:.2f} of it), "
+          f"{sum(ort_med.get(scope(s.node.name), 0.0) for s in steps) / 1e3:.2f} ms (Concat copies "
+          f"{concat / 1e3:.2f} of it), "
           f"NCHWc reorders {reorder / 1e3:.2f} ms")  # fmt: skip
 
 
