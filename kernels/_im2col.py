@@ -113,7 +113,7 @@ def _pack_panels(x, xf, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len
 
 @numba.jit(**PARALLEL)
 def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, group, lo, hi,
-                n_blk, direct):  # fmt: skip
+                n_blk, n_ms, direct):  # fmt: skip
     """out3[N, M, OH*OW] = act(conv(x) + bias); a_packed is [group, ceil(Mg/MR), K, MR] flat.
 
     n_blk: pixel-panel blocks per image and group (one work item each). A work item packs its
@@ -121,6 +121,9 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
     input panel is gathered once and reused Mg / MR times, and the weights are read once per
     block (from L3 when they do not fit in L2: 512 -> 1000 channels is 2 MB). The wrapper sizes
     the blocks so that they stay within half of L2 (see conv2d._panel_blocks).
+    n_ms: ranges the channel panels are cut into, range-major, so that with n_ms = threads each
+    thread takes every pixel block for one range (equal work when the blocks alone cannot be
+    shared evenly, see conv2d._launch); each range packs its blocks again.
     direct: a 1x1, stride-1, unpadded convolution: the input is the B matrix; with K up to
     IN_PLACE_MAX_K its full panels are read in place, otherwise copied (no gather).
     """
@@ -135,22 +138,31 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
     a2 = a_packed.reshape(group * n_mb, k_len * MR)  # row g * n_mb + mb: one channel panel
     size = k_len * NR
     u = np.uint64
-    # Items are (image, group, panel block): disjoint output, so no two threads write one cell.
-    for item in numba.prange(n_len * group * n_blk):
-        n = item // (group * n_blk)
-        g = (item // n_blk) % group
-        pan0 = (item % n_blk) * per_blk
+    mb_per = (n_mb + n_ms - 1) // n_ms
+    # Items are (image, group, panel block, channel range): disjoint outputs, so no two threads
+    # write one cell.
+    blocks = n_len * group * n_blk
+    for item in numba.prange(blocks * n_ms):
+        ms, blk = item // blocks, item % blocks
+        n = blk // (group * n_blk)
+        g = (blk // n_blk) % group
+        pan0 = (blk % n_blk) * per_blk
         pan1 = min(n_pan, pan0 + per_blk)
+        mb0 = ms * mb_per
+        n_mbs = min(n_mb, mb0 + mb_per) - mb0
+        if n_mbs <= 0:
+            continue
         tile = np.empty((MR, NR), np.float32)
-        a0, m0, c0 = g * n_mb, g * mg, g * cg
+        a0, m0, c0 = g * n_mb + mb0, g * mg + mb0 * MR, g * cg
+        m_len = min(mg - mb0 * MR, n_mbs * MR)
         if direct and k_len <= IN_PLACE_MAX_K:
             full = min(pan1, p_len // NR) - pan0
-            gemm_block(a2, a0, n_mb, xf, n, u(c0 * p_len + pan0 * NR), u(NR), u(p_len), full,
-                       k_len, out3, n, m0, mg, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+            gemm_block(a2, a0, n_mbs, xf, n, u(c0 * p_len + pan0 * NR), u(NR), u(p_len), full,
+                       k_len, out3, n, m0, m_len, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
             pan0 += full  # what is left: the last, partial panel (packed, zero-padded)
         if pan0 < pan1:
             panels = np.empty((1, (pan1 - pan0) * size), np.float32)
             _pack_panels(x, xf, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, pan0,
                          pan1, direct, panels)  # fmt: skip
-            gemm_block(a2, a0, n_mb, panels, 0, u(0), u(size), u(NR), pan1 - pan0, k_len, out3,
-                       n, m0, mg, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+            gemm_block(a2, a0, n_mbs, panels, 0, u(0), u(size), u(NR), pan1 - pan0, k_len, out3,
+                       n, m0, m_len, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip

@@ -233,6 +233,16 @@ def _panel_blocks(images, panels, k, m, threads):
     return -(-panels // per_blk)
 
 
+def _uneven(blocks_per_image, panels, n_blk, threads):
+    """Whether prange's equal split of the (image, block) items gives one thread over 5% more
+    pixel panels than the average (blocks hold ceil(panels / n_blk), the last the rest)."""
+    per = -(-panels // n_blk)
+    sizes = [min(per, panels - b * per) for b in range(n_blk)] * blocks_per_image
+    chunk = -(-len(sizes) // threads)
+    loads = [sum(sizes[i : i + chunk]) for i in range(0, len(sizes), chunk)]
+    return max(loads) * threads > 1.05 * sum(sizes)
+
+
 def _launch(plan, x_shape, threads):
     """(output shape, arguments of the plan's own kernel after out3, arguments of im2col_conv
     after out3) for an input of shape x_shape: everything a call needs besides the arrays."""
@@ -244,9 +254,16 @@ def _launch(plan, x_shape, threads):
     direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x_shape[2:]
     k = plan.in_channels // plan.group * kh * kw
     panels = -(-shape[2] * shape[3] // _gemm.NR)
-    n_blk = _panel_blocks(shape[0] * plan.group, panels, k, plan.out_channels // plan.group,
-                          threads)  # fmt: skip
-    im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, direct)
+    mg = plan.out_channels // plan.group
+    n_blk = _panel_blocks(shape[0] * plan.group, panels, k, mg, threads)
+    n_ms = 1
+    if mg * k * 4 > (256 << 10) and _uneven(shape[0] * plan.group, panels, n_blk, threads):
+        # Weights past L2 and pixel blocks that do not split evenly between the threads (the
+        # 512 -> 1000 classifier at 13x13: 11 panels in blocks of 3, 3, 3, 2, so 6 panels for
+        # one thread, 5 for the other): each thread takes every block for its share of the
+        # channel panels instead (a block is then packed once per share).
+        n_ms = threads
+    im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, n_ms, direct)
     fast = None
     if plan.method in ("winograd4", "winograd"):
         m = 4 if plan.method == "winograd4" else 2

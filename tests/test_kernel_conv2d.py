@@ -85,6 +85,9 @@ CASES = {
     "7x7_stride2": (1, 3, 17, 15, 8, 7, 7, S2, (3, 3, 3, 3), S1, 1, NO, True, "relu"),
     "panel_blocks": (1, 3, 41, 40, 8, 3, 3, S2, P1, S1, 1, NO, True, "relu"),  # 2+ panels/item
     "1x1_big_weights": (1, 300, 9, 9, 240, 1, 1, S1, P0, S1, 1, NO, True, "relu"),  # blocks
+    # weights past L2, pixel blocks that 2 threads cannot share evenly: split by channels
+    "1x1_classifier_like": (1, 300, 13, 13, 250, 1, 1, S1, P0, S1, 1, NO, True, "relu"),
+    "3x3_s2_big_weights": (1, 64, 19, 19, 301, 3, 3, S2, P1, S1, 1, NO, True, None),
     "1x1_direct_odd": (2, 24, 7, 5, 20, 1, 1, S1, P0, S1, 2, NO, True, None),  # group 2
     "rect_aniso": (1, 5, 11, 10, 7, 3, 2, (1, 2), (1, 0, 2, 1), (2, 1), 1, NO, False, None),
     "group2": (1, 8, 10, 10, 6, 3, 3, S1, P1, S1, 2, NO, True, "relu"),
