@@ -7,8 +7,9 @@ For group g, output channel m and output pixel p = oh * OW + ow:
 
 The reduction index k = (c * kh + i) * kw + j matches the weight layout, so the weights of a
 group are one [Mg, K] matrix, packed once into MR-row panels. Each work item packs a block of
-NR-pixel panels of the input, [K, NR] each, and sweeps all channel panels of its group over
-them, so each input panel is gathered once and reused Mg / MR times. Handles any kernel,
+NR-pixel panels of the input, [K, NR] each, and sweeps all channel panels of its group (or of
+its range of them, see n_ms) over them, so each input panel is gathered once per range and
+reused by every channel panel of it. Handles any kernel,
 stride, dilation, padding (also larger than the kernel), group and batch.
 """
 

@@ -257,11 +257,16 @@ def _launch(plan, x_shape, threads):
     mg = plan.out_channels // plan.group
     n_blk = _panel_blocks(shape[0] * plan.group, panels, k, mg, threads)
     n_ms = 1
-    if mg * k * 4 > (256 << 10) and _uneven(shape[0] * plan.group, panels, n_blk, threads):
+    big_a = mg * k * 4 > (256 << 10)
+    if big_a and direct and mg >= 32 * threads and _uneven(shape[0] * plan.group, panels, n_blk,
+                                                           threads):  # fmt: skip
         # Weights past L2 and pixel blocks that do not split evenly between the threads (the
         # 512 -> 1000 classifier at 13x13: 11 panels in blocks of 3, 3, 3, 2, so 6 panels for
         # one thread, 5 for the other): each thread takes every block for its share of the
-        # channel panels instead (a block is then packed once per share).
+        # channel panels instead (a block is then packed once per share). Only for a 1x1
+        # conv, whose packing is a plain copy, and with enough channels that the shares are
+        # even: with a gathered 3x3 im2col or a few channel panels the split measured up to
+        # 1.7x slower (a reviewer's interleaved A/B, 2 threads).
         n_ms = threads
     im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, n_ms, direct)
     fast = None

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels import conv2d_bias_act, output_shape, prepare_conv2d
+from kernels import conv2d_bias_act, get_threads, output_shape, prepare_conv2d
 
 RTOL = ATOL = 1e-4
 CLIP = (-0.5, 0.75)
@@ -85,7 +85,8 @@ CASES = {
     "7x7_stride2": (1, 3, 17, 15, 8, 7, 7, S2, (3, 3, 3, 3), S1, 1, NO, True, "relu"),
     "panel_blocks": (1, 3, 41, 40, 8, 3, 3, S2, P1, S1, 1, NO, True, "relu"),  # 2+ panels/item
     "1x1_big_weights": (1, 300, 9, 9, 240, 1, 1, S1, P0, S1, 1, NO, True, "relu"),  # blocks
-    # weights past L2, pixel blocks that 2 threads cannot share evenly: split by channels
+    # weights past L2, pixel blocks that 2 threads cannot share evenly: a 1x1 conv splits by
+    # channel ranges (63 panels: 32 + 31, the last partial); a gathered 3x3 does not
     "1x1_classifier_like": (1, 300, 13, 13, 250, 1, 1, S1, P0, S1, 1, NO, True, "relu"),
     "3x3_s2_big_weights": (1, 64, 19, 19, 301, 3, 3, S2, P1, S1, 1, NO, True, None),
     "1x1_direct_odd": (2, 24, 7, 5, 20, 1, 1, S1, P0, S1, 2, NO, True, None),  # group 2
@@ -272,6 +273,21 @@ X = np.ones((1, 2, 5, 5), np.float32)
 def test_bad_inputs_raise_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_channel_split_only_where_it_pays():
+    """The classifier-like 1x1 conv takes the channel split (see conv2d._launch); a 3x3 im2col
+    with weights past L2, or a 1x1 with few channel panels, does not."""
+    from kernels.conv2d import launch
+
+    def n_ms(name):
+        x, wt, b, kwargs = make_case(CASES[name])
+        return launch(prepare_conv2d(wt, b, **kwargs), x.shape)[2][-2]
+
+    assert n_ms("1x1_classifier_like") == get_threads()  # (1 thread: nothing to split)
+    assert n_ms("3x3_s2_big_weights") == 1
+    few = prepare_conv2d(np.zeros((12, 3000, 1, 1), np.float32))  # 3 channel panels
+    assert launch(few, (1, 3000, 13, 13))[2][-2] == 1
 
 
 def test_a_replaced_plan_does_not_reuse_the_old_launch_arguments():
