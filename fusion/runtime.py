@@ -164,9 +164,10 @@ class Session:
         options = ort.SessionOptions()
         if island is not None and not any(_may_hold_a_conv(n) for n in island.nodes):
             # onnxruntime's default level also converts to its blocked NCHWc layout, which pays
-            # for itself across convolutions; an island without one (SqueezeNet's MaxPools
-            # between Fire kernels) only gets the reorders at its borders. Measured on
-            # SqueezeNet 1.1 (Session.profile, 2 threads): the four islands 1.55 -> 1.1 ms.
+            # for itself across convolutions; an island without one (pools between conv
+            # kernels) only gets the reorders at its borders. Measured in a scratch
+            # Session.profile of SqueezeNet 1.1 before the MaxPool2D rule, when its MaxPools
+            # were such islands (2 threads): the four islands 1.55 -> 1.1 ms.
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         options.log_severity_level = 3  # errors only: warnings would break one-line stderr
         options.intra_op_num_threads = self.threads

@@ -105,8 +105,8 @@ def gemm_batch(a2, a0, a_step, b2, n_b, k_len, mt):
     """mt[x, :MR, :NR] = A^T B for x < n_b, A the panel a2[a0 + x * a_step] and B the panel
     b2[x]: the n_b independent GEMMs of a Winograd transform (a_step 1), or one A against
     several B (a_step 0), in one call, so the call's argument refcounts are paid once."""
+    b0, bs = np.uint64(0), np.uint64(NR)
     for x in range(n_b):
-        b0, bs = np.uint64(0), np.uint64(NR)
         r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(a2, a0 + x * a_step, b2, x, b0, bs, k_len)
         store8r(mt, x, 0, 0, r0)
         store8r(mt, x, 0, 8, s0)

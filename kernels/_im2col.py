@@ -21,7 +21,7 @@ from .config import INLINE, JIT, PARALLEL
 
 # 1x1, stride-1, unpadded convolutions with K up to this read their input in place as the
 # GEMM's B (no packing). Measured on SqueezeNet's 1x1 convs against packing (2 threads, a
-# scratch A/B): K = 16..128 0.54-0.78x the time, K = 256..512 1.04-1.26x, where a tile's K
+# scratch A/B): K = 16..128 0.54-0.87x the time, K = 256..512 1.04-1.26x, where a tile's K
 # unaligned 64-byte stretches no longer stay in L1 between channel panels.
 IN_PLACE_MAX_K = 128
 
@@ -155,15 +155,15 @@ def im2col_conv(x, a_packed, bias, out3, kh, kw, sh, sw, dh, dw, pt, pl, ow_len,
             continue
         tile = np.empty((MR, NR), np.float32)
         a0, m0, c0 = g * n_mb + mb0, g * mg + mb0 * MR, g * cg
-        m_len = min(mg - mb0 * MR, n_mbs * MR)
+        m_cnt = min(mg - mb0 * MR, n_mbs * MR)  # this range's channels
         if direct and k_len <= IN_PLACE_MAX_K:
             full = min(pan1, p_len // NR) - pan0
             gemm_block(a2, a0, n_mbs, xf, n, u(c0 * p_len + pan0 * NR), u(NR), u(p_len), full,
-                       k_len, out3, n, m0, m_len, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+                       k_len, out3, n, m0, m_cnt, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
             pan0 += full  # what is left: the last, partial panel (packed, zero-padded)
         if pan0 < pan1:
             panels = np.empty((1, (pan1 - pan0) * size), np.float32)
             _pack_panels(x, xf, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len, pan0,
                          pan1, direct, panels)  # fmt: skip
             gemm_block(a2, a0, n_mbs, panels, 0, u(0), u(size), u(NR), pan1 - pan0, k_len, out3,
-                       n, m0, m_len, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip
+                       n, m0, m_cnt, pan0 * NR, p_len, bias, lo, hi, tile)  # fmt: skip

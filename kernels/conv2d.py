@@ -219,13 +219,21 @@ def m_splits(tile_panels, m, threads):
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
 
+HALF_L2 = 256 << 10  # bytes: half of Zen1's 512 KiB L2, what one packed block may use
+
+
+def _weights_past_l2(m, k):
+    """Whether a group's packed weights [m, k] outgrow what the blocks leave of L2."""
+    return m * k * 4 > HALF_L2
+
+
 def _panel_blocks(images, panels, k, m, threads):
     """Pixel-panel blocks per image and group for the im2col path (see im2col_conv): enough
     blocks that every thread gets several (the last one is often short), few enough that the
     weights, streamed once per block, are not re-read for every panel, and each packed block
     stays within half of L2 (256 KiB of Zen1's 512)."""
-    per_l2 = max(1, (256 << 10) // (k * _gemm.NR * 4))
-    big_a = m * k * 4 > (256 << 10)  # weights past L2 come from L3: fewer, bigger blocks
+    per_l2 = max(1, HALF_L2 // (k * _gemm.NR * 4))
+    big_a = _weights_past_l2(m, k)  # weights come from L3: fewer, bigger blocks
     balance = -(-(2 if big_a else 4) * threads // images)
     per_blk = -(-panels // min(panels, max(balance, -(-panels // per_l2))))
     # No empty trailing blocks: prange hands each thread an equal count of blocks, so 8 blocks
@@ -255,11 +263,11 @@ def _launch(plan, x_shape, threads):
     k = plan.in_channels // plan.group * kh * kw
     panels = -(-shape[2] * shape[3] // _gemm.NR)
     mg = plan.out_channels // plan.group
-    n_blk = _panel_blocks(shape[0] * plan.group, panels, k, mg, threads)
+    blocks_per_image = shape[0] * plan.group
+    n_blk = _panel_blocks(blocks_per_image, panels, k, mg, threads)
     n_ms = 1
-    big_a = mg * k * 4 > (256 << 10)
-    if big_a and direct and mg >= 32 * threads and _uneven(shape[0] * plan.group, panels, n_blk,
-                                                           threads):  # fmt: skip
+    many_channels = direct and mg >= 32 * threads and _weights_past_l2(mg, k)
+    if many_channels and _uneven(blocks_per_image, panels, n_blk, threads):
         # Weights past L2 and pixel blocks that do not split evenly between the threads (the
         # 512 -> 1000 classifier at 13x13: 11 panels in blocks of 3, 3, 3, 2, so 6 panels for
         # one thread, 5 for the other): each thread takes every block for its share of the

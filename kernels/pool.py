@@ -104,7 +104,7 @@ def _launch(plan, x_shape, threads):
     w, ow_len = x_shape[3], shape[3]
     # Output columns a <= ow < b have every tap column inside [0, W): no tests there. Both
     # within [0, OW]: a left padding wider than the output must not move a past it.
-    a = min(ow_len, -(-pl // sw))
+    a = min(ow_len, max(0, -(-pl // sw)))
     last = w - 1 - (kw - 1) * dw + pl  # ow * sw <= last: the window's last tap is inside
     b = min(ow_len, last // sw + 1) if last >= 0 else 0
     planes = shape[0] * shape[1]
@@ -220,7 +220,7 @@ def maxpool2d(x, plan, out=None):
 
 @numba.jit(**PARALLEL)
 def _plane_means(x3, y):
-    """y[n, c] = mean of x3[n, c, :], summed in float64 (onnxruntime sums in float32)."""
+    """y[n, c] = mean of x3[n, c, :], summed in float64."""
     c_len, p_len = x3.shape[1], x3.shape[2]
     for item in numba.prange(x3.shape[0] * c_len):
         n, c = item // c_len, item % c_len

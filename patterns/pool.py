@@ -29,15 +29,29 @@ def attributes(m) -> dict:
     }
 
 
+def _plan(attrs: dict):
+    from kernels.pool import prepare_maxpool
+
+    return prepare_maxpool(
+        attrs["kernel_shape"],
+        strides=attrs["strides"],
+        pads=attrs["pads"],
+        dilations=attrs["dilations"],
+        ceil_mode=attrs["ceil_mode"],
+        auto_pad=attrs["auto_pad"],
+    )
+
+
 def check(m) -> str | None:
-    pool = m.attrs("pool")
-    if len(pool["kernel_shape"]) != 2:
-        return f"a {len(pool['kernel_shape'])}-D MaxPool, the kernel is 2-D"
-    pads, kernel = list(pool["pads"]), list(pool["kernel_shape"])
-    if any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
-        return f"pads {pads} not smaller than the kernel (onnxruntime rejects the node too)"
-    strides = list(pool["strides"])
-    if pool.get("auto_pad", "NOTSET").startswith("SAME") and any(
+    attrs = attributes(m)
+    kernel, strides = attrs["kernel_shape"], attrs["strides"]
+    if len(kernel) != 2:
+        return f"a {len(kernel)}-D MaxPool, the kernel is 2-D"
+    try:
+        _plan(attrs)  # the kernel's own checks (pads smaller than the kernel, ...)
+    except ValueError as exc:
+        return str(exc)
+    if attrs["auto_pad"].startswith("SAME") and any(
         k < s for k, s in zip(kernel, strides, strict=True)
     ):
         return (
@@ -48,16 +62,9 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.pool import maxpool2d, prepare_maxpool
+    from kernels.pool import maxpool2d
 
-    plan = prepare_maxpool(
-        attrs["kernel_shape"],
-        strides=attrs["strides"],
-        pads=attrs["pads"],
-        dilations=attrs["dilations"],
-        ceil_mode=attrs["ceil_mode"],
-        auto_pad=attrs["auto_pad"],
-    )
+    plan = _plan(attrs)
 
     def run(x):
         return (maxpool2d(x, plan),)

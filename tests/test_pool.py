@@ -166,6 +166,13 @@ def test_same_padding_with_a_kernel_smaller_than_the_stride_is_not_fused():
     assert "MaxPool /pool: SAME padding with a kernel [1, 1] smaller than the stride" in text
 
 
+def test_pads_not_smaller_than_the_kernel_are_not_fused():
+    g = GraphBuilder()
+    y = g.node("MaxPool", ["x"], name="/pool", kernel_shape=[2, 2], pads=[2, 0, 0, 0])
+    text = explain_pool(g.model({"x": [1, 2, 5, 5]}, [y]))
+    assert "MaxPool /pool: pads (2, 0, 0, 0) must be smaller than the kernel (2, 2)" in text
+
+
 def test_integer_pool_is_not_fused():
     g = GraphBuilder()
     y = g.node("MaxPool", ["x"], name="/pool", kernel_shape=[2, 2])
