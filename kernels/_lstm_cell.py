@@ -209,14 +209,14 @@ def _cell_cols(gi, gf, gg, go, c):
 
 
 @numba.jit(**JIT_GEMM)
-def step_cols(t, b, pair, w, bias, z, c, hs, cs):
+def step_cols(t, b, pair, w, bias, z, c):
     """Units of block b at step t for batch panels 2 pair and 2 pair + 1 (if it exists).
 
     z[t, q] is the [K, 8] panel of batch columns 8q .. 8q + 7: x_t in rows < I, h_{t-1} below;
-    c[t, q] is c_{t-1} as [Hp, 8]. Writes h_t into z[t + 1], c_t into c[t + 1] and both into
-    the outputs hs[t + 1], cs[t + 1] ([T + 1, B, Hp]).
+    c[t, q] is c_{t-1} as [Hp, 8]. Writes h_t into z[t + 1] and c_t into c[t + 1] (the outputs
+    are unpacked from there once all steps are done, see lstm._unpack_step).
     """
-    panels, k_len, batch = z.shape[1], w.shape[1] // 4, hs.shape[1]
+    panels, k_len = z.shape[1], w.shape[1] // 4
     i_len = k_len - c.shape[2] // 8
     q0 = 2 * pair
     q1 = q0 + 1 if q0 + 1 < panels else q0
@@ -234,10 +234,3 @@ def step_cols(t, b, pair, w, bias, z, c, hs, cs):
         h0, c0 = _cell_cols(gi0, gf0, gg0, go0, load8(c[t, q0, c_at:], 0))
         store8(z[t + 1, q0, h_at:], 0, h0)
         store8(c[t + 1, q0, c_at:], 0, c0)
-    for q in range(q0, q1 + 1):  # the outputs, [B, H] like ONNX
-        hz, cz = z[t + 1, q, 8 * (i_len + b * U) :], c[t + 1, q, 8 * b * U :]
-        for r in range(min(8, batch - 8 * q)):
-            h_row, c_row = hs[t + 1, 8 * q + r, b * U :], cs[t + 1, 8 * q + r, b * U :]
-            for u in range(U):
-                h_row[u] = hz[8 * u + r]
-                c_row[u] = cz[8 * u + r]

@@ -10,10 +10,14 @@ other blocks. Work is cut into items: stage 0 projects the input of all T steps 
 
 Batch > 1 (a GEMM per step): turned around, one unit's four gates x 16 batch columns are one
 register tile over K = I + H ([x_t; h_{t-1}] packed as [K, 8] column panels), so the input
-projection is part of each step and the gate math runs on the tile (_lstm_cell.step_cols);
-an item is one block of 8 units for 16 batch columns, T stages of them. Measured T = 16,
-B = 16, I = 128, H = 256 on a quiet machine: 31 GFLOP/s per thread in the kernel (about this
-machine's FMA peak at 2 GHz), 1.96x from 1 to 2 threads.
+projection is part of each step and the gate math runs on the tile (_lstm_cell.step_cols).
+Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
+batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), all in one call
+from Python. The panels live in a per-thread workspace reused between calls (_workspace).
+Scratch A/Bs at T = 16, B = 16, I = 128, H = 256: the kernel runs at 32-33 GFLOP/s per thread
+against a 40 GFLOP/s FMA peak per core (`python bench/fma_peak.py`), 2.0x from 1 to 2 threads;
+of the rest, the cell's activations take about 7%, and writing the outputs from each step's
+items instead of a last stage cost 2-4%.
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
 shared out in contiguous runs (thread p reads the same share of Wh every step: 512 KB of 1 MB
@@ -28,6 +32,7 @@ us (the step itself ~20 us) and a spin barrier up to milliseconds (see _lstm_syn
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numba
@@ -161,12 +166,54 @@ def _sequence(parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
 
 
 @numba.jit(**JIT_GEMM)
-def _run_cols(p, parts, w, bias, z, c, hs, cs, claims, done):
-    """Batch > 1: thread p's part of all steps; an item is one block of units for 16 batch
-    columns (see _lstm_cell.step_cols). Claiming and finishing open items as in _run."""
-    blocks, pairs, steps = w.shape[0] // U, (z.shape[1] + 1) // 2, z.shape[0] - 1
-    items = blocks * pairs
-    for s in range(steps):
+def _pack_step(t, x, h0, c0, z, c):
+    """Stage 0, item t: x_t into the x rows of z[t] as [I, 8] column panels (zero past the
+    batch); item 0 also packs h0 and c0 (zero past the batch and past H: padded units must
+    stay finite, their zero weights would turn a NaN into a NaN)."""
+    batch, size, hidden = x.shape[1], x.shape[2], h0.shape[1]
+    units = c.shape[2] // 8
+    for q in range(z.shape[1]):
+        zt = z[t, q]
+        for r in range(8):
+            n = 8 * q + r
+            if n < batch:
+                for k in range(size):
+                    zt[8 * k + r] = x[t, n, k]
+            else:
+                for k in range(size):
+                    zt[8 * k + r] = 0
+            if t == 0:
+                h_at, c0q = 8 * size, c[0, q]
+                for k in range(units):
+                    inside = n < batch and k < hidden
+                    zt[h_at + 8 * k + r] = h0[n, k] if inside else 0
+                    c0q[8 * k + r] = c0[n, k] if inside else 0
+
+
+@numba.jit(**JIT_GEMM)
+def _unpack_step(t, z, c, hs, cs):
+    """Last stage, item t: h_t and c_t from the panels z[t + 1], c[t + 1] into the rows of
+    hs[t], cs[t] (whole cache lines from one thread, written once)."""
+    batch, hidden = hs.shape[1], hs.shape[2]
+    h_at = z.shape[2] - c.shape[2]
+    for n in range(batch):
+        q, r = n // 8, n % 8
+        hz, cz, h_row, c_row = z[t + 1, q], c[t + 1, q], hs[t, n], cs[t, n]
+        for k in range(hidden):
+            h_row[k] = hz[h_at + 8 * k + r]
+            c_row[k] = cz[8 * k + r]
+
+
+@numba.jit(**JIT_GEMM)
+def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, claims, done):
+    """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
+    one block of units for 16 batch columns, see _lstm_cell.step_cols) and of stage T + 1
+    (unpacking step t's outputs, item t). Claiming and finishing open items as in _run."""
+    steps, panels = x.shape[0], z.shape[1]
+    blocks, pairs = w.shape[0] // U, (panels + 1) // 2
+    for s in range(steps + 2):
+        items = steps if s == 0 or s == steps + 1 else blocks * pairs
+        first = 0 if s == 0 else steps + (s - 1) * blocks * pairs
         k = scan = 0
         while True:
             i = -1
@@ -175,19 +222,50 @@ def _run_cols(p, parts, w, bias, z, c, hs, cs, claims, done):
                 if i < 0:
                     k += 1
             while i < 0 and scan < items:
-                if atomic_load(done, s * items + scan) == 0:
+                if atomic_load(done, first + scan) == 0:
                     i = scan
                 scan += 1
             if i < 0:
                 break
-            step_cols(s, i // pairs, i % pairs, w, bias, z, c, hs, cs)
-            atomic_store(done, s * items + i, 1)
+            if s == 0:
+                _pack_step(i, x, h0, c0, z, c)
+            elif s == steps + 1:
+                _unpack_step(i, z, c, hs, cs)
+            else:
+                step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c)
+            atomic_store(done, first + i, 1)
+
+
+@numba.jit(**JIT_GEMM)
+def _carve(x, units, floats, ints, parts):
+    """_run_cols's scratch from the workspace: z [T + 1, panels, (I + Hp) * 8] holds x_t and
+    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}; claim
+    counters and done flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
+    steps, batch, size = x.shape
+    panels = (batch + 7) // 8
+    n_z, n_c = (steps + 1) * panels * (size + units) * 8, (steps + 1) * panels * units * 8
+    n_claims = (steps + 2) * parts * LINE
+    n_done = 2 * steps + steps * (units // U) * ((panels + 1) // 2)
+    for i in range(n_claims + n_done):
+        ints[i] = 0
+    z = floats[:n_z].reshape((steps + 1, panels, (size + units) * 8))
+    c = floats[n_z : n_z + n_c].reshape((steps + 1, panels, units * 8))
+    return z, c, ints[:n_claims], ints[n_claims : n_claims + n_done]
 
 
 @numba.jit(**PARALLEL)
-def _sequence_cols(parts, w, bias, z, c, hs, cs, claims, done):
-    for p in prange(parts):
-        _run_cols(p, parts, w, bias, z, c, hs, cs, claims, done)
+def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads):
+    """Batch > 1, all of it in one call from Python (each call from Python costs tens of us
+    once the kernel has flushed the interpreter's data from the caches): carve the scratch,
+    then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
+    would stop it from caching)."""
+    parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + 15) // 16))
+    z, c, claims, done = _carve(x, w.shape[0], floats, ints, parts)
+    if parts == 1:
+        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], claims, done)
+    else:
+        for p in prange(parts):
+            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], claims, done)
 
 
 def _call(fn, *args):
@@ -206,47 +284,30 @@ def _buffers(x, plan, parts):
     return xp, plan.wx, plan.wh, plan.bias, gx, claims, done
 
 
-@numba.jit(**JIT_GEMM)
-def _pack_cols(a, out):
-    """out[t, q, k, r] = a[t, 8q + r, k], zero past the batch: rows as [K, 8] column panels.
-    (A jitted loop: 23 us for x at T = 16, B = 16, I = 128 vs 53 us for numpy's pad + swap.)"""
-    for t in range(a.shape[0]):
-        for q in range(out.shape[1]):
-            o = out[t, q]
-            for r in range(8):
-                if 8 * q + r < a.shape[1]:
-                    src = a[t, 8 * q + r]
-                    for k in range(a.shape[2]):
-                        o[k, r] = src[k]
-                else:
-                    for k in range(a.shape[2]):
-                        o[k, r] = 0
+_WORKSPACE = threading.local()  # .floats, .ints: one thread's scratch, reused between calls
+WORKSPACE_MAX = 32 << 20  # bytes; larger scratch is allocated per call
 
 
-@numba.jit(**JIT_GEMM)
-def _pack_inputs(x, hs, cs, z, c):
-    """x into z's x part for all steps, h_0 and c_0 into step 0's panels: one call from Python
-    rather than three (each ~8 us of dispatch)."""
-    steps, size = x.shape[0], x.shape[2]
-    _pack_cols(x, z[:steps, :, :size])
-    _pack_cols(hs[:1], z[:1, :, size:])
-    _pack_cols(cs[:1], c[:1])
+def _workspace(n_floats, n_ints):
+    """Scratch arrays for one call, kept for the calling thread's later calls (up to
+    WORKSPACE_MAX), so that a call allocates only its outputs. Safe to reuse: the kernels
+    write all scratch they read before reading it, and a thread runs one call at a time."""
+    floats, ints = getattr(_WORKSPACE, "floats", None), getattr(_WORKSPACE, "ints", None)
+    if floats is None or floats.size < n_floats or ints.size < n_ints:
+        floats = np.empty(max(n_floats, 0 if floats is None else floats.size), np.float32)
+        ints = np.empty(max(n_ints, 0 if ints is None else ints.size), np.int32)
+        if 4 * (floats.size + ints.size) <= WORKSPACE_MAX:
+            _WORKSPACE.floats, _WORKSPACE.ints = floats, ints
+    return floats, ints
 
 
-def _buffers_cols(x, hs, cs, plan, parts):
-    """Arguments of _run_cols / _sequence_cols: z [T + 1, panels, (I + Hp) * 8] holds x_t and
-    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}. Only what
-    the steps read is initialised (z[T]'s x part is never read)."""
+def _workspace_size(x, units, parts):
+    """(floats, ints) that _carve takes for x [T, B, I] on `parts` threads."""
     steps, batch, size = x.shape
-    units, panels = hs.shape[2], -(-batch // 8)
-    z = np.empty((steps + 1, panels, size + units, 8), np.float32)
-    c = np.empty((steps + 1, panels, units, 8), np.float32)
-    _call(_pack_inputs, x, hs, cs, z, c)
-    items = (units // U) * -(-panels // 2)
-    claims = np.zeros(steps * parts * LINE, np.int32)
-    done = np.zeros(steps * items, np.int32)
-    z, c = z.reshape(steps + 1, panels, -1), c.reshape(steps + 1, panels, -1)
-    return plan.wu, plan.bu, z, c, claims, done
+    panels = -(-batch // 8)
+    floats = (steps + 1) * panels * (size + 2 * units) * 8
+    ints = (steps + 2) * parts * LINE + 2 * steps + steps * (units // U) * -(-panels // 2)
+    return floats, ints
 
 
 def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan):
@@ -263,22 +324,14 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
     for name, a in (("h0", h0), ("c0", c0)):
         if np.shape(a) != (batch, hidden):
             raise ValueError(f"{name} must be [{batch}, {hidden}], got {list(np.shape(a))}")
+    if batch > 1:
+        return _sequence_batch(x, h0, c0, plan)
     # Row 0 is the initial state; columns past H are the last block's padding.
     hs = np.empty((steps + 1, batch, blocks * U), np.float32)
     cs = np.empty_like(hs)
     hs[0, :, hidden:] = cs[0, :, hidden:] = 0
     hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
-    if steps > 0 and batch > 1:
-        items = blocks * -(-batch // 16)
-        macs = batch * 4 * hidden * (plan.input_size + hidden)
-        parts = min(numba.get_num_threads(), items)
-        parts = 1 if macs < SERIAL_MACS_PER_STEP else parts
-        w, bias, z, c, claims, done = _buffers_cols(x, hs, cs, plan, parts)
-        if parts == 1:
-            _call(_run_cols, 0, 1, w, bias, z, c, hs, cs, claims, done)
-        else:
-            _call(_sequence_cols, parts, w, bias, z, c, hs, cs, claims, done)
-    elif steps > 0 and batch == 1:
+    if steps > 0:
         macs = 4 * hidden * (plan.input_size + hidden)
         parts = min(numba.get_num_threads(), blocks)
         parts = 1 if macs < SERIAL_MACS_PER_STEP else parts
@@ -291,6 +344,21 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
     if blocks * U != hidden:
         return np.ascontiguousarray(hs[1:, :, :hidden]), np.ascontiguousarray(cs[1:, :, :hidden])
     return hs[1:], cs[1:]
+
+
+def _sequence_batch(x, h0, c0, plan):
+    """lstm_sequence for batch > 1: one call into Numba packs, runs and writes the outputs,
+    [T, B, H] like ONNX (one allocation for both)."""
+    steps, batch = x.shape[:2]
+    h0, c0 = (np.ascontiguousarray(a, np.float32) for a in (h0, c0))
+    out = np.empty((2, steps, batch, plan.hidden), np.float32)
+    if steps > 0:
+        units = plan.bu.shape[0]
+        floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
+        macs = batch * 4 * plan.hidden * (plan.input_size + plan.hidden)
+        threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
+        _call(_sequence_cols, x, h0, c0, plan.wu, plan.bu, floats, ints, out, threads)
+    return out[0], out[1]
 
 
 def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):
