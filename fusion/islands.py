@@ -230,14 +230,19 @@ class IslandStep:
                 self.session = self._build(types)
         return self._run
 
-    def __call__(self, values: dict) -> None:
+    def __call__(self, values: dict, keep_all: bool = True) -> None:
         run = self._run or self._build_from(values)
         results = run(self.outputs, {name: values[name] for name in self.inputs}, None)
         values.update(zip(self.outputs, results, strict=True))
 
 
 class KernelStep:
-    """Calls one fused node's kernel; absent optional inputs are passed as None."""
+    """Calls one fused node's kernel; absent optional inputs are passed as None.
+
+    A kernel returns a sequence of outputs, a tuple or any Sequence. `live` (set by the session)
+    lists the positions that later steps read: a run stores only those, unless it keeps every
+    value, so a kernel whose outputs are views made on demand makes only those (an unrolled
+    LSTM's fused node has an output per step, and a run reads three of them)."""
 
     kind = "kernel"
 
@@ -245,13 +250,17 @@ class KernelStep:
         self.name, self.node = kernel.name, kernel.node
         self.inputs, self.outputs = kernel.inputs, kernel.outputs
         self.kernel = run
+        self.live: tuple[int, ...] | None = None  # None: every output
 
-    def __call__(self, values: dict) -> None:
+    def __call__(self, values: dict, keep_all: bool = True) -> None:
         results = self.kernel(*[values[name] if name else None for name in self.inputs])
-        try:
-            values.update(zip(self.outputs, results, strict=True))
-        except ValueError:
+        if len(results) != len(self.outputs):
             raise ValueError(
                 f"the kernel of {self.name} returned {len(results)} outputs; "
                 f"the node has {len(self.outputs)}"
-            ) from None
+            )
+        if keep_all or self.live is None:
+            values.update(zip(self.outputs, results, strict=True))
+        else:
+            for i in self.live:
+                values[self.outputs[i]] = results[i]

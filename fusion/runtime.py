@@ -137,6 +137,11 @@ class Session:
             self.steps.append(KernelStep(p, _serialized(self._make_kernel(p.node), lock)))
         self._uses_numba = bool(kernels)
         self._release = _last_uses(self.steps, set(self._output_names))
+        for i, step in enumerate(self.steps):
+            if isinstance(step, KernelStep):  # outputs nobody reads are not even stored
+                dead = set(self._release[i]).intersection(step.outputs)
+                step.live = tuple(k for k, n in enumerate(step.outputs) if n and n not in dead)
+                self._release[i] = tuple(n for n in self._release[i] if n not in dead)
 
     # ---- building ----------------------------------------------------------------------------
     def _has_kernel(self, node: onnx.NodeProto) -> bool:
@@ -223,10 +228,10 @@ class Session:
             _apply_threads(self.threads)  # Numba's thread count is per calling thread
         for step, release in zip(self.steps, self._release, strict=True):
             if times is None:
-                step(values)
+                step(values, keep_all)
             else:
                 start = time.perf_counter()
-                step(values)
+                step(values, keep_all)
                 times.append(time.perf_counter() - start)
             if not keep_all:
                 for name in release:  # an activation is freed after its last reader

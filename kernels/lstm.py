@@ -159,10 +159,42 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
             _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, tiles)
 
 
+@numba.jit(**JIT_GEMM)
+def _start_row(x, h0, c0, floats, ints, hs, cs, parts):
+    """Batch 1: hs[0], cs[0] = h0, c0 (zero past H), and _run's scratch from the workspace:
+    x as [I, 4]-row panels xp [ceil(T / 4), I * 4] (zero rows past T), gx [blocks, T, W], and
+    the claim counters and done flags, zeroed."""
+    steps, size, hidden = x.shape[0], x.shape[2], h0.shape[1]
+    blocks = hs.shape[2] // U
+    for k in range(hs.shape[2]):
+        hs[0, 0, k] = h0[0, k] if k < hidden else 0
+        cs[0, 0, k] = c0[0, k] if k < hidden else 0
+    groups = (steps + MR - 1) // MR
+    xp = floats[: groups * size * MR].reshape((groups, size * MR))
+    for g in range(groups):
+        for k in range(size):
+            for r in range(MR):
+                xp[g, MR * k + r] = x[MR * g + r, 0, k] if MR * g + r < steps else 0
+    n_xp, n_gx = groups * size * MR, blocks * steps * W
+    gx = floats[n_xp : n_xp + n_gx].reshape((blocks, steps, W))
+    n_claims, n_done = (steps + 1) * parts * LINE, blocks * (1 + steps)
+    for i in range(n_claims + n_done):
+        ints[i] = 0
+    return xp, gx, ints[:n_claims], ints[n_claims : n_claims + n_done]
+
+
 @numba.jit(**PARALLEL)
-def _sequence(parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
-    for p in prange(parts):
-        _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done)
+def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads):
+    """Batch 1, all in one call from Python (as _sequence_cols): out[0], out[1] are hs, cs
+    [T + 1, 1, Hp] with row 0 the initial state."""
+    parts = min(threads, wh.shape[0])
+    hs, cs = out[0], out[1]
+    xp, gx, claims, done = _start_row(x, h0, c0, floats, ints, hs, cs, parts)
+    if parts == 1:
+        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, claims, done)
+    else:
+        for p in prange(parts):
+            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done)
 
 
 @numba.jit(**JIT_GEMM)
@@ -274,16 +306,6 @@ def _call(fn, *args):
         return fn(*args)
 
 
-def _buffers(x, plan, parts):
-    """Arguments of _run / _sequence (batch 1) for x [T, 1, I]."""
-    steps, blocks = x.shape[0], plan.wh.shape[0]
-    xp = _row_panels(x.reshape(steps, x.shape[2]))
-    gx = np.empty((blocks, steps, W), np.float32)
-    claims = np.zeros((steps + 1) * parts * LINE, np.int32)
-    done = np.zeros(blocks * (1 + steps), np.int32)
-    return xp, plan.wx, plan.wh, plan.bias, gx, claims, done
-
-
 _WORKSPACE = threading.local()  # .floats, .ints: one thread's scratch, reused between calls
 WORKSPACE_MAX = 32 << 20  # bytes; larger scratch is allocated per call
 
@@ -302,8 +324,12 @@ def _workspace(n_floats, n_ints):
 
 
 def _workspace_size(x, units, parts):
-    """(floats, ints) that _carve takes for x [T, B, I] on `parts` threads."""
+    """(floats, ints) that _carve (batch > 1) or _start_row (batch 1) takes for x [T, B, I]
+    on `parts` threads."""
     steps, batch, size = x.shape
+    if batch == 1:
+        floats = -(-steps // MR) * size * MR + (units // U) * steps * W
+        return floats, (steps + 1) * parts * LINE + (units // U) * (1 + steps)
     panels = -(-batch // 8)
     floats = (steps + 1) * panels * (size + 2 * units) * 8
     ints = (steps + 2) * parts * LINE + 2 * steps + steps * (units // U) * -(-panels // 2)
@@ -324,33 +350,25 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
     for name, a in (("h0", h0), ("c0", c0)):
         if np.shape(a) != (batch, hidden):
             raise ValueError(f"{name} must be [{batch}, {hidden}], got {list(np.shape(a))}")
+    h0, c0 = (np.ascontiguousarray(a, np.float32) for a in (h0, c0))
     if batch > 1:
         return _sequence_batch(x, h0, c0, plan)
-    # Row 0 is the initial state; columns past H are the last block's padding.
-    hs = np.empty((steps + 1, batch, blocks * U), np.float32)
-    cs = np.empty_like(hs)
-    hs[0, :, hidden:] = cs[0, :, hidden:] = 0
-    hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
+    units = blocks * U
+    out = np.empty((2, steps + 1, 1, units), np.float32)  # row 0: the initial state
     if steps > 0:
         macs = 4 * hidden * (plan.input_size + hidden)
-        parts = min(numba.get_num_threads(), blocks)
-        parts = 1 if macs < SERIAL_MACS_PER_STEP else parts
-        xp, wx, wh, bias, gx, claims, done = _buffers(x, plan, parts)
-        args = (xp, wx, wh, bias, gx, hs, cs, claims, done)
-        if parts == 1:
-            _call(_run, 0, 1, *args)
-        else:
-            _call(_sequence, parts, *args)
-    if blocks * U != hidden:
-        return np.ascontiguousarray(hs[1:, :, :hidden]), np.ascontiguousarray(cs[1:, :, :hidden])
-    return hs[1:], cs[1:]
+        threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
+        floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
+        _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads)
+    if units != hidden:
+        return tuple(np.ascontiguousarray(a[1:, :, :hidden]) for a in out)
+    return out[0, 1:], out[1, 1:]
 
 
 def _sequence_batch(x, h0, c0, plan):
     """lstm_sequence for batch > 1: one call into Numba packs, runs and writes the outputs,
     [T, B, H] like ONNX (one allocation for both)."""
     steps, batch = x.shape[:2]
-    h0, c0 = (np.ascontiguousarray(a, np.float32) for a in (h0, c0))
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
     if steps > 0:
         units = plan.bu.shape[0]

@@ -13,6 +13,8 @@ length, which a pattern cannot state, so this rule has a finder anchored on LSTM
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx
 
@@ -140,9 +142,29 @@ def make_kernel(attrs: dict, constants: list):
     def run(*inputs):
         x = inputs[0] if folded else np.stack(inputs[:steps])
         hs, cs = lstm_sequence(x, inputs[n_x], inputs[n_x + 1], plan)
-        return (hs, *hs, *cs) if folded else (*hs, *cs)
+        return StepOutputs(hs, cs, stacked=bool(folded))
 
     return run
+
+
+class StepOutputs(Sequence):
+    """The node's outputs, (Y,) h_1 .. h_T, c_1 .. c_T, as views of hs and cs made when asked
+    for: a session reads only those a later step uses (often Y, h_T and c_T of 2 T + 1)."""
+
+    def __init__(self, hs: np.ndarray, cs: np.ndarray, stacked: bool):
+        self.hs, self.cs, self.first, self.steps = hs, cs, int(stacked), len(hs)
+        self.size = self.first + 2 * self.steps
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not -self.size <= i < self.size:
+            raise IndexError(i)
+        i = i % self.size - self.first
+        if i < 0:
+            return self.hs
+        return self.hs[i] if i < self.steps else self.cs[i - self.steps]
 
 
 RULE = Rule(

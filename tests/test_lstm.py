@@ -212,23 +212,20 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
 def _late_thread_run(kernel, x, h0, c0, plan):
     """Run part 1 of 2 alone after part 0 claimed the first item of every stage."""
     steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
-    if batch == 1:
-        hs = np.zeros((steps + 1, batch, plan.wh.shape[0] * kernel.U), np.float32)
-        cs = np.zeros_like(hs)
-        hs[0, :, :hidden], cs[0, :, :hidden] = h0, c0
-        xp, wx, wh, bias, gx, claims, done = kernel._buffers(x, plan, parts=2)
-        claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
-        kernel._call(kernel._run, 1, 2, xp, wx, wh, bias, gx, hs, cs, claims, done)
-        assert done.all()
-        return hs[1:, :, :hidden], cs[1:, :, :hidden]
-    units = plan.bu.shape[0]
+    units = plan.wh.shape[0] * kernel.U
     n_floats, n_ints = kernel._workspace_size(x, units, 2)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
+    if batch == 1:
+        hs, cs = np.zeros((2, steps + 1, 1, units), np.float32)
+        xp, gx, claims, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs, 2)
+        claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
+        kernel._call(kernel._run, 1, 2, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, claims, done)
+        assert done.all()
+        return hs[1:, :, :hidden], cs[1:, :, :hidden]
     z, c, claims, done = kernel._call(kernel._carve, x, units, floats, ints, 2)
     claims[:: 2 * kernel.LINE] = 1  # the packing and output stages too
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    args = (x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, claims, done)
-    kernel._call(kernel._run_cols, 1, 2, *args)
+    kernel._call(kernel._run_cols, 1, 2, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, claims, done)
     assert done.all()
     return hs, cs
 

@@ -50,6 +50,24 @@ def test_sequence_matches_onnxruntime(steps, batch, size, hidden):
     assert [s.kind for s in session.steps] == ["kernel"]
 
 
+def test_a_run_stores_only_the_outputs_it_reads():
+    """The fused node has an output per step (Y, h_1 .. h_T, c_1 .. c_T); a run stores the
+    three the graph returns, run_with_intermediates all of them, equal to onnxruntime's."""
+    steps, batch, size, hidden = 4, 3, 5, 7
+    model = unrolled_lstm(LSTMWeights.random(size, hidden, seed=3), steps, batch)
+    session = Session(model, threads=2, catalog=CATALOG)
+    (step,) = session.steps
+    assert len(step.outputs) == 2 * steps + 1
+    assert sorted(step.outputs[i] for i in step.live) == ["Y", "c_n", "h_n"]
+    feeds = seq_feeds(steps, batch, size, hidden)
+    every = session.run_with_intermediates(feeds)
+    assert all(name in every for name in step.outputs)
+    want = dict(zip([o.name for o in model.graph.output], run_ort(model, feeds), strict=True))
+    np.testing.assert_allclose(every[step.outputs[steps]], want["h_n"], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(every[step.outputs[1]], want["Y"][0], rtol=0, atol=ATOL)
+    assert_close(session.run(None, feeds), run_ort(model, feeds))
+
+
 def test_gather_used_elsewhere_stays_outside_in_one_island():
     steps, batch, size, hidden = 3, 2, 4, 6
     model = unrolled_lstm(LSTMWeights.random(size, hidden), steps, batch)
