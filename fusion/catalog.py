@@ -9,7 +9,8 @@ A `Rule` pairs a pattern with the fused node it becomes and the kernel that runs
 that did not match becomes an absent input). `outputs` names the captures that become its
 outputs (default: the value the pattern's root matches). `kernel(attrs, constants)` is called
 once per fused node when a session is built, with the node's attributes and, per input, its
-constant value (or None), and returns a function `run(*inputs) -> tuple of arrays`.
+constant value (or None), and returns a function `run(*inputs) -> tuple of arrays` (or any
+sequence of arrays: a session reads only the outputs later steps use, see KernelStep).
 """
 
 from __future__ import annotations

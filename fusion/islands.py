@@ -18,7 +18,7 @@ their values as initializers and kernels as precomputed inputs, never recomputed
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -254,6 +254,8 @@ class KernelStep:
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         results = self.kernel(*[values[name] if name else None for name in self.inputs])
+        if not isinstance(results, Sequence):
+            results = tuple(results)  # a generator, say
         if len(results) != len(self.outputs):
             raise ValueError(
                 f"the kernel of {self.name} returned {len(results)} outputs; "

@@ -6,8 +6,8 @@ c0 and the weights; its outputs every step's h, then every step's c (so no inter
 can escape). When the steps' x are Gather(X, t, axis=0) and the h's are stacked by Unsqueeze +
 Concat (PyTorch's `x[t]` and `torch.stack`), those fold in too: the node reads X and writes Y
 first, so a session runs the whole layer as one kernel call with no onnxruntime island around
-it; otherwise they stay outside (one island before, one after). The kernel runs the input
-projection of all steps as one GEMM and the recurrence in one Numba call. A chain has any
+it; otherwise they stay outside (one island before, one after). The kernel runs the whole
+sequence in one Numba call (kernels/lstm.py). A chain has any
 length, which a pattern cannot state, so this rule has a finder anchored on LSTMCell, stage 1.
 """
 
@@ -47,7 +47,10 @@ def _differs(view: GraphView, a: onnx.NodeProto, b: onnx.NodeProto) -> str | Non
 
 
 def _next_cell(view: GraphView, index: int) -> int | None:
-    """The cell that reads this cell's h' and c' as its h and c, if exactly one does."""
+    """The cell that reads this cell's h' and c' as its h and c, if exactly one does (None
+    when node `index` is no cell: the head's h may come from any node)."""
+    if not _is_cell(view.nodes[index]):
+        return None
     h_out, c_out = view.nodes[index].output[:2]
     users = [
         j

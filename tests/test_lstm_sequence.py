@@ -60,6 +60,8 @@ def test_a_run_stores_only_the_outputs_it_reads():
     assert len(step.outputs) == 2 * steps + 1
     assert sorted(step.outputs[i] for i in step.live) == ["Y", "c_n", "h_n"]
     feeds = seq_feeds(steps, batch, size, hidden)
+    stored = session._execute(feeds, None, keep_all=False)
+    assert [n for n in step.outputs if n in stored] == [step.outputs[i] for i in step.live]
     every = session.run_with_intermediates(feeds)
     assert all(name in every for name in step.outputs)
     want = dict(zip([o.name for o in model.graph.output], run_ort(model, feeds), strict=True))
@@ -98,6 +100,23 @@ def test_sequence_forms(cell):
     session = Session(model, threads=2, catalog=CATALOG)
     assert fused_ops(session.model) == ["LSTMSequence"]
     feeds = seq_feeds(steps, batch, size, hidden)
+    assert_close(session.run(None, feeds), run_ort(model, feeds))
+
+
+def test_initial_state_from_another_node_and_an_h_read_outside():
+    """h0 computed by a one-output node (Tanh) in front of the first cell, and one step's h
+    also a graph output: the chain finder must not take the Tanh for a cell (it crashed)."""
+    steps, batch, size, hidden = 4, 2, 5, 6
+    model = unrolled_lstm(LSTMWeights.random(size, hidden, seed=2), steps, batch)
+    graph = model.graph
+    graph.input[1].name = "h0_raw"
+    graph.node.insert(0, onnx.helper.make_node("Tanh", ["h0_raw"], ["h0"]))
+    mid = next(n for n in graph.node if n.op_type == "Unsqueeze").input[0]  # step 1's h
+    graph.output.append(onnx.helper.make_tensor_value_info(mid, 1, None))
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert "LSTMSequence" in fused_ops(session.model)
+    feeds = seq_feeds(steps, batch, size, hidden)
+    feeds["h0_raw"] = feeds.pop("h0")
     assert_close(session.run(None, feeds), run_ort(model, feeds))
 
 
