@@ -105,7 +105,9 @@ def sgemm_warm(a_shape, b_shape):
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     env["OPENBLAS_NUM_THREADS"] = str(THREADS)
     code = WARM_SGEMM.format(a=tuple(a_shape), b=tuple(b_shape))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     return float(out.stdout.strip())
 
 

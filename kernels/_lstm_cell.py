@@ -209,18 +209,20 @@ def _cell_cols(gi, gf, gg, go, c):
 
 
 @numba.jit(**JIT_GEMM)
-def step_cols(t, b, pair, w, bias, z, c):
+def step_cols(t, b, pair, w, bias, z, c, hidden):
     """Units of block b at step t for batch panels 2 pair and 2 pair + 1 (if it exists).
 
     z[t, q] is the [K, 8] panel of batch columns 8q .. 8q + 7: x_t in rows < I, h_{t-1} below;
     c[t, q] is c_{t-1} as [Hp, 8]. Writes h_t into z[t + 1] and c_t into c[t + 1] (the outputs
-    are unpacked from there once all steps are done, see lstm._unpack_step).
+    are unpacked from there once all steps are done, see lstm._unpack_step). Units past
+    `hidden` (the last block's padding) are neither computed nor read: their zero weights
+    would turn an infinite input into NaN (0 * inf), and the NaN would spread to every unit.
     """
-    panels, k_len = z.shape[1], w.shape[1] // 4
-    i_len = k_len - c.shape[2] // 8
+    panels, i_len = z.shape[1], w.shape[1] // 4 - c.shape[2] // 8
+    k_len = i_len + hidden
     q0 = 2 * pair
     q1 = q0 + 1 if q0 + 1 < panels else q0
-    for u in range(U):
+    for u in range(min(U, hidden - b * U)):
         j = b * U + u
         a, bj = w[j], bias[j]
         h_at, c_at = 8 * (i_len + j), 8 * j

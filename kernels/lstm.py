@@ -14,10 +14,10 @@ projection is part of each step and the gate math runs on the tile (_lstm_cell.s
 Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
 batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), all in one call
 from Python. The panels live in a per-thread workspace reused between calls (_workspace).
-Scratch A/Bs at T = 16, B = 16, I = 128, H = 256: the kernel runs at 32-33 GFLOP/s per thread
-against a 40 GFLOP/s FMA peak per core (`python bench/fma_peak.py`), 2.0x from 1 to 2 threads;
-of the rest, the cell's activations take about 7%, and writing the outputs from each step's
-items instead of a last stage cost 2-4%.
+Scratch A/Bs at T = 16, B = 16, I = 128, H = 256, 2 threads: 61-64 GFLOP/s, about 31 per
+thread against a 40.2 GFLOP/s FMA peak per core with both cores busy (`python bench/fma_peak.py`;
+one thread alone runs at 32-37, its core's peak 46.7); the cell's activations take about 7%,
+and writing the outputs from each step's items instead of a last stage cost 2-4%.
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
 shared out in contiguous runs (thread p reads the same share of Wh every step: 512 KB of 1 MB
@@ -49,6 +49,11 @@ LINE = 16  # int32 per cache line: each run's claim counter has a line of its ow
 # finely, a guess. At T = 16, I = 128, H = 256, batch 1 (0.4M per step) two threads win:
 # fusion.Session medians of 60 rounds at load ~2.6, four repeats: 785-805 us vs 843-874 us.
 SERIAL_MACS_PER_STEP = 1 << 16
+# Batches up to this size run row by row through the batch-1 kernel: a row's step is bound by
+# reading the weights, and the column tile pads a small batch to 8 columns. Scratch run,
+# T = 16, I = 128, H = 256, 2 threads, us, tile vs rows: batch 2 2132 vs 824, 3 2089 vs 1127,
+# 4 2093 vs 1429, 5 2147 vs 1827, 6 2128 vs 2141, 8 2127 vs 2908.
+ROWS_MAX = 5
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,6 @@ def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
     padded[:, :, :hidden] = w.reshape(k, 4, hidden)
     panels = padded.reshape(k, 2, 2, blocks, U).transpose(3, 1, 0, 2, 4)  # block, panel, k, gate
     return np.ascontiguousarray(panels).reshape(blocks, 2, k * NR)
-
-
-def _row_panels(a: np.ndarray) -> np.ndarray:
-    """[R, K] -> [ceil(R / 4), K * 4]: 4 rows interleaved per k for the micro-kernel."""
-    rows, k = a.shape
-    padded = np.zeros((-(-rows // MR) * MR, k), np.float32)
-    padded[:rows] = a
-    return np.ascontiguousarray(padded.reshape(-1, MR, k).transpose(0, 2, 1)).reshape(-1, k * MR)
 
 
 def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None) -> LSTMPlan:
@@ -200,8 +197,7 @@ def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads):
 @numba.jit(**JIT_GEMM)
 def _pack_step(t, x, h0, c0, z, c):
     """Stage 0, item t: x_t into the x rows of z[t] as [I, 8] column panels (zero past the
-    batch); item 0 also packs h0 and c0 (zero past the batch and past H: padded units must
-    stay finite, their zero weights would turn a NaN into a NaN)."""
+    batch); item 0 also packs h0 and c0 (zero past the batch and past H)."""
     batch, size, hidden = x.shape[1], x.shape[2], h0.shape[1]
     units = c.shape[2] // 8
     for q in range(z.shape[1]):
@@ -225,7 +221,7 @@ def _pack_step(t, x, h0, c0, z, c):
 @numba.jit(**JIT_GEMM)
 def _unpack_step(t, z, c, hs, cs):
     """Last stage, item t: h_t and c_t from the panels z[t + 1], c[t + 1] into the rows of
-    hs[t], cs[t] (whole cache lines from one thread, written once)."""
+    hs[t], cs[t] (whole cache lines from one thread)."""
     batch, hidden = hs.shape[1], hs.shape[2]
     h_at = z.shape[2] - c.shape[2]
     for n in range(batch):
@@ -264,7 +260,7 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, claims, done):
             elif s == steps + 1:
                 _unpack_step(i, z, c, hs, cs)
             else:
-                step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c)
+                step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
             atomic_store(done, first + i, 1)
 
 
@@ -307,7 +303,7 @@ def _call(fn, *args):
 
 
 _WORKSPACE = threading.local()  # .floats, .ints: one thread's scratch, reused between calls
-WORKSPACE_MAX = 32 << 20  # bytes; larger scratch is allocated per call
+WORKSPACE_MAX = 16 << 20  # bytes kept per thread; larger scratch is allocated per call
 
 
 def _workspace(n_floats, n_ints):
@@ -342,19 +338,35 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
     >>> hs, cs = lstm_sequence(x, h0, c0, prepare_lstm(wx, wh, bias))
     >>> hs[-1], cs[-1]          # the final state; hs is ONNX LSTM's Y without the direction axis
     """
-    x = np.ascontiguousarray(x, np.float32)
+    # Writable too: Numba types read-only arrays (constants from the model) apart, and would
+    # compile the whole kernel a second time for them (seconds).
+    x = np.require(x, np.float32, ("C", "W"))
     if x.ndim != 3 or x.shape[2] != plan.input_size:
         raise ValueError(f"x must be [T, B, {plan.input_size}], got {list(x.shape)}")
     steps, batch = x.shape[:2]
-    hidden, blocks = plan.hidden, plan.wh.shape[0]
+    hidden = plan.hidden
     for name, a in (("h0", h0), ("c0", c0)):
         if np.shape(a) != (batch, hidden):
             raise ValueError(f"{name} must be [{batch}, {hidden}], got {list(np.shape(a))}")
-    h0, c0 = (np.ascontiguousarray(a, np.float32) for a in (h0, c0))
-    if batch > 1:
-        return _sequence_batch(x, h0, c0, plan)
-    units = blocks * U
-    out = np.empty((2, steps + 1, 1, units), np.float32)  # row 0: the initial state
+    h0, c0 = (np.require(a, np.float32, ("C", "W")) for a in (h0, c0))
+    if batch == 1:
+        return _sequence_row(x, h0, c0, plan)
+    if batch <= ROWS_MAX:  # row by row: see ROWS_MAX
+        out = np.empty((2, steps, batch, hidden), np.float32)
+        for r in range(batch):
+            xr = np.ascontiguousarray(x[:, r : r + 1])
+            out[0, :, r : r + 1], out[1, :, r : r + 1] = _sequence_row(
+                xr, h0[r : r + 1], c0[r : r + 1], plan
+            )
+        return out[0], out[1]
+    return _sequence_batch(x, h0, c0, plan)
+
+
+def _sequence_row(x, h0, c0, plan):
+    """lstm_sequence for batch 1: one call into Numba; hs, cs [T + 1, 1, Hp] with row 0 the
+    initial state, the outputs their rows from 1."""
+    steps, hidden, units = x.shape[0], plan.hidden, plan.wh.shape[0] * U
+    out = np.empty((2, steps + 1, 1, units), np.float32)
     if steps > 0:
         macs = 4 * hidden * (plan.input_size + hidden)
         threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
@@ -366,11 +378,11 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
 
 
 def _sequence_batch(x, h0, c0, plan):
-    """lstm_sequence for batch > 1: one call into Numba packs, runs and writes the outputs,
+    """lstm_sequence for batch != 1: one call into Numba packs, runs and writes the outputs,
     [T, B, H] like ONNX (one allocation for both)."""
     steps, batch = x.shape[:2]
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
-    if steps > 0:
+    if steps > 0 and batch > 0:
         units = plan.bu.shape[0]
         floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
         macs = batch * 4 * plan.hidden * (plan.input_size + plan.hidden)

@@ -170,6 +170,14 @@ def test_kernel_validates_shapes():
         lstm_sequence(np.zeros((1, 1, 3), np.float32), np.zeros((1, 2)), np.zeros((2, 2)), plan)
 
 
+@pytest.mark.parametrize("steps, batch", [(0, 1), (0, 3), (2, 0), (0, 0)])
+def test_empty_sequences_have_the_right_shapes(steps, batch):
+    plan = prepare_lstm(np.ones((3, 8), np.float32), np.ones((2, 8), np.float32))
+    x, h = np.ones((steps, batch, 3), np.float32), np.zeros((batch, 2), np.float32)
+    for out in lstm_sequence(x, h, h, plan):
+        assert out.shape == (steps, batch, 2) and out.dtype == np.float32
+
+
 # Kernel paths: batch 1 runs a GEMV per block, batch > 1 a 4 gates x 16 (or a last 8) batch
 # columns tile per unit (columns past the batch are zero-padded); one thread runs everything
 # in order, two share one parallel region whose threads claim items and finish any item still
@@ -185,6 +193,8 @@ def test_kernel_validates_shapes():
         (2, 3, 8, 512),
         (3, 24, 10, 20),
         (2, 33, 6, 9),
+        (1, 16, 24, 40),
+        (2, 8, 9, 16),
     ],
 )
 def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypatch):
@@ -198,6 +208,11 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
     x = rng.standard_normal((steps, batch, size)).astype(np.float32)
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+    # Scratch is reused between calls: poison it, so that reading stale scratch would show.
+    units = plan.wh.shape[0] * kernel.U
+    sizes = kernel._workspace_size(x, units, numba.config.NUMBA_NUM_THREADS)
+    floats, ints = kernel._workspace(*sizes)
+    floats[:], ints[:] = np.nan, 12345
     old = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
@@ -247,13 +262,90 @@ def test_a_late_thread_delays_nobody(batch):
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
 
-def test_kernel_keeps_nan():
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_an_infinite_input_stays_out_of_the_other_units(batch):
+    """hidden 7 pads the last block with a unit whose weights are zero: 0 * inf is NaN, which
+    must not reach the real units through the padded unit's h (it did, batch > 1)."""
+    w = LSTMWeights.random(5, 7, seed=11)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, batch, 5)).astype(np.float32)
+    x[0, 0, 1] = np.inf
+    h0 = c0 = np.zeros((batch, 7), np.float32)
+    got = lstm_sequence(x, h0, c0, prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = naive_lstm(x, h0, c0, w)
+    for g, ref in zip(got, want, strict=True):
+        assert np.isfinite(ref).all()
+        np.testing.assert_allclose(g, ref, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_read_only_inputs_reuse_the_compiled_kernel(batch):
+    """Constant initial states are read-only arrays; Numba would compile the kernel again
+    for them (seconds), so they are passed on as writable copies."""
+    from kernels import lstm as kernel
+
+    w = LSTMWeights.random(4, 6, seed=2)
+    x = np.ones((2, batch, 4), np.float32)
+    h = np.zeros((batch, 6), np.float32)
+    for a in (x, h):
+        a.setflags(write=False)
+    lstm_sequence(x, h, h, prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb))
+    for fn in (kernel._sequence, kernel._sequence_cols):
+        assert not any(getattr(t, "readonly", False) for sig in fn.signatures for t in sig)
+
+
+def test_workspace_sizes_cover_the_scratch():
+    """_workspace_size (Python) and _carve / _start_row (Numba) count the same scratch."""
+    from kernels import lstm as kernel
+
+    for steps, batch, size, hidden, parts in [(3, 1, 5, 7, 2), (1, 2, 3, 8, 1), (4, 17, 6, 20, 2)]:
+        w = LSTMWeights.random(size, hidden, seed=1)
+        plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+        x = np.ones((steps, batch, size), np.float32)
+        h = np.zeros((batch, hidden), np.float32)
+        units = plan.wh.shape[0] * kernel.U
+        n_floats, n_ints = kernel._workspace_size(x, units, parts)
+        floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
+        if batch == 1:
+            hs, cs = np.empty((2, steps + 1, 1, units), np.float32)
+            args = (x, h, h, floats, ints, hs, cs, parts)
+            xp, gx, claims, done = kernel._call(kernel._start_row, *args)
+            used = xp.size + gx.size
+        else:
+            z, c, claims, done = kernel._call(kernel._carve, x, units, floats, ints, parts)
+            used = z.size + c.size
+        assert used <= n_floats and claims.size + done.size <= n_ints
+        assert claims.size == (steps + 1 + (batch > 1)) * parts * kernel.LINE
+
+
+@pytest.mark.parametrize("batch", [3, 9])  # row by row, column tile
+def test_kernel_keeps_nan(batch):
     """A NaN in one batch row stays NaN in that row's outputs (the gate math clamps with
     compares, not min/max) and does not leak into the other rows."""
     w = LSTMWeights.random(6, 16, seed=9)
-    x = np.ones((2, 3, 6), np.float32)
+    x = np.ones((2, batch, 6), np.float32)
     x[0, 1, 2] = np.nan
-    h0 = c0 = np.zeros((3, 16), np.float32)
+    h0 = c0 = np.zeros((batch, 16), np.float32)
     hs, cs = lstm_sequence(x, h0, c0, prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb))
+    others = [r for r in range(batch) if r != 1]
     assert np.isnan(hs[:, 1]).all() and np.isnan(cs[:, 1]).all()
-    assert np.isfinite(hs[:, [0, 2]]).all() and np.isfinite(cs[:, [0, 2]]).all()
+    assert np.isfinite(hs[:, others]).all() and np.isfinite(cs[:, others]).all()
+
+
+@pytest.mark.parametrize("batch", [2, 3, 5])
+def test_small_batches_row_by_row_and_tiled(batch, monkeypatch):
+    """Batches up to ROWS_MAX run row by row; the column tile (forced here) gives the same."""
+    from kernels import lstm as kernel
+
+    w = LSTMWeights.random(9, 13, seed=batch)
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((3, batch, 9)).astype(np.float32)
+    h0, c0 = (rng.standard_normal((batch, 13)).astype(np.float32) for _ in range(2))
+    plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
+    want = naive_lstm(x, h0, c0, w)
+    for rows_max in (kernel.ROWS_MAX, 0):
+        monkeypatch.setattr(kernel, "ROWS_MAX", rows_max)
+        for got, ref in zip(lstm_sequence(x, h0, c0, plan), want, strict=True):
+            assert got.flags.c_contiguous and got.shape == (3, batch, 13)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL)
