@@ -291,7 +291,7 @@ def _load_npy(path):
 def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
     """Standard normal floats, small non-negative ints (safe as indices), random booleans."""
     rng = np.random.default_rng(seed)
-    feeds = {}
+    feeds, named = {}, dict(dims)  # a symbolic dim gets one size in every input that names it
     for name in view.graph_inputs:
         vt = view.type_of(name)
         if vt is None or not vt.elem_type or vt.shape is None:
@@ -300,8 +300,8 @@ def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[s
         for axis, d in enumerate(vt.shape):
             if isinstance(d, int) and d > 0:
                 shape.append(d)
-            elif isinstance(d, str) and d in dims:
-                shape.append(dims[d])
+            elif isinstance(d, str) and d:
+                shape.append(named.setdefault(d, BATCH_DIM if axis == 0 else OTHER_DIM))
             else:
                 shape.append(BATCH_DIM if axis == 0 else OTHER_DIM)
         dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)

@@ -123,6 +123,18 @@ def test_random_inputs_fill_symbolic_dims():
     assert report.ok and report.outputs[0].shape == (1, 5)
 
 
+def test_random_inputs_give_a_named_dim_one_size():
+    """X [T, N, I] and h0 [N, H]: N is axis 1 of one and axis 0 of the other, one size."""
+    import fusion
+    from fusion.lstm_models import LSTMWeights, unrolled_lstm
+
+    model = unrolled_lstm(LSTMWeights.random(4, 6, seed=1), steps=3, batch="N")
+    result = fusion.rewrite(model, fusion.default_catalog())
+    report = verify(model, result.model, catalog=fusion.default_catalog())
+    assert report.ok
+    assert report.outputs[0].shape[1] == report.outputs[1].shape[0]  # Y [T, N, H], h_n [N, H]
+
+
 def test_check_node_for_the_rewriters_rollback():
     model = fused(second_shift=0.5)
     x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(4, 3)
