@@ -1,9 +1,10 @@
 """Serial inner kernels of the LSTM: one work item of the input projection or of one step.
 
-Batch 1: a block is 8 hidden units; its weights are two packed panels [K, 16]: panel 0 holds
-gates i and f of the 8 units, panel 1 gates g and o. The input projection of all T steps runs
-the 4x16 micro-kernel of _gemm.py over them (4 time steps x 16 columns in registers); each
-step (memory-bound) is a GEMV over the same panels. Batch > 1: step_cols (below).
+Row by row (small batches): a block is 8 hidden units; its weights are two packed panels
+[K, 16]: panel 0 holds gates i and f of the 8 units, panel 1 gates g and o. The input
+projection of all T B rows runs the 4x16 micro-kernel of _gemm.py over them (4 rows x 16
+columns in registers); each step (memory-bound) is a GEMV per row over the same panels.
+Larger batches: step_cols (below).
 
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
 
@@ -130,16 +131,20 @@ def project(xp, w, bias, rows, gx, tiles):
 
 @numba.jit(**INLINE_GEMM)
 def step(t, b, w, gx, hs, cs, acc):
-    """Units of block b of the one batch row at step t, from hs[t] (rows are [T + 1, 1, Hp]
-    with row 0 the initial state); acc is [W] scratch for the gate pre-activations.
+    """Units of block b at step t for each of the R batch rows, from hs[t] (hs, cs are
+    [T + 1, R, Hp] with row 0 the initial state; gx row t R + r is row r's projected input);
+    acc is [W] scratch for the gate pre-activations. The block's weights (32 KB at H = 256)
+    come from L3 for the first row and from L1/L2 for the others.
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
     per array argument (measured batch 1, one thread: 800 -> 703 us for T = 16). Its helpers
     stay calls: Numba inlines by copying IR, and nesting cell8's copies made compiles explode.
     Batch > 1 runs step_cols (below).
     """
-    j0 = b * U
-    gemv(hs[t, 0], w[0], w[1], w.shape[1] // NR, acc)
-    cell8(acc[:NR], acc[NR:W], gx[t], cs[t, 0, j0:], hs[t + 1, 0, j0:], cs[t + 1, 0, j0:])
+    j0, rows = b * U, hs.shape[1]
+    for r in range(rows):
+        gemv(hs[t, r], w[0], w[1], w.shape[1] // NR, acc)
+        cell8(acc[:NR], acc[NR:W], gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:],
+              cs[t + 1, r, j0:])  # fmt: skip
 
 
 # Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.

@@ -3,12 +3,13 @@
     G_t = x_t Wx + h_{t-1} Wh + b          [B, 4H]
     c_t = sig(G_f) * c_{t-1} + sig(G_i) * tanh(G_g),   h_t = sig(G_o) * tanh(c_t)
 
-Batch 1 (a GEMV per step, memory-bound): hidden units in blocks of U = 8; a block's weights
-are two [K, 16] panels (i f | g o, see _lstm_cell), so a block's 8 units need nothing from
-other blocks. Work is cut into items: stage 0 projects the input of all T steps for one block
-(one blocked GEMM over T rows); stage t + 1 runs step t for one block.
+Row by row, batch up to ROWS_MAX (a GEMV per row and step, memory-bound): hidden units in
+blocks of U = 8; a block's weights are two [K, 16] panels (i f | g o, see _lstm_cell), so a
+block's 8 units need nothing from other blocks. Work is cut into items: stage 0 projects the
+input of all T B rows for one block (one blocked GEMM); stage t + 1 runs step t of every row
+for one block.
 
-Batch > 1 (a GEMM per step): turned around, one unit's four gates x 16 batch columns are one
+Larger batches (a GEMM per step): turned around, one unit's four gates x 16 batch columns are one
 register tile over K = I + H ([x_t; h_{t-1}] packed as [K, 8] column panels), so the input
 projection is part of each step and the gate math runs on the tile (_lstm_cell.step_cols).
 Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
@@ -49,11 +50,12 @@ LINE = 16  # int32 per cache line: each run's claim counter has a line of its ow
 # finely, a guess. At T = 16, I = 128, H = 256, batch 1 (0.4M per step) two threads win:
 # fusion.Session medians of 60 rounds at load ~2.6, four repeats: 785-805 us vs 843-874 us.
 SERIAL_MACS_PER_STEP = 1 << 16
-# Batches up to this size run row by row through the batch-1 kernel: a row's step is bound by
-# reading the weights, and the column tile pads a small batch to 8 columns. Scratch run,
-# T = 16, I = 128, H = 256, 2 threads, us, tile vs rows: batch 2 2132 vs 824, 3 2089 vs 1127,
-# 4 2093 vs 1429, 5 2147 vs 1827, 6 2128 vs 2141, 8 2127 vs 2908.
-ROWS_MAX = 5
+# Batches up to this size run row by row: each step's GEMV reads a block's weights from L3
+# once and again from L1/L2 for the other rows, where the column tile pads the batch to a
+# multiple of 8 columns. Scratch runs, T = 16, I = 128, H = 256, 2 threads, us, rows vs tile
+# (interleaved): batch 2 577 vs 3458, 4 1017 vs 3485, 6 1592 vs 2157, 8 2061 vs 2190,
+# 10 2554 vs 3323, 12 3087 vs 3359, 16 3919 vs 3331.
+ROWS_MAX = 12
 
 
 @dataclass(frozen=True)
@@ -158,22 +160,25 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
 
 @numba.jit(**JIT_GEMM)
 def _start_row(x, h0, c0, floats, ints, hs, cs, parts):
-    """Batch 1: hs[0], cs[0] = h0, c0 (zero past H), and _run's scratch from the workspace:
-    x as [I, 4]-row panels xp [ceil(T / 4), I * 4] (zero rows past T), gx [blocks, T, W], and
-    the claim counters and done flags, zeroed."""
-    steps, size, hidden = x.shape[0], x.shape[2], h0.shape[1]
-    blocks = hs.shape[2] // U
-    for k in range(hs.shape[2]):
-        hs[0, 0, k] = h0[0, k] if k < hidden else 0
-        cs[0, 0, k] = c0[0, k] if k < hidden else 0
-    groups = (steps + MR - 1) // MR
+    """Row by row (batch B <= ROWS_MAX): hs[0], cs[0] = h0, c0 (zero past H), and _run's
+    scratch from the workspace: x's T B rows (row t B + r is x[t, r]) as [I, 4]-row panels xp
+    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, W], and the claim counters
+    and done flags, zeroed."""
+    steps, batch, size, hidden = x.shape[0], x.shape[1], x.shape[2], h0.shape[1]
+    blocks, n_rows = hs.shape[2] // U, x.shape[0] * x.shape[1]
+    for r in range(batch):
+        for k in range(hs.shape[2]):
+            hs[0, r, k] = h0[r, k] if k < hidden else 0
+            cs[0, r, k] = c0[r, k] if k < hidden else 0
+    groups = (n_rows + MR - 1) // MR
     xp = floats[: groups * size * MR].reshape((groups, size * MR))
     for g in range(groups):
-        for k in range(size):
-            for r in range(MR):
-                xp[g, MR * k + r] = x[MR * g + r, 0, k] if MR * g + r < steps else 0
-    n_xp, n_gx = groups * size * MR, blocks * steps * W
-    gx = floats[n_xp : n_xp + n_gx].reshape((blocks, steps, W))
+        for m in range(MR):
+            n = MR * g + m
+            for k in range(size):
+                xp[g, MR * k + m] = x[n // batch, n % batch, k] if n < n_rows else 0
+    n_xp, n_gx = groups * size * MR, blocks * n_rows * W
+    gx = floats[n_xp : n_xp + n_gx].reshape((blocks, n_rows, W))
     n_claims, n_done = (steps + 1) * parts * LINE, blocks * (1 + steps)
     for i in range(n_claims + n_done):
         ints[i] = 0
@@ -182,8 +187,8 @@ def _start_row(x, h0, c0, floats, ints, hs, cs, parts):
 
 @numba.jit(**PARALLEL)
 def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads):
-    """Batch 1, all in one call from Python (as _sequence_cols): out[0], out[1] are hs, cs
-    [T + 1, 1, Hp] with row 0 the initial state."""
+    """Row by row, all in one call from Python (as _sequence_cols): out[0], out[1] are hs, cs
+    [T + 1, B, Hp] with row 0 the initial state."""
     parts = min(threads, wh.shape[0])
     hs, cs = out[0], out[1]
     xp, gx, claims, done = _start_row(x, h0, c0, floats, ints, hs, cs, parts)
@@ -320,11 +325,11 @@ def _workspace(n_floats, n_ints):
 
 
 def _workspace_size(x, units, parts):
-    """(floats, ints) that _carve (batch > 1) or _start_row (batch 1) takes for x [T, B, I]
+    """(floats, ints) that _carve (column tile) or _start_row (row by row) takes for x [T, B, I]
     on `parts` threads."""
     steps, batch, size = x.shape
-    if batch == 1:
-        floats = -(-steps // MR) * size * MR + (units // U) * steps * W
+    if batch <= ROWS_MAX:
+        floats = -(-steps * batch // MR) * size * MR + (units // U) * steps * batch * W
         return floats, (steps + 1) * parts * LINE + (units // U) * (1 + steps)
     panels = -(-batch // 8)
     floats = (steps + 1) * panels * (size + 2 * units) * 8
@@ -349,26 +354,18 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
         if np.shape(a) != (batch, hidden):
             raise ValueError(f"{name} must be [{batch}, {hidden}], got {list(np.shape(a))}")
     h0, c0 = (np.require(a, np.float32, ("C", "W")) for a in (h0, c0))
-    if batch == 1:
+    if 0 < batch <= ROWS_MAX:
         return _sequence_row(x, h0, c0, plan)
-    if batch <= ROWS_MAX:  # row by row: see ROWS_MAX
-        out = np.empty((2, steps, batch, hidden), np.float32)
-        for r in range(batch):
-            xr = np.ascontiguousarray(x[:, r : r + 1])
-            out[0, :, r : r + 1], out[1, :, r : r + 1] = _sequence_row(
-                xr, h0[r : r + 1], c0[r : r + 1], plan
-            )
-        return out[0], out[1]
     return _sequence_batch(x, h0, c0, plan)
 
 
 def _sequence_row(x, h0, c0, plan):
-    """lstm_sequence for batch 1: one call into Numba; hs, cs [T + 1, 1, Hp] with row 0 the
-    initial state, the outputs their rows from 1."""
-    steps, hidden, units = x.shape[0], plan.hidden, plan.wh.shape[0] * U
-    out = np.empty((2, steps + 1, 1, units), np.float32)
+    """lstm_sequence row by row (batch <= ROWS_MAX): one call into Numba; hs, cs
+    [T + 1, B, Hp] with row 0 the initial state, the outputs their rows from 1."""
+    steps, batch, hidden, units = x.shape[0], x.shape[1], plan.hidden, plan.wh.shape[0] * U
+    out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
-        macs = 4 * hidden * (plan.input_size + hidden)
+        macs = batch * 4 * hidden * (plan.input_size + hidden)
         threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
         floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
         _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads)

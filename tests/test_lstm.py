@@ -230,8 +230,8 @@ def _late_thread_run(kernel, x, h0, c0, plan):
     units = plan.wh.shape[0] * kernel.U
     n_floats, n_ints = kernel._workspace_size(x, units, 2)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
-    if batch == 1:
-        hs, cs = np.zeros((2, steps + 1, 1, units), np.float32)
+    if batch <= kernel.ROWS_MAX:
+        hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
         xp, gx, claims, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs, 2)
         claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
         kernel._call(kernel._run, 1, 2, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, claims, done)
@@ -245,7 +245,7 @@ def _late_thread_run(kernel, x, h0, c0, plan):
     return hs, cs
 
 
-@pytest.mark.parametrize("batch", [1, 6, 20])
+@pytest.mark.parametrize("batch", [1, 3, 6, 20])
 def test_a_late_thread_delays_nobody(batch):
     """Part 0 never runs, after claiming the first item of every stage: part 1 alone claims
     the rest of part 0's run and recomputes the claimed, unfinished items."""
@@ -262,7 +262,7 @@ def test_a_late_thread_delays_nobody(batch):
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 9])
+@pytest.mark.parametrize("batch", [1, 3, 17])
 def test_an_infinite_input_stays_out_of_the_other_units(batch):
     """hidden 7 pads the last block with a unit whose weights are zero: 0 * inf is NaN, which
     must not reach the real units through the padded unit's h (it did, batch > 1)."""
@@ -279,7 +279,7 @@ def test_an_infinite_input_stays_out_of_the_other_units(batch):
         np.testing.assert_allclose(g, ref, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 9])
+@pytest.mark.parametrize("batch", [1, 3, 17])
 def test_read_only_inputs_reuse_the_compiled_kernel(batch):
     """Constant initial states are read-only arrays; Numba would compile the kernel again
     for them (seconds), so they are passed on as writable copies."""
@@ -299,7 +299,7 @@ def test_workspace_sizes_cover_the_scratch():
     """_workspace_size (Python) and _carve / _start_row (Numba) count the same scratch."""
     from kernels import lstm as kernel
 
-    for steps, batch, size, hidden, parts in [(3, 1, 5, 7, 2), (1, 2, 3, 8, 1), (4, 17, 6, 20, 2)]:
+    for steps, batch, size, hidden, parts in [(3, 1, 5, 7, 2), (2, 3, 3, 8, 1), (4, 17, 6, 20, 2)]:
         w = LSTMWeights.random(size, hidden, seed=1)
         plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
         x = np.ones((steps, batch, size), np.float32)
@@ -307,8 +307,8 @@ def test_workspace_sizes_cover_the_scratch():
         units = plan.wh.shape[0] * kernel.U
         n_floats, n_ints = kernel._workspace_size(x, units, parts)
         floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
-        if batch == 1:
-            hs, cs = np.empty((2, steps + 1, 1, units), np.float32)
+        if batch <= kernel.ROWS_MAX:
+            hs, cs = np.empty((2, steps + 1, batch, units), np.float32)
             args = (x, h, h, floats, ints, hs, cs, parts)
             xp, gx, claims, done = kernel._call(kernel._start_row, *args)
             used = xp.size + gx.size
@@ -316,10 +316,10 @@ def test_workspace_sizes_cover_the_scratch():
             z, c, claims, done = kernel._call(kernel._carve, x, units, floats, ints, parts)
             used = z.size + c.size
         assert used <= n_floats and claims.size + done.size <= n_ints
-        assert claims.size == (steps + 1 + (batch > 1)) * parts * kernel.LINE
+        assert claims.size == (steps + 1 + (batch > kernel.ROWS_MAX)) * parts * kernel.LINE
 
 
-@pytest.mark.parametrize("batch", [3, 9])  # row by row, column tile
+@pytest.mark.parametrize("batch", [3, 17])  # row by row, column tile
 def test_kernel_keeps_nan(batch):
     """A NaN in one batch row stays NaN in that row's outputs (the gate math clamps with
     compares, not min/max) and does not leak into the other rows."""
