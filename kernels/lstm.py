@@ -17,7 +17,7 @@ batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), a
 from Python. The panels live in a per-thread workspace reused between calls (_workspace).
 Scratch A/Bs at T = 16, B = 16, I = 128, H = 256, 2 threads: 61-64 GFLOP/s, about 31 per
 thread against a 40.2 GFLOP/s FMA peak per core with both cores busy (`python bench/fma_peak.py`;
-one thread alone runs at 32-37, its core's peak 46.7); the cell's activations take about 7%,
+one thread alone runs at 32-37, its core's peak 40.3-46.7); the cell's activations take about 7%,
 and writing the outputs from each step's items instead of a last stage cost 2-4%.
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
@@ -362,12 +362,10 @@ def lstm_sequence(x: np.ndarray, h0: np.ndarray, c0: np.ndarray, plan: LSTMPlan)
 def _sequence_row(x, h0, c0, plan):
     """lstm_sequence row by row (batch <= ROWS_MAX): one call into Numba; hs, cs
     [T + 1, B, Hp] with row 0 the initial state, the outputs their rows from 1."""
-    steps, batch, hidden, units = x.shape[0], x.shape[1], plan.hidden, plan.wh.shape[0] * U
+    steps, batch, hidden, units = *x.shape[:2], plan.hidden, plan.wh.shape[0] * U
     out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
-        macs = batch * 4 * hidden * (plan.input_size + hidden)
-        threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
-        floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
+        floats, ints, threads = _setup(x, plan, units)
         _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads)
     if units != hidden:
         return tuple(np.ascontiguousarray(a[1:, :, :hidden]) for a in out)
@@ -375,17 +373,22 @@ def _sequence_row(x, h0, c0, plan):
 
 
 def _sequence_batch(x, h0, c0, plan):
-    """lstm_sequence for batch != 1: one call into Numba packs, runs and writes the outputs,
-    [T, B, H] like ONNX (one allocation for both)."""
+    """lstm_sequence with the column tile (batch above ROWS_MAX, or 0): one call into Numba
+    packs, runs and writes the outputs, [T, B, H] like ONNX (one allocation for both)."""
     steps, batch = x.shape[:2]
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
     if steps > 0 and batch > 0:
-        units = plan.bu.shape[0]
-        floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
-        macs = batch * 4 * plan.hidden * (plan.input_size + plan.hidden)
-        threads = 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
+        floats, ints, threads = _setup(x, plan, plan.bu.shape[0])
         _call(_sequence_cols, x, h0, c0, plan.wu, plan.bu, floats, ints, out, threads)
     return out[0], out[1]
+
+
+def _setup(x, plan, units):
+    """The calling thread's workspace for x (sized for the most threads Numba has) and the
+    threads to run on: one below SERIAL_MACS_PER_STEP."""
+    floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
+    macs = x.shape[1] * 4 * plan.hidden * (plan.input_size + plan.hidden)
+    return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
 
 
 def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):
