@@ -4,8 +4,8 @@ The LSTM recurrence needs threads to agree that step t is finished before step t
 once per step. A fork/join per step (one prange region per step) was measured at 40-90 us per
 step on this shared machine with OMP_WAIT_POLICY=PASSIVE, more than the step itself (~20 us);
 a spin barrier was ~1 us when both threads ran but a disaster when the other thread was
-descheduled (18 ms instead of 0.8 ms for T = 16). These atomics let threads claim work items and
-publish "item done" flags instead, so no thread ever waits for another (see lstm.py).
+descheduled (18 ms instead of 0.8 ms for T = 16). These atomics let threads publish and read
+"item done" flags instead, so no thread ever waits for another (see lstm.py).
 
 Each is an `@intrinsic`: the atomic instruction is emitted inline in the caller, nothing is
 called through a pointer, so functions using them still cache (cache=True).
@@ -19,23 +19,6 @@ def _pointer(context, builder, aryty, ary, idx):
     return cgutils.get_item_pointer(
         context, builder, aryty, context.make_array(aryty)(context, builder, ary), [idx]
     )
-
-
-@intrinsic
-def atomic_add(typingctx, arr, idx, val):
-    """old = arr[idx]; arr[idx] += val, atomically (acquire-release); returns old.
-
-    >>> i = atomic_add(counters, 0, 1)    # in a jitted function: claim the next item
-    """
-    sig = arr.dtype(arr, idx, val)
-
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ptr = _pointer(context, builder, aryty, args[0], args[1])
-        v = context.cast(builder, args[2], sig.args[2], aryty.dtype)
-        return builder.atomic_rmw("add", ptr, v, "acq_rel")
-
-    return sig, codegen
 
 
 @intrinsic

@@ -21,14 +21,17 @@ one thread alone runs at 32-37, its core's peak 40.3-46.7); the cell's activatio
 and writing the outputs from each step's items instead of a last stage cost 2-4%.
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
-shared out in contiguous runs (thread p reads the same share of Wh every step: 512 KB of 1 MB
-at H = 256, about its core's L2) and claimed through an atomic counter per run, a thread's own
-run first, then the others'. A thread moves to step t + 1 only when every item of step t is
-marked done, and computes any item still open itself: items are idempotent (they read step
-t - 1 and write only their own slice of step t; nothing is ever overwritten), so a duplicate
-writes the same numbers. A thread the OS has descheduled thus holds up the others only at the
-region's end, not at every step: on this shared 2-core machine a fork/join per step cost 40-90
-us (the step itself ~20 us) and a spin barrier up to milliseconds (see _lstm_sync).
+shared out in contiguous runs, one per thread (thread p reads the same share of Wh every step:
+512 KB of 1 MB at H = 256, about its core's L2). A thread does its own run, then walks the
+others' runs from the end their owners reach last and computes every item not yet marked done;
+so it moves to step t + 1 only when all of step t is done, by whoever. Items are idempotent
+(they read step t - 1 and write only their own slice of step t; nothing is ever overwritten),
+so an item two threads happen to compute at once gets the same numbers twice. A thread the OS
+has descheduled thus holds up the others only at the region's end, not at every step: on this
+shared 2-core machine a fork/join per step cost 40-90 us (the step itself ~20 us) and a spin
+barrier up to milliseconds (see _lstm_sync). Nothing is claimed: claiming each item through an
+atomic counter (the previous scheme) was 2-3% slower at batch 1, 2% at batch 3 and the same at
+8 and 16 (scratch A/B, both kernels interleaved in one process, T = 16, 2 threads).
 """
 
 from __future__ import annotations
@@ -42,10 +45,9 @@ from numba import prange
 
 from ._gemm import MR, NR
 from ._lstm_cell import U, W, project, step, step_cols
-from ._lstm_sync import atomic_add, atomic_load, atomic_store
+from ._lstm_sync import atomic_load, atomic_store
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
 
-LINE = 16  # int32 per cache line: each run's claim counter has a line of its own
 # Below this much work per step (a few us on one core) one thread does it all: not measured
 # finely, a guess. At T = 16, I = 128, H = 256, batch 1 (0.4M per step) two threads win:
 # fusion.Session medians of 60 rounds at load ~2.6, four repeats: 785-805 us vs 843-874 us.
@@ -110,60 +112,53 @@ def _unit_panels(wx, wh, bias, hidden):
 
 
 @numba.jit(**INLINE_GEMM)
-def _claim(claims, s, q, parts, items):
-    """The next unclaimed item of run q in stage s, or -1; odd steps walk their run backwards,
-    so the blocks a thread touched last (still in L2) come first."""
+def _nth(s, k, n, p, parts, items):
+    """The n-th item thread p visits in run (p + k) % parts of stage s, or -1 past the run's
+    end. Its own run (k = 0) changes direction every stage, so the blocks it touched last
+    (still in L2) come first; another's run is walked from the end its owner reaches last."""
+    q = (p + k) % parts
     lo, hi = q * items // parts, (q + 1) * items // parts
-    i = atomic_add(claims, (s * parts + q) * LINE, 1)
-    if lo + i >= hi:
+    if lo + n >= hi:
         return -1
-    return hi - 1 - i if s % 2 == 0 else lo + i
+    return lo + n if (s % 2 == 1) == (k == 0) else hi - 1 - n
 
 
 @numba.jit(**INLINE_GEMM)
-def _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, tiles):
-    """Item i of stage s, then its done flag (release: its writes are visible to whoever sees
-    the flag). A step item first makes sure its block's input projection exists."""
-    blocks, rows = wh.shape[0], gx.shape[1]
-    b = i
-    if s == 0 or atomic_load(done, b) == 0:
-        project(xp, wx[b], bias[b], rows, gx[b], tiles)
+def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc):
+    """Item b of stage s (block b), then its done flag (release: its writes are visible to
+    whoever sees the flag). A step item first makes sure its block's input projection exists."""
+    if atomic_load(done, b) == 0:
+        project(xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
         atomic_store(done, b, 1)
     if s > 0:
-        step(s - 1, b, wh[b], gx[b], hs, cs, tiles.reshape(-1))
-        atomic_store(done, blocks + (s - 1) * blocks + i, 1)
+        step(s - 1, b, wh[b], gx[b], hs, cs, acc)
+        atomic_store(done, wh.shape[0] * s + b, 1)
 
 
 @numba.jit(**JIT_GEMM)
-def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done):
-    """Thread p's part of the whole sequence (any subset of parts may run, in any order)."""
+def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done):
+    """Thread p's part of the whole sequence (any subset of parts may run, in any order).
+    Stage 0 (the projection) is not waited for: a step item projects its block if need be."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
     tiles = np.empty((2, MR, NR), np.float32)
+    acc = tiles.reshape(-1)
     for s in range(steps + 1):
-        items = blocks
-        first = blocks + (s - 1) * items
-        k = scan = 0
-        while True:
-            i = -1
-            while i < 0 and k < parts:  # own run first, then help with the others'
-                i = _claim(claims, s, (p + k) % parts, parts, items)
-                if i < 0:
-                    k += 1
-            while i < 0 and s > 0 and scan < items:  # step s reads all of step s - 1:
-                if atomic_load(done, first + scan) == 0:  # finish what is still open
-                    i = scan
-                scan += 1
-            if i < 0:
-                break  # (stage 0 is not waited for: a step item projects its block if need be)
-            _item(s, i, xp, wx, wh, bias, gx, hs, cs, done, tiles)
+        first = blocks * s  # stage s's done flags (stage 0's: the projections')
+        for k in range(parts if s > 0 else 1):
+            for n in range(blocks):
+                b = _nth(s, k, n, p, parts, blocks)
+                if b < 0:
+                    break
+                if atomic_load(done, first + b) == 0:
+                    _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc)
 
 
 @numba.jit(**JIT_GEMM)
-def _start_row(x, h0, c0, floats, ints, hs, cs, parts):
+def _start_row(x, h0, c0, floats, ints, hs, cs):
     """Row by row (batch B <= ROWS_MAX): hs[0], cs[0] = h0, c0 (zero past H), and _run's
     scratch from the workspace: x's T B rows (row t B + r is x[t, r]) as [I, 4]-row panels xp
-    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, W], and the claim counters
-    and done flags, zeroed."""
+    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, W], and the done flags,
+    zeroed."""
     steps, batch, size, hidden = x.shape[0], x.shape[1], x.shape[2], h0.shape[1]
     blocks, n_rows = hs.shape[2] // U, x.shape[0] * x.shape[1]
     for r in range(batch):
@@ -179,10 +174,10 @@ def _start_row(x, h0, c0, floats, ints, hs, cs, parts):
                 xp[g, MR * k + m] = x[n // batch, n % batch, k] if n < n_rows else 0
     n_xp, n_gx = groups * size * MR, blocks * n_rows * W
     gx = floats[n_xp : n_xp + n_gx].reshape((blocks, n_rows, W))
-    n_claims, n_done = (steps + 1) * parts * LINE, blocks * (1 + steps)
-    for i in range(n_claims + n_done):
+    n_done = blocks * (1 + steps)
+    for i in range(n_done):
         ints[i] = 0
-    return xp, gx, ints[:n_claims], ints[n_claims : n_claims + n_done]
+    return xp, gx, ints[:n_done]
 
 
 @numba.jit(**PARALLEL)
@@ -191,12 +186,12 @@ def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads):
     [T + 1, B, Hp] with row 0 the initial state."""
     parts = min(threads, wh.shape[0])
     hs, cs = out[0], out[1]
-    xp, gx, claims, done = _start_row(x, h0, c0, floats, ints, hs, cs, parts)
+    xp, gx, done = _start_row(x, h0, c0, floats, ints, hs, cs)
     if parts == 1:
-        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, claims, done)
+        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, done)
     else:
         for p in prange(parts):
-            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, claims, done)
+            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done)
 
 
 @numba.jit(**JIT_GEMM)
@@ -238,52 +233,46 @@ def _unpack_step(t, z, c, hs, cs):
 
 
 @numba.jit(**JIT_GEMM)
-def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, claims, done):
+def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
     """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
     one block of units for 16 batch columns, see _lstm_cell.step_cols) and of stage T + 1
-    (unpacking step t's outputs, item t). Claiming and finishing open items as in _run."""
+    (unpacking step t's outputs, item t). Runs and done flags as in _run; every stage is
+    waited for (step 1 reads the packed x_0 and h0)."""
     steps, panels = x.shape[0], z.shape[1]
     blocks, pairs = w.shape[0] // U, (panels + 1) // 2
     for s in range(steps + 2):
         items = steps if s == 0 or s == steps + 1 else blocks * pairs
         first = 0 if s == 0 else steps + (s - 1) * blocks * pairs
-        k = scan = 0
-        while True:
-            i = -1
-            while i < 0 and k < parts:
-                i = _claim(claims, s, (p + k) % parts, parts, items)
+        for k in range(parts):
+            for n in range(items):
+                i = _nth(s, k, n, p, parts, items)
                 if i < 0:
-                    k += 1
-            while i < 0 and scan < items:
-                if atomic_load(done, first + scan) == 0:
-                    i = scan
-                scan += 1
-            if i < 0:
-                break
-            if s == 0:
-                _pack_step(i, x, h0, c0, z, c)
-            elif s == steps + 1:
-                _unpack_step(i, z, c, hs, cs)
-            else:
-                step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
-            atomic_store(done, first + i, 1)
+                    break
+                if atomic_load(done, first + i) != 0:
+                    continue
+                if s == 0:
+                    _pack_step(i, x, h0, c0, z, c)
+                elif s == steps + 1:
+                    _unpack_step(i, z, c, hs, cs)
+                else:
+                    step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
+                atomic_store(done, first + i, 1)
 
 
 @numba.jit(**JIT_GEMM)
-def _carve(x, units, floats, ints, parts):
+def _carve(x, units, floats, ints):
     """_run_cols's scratch from the workspace: z [T + 1, panels, (I + Hp) * 8] holds x_t and
-    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}; claim
-    counters and done flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
+    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}; the done
+    flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
     steps, batch, size = x.shape
     panels = (batch + 7) // 8
     n_z, n_c = (steps + 1) * panels * (size + units) * 8, (steps + 1) * panels * units * 8
-    n_claims = (steps + 2) * parts * LINE
     n_done = 2 * steps + steps * (units // U) * ((panels + 1) // 2)
-    for i in range(n_claims + n_done):
+    for i in range(n_done):
         ints[i] = 0
     z = floats[:n_z].reshape((steps + 1, panels, (size + units) * 8))
     c = floats[n_z : n_z + n_c].reshape((steps + 1, panels, units * 8))
-    return z, c, ints[:n_claims], ints[n_claims : n_claims + n_done]
+    return z, c, ints[:n_done]
 
 
 @numba.jit(**PARALLEL)
@@ -293,12 +282,12 @@ def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads):
     then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
     would stop it from caching)."""
     parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + 15) // 16))
-    z, c, claims, done = _carve(x, w.shape[0], floats, ints, parts)
+    z, c, done = _carve(x, w.shape[0], floats, ints)
     if parts == 1:
-        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], claims, done)
+        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done)
     else:
         for p in prange(parts):
-            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], claims, done)
+            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], done)
 
 
 def _call(fn, *args):
@@ -324,16 +313,15 @@ def _workspace(n_floats, n_ints):
     return floats, ints
 
 
-def _workspace_size(x, units, parts):
-    """(floats, ints) that _carve (column tile) or _start_row (row by row) takes for x [T, B, I]
-    on `parts` threads."""
+def _workspace_size(x, units):
+    """(floats, ints) that _carve (column tile) or _start_row (row by row) takes for x [T, B, I]."""
     steps, batch, size = x.shape
     if batch <= ROWS_MAX:
         floats = -(-steps * batch // MR) * size * MR + (units // U) * steps * batch * W
-        return floats, (steps + 1) * parts * LINE + (units // U) * (1 + steps)
+        return floats, (units // U) * (1 + steps)
     panels = -(-batch // 8)
     floats = (steps + 1) * panels * (size + 2 * units) * 8
-    ints = (steps + 2) * parts * LINE + 2 * steps + steps * (units // U) * -(-panels // 2)
+    ints = 2 * steps + steps * (units // U) * -(-panels // 2)
     return floats, ints
 
 
@@ -384,9 +372,9 @@ def _sequence_batch(x, h0, c0, plan):
 
 
 def _setup(x, plan, units):
-    """The calling thread's workspace for x (sized for the most threads Numba has) and the
-    threads to run on: one below SERIAL_MACS_PER_STEP."""
-    floats, ints = _workspace(*_workspace_size(x, units, numba.config.NUMBA_NUM_THREADS))
+    """The calling thread's workspace for x and the threads to run on: one below
+    SERIAL_MACS_PER_STEP."""
+    floats, ints = _workspace(*_workspace_size(x, units))
     macs = x.shape[1] * 4 * plan.hidden * (plan.input_size + plan.hidden)
     return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
 

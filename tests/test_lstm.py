@@ -180,8 +180,8 @@ def test_empty_sequences_have_the_right_shapes(steps, batch):
 
 # Kernel paths: batch 1 runs a GEMV per block, batch > 1 a 4 gates x 16 (or a last 8) batch
 # columns tile per unit (columns past the batch are zero-padded); one thread runs everything
-# in order, two share one parallel region whose threads claim items and finish any item still
-# open.
+# in order, two share one parallel region: each thread does its own run of items, then any
+# item of the other's run still open.
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "steps, batch, size, hidden",
@@ -210,8 +210,7 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
     # Scratch is reused between calls: poison it, so that reading stale scratch would show.
     units = plan.wh.shape[0] * kernel.U
-    sizes = kernel._workspace_size(x, units, numba.config.NUMBA_NUM_THREADS)
-    floats, ints = kernel._workspace(*sizes)
+    floats, ints = kernel._workspace(*kernel._workspace_size(x, units))
     floats[:], ints[:] = np.nan, 12345
     old = numba.get_num_threads()
     numba.set_num_threads(threads)
@@ -224,31 +223,31 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
 
-def _late_thread_run(kernel, x, h0, c0, plan):
-    """Run part 1 of 2 alone after part 0 claimed the first item of every stage."""
+def _late_thread_run(kernel, x, h0, c0, plan, parts):
+    """Run part 1 of `parts` alone: the others never start (descheduled for the whole call)."""
     steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
     units = plan.wh.shape[0] * kernel.U
-    n_floats, n_ints = kernel._workspace_size(x, units, 2)
+    n_floats, n_ints = kernel._workspace_size(x, units)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     if batch <= kernel.ROWS_MAX:
         hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
-        xp, gx, claims, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs, 2)
-        claims[:: 2 * kernel.LINE] = 1  # stage s, run 0: item 0 claimed, never done
-        kernel._call(kernel._run, 1, 2, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, claims, done)
+        xp, gx, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs)
+        args = (xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done)
+        kernel._call(kernel._run, 1, parts, *args)
         assert done.all()
         return hs[1:, :, :hidden], cs[1:, :, :hidden]
-    z, c, claims, done = kernel._call(kernel._carve, x, units, floats, ints, 2)
-    claims[:: 2 * kernel.LINE] = 1  # the packing and output stages too
+    z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    kernel._call(kernel._run_cols, 1, 2, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, claims, done)
+    kernel._call(kernel._run_cols, 1, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done)
     assert done.all()
     return hs, cs
 
 
+@pytest.mark.parametrize("parts", [2, 3])
 @pytest.mark.parametrize("batch", [1, 3, 6, 20])
-def test_a_late_thread_delays_nobody(batch):
-    """Part 0 never runs, after claiming the first item of every stage: part 1 alone claims
-    the rest of part 0's run and recomputes the claimed, unfinished items."""
+def test_a_late_thread_delays_nobody(batch, parts):
+    """The other parts never run: part 1 alone does its own run of every stage, then all of
+    the others' items, and gets the same numbers."""
     from kernels import lstm as kernel
 
     steps, size, hidden = 3, 9, 20
@@ -257,7 +256,7 @@ def test_a_late_thread_delays_nobody(batch):
     x = rng.standard_normal((steps, batch, size)).astype(np.float32)
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
-    got = _late_thread_run(kernel, x, h0, c0, plan)
+    got = _late_thread_run(kernel, x, h0, c0, plan, parts)
     for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
@@ -299,24 +298,22 @@ def test_workspace_sizes_cover_the_scratch():
     """_workspace_size (Python) and _carve / _start_row (Numba) count the same scratch."""
     from kernels import lstm as kernel
 
-    for steps, batch, size, hidden, parts in [(3, 1, 5, 7, 2), (2, 3, 3, 8, 1), (4, 17, 6, 20, 2)]:
+    for steps, batch, size, hidden in [(3, 1, 5, 7), (2, 3, 3, 8), (4, 17, 6, 20)]:
         w = LSTMWeights.random(size, hidden, seed=1)
         plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
         x = np.ones((steps, batch, size), np.float32)
         h = np.zeros((batch, hidden), np.float32)
         units = plan.wh.shape[0] * kernel.U
-        n_floats, n_ints = kernel._workspace_size(x, units, parts)
+        n_floats, n_ints = kernel._workspace_size(x, units)
         floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
         if batch <= kernel.ROWS_MAX:
             hs, cs = np.empty((2, steps + 1, batch, units), np.float32)
-            args = (x, h, h, floats, ints, hs, cs, parts)
-            xp, gx, claims, done = kernel._call(kernel._start_row, *args)
+            xp, gx, done = kernel._call(kernel._start_row, x, h, h, floats, ints, hs, cs)
             used = xp.size + gx.size
         else:
-            z, c, claims, done = kernel._call(kernel._carve, x, units, floats, ints, parts)
+            z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
             used = z.size + c.size
-        assert used <= n_floats and claims.size + done.size <= n_ints
-        assert claims.size == (steps + 1 + (batch > kernel.ROWS_MAX)) * parts * kernel.LINE
+        assert used <= n_floats and done.size == n_ints
 
 
 @pytest.mark.parametrize("batch", [3, 17])  # row by row, column tile
