@@ -23,15 +23,23 @@ and writing the outputs from each step's items instead of a last stage cost 2-4%
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
 shared out in contiguous runs, one per thread (thread p reads the same share of Wh every step:
 512 KB of 1 MB at H = 256, about its core's L2). A thread does its own run, then walks the
-others' runs from the end their owners reach last and computes every item not yet marked done;
-so it moves to step t + 1 only when all of step t is done, by whoever. Items are idempotent
-(they read step t - 1 and write only their own slice of step t; nothing is ever overwritten),
-so an item two threads happen to compute at once gets the same numbers twice. A thread the OS
-has descheduled thus holds up the others only at the region's end, not at every step: on this
-shared 2-core machine a fork/join per step cost 40-90 us (the step itself ~20 us) and a spin
-barrier up to milliseconds (see _lstm_sync). Nothing is claimed: claiming each item through an
-atomic counter (the previous scheme) was 2-3% slower at batch 1, 2% at batch 3 and the same at
-8 and 16 (scratch A/B, both kernels interleaved in one process, T = 16, 2 threads).
+others' runs from the end their owners reach last and computes every item not yet marked
+DONE; so it moves to step t + 1 only when all of step t is done, by whoever. Items are
+idempotent (they read step t - 1 and write only their own slice of step t; nothing is ever
+overwritten), so an item two threads happen to compute at once gets the same numbers twice. A
+thread the OS has descheduled thus holds up the others only at the region's end, not at every
+step: on this shared 2-core machine a fork/join per step cost 40-90 us (the step itself ~20 us)
+and a spin barrier up to milliseconds (see _lstm_sync). Nothing is claimed: claiming each item
+through an atomic counter (the previous scheme) was 2-3% slower at batch 1, 2% at batch 3 and
+the same at 8 and 16 (scratch A/B, both kernels interleaved in one process, T = 16, 2 threads).
+
+Two threads finishing a step together would compute one item twice in every step (the first
+one done finds the other's last item open: counted, 16 of 512 items at batch 16). So the column
+tile marks an item STARTED before computing it, and a thread that finds only STARTED items left
+waits for them up to twice its own items' mean time (a cycle counter), then computes them too:
+batch 16 3.7% faster (scratch A/B as above). The row path does not (batch 1 3-4% slower with
+the extra flag store per ~1 us item; the flags of both runs share cache lines), and computes
+an open item at once.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from numba import prange
 
 from ._gemm import MR, NR
 from ._lstm_cell import U, W, project, step, step_cols
-from ._lstm_sync import atomic_load, atomic_store
+from ._lstm_sync import atomic_load, atomic_store, cycles, wait_done
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
 
 # Below this much work per step (a few us on one core) one thread does it all: not measured
@@ -58,6 +66,7 @@ SERIAL_MACS_PER_STEP = 1 << 16
 # (interleaved): batch 2 577 vs 3458, 4 1017 vs 3485, 6 1592 vs 2157, 8 2061 vs 2190,
 # 10 2554 vs 3323, 12 3087 vs 3359, 16 3919 vs 3331.
 ROWS_MAX = 12
+OPEN, STARTED, DONE = 0, 1, 2  # an item's flag
 
 
 @dataclass(frozen=True)
@@ -125,14 +134,14 @@ def _nth(s, k, n, p, parts, items):
 
 @numba.jit(**INLINE_GEMM)
 def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc):
-    """Item b of stage s (block b), then its done flag (release: its writes are visible to
+    """Item b of stage s (block b), then its flag DONE (release: its writes are visible to
     whoever sees the flag). A step item first makes sure its block's input projection exists."""
-    if atomic_load(done, b) == 0:
+    if atomic_load(done, b) != DONE:
         project(xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
-        atomic_store(done, b, 1)
+        atomic_store(done, b, DONE)
     if s > 0:
         step(s - 1, b, wh[b], gx[b], hs, cs, acc)
-        atomic_store(done, wh.shape[0] * s + b, 1)
+        atomic_store(done, wh.shape[0] * s + b, DONE)
 
 
 @numba.jit(**JIT_GEMM)
@@ -143,13 +152,13 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done):
     tiles = np.empty((2, MR, NR), np.float32)
     acc = tiles.reshape(-1)
     for s in range(steps + 1):
-        first = blocks * s  # stage s's done flags (stage 0's: the projections')
+        first = blocks * s  # stage s's flags (stage 0's: the projections')
         for k in range(parts if s > 0 else 1):
             for n in range(blocks):
                 b = _nth(s, k, n, p, parts, blocks)
                 if b < 0:
                     break
-                if atomic_load(done, first + b) == 0:
+                if atomic_load(done, first + b) != DONE:
                     _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc)
 
 
@@ -232,31 +241,49 @@ def _unpack_step(t, z, c, hs, cs):
             c_row[k] = cz[8 * k + r]
 
 
+@numba.jit(**INLINE_GEMM)
+def _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs):
+    """Item i of stage s: packing x_t (s = 0), step s - 1 for one block and pair of panels,
+    or unpacking step t's outputs (s = T + 1)."""
+    steps, pairs = x.shape[0], (z.shape[1] + 1) // 2
+    if s == 0:
+        _pack_step(i, x, h0, c0, z, c)
+    elif s == steps + 1:
+        _unpack_step(i, z, c, hs, cs)
+    else:
+        step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
+
+
 @numba.jit(**JIT_GEMM)
 def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
     """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
     one block of units for 16 batch columns, see _lstm_cell.step_cols) and of stage T + 1
-    (unpacking step t's outputs, item t). Runs and done flags as in _run; every stage is
-    waited for (step 1 reads the packed x_0 and h0)."""
+    (unpacking step t's outputs, item t). Runs and flags as in _run; every stage is waited
+    for (step 1 reads the packed x_0 and h0)."""
     steps, panels = x.shape[0], z.shape[1]
     blocks, pairs = w.shape[0] // U, (panels + 1) // 2
+    span = 0  # cycles an item took this thread lately
     for s in range(steps + 2):
         items = steps if s == 0 or s == steps + 1 else blocks * pairs
         first = 0 if s == 0 else steps + (s - 1) * blocks * pairs
+        start, count = cycles(), 0
         for k in range(parts):
             for n in range(items):
                 i = _nth(s, k, n, p, parts, items)
                 if i < 0:
                     break
-                if atomic_load(done, first + i) != 0:
-                    continue
-                if s == 0:
-                    _pack_step(i, x, h0, c0, z, c)
-                elif s == steps + 1:
-                    _unpack_step(i, z, c, hs, cs)
-                else:
-                    step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
-                atomic_store(done, first + i, 1)
+                if atomic_load(done, first + i) == OPEN:
+                    if parts > 1:
+                        atomic_store(done, first + i, STARTED)
+                    _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
+                    atomic_store(done, first + i, DONE)
+                    count += 1
+        if count > 0:
+            span = (cycles() - start) // count
+        for i in range(items if parts > 1 else 0):  # started elsewhere: as in _run
+            if not wait_done(done, first + i, DONE, 2 * span):
+                _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
+                atomic_store(done, first + i, DONE)
 
 
 @numba.jit(**JIT_GEMM)
