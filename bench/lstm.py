@@ -7,13 +7,24 @@ Per batch size, interleaved round by round after warm-up, 2 threads everywhere:
   sgemm       the machine's SGEMM on the same work as one product: numpy (OpenBLAS, 2 threads)
               [T B, I + H] x [I + H, 4H], no recurrence in the way
 all in the same rounds (the order rotating from round to round), so load from other processes
-hits them alike. OpenBLAS threads spin for a while after a call and would slow the next run
-down, so each round's SGEMM is followed by a pause (not timed); the round's first product then
-pays for waking them. So after the rounds, "sgemm warm" times the same product back to back in
-a child process with OpenBLAS's default thread timeout, after a few 2048^3 products (median of
-the last 150 of 200 calls): the speed the SGEMM reaches with its threads awake and the CPU
-busy, the yardstick for batch 16's target. It prints medians (us), GFLOP/s (2 T B (I + H) 4H
-per run) and ratios, and checks that the outputs agree within 1e-5.
+hits them alike; each runner's turn is a few calls back to back (20 at batch 1, 5 above).
+
+Two regimes, each its own set of rounds:
+  busy        rounds back to back: the CPU stays busy, as in a loop serving requests.
+  after idle  a 0.25 s pause before every round. On these virtual machines a process that is
+              busy only a small part of the time gets slow CPUs: scratch runs of the batch-1
+              kernel after each 0.25 s pause took ~610 us per call over 60 calls (21 ms busy)
+              but ~370 us over 120 calls (45 ms busy), and at ~610 us two threads were no
+              faster than one, while back to back they take ~350.
+OpenBLAS's idle workers would spin after each SGEMM and slow the next runner down; the
+OPENBLAS_THREAD_TIMEOUT below puts them to sleep at once. "sgemm warm" times the same product
+back to back in a child process with OpenBLAS's default thread timeout, after a few 2048^3
+products (median of the last 150 of 200 calls): the speed the SGEMM reaches with its threads
+awake and the CPU busy, the yardstick for batch 16's target. It is measured before and after
+the rounds and the faster one kept (load from other processes slowed single measurements by
+up to 20%). It prints medians
+(us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and checks that the outputs agree within
+1e-5.
 
     .venv/bin/python bench/lstm.py [--rounds 30] [--steps 16] [--batch 1 16] [--baseline DIR]
 
@@ -80,7 +91,7 @@ def timed(fn, repeat):
     return (time.perf_counter() - start) / repeat
 
 
-SGEMM_PAUSE = 0.25  # s; OpenBLAS idles its threads after about 2^28 cycles of spinning
+IDLE_PAUSE = 0.25  # s before each round of the "after idle" regime
 
 
 WARM_SGEMM = """
@@ -140,31 +151,38 @@ def bench_batch(batch, steps, rounds, weights, catalog, baseline=None):
         assert err <= 1e-5, f"{name}: max abs error {err:.2e} vs onnxruntime"
     for fn in runs.values():  # warm-up
         timed(fn, 5)
-    timed(lambda: a @ b, 5)
-    times = {name: [] for name in (*runs, "sgemm")}
-    repeat = 20 if batch == 1 else 5
+    runs["sgemm"] = lambda: a @ b
+    flops = 2 * steps * batch * (INPUT + HIDDEN) * 4 * HIDDEN
+    warm_before = sgemm_warm(a.shape, b.shape)
+    print(f"\nbatch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads")
+    meds = {
+        regime: rounds_median(runs, rounds, 20 if batch == 1 else 5, pause)
+        for regime, pause in (("busy", 0.0), ("after idle", IDLE_PAUSE))
+    }
+    warm_s = min(warm_before, sgemm_warm(a.shape, b.shape))
+    for regime, med in meds.items():
+        print(f"\n{regime + ':':<15} {'median us':>10} {'GFLOP/s':>8} {'x sgemm':>8}")
+        for name, t in med.items():
+            print(f"{name:<15} {t * 1e6:>10.1f} {flops / t / 1e9:>8.2f} {med['sgemm'] / t:>8.2f}")
+        print(f"fused at {warm_s / med['fused']:.0%} of warm SGEMM's speed")
+        print(f"fused vs ort-unroll: {med['ort-unroll'] / med['fused']:.2f}x faster")
+        print(f"fused vs ort-lstm:   {med['ort-lstm'] / med['fused']:.2f}x faster")
+        if baseline:
+            print(f"fused vs fused-base: {med['fused-base'] / med['fused']:.2f}x faster")
+    print(f"sgemm warm      {warm_s * 1e6:>10.1f} {flops / warm_s / 1e9:>8.2f}")
+    print("fused profile (us):\n" + str(fused.profile(feeds, repeat=50)))
+
+
+def rounds_median(runs, rounds, repeat, pause):
+    """Median seconds per call of each runner over `rounds` rotated rounds, `repeat` calls back
+    to back per turn, `pause` seconds of idling before each round."""
+    times = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
-        # The runner after the pause starts on an idle CPU: rotate who that is, round by round.
+        time.sleep(pause)
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(timed(runs[name], repeat))
-        times["sgemm"].append(timed(lambda: a @ b, repeat))
-        time.sleep(SGEMM_PAUSE)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    flops = 2 * steps * batch * (INPUT + HIDDEN) * 4 * HIDDEN
-    print(f"\nbatch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads")
-    print(f"{'':<11} {'median us':>10} {'GFLOP/s':>8} {'x sgemm':>8}")
-    for name in (*runs, "sgemm"):
-        gf = flops / med[name] / 1e9
-        print(f"{name:<11} {med[name] * 1e6:>10.1f} {gf:>8.2f} {med['sgemm'] / med[name]:>8.2f}")
-    warm_s = sgemm_warm(a.shape, b.shape)
-    print(f"{'sgemm warm':<11} {warm_s * 1e6:>10.1f} {flops / warm_s / 1e9:>8.2f}")
-    print(f"fused at {warm_s / med['fused']:.0%} of warm SGEMM's speed")
-    print(f"fused vs ort-unroll: {med['ort-unroll'] / med['fused']:.2f}x faster")
-    print(f"fused vs ort-lstm:   {med['ort-lstm'] / med['fused']:.2f}x faster")
-    if baseline:
-        print(f"fused vs fused-base: {med['fused-base'] / med['fused']:.2f}x faster")
-    print("fused profile (us):\n" + str(fused.profile(feeds, repeat=50)))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():
