@@ -12,6 +12,8 @@ Each is an `@intrinsic`: the atomic instruction is emitted inline in the caller,
 called through a pointer, so functions using them still cache (cache=True).
 """
 
+import platform
+
 import numba
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -55,12 +57,37 @@ def atomic_store(typingctx, arr, idx, val):
 
 
 @intrinsic
+def atomic_cas(typingctx, arr, idx, expected, val):
+    """If arr[idx] == expected, arr[idx] = val, atomically (acquire-release); returns the old
+    value (so == expected means this call made the swap)."""
+    sig = arr.dtype(arr, idx, expected, val)
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ptr = _pointer(context, builder, aryty, args[0], args[1])
+        old = context.cast(builder, args[2], sig.args[2], aryty.dtype)
+        new = context.cast(builder, args[3], sig.args[3], aryty.dtype)
+        pair = builder.cmpxchg(ptr, old, new, "acq_rel", "acquire")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+# A spin's clock: the time-stamp counter (rdtsc) on x86-64, where it runs at a constant rate.
+# Elsewhere LLVM's cycle counter may read 0 or trap in user mode, so there is none: HAS_CLOCK is
+# False, and wait_done gives up at once (a thread then computes the item itself).
+HAS_CLOCK = platform.machine().lower() in ("x86_64", "amd64")
+SPIN_MAX = 200_000  # cycles (~80 us at 2.5 GHz): the longest wait_done ever spins
+
+
+@intrinsic
 def cycles(typingctx):
-    """The CPU's time-stamp counter (rdtsc; constant rate on this machine's CPUs): a clock for
-    bounding a spin, cheap enough to read per work item."""
+    """The time-stamp counter, cheap enough to read per work item (0 without HAS_CLOCK)."""
     sig = types.int64()
 
     def codegen(context, builder, sig, args):
+        if not HAS_CLOCK:
+            return context.get_constant(types.int64, 0)
         fnty = ir.FunctionType(ir.IntType(64), [])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.readcyclecounter")
         return builder.call(fn, [])
@@ -68,11 +95,31 @@ def cycles(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def spin_pause(typingctx):
+    """x86 `pause`: a spin-wait hint that also saves the core power (nothing elsewhere)."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        if HAS_CLOCK:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @numba.jit(**INLINE)
 def wait_done(flags, i, done, limit):
-    """Spin until flags[i] == done, at most `limit` cycles; whether it got there."""
+    """Spin until flags[i] == done, at most min(limit, SPIN_MAX) cycles; whether it got there
+    (False at once without HAS_CLOCK)."""
+    if not HAS_CLOCK:
+        return atomic_load(flags, i) == done
+    limit = min(limit, SPIN_MAX)
     start = cycles()
     while atomic_load(flags, i) != done:
         if cycles() - start > limit:
             return False
+        spin_pause()
     return True

@@ -28,19 +28,21 @@ others' runs from the end their owners reach last and computes every item not ye
 DONE; so it moves to step t + 1 only when all of step t is done, by whoever. Items are
 idempotent (they read step t - 1 and write only their own slice of step t; nothing is ever
 overwritten), so an item two threads happen to compute at once gets the same numbers twice. A
-thread the OS has descheduled thus holds up the others only at the region's end, not at every
-step: on this shared 2-core machine a fork/join per step cost 40-90 us (the step itself ~20 us)
-and a spin barrier up to milliseconds (see _lstm_sync). Nothing is claimed: claiming each item
-through an atomic counter (the previous scheme) was 2-3% slower at batch 1, 2% at batch 3 and
-the same at 8 and 16 (scratch A/B, both kernels interleaved in one process, T = 16, 2 threads).
+thread the OS has descheduled thus never holds up the others for long (at most a bounded spin
+per item it had started, below): on this shared 2-core machine a fork/join per step cost 40-90
+us (the step itself ~20 us) and a spin barrier up to milliseconds (see _lstm_sync). The row
+path claims nothing: claiming each item through an atomic counter (the previous scheme) was
+2-3% slower at batch 1, 2% at batch 3 and the same at 8 and 16 (scratch A/B, both kernels
+interleaved in one process, T = 16, 2 threads).
 
 Two threads finishing a step together would compute one item twice in every step (the first
 one done finds the other's last item open: counted, 16 of 512 items at batch 16). So the column
-tile marks an item STARTED before computing it, and a thread that finds only STARTED items left
-waits for them up to twice its own items' mean time (a cycle counter), then computes them too:
-batch 16 3.7% faster (scratch A/B as above). The row path does not (batch 1 3-4% slower with
-the extra flag store per ~1 us item; the flags of both runs share cache lines), and computes
-an open item at once.
+tile claims an item before computing it (compare-and-swap OPEN -> STARTED), and a thread that
+finds only STARTED items left waits for them up to twice its own items' mean time (the
+time-stamp counter; see _lstm_sync.wait_done), then computes them too: batch 16 3.7% faster
+(scratch A/B as above, with a plain store for the claim). The row path does not (batch 1 3-4%
+slower with the extra flag store per ~1 us item; the flags of both runs share cache lines),
+and computes an open item at once.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from numba import prange
 
 from ._gemm import MR, NR
 from ._lstm_cell import U, W, project, step, step_cols
-from ._lstm_sync import atomic_load, atomic_store, cycles, wait_done
+from ._lstm_sync import atomic_cas, atomic_load, atomic_store, cycles, wait_done
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
 
 # Below this much work per step (a few us on one core) one thread does it all: not measured
@@ -273,15 +275,15 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
                 i = _nth(s, k, n, p, parts, items)
                 if i < 0:
                     break
-                if atomic_load(done, first + i) == OPEN:
-                    if parts > 1:
-                        atomic_store(done, first + i, STARTED)
+                if parts == 1 or atomic_cas(done, first + i, OPEN, STARTED) == OPEN:
                     _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
                     atomic_store(done, first + i, DONE)
                     count += 1
         if count > 0:
             span = (cycles() - start) // count
-        for i in range(items if parts > 1 else 0):  # started elsewhere: as in _run
+        # Items another thread started: wait up to twice this thread's mean item time, then
+        # compute them too (that thread may have been descheduled).
+        for i in range(items if parts > 1 else 0):
             if not wait_done(done, first + i, DONE, 2 * span):
                 _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
                 atomic_store(done, first + i, DONE)
