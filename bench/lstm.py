@@ -22,9 +22,8 @@ back to back in a child process with OpenBLAS's default thread timeout, after a 
 products (median of the last 150 of 200 calls): the speed the SGEMM reaches with its threads
 awake and the CPU busy, the yardstick for batch 16's target. It is measured before and after
 the rounds and the faster one kept (load from other processes slowed single measurements by
-up to 20%). It prints medians
-(us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and checks that the outputs agree within
-1e-5.
+up to 20%). It prints medians (us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and checks
+that the outputs agree within 1e-5.
 
     .venv/bin/python bench/lstm.py [--rounds 30] [--steps 16] [--batch 1 16] [--baseline DIR]
 
@@ -149,9 +148,9 @@ def bench_batch(batch, steps, rounds, weights, catalog, baseline=None):
     for name in runs:
         err = max(float(np.abs(g - w).max()) for g, w in zip(runs[name](), want, strict=True))
         assert err <= 1e-5, f"{name}: max abs error {err:.2e} vs onnxruntime"
+    runs["sgemm"] = lambda: a @ b
     for fn in runs.values():  # warm-up
         timed(fn, 5)
-    runs["sgemm"] = lambda: a @ b
     flops = 2 * steps * batch * (INPUT + HIDDEN) * 4 * HIDDEN
     warm_before = sgemm_warm(a.shape, b.shape)
     print(f"\nbatch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads")

@@ -223,23 +223,35 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
         np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
 
 
-def _late_thread_run(kernel, x, h0, c0, plan, parts):
-    """Run part 1 of `parts` alone: the others never run, though they marked every other item
-    of every stage STARTED (descheduled for the rest of the call)."""
-    steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
+def _carved(kernel, x, h0, c0, plan):
+    """A workspace of _workspace_size's size, carved as the kernel's path carves it: returns
+    (scratch, done, n_floats, n_ints); scratch is (xp, gx, hs, cs) row by row (hs, cs hold
+    the initial state in row 0), (z, c) for the column tile."""
+    steps, batch = x.shape[:2]
     units = plan.wh.shape[0] * kernel.U
     n_floats, n_ints = kernel._workspace_size(x, units)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     if batch <= kernel.ROWS_MAX:
         hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
         xp, gx, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs)
-        done[::2] = kernel.STARTED
+        return (xp, gx, hs, cs), done, n_floats, n_ints
+    z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
+    return (z, c), done, n_floats, n_ints
+
+
+def _late_thread_run(kernel, x, h0, c0, plan, parts):
+    """Run part 1 of `parts` alone: the others never run, though they marked every other item
+    of every stage STARTED (descheduled for the rest of the call)."""
+    steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
+    scratch, done, _, _ = _carved(kernel, x, h0, c0, plan)
+    done[::2] = kernel.STARTED
+    if batch <= kernel.ROWS_MAX:
+        xp, gx, hs, cs = scratch
         args = (xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done)
         kernel._call(kernel._run, 1, parts, *args)
         assert (done == kernel.DONE).all()
         return hs[1:, :, :hidden], cs[1:, :, :hidden]
-    z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
-    done[::2] = kernel.STARTED
+    z, c = scratch
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
     kernel._call(kernel._run_cols, 1, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done)
     assert (done == kernel.DONE).all()
@@ -306,16 +318,8 @@ def test_workspace_sizes_cover_the_scratch():
         plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
         x = np.ones((steps, batch, size), np.float32)
         h = np.zeros((batch, hidden), np.float32)
-        units = plan.wh.shape[0] * kernel.U
-        n_floats, n_ints = kernel._workspace_size(x, units)
-        floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
-        if batch <= kernel.ROWS_MAX:
-            hs, cs = np.empty((2, steps + 1, batch, units), np.float32)
-            xp, gx, done = kernel._call(kernel._start_row, x, h, h, floats, ints, hs, cs)
-            used = xp.size + gx.size
-        else:
-            z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
-            used = z.size + c.size
+        scratch, done, n_floats, n_ints = _carved(kernel, x, h, h, plan)
+        used = scratch[0].size + scratch[1].size  # xp + gx, or z + c: the workspace's floats
         assert used <= n_floats and done.size == n_ints
 
 
