@@ -49,8 +49,9 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import fusion  # noqa: E402
 from fusion.lstm_models import LSTMWeights, native_lstm, unrolled_lstm  # noqa: E402
+
+import fusion  # noqa: E402
 from fusion.runtime import Session  # noqa: E402
 
 THREADS, INPUT, HIDDEN = 2, 128, 256

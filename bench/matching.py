@@ -5,8 +5,9 @@ import argparse
 import statistics
 import time
 
-import fusion
 from fusion.examples import conv_stack
+
+import fusion
 
 
 def main() -> None:

@@ -29,9 +29,10 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fusion.squeezenet import squeezenet, squeezenet_flops  # noqa: E402
+
 import fusion  # noqa: E402
 from fusion.runtime import Session  # noqa: E402
-from fusion.squeezenet import squeezenet, squeezenet_flops  # noqa: E402
 from kernels.conv2d import conv2d_bias_act, output_shape  # noqa: E402
 
 THREADS = 2

@@ -1,5 +1,5 @@
 import sys
 
-from fusion.cli import main
+from fusion.cli.main import main
 
 sys.exit(main())

@@ -2,15 +2,18 @@
 
 A `Rule` pairs a pattern with the fused node it becomes and the kernel that runs that node:
 
-    Rule("ConvBiasRelu", pattern, inputs=("x", "W", "B"), kernel=make_conv_kernel,
+    Rule("ConvBiasRelu", pattern, inputs=("x", "W", "B"), prepare=make_conv_kernel,
          attributes=lambda m: {"strides": m.attrs("conv")["strides"]})
 
 `inputs` names the captures that become the fused node's inputs, in order (an optional capture
 that did not match becomes an absent input). `outputs` names the captures that become its
-outputs (default: the value the pattern's root matches). `kernel(attrs, constants)` is called
+outputs (default: the value the pattern's root matches). `prepare(attrs, constants)` is called
 once per fused node when a session is built, with the node's attributes and, per input, its
-constant value (or None), and returns a function `run(*inputs) -> tuple of arrays` (or any
-sequence of arrays: a session reads only the outputs later steps use, see KernelStep).
+constant value (or None), and returns the kernel, a function `run(*inputs) -> tuple of arrays`
+(or any sequence of arrays: a session reads only the outputs later steps use, see KernelStep).
+
+Rules and catalogs are data: this module knows no pattern and no kernel. The catalog a rewrite
+uses by default (built-in, installed, registered) is fusion.registry.default_catalog().
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from dataclasses import dataclass
 
 import onnx
 
+from fusion.errors import CatalogError
+from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL
 from fusion.pattern import Op, Pattern, capture_names, walk
 
-KernelFactory = Callable[[dict, list], Callable[..., tuple]]
+KernelFactory = Callable[[dict, list], Callable[..., tuple]]  # (attrs, constants) -> run
 DOMAIN = "fusion"  # the domain of every fused node and its function
 
-
-class CatalogError(ValueError):
-    """A rule or catalog that cannot work, with the reason."""
+__all__ = ["DOMAIN", "Catalog", "CatalogError", "KernelFactory", "Rule", "validate"]
 
 
 @dataclass(eq=False)
@@ -36,14 +39,14 @@ class Rule:
     name: str
     pattern: Pattern | None
     inputs: Sequence[str]
-    kernel: KernelFactory | None = None
+    prepare: KernelFactory | None = None  # builds the kernel of one fused node
     outputs: Sequence[str] = ()
     attributes: Callable | None = None  # Match -> dict of the fused node's attributes
     check: Callable | None = None  # Match -> None | reason, run after a structural match
     priority: int = 0  # higher first; a rule that contains another must have a higher one
     description: str = ""
-    rtol: float = 1e-4
-    atol: float = 1e-5
+    rtol: float = DEFAULT_RTOL  # what the kernel promises against onnxruntime (fusion.numerics)
+    atol: float = DEFAULT_ATOL
     explain_after: str | None = None  # a near-miss must have matched this op type
     # For structure a pattern cannot state (a chain of any length): finder(view, node_index)
     # returns candidate Matches rooted at that node, or a reason string, or None.
@@ -58,11 +61,6 @@ class Rule:
     @property
     def anchors(self) -> set[str]:
         return set(self.anchor_ops) or self.pattern.op_types()
-
-    def make_kernel(self, attrs: dict, constants: list) -> Callable[..., tuple]:
-        if self.kernel is None:
-            raise CatalogError(f"{self.name}: no kernel registered")
-        return self.kernel(attrs, constants)
 
 
 def validate(rule: Rule) -> None:
@@ -143,18 +141,14 @@ class Catalog:
         rules = list(self._rules.values())
         return sorted(rules, key=lambda r: -r.priority)
 
+    def rules_in(self, model: onnx.ModelProto) -> list[Rule]:
+        """The rules of the fused nodes in `model`'s graph (one per node, in graph order)."""
+        found = (self._rules.get(n.op_type) for n in model.graph.node if n.domain == DOMAIN)
+        return [rule for rule in found if rule is not None]
+
     def select(self, only: Sequence[str] = (), exclude: Sequence[str] = ()) -> Catalog:
         for name in (*only, *exclude):
             if name not in self._rules:
                 raise CatalogError(f"no pattern named {name!r} (known: {', '.join(self._rules)})")
         keep = [r for r in self.ordered() if (not only or r.name in only) and r.name not in exclude]
         return Catalog(keep)
-
-
-def default_catalog() -> Catalog:
-    """The built-in catalog (patterns/), catalogs installed under the entry point group
-    `fusion.catalogs`, and rules registered in this process with `fusion.register_pattern`."""
-    import patterns
-    from fusion.registry import USER, installed_catalogs
-
-    return Catalog([*patterns.RULES, *installed_catalogs(), *USER.ordered()])

@@ -2,8 +2,9 @@
 
 The pattern is instantiated into a small model (first alternative, optional inputs present,
 literal attribute constraints set, shapes from the caller), rewritten with that rule alone,
-and run both ways on seeded random inputs. A user knows the kernel is right before it
-touches a real model.
+and run both ways on seeded random inputs: fusion.Session with the kernel, onnxruntime with the
+same settings as verify's oracle (fusion.ort.REFERENCE), compared as verify compares
+(fusion.numerics). A user knows the kernel is right before it touches a real model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from fusion.catalog import Catalog, Rule
+from fusion.numerics import compare_arrays, tolerance
+from fusion.ort import REFERENCE, inference_session
 from fusion.pattern import Alt, Const, Op, Opt, Output, Pattern, Var, walk
+from fusion.rewriter import rewrite
+from fusion.runtime import Session
 
 
 @dataclass
@@ -50,31 +55,26 @@ def check_pattern(
     >>> check_pattern(rule, shapes={"x": [4, 16], "W": [8, 16], "b": [8]}).ok
     True
     """
-    from fusion.runtime import Session
-
     model, feeds = instantiate(rule, shapes, constants or {}, opset, seed)
     catalog = Catalog([rule])
-    from fusion.rewriter import rewrite
-
     result = rewrite(model, catalog)
     if not result.fusions:
         reasons = [n.reason for n in result.near_misses] or ["no match"]
         return CheckReport(rule.name, False, np.inf, np.inf, False, reasons[0])
-    import onnxruntime as ort
-
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    want = want.run(None, feeds)
+    want = inference_session(model, REFERENCE).run(None, feeds)
     got = Session(result.model, catalog=catalog).run(None, feeds)
-    rtol = rule.rtol if rtol is None else rtol
-    atol = rule.atol if atol is None else atol
-    max_abs = max_rel = 0.0
-    ok = True
-    for w, g in zip(want, got, strict=True):
-        err = np.abs(np.asarray(g, np.float64) - w)
-        max_abs = max(max_abs, float(err.max(initial=0)))
-        max_rel = max(max_rel, float((err / np.maximum(np.abs(w), 1e-12)).max(initial=0)))
-        ok = ok and g.shape == w.shape and bool(np.all(err <= atol + rtol * np.abs(w)))
-    return CheckReport(rule.name, True, max_abs, max_rel, ok)
+    rtol, atol = tolerance([rule], rtol, atol)
+    outputs = [
+        compare_arrays(o.name, g, w, rtol, atol)
+        for o, g, w in zip(model.graph.output, got, want, strict=True)
+    ]
+    return CheckReport(
+        rule.name,
+        True,
+        max(c.max_abs for c in outputs),
+        max(c.max_rel for c in outputs),
+        all(c.ok for c in outputs),
+    )
 
 
 def instantiate(rule: Rule, shapes: dict, constants: dict, opset: int = 17, seed: int = 0):

@@ -7,6 +7,8 @@ values the graph does not describe.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -14,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fusion.modelfile import over_2gb, weightless_copy
 from fusion.onnx_defaults import attribute_defaults
 
 
@@ -90,8 +93,6 @@ class GraphView:
         types: dict[str, ValueType] = {}
         for t in self.graph.initializer:
             types[t.name] = ValueType(t.data_type, tuple(t.dims))
-        from fusion.io import over_2gb, weightless_copy
-
         model = weightless_copy(self.model) if over_2gb(self.model) else self.model
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
@@ -184,6 +185,35 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
             dt = np.float32 if a.name == "value_floats" else np.int64
             return np.array(onnx.helper.get_attribute_value(a), dtype=dt)
     return None
+
+
+def topological_order(
+    deps: Sequence[Iterable[int]], label: Callable[[int], str] = lambda i: f"node {i}"
+) -> list[int]:
+    """Indices 0 .. n - 1 with each node after the nodes it depends on (deps[i]), taking the
+    lowest ready index each time: a node moves only as far as its inputs require, so a graph
+    already in order keeps its order. ValueError naming a node on a cycle."""
+    users: list[list[int]] = [[] for _ in deps]
+    waiting = []
+    for i, needs in enumerate(deps):
+        needs = set(needs)
+        waiting.append(len(needs))
+        for d in needs:
+            users[d].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(deps):
+        stuck = min(set(range(len(deps))) - set(order))
+        raise ValueError(f"the graph has a cycle through {label(stuck)}")
+    return order
 
 
 def implicit_inputs(node: onnx.NodeProto) -> set[str]:

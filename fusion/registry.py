@@ -1,4 +1,5 @@
-"""Registering patterns and kernels from user code, plugins and installed packages.
+"""The default catalog, and registering patterns and kernels from user code, plugins and
+installed packages.
 
     import fusion
     from fusion import Const, Var, op
@@ -29,11 +30,18 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from fusion.catalog import Catalog, CatalogError, Rule
-from fusion.io import FusionError
+import patterns
+from fusion.catalog import Catalog, Rule
+from fusion.errors import CatalogError, FusionError
 
 ENTRY_POINT_GROUP = "fusion.catalogs"
 USER = Catalog()  # rules registered by user code in this process
+
+
+def default_catalog() -> Catalog:
+    """The built-in catalog (patterns/), catalogs installed under the entry point group
+    `fusion.catalogs`, and rules registered in this process with `fusion.register_pattern`."""
+    return Catalog([*patterns.RULES, *installed_catalogs(), *USER.ordered()])
 
 
 def register_pattern(
@@ -49,8 +57,9 @@ def register_pattern(
     """Add a rule to `catalog` (default: the user catalog that joins the built-in one).
 
     Give `kernel` (plain function), or `prepare` (factory), or neither to get a decorator
-    that takes the kernel function. Other options are Rule's: outputs, attributes, check,
-    priority, description, rtol, atol, explain_after.
+    that takes the kernel function; either way the rule holds a factory (Rule.prepare). Other
+    options are Rule's: outputs, attributes, check, priority, description, rtol, atol,
+    explain_after.
     """
     if kernel is None and prepare is None:
         Rule(name, pattern, inputs=inputs, **options)  # report pattern errors at once
@@ -63,12 +72,12 @@ def register_pattern(
     if kernel is not None and prepare is not None:
         raise CatalogError(f"rule {name!r}: give a kernel or a prepare factory, not both")
     if kernel is not None:
-        _check_arity(name, kernel, len(tuple(inputs)))
+        _require_arity(name, kernel, len(tuple(inputs)))
         factory = _plain_kernel(kernel)
     else:
-        _check_factory(name, prepare)
+        _require_factory_signature(name, prepare)
         factory = prepare
-    rule = Rule(name, pattern, inputs=inputs, kernel=factory, **options)
+    rule = Rule(name, pattern, inputs=inputs, prepare=factory, **options)
     target = USER if catalog is None else catalog
     if catalog is None and rule.name in _builtin_names():
         raise CatalogError(f"a rule named {rule.name!r} is already in the built-in catalog")
@@ -76,6 +85,8 @@ def register_pattern(
 
 
 def _plain_kernel(fn: Callable) -> Callable:
+    """The factory of a plain kernel: attributes become its keyword arguments."""
+
     def factory(attrs: dict, constants: list) -> Callable:
         def run(*inputs):
             out = fn(*inputs, **attrs)
@@ -88,7 +99,7 @@ def _plain_kernel(fn: Callable) -> Callable:
     return factory
 
 
-def _check_arity(name: str, fn: Callable, n_inputs: int) -> None:
+def _require_arity(name: str, fn: Callable, n_inputs: int) -> None:
     try:
         inspect.signature(fn).bind(*([None] * n_inputs))
     except TypeError as exc:
@@ -100,7 +111,7 @@ def _check_arity(name: str, fn: Callable, n_inputs: int) -> None:
         pass
 
 
-def _check_factory(name: str, fn: Callable) -> None:
+def _require_factory_signature(name: str, fn: Callable) -> None:
     try:
         inspect.signature(fn).bind({}, [])
     except TypeError as exc:
@@ -110,8 +121,6 @@ def _check_factory(name: str, fn: Callable) -> None:
 
 
 def _builtin_names() -> set[str]:
-    import patterns
-
     return {rule.name for rule in patterns.RULES}
 
 

@@ -8,17 +8,19 @@ output, and it shares no node with an earlier match. Every rejection keeps its r
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import onnx
 from onnx import helper
 
-from fusion.catalog import DOMAIN, Catalog, Rule, default_catalog
+from fusion.catalog import DOMAIN, Catalog, Rule
+from fusion.errors import CatalogError
 from fusion.functions import BodyError, build_function
-from fusion.graph import GraphView, implicit_inputs, node_label
+from fusion.graph import GraphView, implicit_inputs, node_label, topological_order
 from fusion.matcher import FULL_MATCH, Failure, Match, Matcher, start_state
+from fusion.modelfile import as_model
 from fusion.pattern import Output
+from fusion.registry import default_catalog
 
 FUNCTION_IR_VERSION = 10  # node.overload, which names a function's variant, needs IR 10
 
@@ -264,7 +266,7 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
             nodes.append(node)
     graph = model.graph
     del graph.node[:]
-    graph.node.extend(_toposort(nodes, graph))
+    graph.node.extend(_sorted(nodes))
     alive = {v for n in graph.node for v in (*n.input, *n.output, *implicit_inputs(n))}
     alive |= {o.name for o in graph.output} | {i.name for i in graph.input}
     kept = [vi for vi in graph.value_info if vi.name in alive]
@@ -282,30 +284,15 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
     model.ir_version = max(model.ir_version, FUNCTION_IR_VERSION)
 
 
-def _toposort(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Stable topological order: a node moves only as far as its inputs require."""
+def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The rewritten nodes in a stable topological order: a fused node takes its last node's
+    place, so a node that reads one of its inner outputs (an LSTM cell's c') may stand before it."""
     producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
     deps = [
-        {producer[v] for v in set(n.input) | implicit_inputs(n) if v in producer} for n in nodes
+        [producer[v] for v in set(n.input) | implicit_inputs(n) if v in producer] for n in nodes
     ]
-    users: dict[int, list[int]] = {}
-    for i, ds in enumerate(deps):
-        for d in ds:
-            users.setdefault(d, []).append(i)
-    waiting = [len(ds) for ds in deps]
-    ready = [i for i, w in enumerate(waiting) if w == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(nodes[i])
-        for u in users.get(i, ()):
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(nodes):
-        raise ValueError("the graph has a cycle after rewriting")
-    return order
+    order = topological_order(deps, lambda i: node_label(nodes[i]))
+    return [nodes[i] for i in order]
 
 
 class Explanation(list):
@@ -326,14 +313,9 @@ def explain(model, pattern: str | None = None, catalog: Catalog | None = None) -
     ConvBiasRelu: 3 fused, 1 not fused
       Conv /conv7: dtype float16, kernels are float32-only
     """
-    if not isinstance(model, onnx.ModelProto):
-        from fusion.io import load_model
-
-        model = load_model(model)
+    model = as_model(model)
     catalog = catalog if catalog is not None else default_catalog()
     if pattern is not None and pattern not in catalog:
-        from fusion.catalog import CatalogError
-
         raise CatalogError(f"no pattern named {pattern!r}")
     result = rewrite(model, catalog)
     misses = [n for n in result.near_misses if pattern is None or n.rule == pattern]

@@ -9,57 +9,38 @@ in fusion.Session, both on the same inputs. With per_node, every fused node's ke
 checked on the inputs it actually received against onnxruntime running that node's function
 body, which names the node at fault instead of just the output that drifted.
 
-A float element passes when |fused - original| <= atol + rtol * |original| (NaN matches NaN);
-integers and booleans must be equal. The reported relative error is |fused - original| /
-max(|original|, atol / rtol): below atol / rtol the absolute tolerance is what counts, so values
-near zero do not make it meaningless, and a passing output has max_rel <= 2 * rtol. Default
-tolerances: the loosest rtol and atol among the rules whose fused nodes appear in the model.
+Values are compared by fusion.numerics (compare_arrays), with its tolerance rule by default:
+the loosest rtol and atol among the rules whose fused nodes appear in the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
-from fusion.catalog import DOMAIN, Catalog, Rule, default_catalog
+from fusion.catalog import DOMAIN, Catalog
+from fusion.errors import FusionError
+from fusion.feeds import model_inputs
 from fusion.graph import GraphView, node_label
-from fusion.io import FusionError
-from fusion.runtime import Session, load
-
-BATCH_DIM = 1  # a symbolic first axis (batch) in random inputs
-OTHER_DIM = 32  # any other symbolic axis in random inputs (override with dims={"name": n})
-RULE_RTOL = Rule.__dataclass_fields__["rtol"].default  # when no fused node names a rule
-RULE_ATOL = Rule.__dataclass_fields__["atol"].default
-
-
-@dataclass
-class Check:
-    """One compared value: a graph output, or one output of one fused node."""
-
-    name: str
-    max_abs: float
-    max_rel: float
-    ok: bool
-    shape: tuple = ()
-    note: str = ""  # why it failed beyond the numbers (shape or dtype mismatch)
-    node: str = ""  # per-node checks: the fused node's label
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
+from fusion.modelfile import as_model
+from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, Comparison, compare_arrays, tolerance
+from fusion.ort import REFERENCE, inference_session
+from fusion.registry import default_catalog
+from fusion.rewriter import rewrite
+from fusion.runtime import Session
+from fusion.runtime.kernel import build_kernel
 
 
 @dataclass
 class VerifyReport:
-    outputs: list[Check]
-    nodes: list[Check] = field(default_factory=list)  # per_node checks, in run order
-    rtol: float = RULE_RTOL
-    atol: float = RULE_ATOL
+    outputs: list[Comparison]
+    nodes: list[Comparison] = field(default_factory=list)  # per_node comparisons, in run order
+    rtol: float = DEFAULT_RTOL
+    atol: float = DEFAULT_ATOL
     inputs: str = ""  # where the inputs came from
 
     @property
@@ -93,11 +74,11 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _table(title: str, checks: list[Check]) -> list[str]:
-    labels = [f"{c.node} -> {c.name}" if c.node else c.name for c in checks]
+def _table(title: str, rows: list[Comparison]) -> list[str]:
+    labels = [f"{c.node} -> {c.name}" if c.node else c.name for c in rows]
     width = max([len(label) for label in labels] + [len(title)])
     lines = [f"{title:<{width}}  {'shape':<16} {'max abs':>10} {'max rel':>10}  result"]
-    for label, c in zip(labels, checks, strict=True):
+    for label, c in zip(labels, rows, strict=True):
         result = "ok" if c.ok else f"FAIL {c.note}".rstrip()
         shape = str(list(c.shape))
         lines.append(
@@ -123,48 +104,37 @@ def verify(
     inputs: dict of name -> array or .npy path, an .npz path, an .npy path (one-input model), a
     list in input order, or None for seeded random inputs from the declared shapes.
     """
-    original = load(original)
+    original = as_model(original)
     if fused is None:
-        from fusion.rewriter import rewrite
-
         fused = rewrite(original, catalog).model
-    fused = load(fused)
+    fused = as_model(fused)
     catalog = catalog if catalog is not None else default_catalog()
-    rules = [catalog.get(n.op_type) for n in fused.graph.node if n.domain == DOMAIN]
-    rules = [r for r in rules if r is not None]
-    out_rtol = rtol if rtol is not None else max([r.rtol for r in rules], default=RULE_RTOL)
-    out_atol = atol if atol is not None else max([r.atol for r in rules], default=RULE_ATOL)
+    out_rtol, out_atol = tolerance(catalog.rules_in(fused), rtol, atol)
 
     feeds, source = model_inputs(original, inputs, seed, dims)
-    session = Session(fused, threads=None, fuse=False, catalog=catalog)
-    values = session.run_with_intermediates(feeds)  # first: its feed errors are one line
-    expected = _reference(original).run(None, feeds)
+    fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
+    values = fused_session.run_with_intermediates(feeds)  # first: its feed errors are one line
+    expected = inference_session(original, REFERENCE).run(None, feeds)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
     for out, want in zip(original.graph.output, expected, strict=True):
         if out.name not in values:
-            report.outputs.append(Check(out.name, np.inf, np.inf, False, note="not produced"))
+            report.outputs.append(Comparison(out.name, np.inf, np.inf, False, note="not produced"))
             continue
-        report.outputs.append(compare(out.name, values[out.name], want, out_rtol, out_atol))
+        report.outputs.append(compare_arrays(out.name, values[out.name], want, out_rtol, out_atol))
     if not per_node:
         return report
-    for step in session.steps:
+    for step in fused_session.steps:
         if step.kind != "kernel":
             continue
         rule = catalog.get(step.node.op_type)
         args = [values[v] if v else None for v in step.inputs]
         got = [values[v] for v in step.outputs if v]
-        report.nodes += _check_against_body(
-            fused,
-            step.node,
-            args,
-            got,
-            rtol if rtol is not None else rule.rtol,
-            atol if atol is not None else rule.atol,
-        )
+        node_rtol, node_atol = tolerance([rule], rtol, atol)
+        report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol)
     return report
 
 
-def check_node(
+def verify_node(
     model: onnx.ModelProto,
     node: onnx.NodeProto,
     input_values,
@@ -178,7 +148,7 @@ def check_node(
     Returns (max_abs, max_rel, ok) over the node's outputs, with the rule's tolerances unless
     given. For a rewriter's rollback:
 
-    >>> max_abs, max_rel, ok = check_node(fused_model, fused_node, [x, w, b])
+    >>> max_abs, max_rel, ok = verify_node(fused_model, fused_node, [x, w, b])
     """
     catalog = catalog if catalog is not None else default_catalog()
     rule = catalog.get(node.op_type)
@@ -186,31 +156,25 @@ def check_node(
         raise FusionError(f"{node_label(node)} is not a fused node of a rule in the catalog")
     if isinstance(input_values, Mapping):
         input_values = [input_values.get(v) if v else None for v in node.input]
-    view = GraphView(model)
-    attrs = {}
-    for a in node.attribute:
-        value = helper.get_attribute_value(a)
-        attrs[a.name] = value.decode() if isinstance(value, bytes) else value
-    kernel = rule.make_kernel(attrs, [view.constant(v) if v else None for v in node.input])
+    kernel = build_kernel(rule, node, GraphView(model))
     got = list(kernel(*input_values))
-    rtol, atol = rule.rtol if rtol is None else rtol, rule.atol if atol is None else atol
-    checks = _check_against_body(model, node, input_values, got, rtol, atol)
+    outputs = _compare_with_body(model, node, input_values, got, *tolerance([rule], rtol, atol))
     return (
-        max(c.max_abs for c in checks),
-        max(c.max_rel for c in checks),
-        all(c.ok for c in checks),
+        max(c.max_abs for c in outputs),
+        max(c.max_rel for c in outputs),
+        all(c.ok for c in outputs),
     )
 
 
-def _check_against_body(model, node, args, got, rtol, atol) -> list[Check]:
+def _compare_with_body(model, node, args, got, rtol, atol) -> list[Comparison]:
     want = run_function_body(model, node, args)
     names = [v for v in node.output if v]
     label = node_label(node)
     if len(got) != len(want):
         note = f"the kernel returned {len(got)} outputs, the function {len(want)}"
-        return [Check(names[0], np.inf, np.inf, False, note=note, node=label)]
+        return [Comparison(names[0], np.inf, np.inf, False, note=note, node=label)]
     return [
-        Check(**{**vars(compare(name, g, w, rtol, atol)), "node": label})
+        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol)), "node": label})
         for name, g, w in zip(names, got, want, strict=True)
     ]
 
@@ -230,95 +194,4 @@ def run_function_body(model: onnx.ModelProto, node: onnx.NodeProto, args) -> lis
         functions=list(model.functions),
         ir_version=model.ir_version,
     )
-    session = _reference(single)
-    return session.run(None, feeds)
-
-
-def compare(name: str, got, want, rtol: float, atol: float) -> Check:
-    got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape:
-        note = f"shape {list(got.shape)}, expected {list(want.shape)}"
-        return Check(name, np.inf, np.inf, False, tuple(want.shape), note)
-    note = "" if got.dtype == want.dtype else f"dtype {got.dtype}, expected {want.dtype}"
-    if got.size == 0 or got.dtype.kind != "f" or want.dtype.kind != "f":
-        ok = np.array_equal(got, want) and not note  # integers, booleans: exactly
-        return Check(name, 0.0 if ok else np.inf, 0.0 if ok else np.inf, ok, got.shape, note)
-    a, b = got.astype(np.float64), want.astype(np.float64)
-    floor = atol / rtol if rtol > 0 else atol or np.finfo(np.float64).tiny
-    with np.errstate(invalid="ignore", over="ignore"):
-        same = (a == b) | (np.isnan(a) & np.isnan(b))  # equal infinities and NaNs agree
-        err = np.where(same, 0.0, np.abs(a - b))
-        err[np.isnan(err)] = np.inf  # NaN against a number is as bad as it gets
-        rel = err / np.where(same, 1.0, np.maximum(np.abs(b), floor))
-        ok = bool(np.all(same | (err <= atol + rtol * np.abs(b)))) and not note
-    return Check(name, float(err.max()), float(rel.max()), ok, got.shape, note)
-
-
-# ---- inputs ----------------------------------------------------------------------------------
-def model_inputs(model, inputs, seed: int, dims: Mapping[str, int] | None):
-    """(feeds, description): the given inputs loaded, or random ones from declared shapes."""
-    view = GraphView(model)
-    names = view.graph_inputs
-    if inputs is None:
-        return random_inputs(view, seed, dims or {}), f"random (seed {seed})"
-    if isinstance(inputs, (str, Path)):
-        path = Path(inputs)
-        if path.suffix == ".npz":
-            with _load_npy(path) as archive:
-                return {k: archive[k] for k in archive.files}, str(path)
-        if len(names) != 1:
-            raise FusionError(f"{path}: one array, but the model has {len(names)} inputs; use .npz")
-        return {names[0]: _load_npy(path)}, str(path)
-    if isinstance(inputs, Mapping):
-        feeds = {k: _load_npy(v) if isinstance(v, (str, Path)) else v for k, v in inputs.items()}
-        return feeds, "given"
-    if isinstance(inputs, Sequence):
-        if len(inputs) != len(names):
-            raise FusionError(f"{len(inputs)} inputs given, the model has {len(names)}")
-        arrays = [_load_npy(v) if isinstance(v, (str, Path)) else v for v in inputs]
-        return dict(zip(names, arrays, strict=True)), "given"
-    raise FusionError(f"inputs: expected a dict, a list or an .npy/.npz path, not {type(inputs)}")
-
-
-def _load_npy(path):
-    """An .npy array, or an .npz archive (a context manager of arrays)."""
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise FusionError(f"{path}: cannot read it as .npy/.npz ({exc})") from None
-
-
-def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """Standard normal floats, small non-negative ints (safe as indices), random booleans."""
-    rng = np.random.default_rng(seed)
-    feeds, named = {}, dict(dims)  # a symbolic dim gets one size in every input that names it
-    for name in view.graph_inputs:
-        vt = view.type_of(name)
-        if vt is None or not vt.elem_type or vt.shape is None:
-            raise FusionError(f"input {name!r} has no declared type and shape; pass inputs=")
-        shape = []
-        for axis, d in enumerate(vt.shape):
-            if isinstance(d, int) and d > 0:
-                shape.append(d)
-            elif isinstance(d, str) and d:
-                shape.append(named.setdefault(d, BATCH_DIM if axis == 0 else OTHER_DIM))
-            else:
-                shape.append(BATCH_DIM if axis == 0 else OTHER_DIM)
-        dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
-        if dtype.kind == "f":
-            feeds[name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind in "iu":
-            feeds[name] = rng.integers(0, 4, shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[name] = rng.random(shape) < 0.5
-        else:
-            raise FusionError(f"input {name!r}: cannot make random {dtype} values; pass inputs=")
-    return feeds
-
-
-def _reference(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: warnings would break one-line stderr
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    data = model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    return inference_session(single, REFERENCE).run(None, feeds)

@@ -1,33 +1,31 @@
-"""The one place for Numba options used by every kernel in this package.
+"""The one place for Numba options used by every kernel in this package, and the thread
+settings; importing it changes nothing (apply_thread_settings does, when called).
 
 fastmath is a named flag set: "nsz", "arcp", "contract", "afn", "reassoc" let LLVM fuse a*b+c
 into one FMA and reorder sums, while leaving out "nnan"/"ninf" keeps NaN and inf honest (a NaN
-input still gives a NaN output, as onnxruntime does).
-
-GEMM micro-kernels use GEMM_FASTMATH, the same set without "reassoc". Measured on this machine
-(AMD EPYC Zen1, AVX2): with "reassoc" the loop vectorizer turns every register accumulator into a
-strided reduction over k (about 9 GFLOP/s per core); without it the SLP vectorizer packs the 4x16
-accumulator block into ymm registers (about 30-38 GFLOP/s per core, near peak).
+input still gives a NaN output, as onnxruntime does). GEMM micro-kernels use GEMM_FASTMATH, the
+same set without "reassoc": with it the loop vectorizer turns every register accumulator into a
+strided reduction over k, without it SLP packs the 4x16 block into ymm registers (bench/NOTES.md).
 """
 
 import os
 import threading
 
-# Numba's default "omp" threading layer spins idle workers after each parallel loop. On a busy
-# machine, or between onnxruntime ops, that spinning steals the cores others need: measured on
-# the 4-conv bench under load, 170 ms spinning vs 57 ms passive. libgomp reads this once when
-# Numba first starts its thread pool, so it must be set before the first parallel kernel runs;
-# setdefault keeps a user's own choice.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ...but sleeping at once costs a futex wake-up at the start of every parallel region, and a
-# fused model runs short ones back to back (convs a few tens of microseconds of Python apart).
-# An explicit spin count overrides PASSIVE's zero: 1000 spins keep a worker awake for some tens
-# of microseconds after a region, then it sleeps as before. A tiny 1x1 conv call, 2 threads:
-# 40 us with GOMP_SPINCOUNT=0, 17 us with 1000 (`python bench/overheads.py`, with and without
-# the variable). 3000 and 30000 spins were no faster in a scratch run and burnt more CPU.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+import numba
 
-import numba  # noqa: E402
+# Numba's OpenMP workers: sleep when idle (spinning steals the cores onnxruntime and other
+# processes need), but only after 1000 spins, so that back-to-back short parallel regions do not
+# each pay a futex wake-up. Measurements in bench/NOTES.md (kernels/config.py).
+THREAD_SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+
+
+def apply_thread_settings():
+    """Set THREAD_SETTINGS in the environment unless the user set them. libgomp reads them once,
+    when Numba starts its thread pool (the first parallel kernel call, or set_threads), so this
+    must run before that: fusion.Session calls it before it builds its first kernel."""
+    for name, value in THREAD_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
 
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 GEMM_FASTMATH = FASTMATH - {"reassoc"}
@@ -85,10 +83,12 @@ _slp_before = 0  # the flag before the first of them
 
 
 def set_threads(n):
-    """Set how many threads the parallel kernels use (in the calling thread).
+    """Set how many threads the parallel kernels use (in the calling thread). Starts Numba's
+    thread pool if it has not started, with the thread settings applied first.
 
     >>> set_threads(2)
     """
+    apply_thread_settings()
     n = int(n)
     if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
         raise ValueError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")

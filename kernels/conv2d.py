@@ -30,8 +30,9 @@ import numpy as np
 
 from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
 from .config import JIT, get_threads, slp_vectorize
+from .windows import conv_output_shape as output_shape
+from .windows import window_attributes
 
-AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
 ACTIVATIONS = (None, "relu", "clip")
 _WINOGRAD_MIN_CHANNELS = 8  # below this the GEMMs are too thin to pay for the transforms
 # F(4x4, 3x3) up to this many input channels, F(2x2, 3x3) above. F(4x4) does 4x fewer
@@ -67,25 +68,6 @@ class Conv2DPlan:
     im2col_packed: np.ndarray  # weights packed for im2col: every plan can take that path
     # (input shape, threads) -> _launch(...): the per-call arithmetic done once per shape
     launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
-
-
-def _pair(name, value, minimum):
-    t = tuple(int(v) for v in value)
-    if len(t) != 2 or min(t) < minimum:
-        raise ValueError(f"{name} must be 2 integers >= {minimum}, got {value!r}")
-    return t
-
-
-def window_attributes(strides, dilations, pads, auto_pad):
-    """(strides, dilations, pads) as int tuples, checked; a Conv's or a pool's attributes."""
-    strides = _pair("strides", strides, 1)
-    dilations = _pair("dilations", dilations, 1)
-    pads = tuple(int(p) for p in pads)
-    if len(pads) != 4 or min(pads) < 0:
-        raise ValueError(f"pads must be 4 integers >= 0 (top, left, bottom, right), got {pads}")
-    if auto_pad not in AUTO_PADS:
-        raise ValueError(f"auto_pad must be one of {AUTO_PADS}, got {auto_pad!r}")
-    return strides, dilations, pads
 
 
 def prepare_conv2d(
@@ -162,28 +144,6 @@ def prepare_conv2d(
         packed=packed,
         im2col_packed=im2col_packed,
     )
-
-
-def _axis_pads(size, k, s, d, mode, begin, end):
-    """(begin, end) padding of one spatial axis, with ONNX auto_pad semantics."""
-    if mode == "NOTSET":
-        return begin, end
-    if mode == "VALID":
-        return 0, 0
-    total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
-    small = total // 2  # SAME_UPPER puts the odd extra pixel at the end, SAME_LOWER at the start
-    return (small, total - small) if mode == "SAME_UPPER" else (total - small, small)
-
-
-def output_shape(x_shape, plan):
-    """(N, M, OH, OW) and pads (top, left, bottom, right) for an input of shape x_shape."""
-    n, _, h, w = x_shape
-    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-    pt, pb = _axis_pads(h, kh, sh, dh, plan.auto_pad, plan.pads[0], plan.pads[2])
-    pl, pr = _axis_pads(w, kw, sw, dw, plan.auto_pad, plan.pads[1], plan.pads[3])
-    oh = (h + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
-    ow = (w + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
-    return (n, plan.out_channels, oh, ow), (pt, pl, pb, pr)
 
 
 def _check_out(out, shape, x):

@@ -413,3 +413,46 @@ def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):
     """One step: x [B, I], h, c [B, H] -> (h', c')."""
     hs, cs = lstm_sequence(x[None], h, c, plan)
     return hs[0], cs[0]
+
+
+# ---- hooks for tests: a call's scratch, one thread's part run alone ------------------------------
+def workspace(x: np.ndarray, plan: LSTMPlan):
+    """The calling thread's scratch (floats, ints) that the next call on x will reuse."""
+    return _workspace(*_workspace_size(x, plan.wh.shape[0] * U))
+
+
+def carve(x, h0, c0, plan: LSTMPlan):
+    """A fresh workspace of _workspace_size's size, carved as a call on x carves it: (scratch,
+    done flags, n_floats, n_ints); scratch is (xp, gx, hs, cs) row by row (hs, cs holding the
+    initial state in row 0), (z, c) for the column tile."""
+    steps, batch = x.shape[:2]
+    units = plan.wh.shape[0] * U
+    n_floats, n_ints = _workspace_size(x, units)
+    floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
+    if batch <= ROWS_MAX:
+        hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
+        xp, gx, done = _call(_start_row, x, h0, c0, floats, ints, hs, cs)
+        return (xp, gx, hs, cs), done, n_floats, n_ints
+    z, c, done = _call(_carve, x, units, floats, ints)
+    return (z, c), done, n_floats, n_ints
+
+
+def run_part(x, h0, c0, plan: LSTMPlan, part: int, parts: int, started=()):
+    """Part `part` of `parts` alone, as its thread runs it in a call whose other threads marked
+    the flags done[started] STARTED and were then descheduled for good. (hs, cs, done flags)."""
+    steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
+    scratch, done, _, _ = carve(x, h0, c0, plan)
+    done[started] = STARTED
+    if batch <= ROWS_MAX:
+        xp, gx, hs, cs = scratch
+        _call(_run, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done)
+        return hs[1:, :, :hidden], cs[1:, :, :hidden], done
+    z, c = scratch
+    hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
+    _call(_run_cols, part, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done)
+    return hs, cs, done
+
+
+def compiled_signatures() -> list:
+    """The signatures the two sequence kernels have been compiled for in this process."""
+    return [*_sequence.signatures, *_sequence_cols.signatures]

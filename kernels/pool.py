@@ -3,11 +3,8 @@
     y[n, c, oh, ow] = max over the taps (i, j) inside the image of
                       x[n, c, oh * sh - pt + i * dh, ow * sw - pl + j * dw]
 
-Padding never wins (it is not a value), as in ONNX. The output size follows onnxruntime
-(pool_attributes.h), which differs from ONNX's shape inference in places: e = H + pads -
-(kh - 1) dh - 1, OH = e / sh + 1 truncated toward zero, or with ceil_mode rounded up and then
-one less when the last window would start past the image and its leading padding (PyTorch's
-rule); ceil_mode applies under auto_pad VALID too; SAME pads for the undilated kernel.
+Padding never wins (it is not a value), as in ONNX. The output size follows onnxruntime, and
+prepare_maxpool checks the attributes as it does (both in windows.py, which a rewrite uses).
 
 The maximum is separable: per output row, the column-wise maximum of its kh input rows is one
 contiguous vector loop per row, then the windows along that row (constant-stride loops for the
@@ -21,78 +18,19 @@ without dilation); this kernel gives NaN when the NaN is in the window's last co
 column-wise pass, and a value of the window otherwise. Not guaranteed to agree.
 """
 
-import dataclasses
-
 import numba
 import numpy as np
 
 from .config import INLINE, PARALLEL
-from .conv2d import _pair, cached_launch, window_attributes
+from .conv2d import cached_launch
+from .windows import MaxPoolPlan, prepare_maxpool
+from .windows import maxpool_output_shape as output_shape
+
+__all__ = ["MaxPoolPlan", "global_average_pool", "maxpool2d", "output_shape", "prepare_maxpool"]
 
 # onnxruntime starts every window at the lowest float (a window with no tap inside the image,
 # possible with dilation, gives that, not -inf)
 LOWEST = np.float32(np.finfo(np.float32).min)
-
-
-@dataclasses.dataclass(frozen=True)
-class MaxPoolPlan:
-    """A MaxPool node's attributes, checked once. Build it with prepare_maxpool."""
-
-    kernel: tuple
-    strides: tuple
-    dilations: tuple
-    pads: tuple  # (top, left, bottom, right); ignored unless auto_pad == "NOTSET"
-    auto_pad: str
-    ceil_mode: bool
-    launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
-
-
-def prepare_maxpool(kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-                    ceil_mode=False, auto_pad="NOTSET"):  # fmt: skip
-    """Check a MaxPool's attributes (pads in ONNX order: top, left, bottom, right)."""
-    kernel = _pair("kernel", kernel, 1)
-    strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
-    if any(p >= k for p, k in zip(pads, kernel * 2, strict=True)):
-        raise ValueError(f"pads {pads} must be smaller than the kernel {kernel} (as onnxruntime)")
-    return MaxPoolPlan(kernel, strides, dilations, pads, auto_pad, bool(ceil_mode))
-
-
-def _div0(a, b):
-    """a / b rounded toward zero, as C++ divides."""
-    return a // b if a >= 0 else -(-a // b)
-
-
-def _axis(size, k, s, d, mode, begin, end, ceil_mode, dilated):
-    """(output size, leading pad, trailing pad) of one axis, as onnxruntime computes them."""
-    if mode == "VALID":
-        begin = end = 0
-    elif mode in ("SAME_UPPER", "SAME_LOWER"):
-        total = (-(-size // s) - 1) * s + k - size  # the undilated kernel, as onnxruntime
-        if total < 0 and not dilated:  # (its path for dilated pools goes on with a negative
-            # trailing pad, on every axis)
-            raise ValueError(f"{mode} padding of a size-{size} axis is negative (kernel {k} < "
-                             f"stride {s}); onnxruntime rejects it too")  # fmt: skip
-        begin = _div0(total + 1, 2) if mode == "SAME_LOWER" else _div0(total, 2)
-        end = total - begin
-    e = size + begin + end - (k - 1) * d - 1
-    if ceil_mode:
-        out = -(-e // s) + 1
-        if (out - 1) * s >= size + begin:
-            out -= 1  # the last window would start in the trailing padding
-    else:
-        out = _div0(e, s) + 1
-    return out, begin, end
-
-
-def output_shape(x_shape, plan):
-    """(N, C, OH, OW) and pads (top, left, bottom, right) for an input of shape x_shape."""
-    n, c, h, w = x_shape
-    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-    mode, pads, ceil = plan.auto_pad, plan.pads, plan.ceil_mode
-    dilated = plan.dilations != (1, 1)
-    oh, pt, pb = _axis(h, kh, sh, dh, mode, pads[0], pads[2], ceil, dilated)
-    ow, pl, pr = _axis(w, kw, sw, dw, mode, pads[1], pads[3], ceil, dilated)
-    return (n, c, oh, ow), (pt, pl, pb, pr)
 
 
 def _launch(plan, x_shape, threads):

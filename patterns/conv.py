@@ -75,7 +75,7 @@ def folded_bias(channels: int, *biases: np.ndarray | None) -> np.ndarray | None:
 
 
 def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
-    from kernels.conv2d import prepare_conv2d
+    from kernels.conv2d import prepare_conv2d  # heavy (Numba): only when a kernel is built
 
     return prepare_conv2d(
         weight,
@@ -93,7 +93,7 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
 
 def make_kernel(attrs: dict, constants: list):
     """Prepare the weights once; the returned function runs the fused convolution."""
-    from kernels.conv2d import conv2d_bias_act
+    from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
 
     _, weight, bias, bias_add = (list(constants) + [None] * 4)[:4]
     plan = conv_plan(attrs, weight, folded_bias(weight.shape[0], bias, bias_add))
@@ -108,7 +108,7 @@ RULE = Rule(
     "ConvBiasRelu",
     conv_bias_relu(),
     inputs=("x", "W", "B", "bias_add"),
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=conv_attributes,
     check=check_bias,
     priority=10,

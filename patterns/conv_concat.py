@@ -73,7 +73,7 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack every branch's weights once; run(*inputs) returns the concatenated output."""
-    from kernels.conv_concat import conv_concat
+    from kernels.conv_concat import conv_concat  # heavy (Numba): only when a kernel is built
 
     count = attrs["branches"]
     constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]
@@ -94,7 +94,7 @@ RULE = Rule(
     None,
     inputs=("parts",),
     outputs=("y",),
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=attributes,
     finder=find_concat,
     anchor_ops=("Concat",),

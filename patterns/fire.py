@@ -51,9 +51,9 @@ def fire_attributes(m) -> dict:
     return attrs
 
 
-def make_kernel(attrs: dict, constants: list):
-    """Pack the three convs' weights once; run(x) returns the concatenated output."""
-    from kernels.fire import fire, prepare_fire
+def fire_plan(attrs: dict, constants: list):
+    """The kernel's FirePlan: the three convs' weights packed, the branches in Concat order."""
+    from kernels.fire import prepare_fire  # heavy (Numba): only when a kernel is built
 
     constants = [*constants, *[None] * (len(INPUTS) - len(constants))]  # trailing absent inputs
     given = dict(zip(INPUTS, constants, strict=True))
@@ -64,7 +64,14 @@ def make_kernel(attrs: dict, constants: list):
         conv = {k[len(prefix) :]: v for k, v in attrs.items() if k.startswith(prefix)}
         plans[prefix] = conv_plan(conv, w, bias)
     expands = [plans[EXPAND1], plans[EXPAND3]]
-    plan = prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))
+    return prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))
+
+
+def make_kernel(attrs: dict, constants: list):
+    """Pack the three convs' weights once; run(x) returns the concatenated output."""
+    from kernels.fire import fire  # heavy (Numba): only when a kernel is built
+
+    plan = fire_plan(attrs, constants)
 
     def run(x, *_constants):
         return (fire(x, plan),)
@@ -78,7 +85,7 @@ RULE = Rule(
     "FireModule",
     fire_module(),
     inputs=INPUTS,
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=fire_attributes,
     check=check_fire,
     priority=20,  # contains three ConvBiasRelu (10) matches, so it goes first

@@ -149,7 +149,7 @@ def cell_weights(attrs: dict, constants: list):
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs one step."""
-    from kernels.lstm import lstm_cell, prepare_lstm
+    from kernels.lstm import lstm_cell, prepare_lstm  # heavy (Numba): only when a kernel is built
 
     plan = prepare_lstm(*cell_weights(attrs, constants))
 
@@ -164,7 +164,7 @@ RULE = Rule(
     Alt(cell("split"), cell("slice")),
     inputs=("x", "h", "c", "W", "R", "B", "B2", "forget_bias"),
     outputs=("h_out", "c_out"),
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=attributes,
     check=check,
     priority=10,

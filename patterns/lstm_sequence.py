@@ -21,6 +21,7 @@ import onnx
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView, node_label
 from fusion.matcher import Match
+from patterns.lstm import cell_weights
 
 WEIGHTS = ("W", "R", "B", "B2", "forget_bias")  # inputs 3.. of an LSTMCell node
 
@@ -135,8 +136,7 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs all steps."""
-    from kernels.lstm import lstm_sequence, prepare_lstm
-    from patterns.lstm import cell_weights
+    from kernels.lstm import lstm_sequence, prepare_lstm  # heavy (Numba): only when built
 
     steps, folded = attrs["steps"], attrs.get("folded", 0)
     n_x = 1 if folded else steps
@@ -175,7 +175,7 @@ RULE = Rule(
     None,
     inputs=("xs", "h0", "c0", *WEIGHTS),
     outputs=("hs", "cs"),
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=attributes,
     finder=find_chain,
     anchor_ops=("LSTMCell",),

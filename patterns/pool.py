@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fusion.catalog import Rule
 from fusion.pattern import Var, op
+from kernels.windows import prepare_maxpool
 
 
 def attributes(m) -> dict:
@@ -30,8 +31,6 @@ def attributes(m) -> dict:
 
 
 def _plan(attrs: dict):
-    from kernels.pool import prepare_maxpool
-
     return prepare_maxpool(
         attrs["kernel_shape"],
         strides=attrs["strides"],
@@ -62,7 +61,7 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.pool import maxpool2d
+    from kernels.pool import maxpool2d  # heavy (Numba): only when a kernel is built
 
     plan = _plan(attrs)
 
@@ -76,7 +75,7 @@ RULE = Rule(
     "MaxPool2D",
     op.MaxPool(Var("x", dtype="float32", rank=4), _name="pool"),
     inputs=("x",),
-    kernel=make_kernel,
+    prepare=make_kernel,
     attributes=attributes,
     check=check,
     description="2-D MaxPool, float32 NCHW, in-process between fused nodes (no island)",
@@ -87,7 +86,7 @@ RULE = Rule(
 
 
 def make_gap_kernel(attrs: dict, constants: list):
-    from kernels.pool import global_average_pool
+    from kernels.pool import global_average_pool  # heavy (Numba): only when a kernel is built
 
     def run(x):
         return (global_average_pool(x),)
@@ -104,7 +103,7 @@ GAP_FLATTEN = Rule(
     "GlobalAvgPoolFlatten",
     op.Flatten(op.GlobalAveragePool(Var("x", dtype="float32", rank=4), _name="gap"), _name="flat"),
     inputs=("x",),
-    kernel=make_gap_kernel,
+    prepare=make_gap_kernel,
     check=check_flatten,
     description="GlobalAveragePool + Flatten(axis=1), float32 NCHW -> [N, C] (classifier heads)",
     explain_after="GlobalAveragePool",

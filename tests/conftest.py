@@ -12,6 +12,11 @@ import warnings
 
 
 def pytest_configure(config):
+    # Tests call kernels directly, outside a fusion.Session: give their Numba thread pool the
+    # settings a session applies (kernels.config.apply_thread_settings), in every process.
+    from kernels.config import apply_thread_settings
+
+    apply_thread_settings()
     if hasattr(config, "workerinput") or os.environ.get("FUSION_NO_WARMUP") == "1":
         return  # an xdist worker: the controller has done it
     if not config.getoption("numprocesses", None):

@@ -15,15 +15,22 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from builders import GraphBuilder, conv_block, random_feeds, run_ort
+from helpers import (
+    GraphBuilder,
+    assert_close,
+    control_flow_model,
+    conv_block,
+    random_feeds,
+    run_ort,
+    save_external,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 from fusion.cli import main
-from fusion.examples import conv_stack
-from fusion.io import save_model
+from fusion.modelfile import all_tensors, save_model
+from fusion.models import conv_stack
 from fusion.runtime import InvalidFeed
 
 slow = pytest.mark.skipif(not os.environ.get("FUSION_SLOW"), reason="set FUSION_SLOW=1 to run")
@@ -204,22 +211,10 @@ def test_in_place_replaces_the_input_atomically(capsys, tmp_path, model_file):
     code, out, _ = cli(capsys, "rewrite", model_file, "-o", model_file, "--in-place")
     assert code == 0 and "2 fusions" in out
     assert sorted(state(tmp_path)) == ["in.onnx"]
-    np.testing.assert_allclose(run_ort(onnx.load(model_file), feeds)[0], want[0], rtol=1e-5)
+    assert_close(run_ort(onnx.load(model_file), feeds)[0], want[0], rtol=1e-5, atol=0)
 
 
 # ---- external data ---------------------------------------------------------------------------
-def save_external(model: onnx.ModelProto, path: Path, location: str = "weights.bin") -> None:
-    onnx.save_model(
-        model, str(path), save_as_external_data=True, location=location, size_threshold=0
-    )
-
-
-def ort_path(path: Path, feeds: dict) -> list[np.ndarray]:
-    """onnxruntime on a file, so that it reads the external data beside it itself."""
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
 def test_external_data_is_written_beside_the_output(capsys, tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     model = conv_stack(blocks=3, channels=16, size=6)
@@ -232,14 +227,14 @@ def test_external_data_is_written_beside_the_output(capsys, tmp_path):
     assert sorted(state(tmp_path / "b")) == ["out.onnx", "out.onnx.data"]
     fused = onnx.load(str(dst), load_external_data=False)
     assert all(n.domain == "fusion" for n in fused.graph.node)
-    assert {e.value for t in fusion.io.all_tensors(fused) for e in t.external_data} >= {
+    assert {e.value for t in all_tensors(fused) for e in t.external_data} >= {
         "out.onnx.data"
     }  # the weights stay outside the model file
     onnx.checker.check_model(str(dst), full_check=True)
     feeds = random_feeds(model)
-    want = ort_path(src, feeds)
-    for got in (ort_path(dst, feeds), fusion.Session(str(dst), threads=1).run(None, feeds)):
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    want = run_ort(src, feeds)
+    for got in (run_ort(dst, feeds), fusion.Session(str(dst), threads=1).run(None, feeds)):
+        assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     first = state(tmp_path / "b")
     assert cli(capsys, "rewrite", src, "-o", dst)[0] == 0
     assert state(tmp_path / "b") == first  # the same bytes again: the data is not appended
@@ -255,7 +250,7 @@ def test_external_data_with_nothing_to_fuse(capsys, tmp_path):
     assert code == 0 and "0 fusions" in out
     assert sorted(state(tmp_path)) == ["in.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
     feeds = random_feeds(model)
-    np.testing.assert_array_equal(ort_path(dst, feeds)[0], ort_path(src, feeds)[0])
+    assert_close(run_ort(dst, feeds)[0], run_ort(src, feeds)[0], rtol=0, atol=0)
 
 
 def test_in_place_with_external_data(capsys, tmp_path):
@@ -263,10 +258,10 @@ def test_in_place_with_external_data(capsys, tmp_path):
     src = tmp_path / "in.onnx"
     save_external(model, src, location="in.onnx.data")
     feeds = random_feeds(model)
-    want = ort_path(src, feeds)
+    want = run_ort(src, feeds)
     assert cli(capsys, "rewrite", src, "-o", src, "--in-place")[0] == 0
     assert sorted(state(tmp_path)) == ["in.onnx", "in.onnx.data"]
-    np.testing.assert_allclose(ort_path(src, feeds)[0], want[0], rtol=1e-4, atol=1e-5)
+    assert_close(run_ort(src, feeds)[0], want[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("output", ["weights.bin", "weights"])  # the file itself, or OUT.data
@@ -338,9 +333,9 @@ def test_model_over_2gb_with_external_data(capsys, tmp_path):
         assert code == 0, err
         assert "fusion" in out and (tmp_path / "out.onnx.data").stat().st_size >= 4 * n
         feeds = random_feeds(small_model())
-        want, got = ort_path(src, feeds), ort_path(dst, feeds)
-        np.testing.assert_array_equal(got[1], [0.0, 7.0])
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+        want, got = run_ort(src, feeds), run_ort(dst, feeds)
+        assert_close(got[1], [0.0, 7.0], rtol=0, atol=0, check_dtype=False)
+        assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     finally:
         for name in ("big.bin", "out.onnx.data"):  # pytest keeps tmp folders: not 4 GB of them
             (tmp_path / name).unlink(missing_ok=True)
@@ -486,80 +481,10 @@ def test_unfusable_model_is_left_unchanged_with_a_reason(capsys, tmp_path, case)
         feeds = {"x": x, "shape": np.array([2, 2, 5, 5], np.int64)}
     want = run_ort(model, feeds)
     got = fusion.Session(str(dst), threads=1).run(None, feeds)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 # ---- control flow ----------------------------------------------------------------------------
-PADS = [1, 1, 1, 1]
-
-
-def builder(seed: int) -> GraphBuilder:
-    """A GraphBuilder whose names do not clash with another's (subgraphs share one namespace)."""
-    g = GraphBuilder(seed=seed)
-    g._count = 100 * seed
-    return g
-
-
-def branch(name: str, x: str, cout: int, seed: int, outer: str | None = None) -> onnx.GraphProto:
-    """A subgraph holding a whole Conv + bias + Relu (weights its own, input from outside)."""
-    g = builder(seed)
-    y = conv_block(g, x, 4, cout, bias="add", pads=PADS)
-    if outer:  # reads a value of the enclosing graph too
-        y = g.node("Add", [y, outer])
-    out = helper.make_tensor_value_info(y, TensorProto.FLOAT, None)
-    return helper.make_graph(g.nodes, name, [], [out], g.inits)
-
-
-def control_flow_model() -> onnx.ModelProto:
-    """Patterns inside If (both branches), Loop and Scan bodies, and in the main graph one
-    block that fuses and one whose Conv output is also read inside the If (an escape the
-    subgraph hides), so it must not fuse."""
-    g = GraphBuilder(seed=1)
-    h = conv_block(g, "x", 4, 4, pads=PADS)  # fuses
-    before = len(g.nodes)
-    read_inside = conv_block(g, h, 4, 4, bias="add", pads=PADS)  # its Conv output is read by the If
-    conv_out = g.nodes[before].output[0]
-    cond = g.node("Greater", [g.node("ReduceSum", ["x"], keepdims=0), g.const(np.float32(0))])
-    if_out = g.node(
-        "If",
-        [cond],
-        then_branch=branch("then", read_inside, 4, 2, outer=conv_out),
-        else_branch=branch("else", read_inside, 4, 3),
-    )
-    # Loop: 2 iterations of v <- cbr(v), a loop-carried value.
-    body = builder(4)
-    v_next = conv_block(body, "v", 4, 4, bias="both", pads=PADS)
-    loop_body = helper.make_graph(
-        [*body.nodes, helper.make_node("Identity", ["cond_in"], ["cond_out"])],
-        "loop",
-        [
-            helper.make_tensor_value_info("iter", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_tensor_value_info(v_next, TensorProto.FLOAT, None),
-        ],
-        body.inits,
-    )
-    trips, true = g.const(np.int64(2)), g.const(np.array(True))
-    loop_out = g.node("Loop", [trips, true, if_out], body=loop_body)
-    # Scan over a leading axis of length 1: the body sees [N, 4, H, W].
-    scan = builder(5)
-    s_out = conv_block(scan, "s", 4, 4, act="clip", pads=PADS)
-    scan_body = helper.make_graph(
-        scan.nodes,
-        "scan",
-        [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["N", 4, 5, 5])],
-        [helper.make_tensor_value_info(s_out, TensorProto.FLOAT, ["N", 4, 5, 5])],
-        scan.inits,
-    )
-    stacked = g.node("Unsqueeze", [loop_out, g.const(np.array([0], np.int64))])
-    scanned = g.node("Scan", [stacked], body=scan_body, num_scan_inputs=1)
-    return g.model({"x": ["N", 4, 5, 5]}, [scanned, h])
-
-
 def test_patterns_in_subgraphs_are_left_alone_and_nothing_breaks(capsys, tmp_path):
     model = control_flow_model()
     src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
@@ -580,4 +505,4 @@ def test_patterns_in_subgraphs_are_left_alone_and_nothing_breaks(capsys, tmp_pat
         want = run_ort(model, feeds)
         for got in (run_ort(fused, feeds), fusion.Session(fused, threads=1).run(None, feeds)):
             for g, w in zip(got, want, strict=True):
-                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+                assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -19,8 +19,10 @@ from onnx import TensorProto, helper, numpy_helper
 from fusion import bench
 from fusion.bench import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, Options, Workload
 from fusion.catalog import Catalog
-from fusion.examples import conv_stack, conv_stack_flops
-from fusion.io import save_model
+from fusion.cli import bench as bench_command
+from fusion.cli import main
+from fusion.modelfile import save_model
+from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
 from patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, memory=False, compile=False)
@@ -64,9 +66,8 @@ def test_flops_of_matmul_gemm_and_native_lstm():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     flops = bench.count_flops(model, {"x": np.zeros((4, 8), np.float32)})
     assert flops.by_op == {"MatMul": 2 * 4 * 8 * 16, "Gemm": 2 * 4 * 16 * 5}
-    lstm_models = pytest.importorskip("fusion.lstm_models")
-    w = lstm_models.LSTMWeights.random(6, 5)
-    native = lstm_models.native_lstm(w, steps=3, batch=2)
+    w = LSTMWeights.random(6, 5)
+    native = native_lstm(w, steps=3, batch=2)
     feeds = {"X": np.zeros((3, 2, 6), np.float32)}
     assert bench.count_flops(native, feeds).by_op == {"LSTM": 2 * 3 * 2 * 20 * (6 + 5)}
 
@@ -85,7 +86,7 @@ def test_measure_verifies_and_times_every_runner():
 
 def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
     model, feeds = tiny_conv()
-    bad = Catalog([dataclasses.replace(conv.RULE, kernel=wrong_kernel)])
+    bad = Catalog([dataclasses.replace(conv.RULE, prepare=wrong_kernel)])
     result = bench.measure(Workload("bad", model, feeds, catalog=bad), Options(**FAST))
     assert result.refused == [FUSED]
     assert result.runners[FUSED].reason.startswith("wrong numbers")
@@ -107,13 +108,13 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     save_model(model, path)
     out = {k: tmp_path / f"out.{k}" for k in ("json", "md", "png")}
     parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
+    bench_command.add_arguments(parser)
     args = parser.parse_args(
         [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
         + ["--no-memory", "--no-compile", "--json", str(out["json"])]
         + ["--markdown", str(out["md"]), "--plot", str(out["png"])]
     )
-    assert args.func(args) == 0
+    assert bench_command.execute(args) == 0
     doc = json.loads(out["json"].read_text())
     assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu"]
     (w,) = doc["workloads"]
@@ -132,8 +133,6 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
 
 
 def test_fusion_bench_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
-    from fusion.cli import main
-
     monkeypatch.setenv("COLUMNS", "250")  # rich: one line per table row
 
     path = tmp_path / "tiny.onnx"
@@ -166,7 +165,7 @@ NEG_RELU = """
         return lambda x: (np.maximum(-x, 0),)
 
     RULE = Rule("NegRelu", op.Relu(op.Neg(Var("x", dtype="float32"))), inputs=("x",),
-                kernel=make_kernel)
+                prepare=make_kernel)
 """
 
 

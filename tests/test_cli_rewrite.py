@@ -6,10 +6,12 @@ import sys
 
 import onnx
 import pytest
+from helpers import GraphBuilder
+from onnx import TensorProto, helper
 
 from fusion.cli import main
-from fusion.examples import conv_stack
-from fusion.io import save_model
+from fusion.modelfile import save_model
+from fusion.models import conv_stack
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def test_rewrite_writes_fused_model_and_leaves_input(capsys, model_file, tmp_pat
     fused = onnx.load(str(out))
     onnx.checker.check_model(fused, full_check=True)
     assert [n.op_type for n in fused.graph.node] == ["ConvBiasRelu"] * 4
-    assert fused.producer_name == "fusion.examples"  # metadata kept
+    assert fused.producer_name == "fusion.models"  # metadata kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.onnx", "model.onnx"]  # no temp
 
 
@@ -49,8 +51,6 @@ def test_rewrite_is_byte_identical_across_processes(model_file, tmp_path):
 
 
 def test_nothing_to_fuse_is_written_unchanged(capsys, tmp_path):
-    from onnx import TensorProto, helper
-
     graph = helper.make_graph(
         [helper.make_node("Sigmoid", ["x"], ["y"])],
         "g",
@@ -73,8 +73,6 @@ def test_rewriting_a_rewritten_file_changes_nothing(capsys, model_file, tmp_path
 
 
 def test_explain_and_report(capsys, tmp_path):
-    from builders import GraphBuilder
-
     g = GraphBuilder()
     conv = g.node("Conv", ["x", g.weight(8, 4, 3, 3)], name="/conv3")
     y = g.node("Relu", [conv], name="/relu3")

@@ -10,13 +10,13 @@ import threading
 
 import numpy as np
 import onnx
+from helpers import assert_close, control_flow_model, save_external
 from hypothesis import HealthCheck, given, settings
-from test_bad_input import control_flow_model, save_external
-from test_fuzz import models
+from strategies import models
 
 import fusion
-from fusion.examples import conv_stack
-from fusion.io import save_model
+from fusion.modelfile import save_model
+from fusion.models import conv_stack
 
 
 def rewrite_in_a_process(src, dst, hash_seed: str) -> None:
@@ -87,4 +87,4 @@ def test_session_run_from_four_threads_equals_sequential_runs():
     assert not errors, errors[0]
     for want, got in zip(sequential, threaded, strict=True):
         for w, g in zip(want, got, strict=True):
-            np.testing.assert_array_equal(g, w)
+            assert_close(g, w, rtol=0, atol=0)

@@ -8,33 +8,31 @@ nodes' function bodies) against the original; kernels are checked against onnxru
 import numpy as np
 import onnx
 import pytest
-from builders import GraphBuilder, conv_block, fused_ops, random_feeds, run_ort
+from helpers import (
+    GraphBuilder,
+    assert_close,
+    assert_fuses,
+    conv_block,
+    fire_graph,
+    fused_ops,
+    naive_conv,
+    near_miss,
+    random_feeds,
+    run_ort,
+)
 
 import fusion
 from fusion.runtime import Session
-from kernels import prepare_conv2d
+from fusion.runtime.kernel import node_attributes
+from kernels import conv2d_bias_act, prepare_conv2d
 from kernels.fire import fire, prepare_fire
 from patterns import fire as fire_pattern
 
 CATALOG = fusion.default_catalog()
 
 
-def fire_graph(g, x, cin, squeeze, e1, e3, order="1x1,3x3", axis=1, name="/cat", **block):
-    """Squeeze, 1x1 and 3x3 (pad 1) expand, Concat; `block` passes conv_block's variants."""
-    s = conv_block(g, x, cin, squeeze, k=1, **block)
-    a = conv_block(g, s, squeeze, e1, k=1, **block)
-    b = conv_block(g, s, squeeze, e3, k=3, pads=[1, 1, 1, 1], **block)
-    branches = [a, b] if order == "1x1,3x3" else [b, a]
-    return s, a, b, g.node("Concat", branches, axis=axis, name=name)
-
-
 def rewrite_checked(model, batch=2):
-    result = fusion.rewrite(model, CATALOG)
-    onnx.checker.check_model(result.model, full_check=True)
-    feeds = random_feeds(model, batch=batch)
-    for want, got in zip(run_ort(model, feeds), run_ort(result.model, feeds), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    return result
+    return assert_fuses(model, None, CATALOG, batch=batch, rtol=1e-5, atol=1e-5)
 
 
 VARIANTS = [
@@ -65,7 +63,7 @@ def test_variant_fuses_and_kernel_matches(variant, order):
         feeds = random_feeds(model, batch=batch, seed=batch)
         (want,) = run_ort(model, feeds)
         (got,) = session.run(None, feeds)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -81,28 +79,18 @@ def test_kernel_matches_onnxruntime(x_shape, channels):
     *_, y = fire_graph(g, "x", x_shape[1], *channels, order="3x3,1x1")
     model = g.model({"x": ["N", *x_shape[1:]]}, [y])
     (node,) = fusion.rewrite(model, CATALOG).model.graph.node
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    run = fire_pattern.RULE.make_kernel(attrs, [inits.get(v) for v in node.input])
+    run = fire_pattern.RULE.prepare(node_attributes(node), [inits.get(v) for v in node.input])
     x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
     (got,) = run(x)
     (want,) = run_ort(model, {"x": x})
     assert got.shape == want.shape and got.flags.c_contiguous
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def naive_conv_relu(x, w, b, pad):
     """Direct convolution in NumPy, stride 1, then bias and ReLU (the per-kernel oracle)."""
-    n, c, h, wd = x.shape
-    m, _, k, _ = w.shape
-    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    oh, ow = h + 2 * pad - k + 1, wd + 2 * pad - k + 1
-    y = np.zeros((n, m, oh, ow), np.float64)
-    for i in range(k):
-        for j in range(k):
-            y += np.einsum("nchw,mc->nmhw", xp[:, :, i : i + oh, j : j + ow], w[:, :, i, j])
-    return np.maximum(y + b.reshape(1, m, 1, 1), 0)
+    return naive_conv(x, w, b, (1, 1), (pad,) * 4, (1, 1), 1, lo=0.0)
 
 
 def test_kernel_writes_into_a_channel_slice_and_validates():
@@ -122,7 +110,7 @@ def test_kernel_writes_into_a_channel_slice_and_validates():
     want = np.concatenate(
         [naive_conv_relu(s, ws[1], bs[1], 0), naive_conv_relu(s, ws[2], bs[2], 1)], 1
     )
-    np.testing.assert_allclose(buf[:, 2:10], want, rtol=1e-4, atol=1e-5)
+    assert_close(buf[:, 2:10], want, rtol=1e-4, atol=1e-5, check_dtype=False)
     assert (buf[:, :2] == -7).all() and (buf[:, 10:] == -7).all()  # nothing outside the slice
     with pytest.raises(ValueError, match="expand 0 reads 6 channels, the squeeze conv writes 4"):
         prepare_fire(plans[0], plans[0])
@@ -132,9 +120,7 @@ def test_kernel_writes_into_a_channel_slice_and_validates():
 
 
 def explain_fire(model) -> str:
-    result = fusion.rewrite(model, CATALOG)
-    assert "FireModule" not in fused_ops(result.model), "a near-miss was fused"
-    return result.explain("FireModule")
+    return near_miss(model, "FireModule", catalog=CATALOG)
 
 
 def test_concat_on_another_axis_is_not_a_fire_module():
@@ -185,8 +171,6 @@ def test_one_call_and_per_conv_paths_agree(poison, batch):
     """fire() runs a usual Fire module (squeeze im2col, expands im2col or Winograd) as one
     compiled call; anything else (here a third expand) conv by conv. Both must give what the
     convs give one by one, also when the input holds NaN and inf (Winograd steps aside)."""
-    from kernels import conv2d_bias_act
-
     rng = np.random.default_rng(batch)
     w = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in
          [(16, 12, 1, 1), (10, 16, 1, 1), (9, 16, 3, 3), (7, 16, 3, 3)]]  # fmt: skip
@@ -203,8 +187,8 @@ def test_one_call_and_per_conv_paths_agree(poison, batch):
         plan = prepare_fire(sq, *expands)
         assert plan.one_call == (len(expands) == 2)
         want = np.concatenate([conv2d_bias_act(s, e) for e in expands], 1)
-        np.testing.assert_array_equal(fire(x, plan), want)
+        assert_close(fire(x, plan), want, rtol=0, atol=0)
         buf = np.full((batch, plan.out_channels + 3, 9, 10), -7.0, np.float32)
         fire(x, plan, out=buf[:, 1:-2])
-        np.testing.assert_array_equal(buf[:, 1:-2], want)
+        assert_close(buf[:, 1:-2], want, rtol=0, atol=0)
         assert (buf[:, :1] == -7).all() and (buf[:, -2:] == -7).all()

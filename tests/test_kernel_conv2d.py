@@ -11,37 +11,16 @@ import math
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from helpers import assert_close, naive_conv, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels import conv2d_bias_act, get_threads, output_shape, prepare_conv2d
+from kernels.config import slp_vectorize
+from kernels.conv2d import launch
 
 RTOL = ATOL = 1e-4
 CLIP = (-0.5, 0.75)
-
-
-def naive_conv(x, w, b, strides, pads, dilations, group, lo=-math.inf, hi=math.inf):
-    """y[n, m, oh, ow] = b[m] + sum_{c, i, j} w[m, c, i, j] * xpad[n, g*Cg + c, oh*s + i*d, ...]"""
-    n, c, h, wd = x.shape
-    m, cg, kh, kw = w.shape
-    (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, pads
-    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
-    oh = (h + pt + pb - ((kh - 1) * dh + 1)) // sh + 1
-    ow = (wd + pl + pr - ((kw - 1) * dw + 1)) // sw + 1
-    y = np.zeros((n, m, oh, ow))
-    mg = m // group
-    for g in range(group):
-        xg = xp[:, g * cg : (g + 1) * cg]
-        wg = w[g * mg : (g + 1) * mg].astype(np.float64)
-        for i in range(kh):
-            for j in range(kw):
-                r, s = i * dh, j * dw
-                patch = xg[:, :, r : r + (oh - 1) * sh + 1 : sh, s : s + (ow - 1) * sw + 1 : sw]
-                y[:, g * mg : (g + 1) * mg] += np.einsum("nchw,mc->nmhw", patch, wg[:, :, i, j])
-    if b is not None:
-        y += b.reshape(1, m, 1, 1)
-    return np.clip(y, lo, hi)
 
 
 def ort_conv(x, w, b, attrs, activation):
@@ -69,11 +48,7 @@ def ort_conv(x, w, b, attrs, activation):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {"x": x})[0]
+    return run_ort(model, {"x": x})[0]
 
 
 P0, P1, S1, S2, NO = (0,) * 4, (1,) * 4, (1, 1), (2, 2), "NOTSET"
@@ -154,12 +129,12 @@ def test_conv_matches_naive_and_onnxruntime(name):
     want = naive_conv(
         x, wt, b, kwargs["strides"], pads, kwargs["dilations"], kwargs["group"], lo, hi
     )
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    assert_close(got, want, rtol=RTOL, atol=ATOL, check_dtype=False)
     if kwargs["auto_pad"].startswith("SAME") and kwargs["dilations"] != (1, 1):
         return  # onnxruntime rejects dilation with SAME_*; the ONNX formula is checked above
     ort_y = ort_conv(x, wt, b, onnx_attrs(wt, kwargs), kwargs["activation"])
     assert got.shape == ort_y.shape
-    np.testing.assert_allclose(got, ort_y, rtol=RTOL, atol=ATOL)
+    assert_close(got, ort_y, rtol=RTOL, atol=ATOL)
 
 
 WINO = [name for name in CASES if name.startswith(("wino", "same_upper_wino"))]
@@ -177,9 +152,9 @@ def test_winograd_f4_matches_naive_and_onnxruntime(name):
         kwargs["activation"]
     ]
     want = naive_conv(x, wt, b, (1, 1), pads, (1, 1), 1, lo, hi)
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    assert_close(got, want, rtol=RTOL, atol=ATOL, check_dtype=False)
     ort_y = ort_conv(x, wt, b, onnx_attrs(wt, kwargs), kwargs["activation"])
-    np.testing.assert_allclose(got, ort_y, rtol=RTOL, atol=ATOL)
+    assert_close(got, ort_y, rtol=RTOL, atol=ATOL)
 
 
 def test_plan_picks_winograd_only_where_it_applies():
@@ -211,7 +186,7 @@ def test_out_channel_slice_of_concat_buffer(name):
     want = naive_conv(
         x, wt, b, kwargs["strides"], pads, kwargs["dilations"], kwargs["group"], lo, hi
     )
-    np.testing.assert_allclose(buf[:, 5 : 5 + m], want, rtol=RTOL, atol=ATOL)
+    assert_close(buf[:, 5 : 5 + m], want, rtol=RTOL, atol=ATOL, check_dtype=False)
     assert (buf[:, :5] == 7.0).all() and (buf[:, 5 + m :] == 7.0).all()
 
 
@@ -222,7 +197,7 @@ def test_preallocated_out_and_bias_shapes():
     for b in (bias.reshape(6, 1, 1), bias.reshape(1, 6, 1, 1)):
         out = np.empty_like(ref)
         assert conv2d_bias_act(x, prepare_conv2d(wt, b, **kwargs), out=out) is out
-        np.testing.assert_array_equal(out, ref)
+        assert_close(out, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["7x7_stride2", "wino_64ch_56", "wino2_264ch", "depthwise_s2"])
@@ -236,7 +211,7 @@ def test_nan_and_inf_propagate_like_onnxruntime(case, bad, tile):
     got = conv2d_bias_act(x, prepare_conv2d(wt, b, winograd_tile=tile, **kwargs))
     want = ort_conv(x, wt, b, onnx_attrs(wt, kwargs), kwargs["activation"])
     assert not np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+    assert_close(got, want, rtol=RTOL, atol=ATOL)  # NaN matches NaN
 
 
 W3 = np.ones((4, 2, 3, 3), np.float32)
@@ -278,7 +253,6 @@ def test_bad_inputs_raise_value_error(call, message):
 def test_channel_split_only_where_it_pays():
     """The classifier-like 1x1 conv takes the channel split (see conv2d._launch); a 3x3 im2col
     with weights past L2, or a 1x1 with few channel panels, does not."""
-    from kernels.conv2d import launch
 
     def n_ms(name):
         x, wt, b, kwargs = make_case(CASES[name])
@@ -308,8 +282,6 @@ def test_slp_stays_on_while_any_thread_is_inside_a_block():
     import threading
 
     import numba
-
-    from kernels.config import slp_vectorize
 
     before = numba.config.SLP_VECTORIZE
     inside, leave = threading.Event(), threading.Event()

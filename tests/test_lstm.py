@@ -4,13 +4,15 @@ say why; the kernel matches a naive NumPy cell."""
 import numpy as np
 import onnx
 import pytest
-from builders import fused_ops, run_ort
+from helpers import assert_all_close, assert_close, assert_fuses, naive_lstm, near_miss, run_ort
 from onnx import numpy_helper
 
 import fusion
 from fusion import Catalog
-from fusion.lstm_models import LSTMWeights, cell_model, unrolled_lstm
+from fusion.models import LSTMWeights, cell_model, unrolled_lstm
 from fusion.runtime import Session
+from kernels import lstm as kernel
+from kernels.config import get_threads, set_threads
 from kernels.lstm import lstm_sequence, prepare_lstm
 from patterns import lstm
 
@@ -28,16 +30,13 @@ def cell_feeds(batch, size, hidden, seed=0):
 
 
 def check_fused_cell(model, feeds):
-    result = fusion.rewrite(model, CATALOG)
-    assert fused_ops(result.model) == ["LSTMCell"], result.explain()
-    onnx.checker.check_model(result.model, full_check=True)
+    result = assert_fuses(model, ["LSTMCell"], CATALOG, rtol=0, atol=ATOL)
     want = run_ort(model, feeds)
     for got in (
         run_ort(result.model, feeds),
         Session(model, threads=2, catalog=CATALOG).run(None, feeds),
     ):
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=0, atol=ATOL)
+        assert_all_close(got, want, rtol=0, atol=ATOL)
     return result
 
 
@@ -84,9 +83,7 @@ def _edit(model, op_type, fn):
 
 
 def _near_miss(model):
-    result = fusion.rewrite(model, CATALOG)
-    assert fused_ops(result.model) == []
-    return result.explain("LSTMCell")
+    return near_miss(model, "LSTMCell", catalog=CATALOG, fused=[])
 
 
 def test_intermediate_used_outside_prevents_fusion():
@@ -131,22 +128,7 @@ def test_output_gate_without_sigmoid_is_a_near_miss():
 
 def test_unrolled_cells_without_sequence_rule_fuse_one_by_one():
     model = unrolled_lstm(LSTMWeights.random(4, 6), steps=3, batch=2)
-    result = fusion.rewrite(model, Catalog([lstm.RULE]))
-    assert fused_ops(result.model) == ["LSTMCell"] * 3
-
-
-def naive_lstm(x, h, c, w: LSTMWeights):
-    """PyTorch's LSTM recurrence in float64."""
-    hid = w.hidden
-    hs, cs = [], []
-    for xt in x.astype(np.float64):
-        g = xt @ w.W.T + h @ w.R.T + w.Wb + w.Rb
-        i, f, o = (1 / (1 + np.exp(-g[:, k * hid : (k + 1) * hid])) for k in (0, 1, 3))
-        c = f * c + i * np.tanh(g[:, 2 * hid : 3 * hid])
-        h = o * np.tanh(c)
-        hs.append(h)
-        cs.append(c)
-    return np.array(hs), np.array(cs)
+    assert_fuses(model, ["LSTMCell"] * 3, Catalog([lstm.RULE]), rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +141,7 @@ def test_kernel_matches_naive(steps, batch, size, hidden):
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
     for got, want in zip(lstm_sequence(x, h0, c0, plan), naive_lstm(x, h0, c0, w), strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        assert_close(got, want, rtol=0, atol=ATOL, check_dtype=False)
 
 
 def test_kernel_validates_shapes():
@@ -198,10 +180,6 @@ def test_empty_sequences_have_the_right_shapes(steps, batch):
     ],
 )
 def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypatch):
-    import numba
-
-    from kernels import lstm as kernel
-
     monkeypatch.setattr(kernel, "SERIAL_MACS_PER_STEP", 0)  # threads=2: always parallel
     w = LSTMWeights.random(size, hidden, seed=5)
     rng = np.random.default_rng(6)
@@ -209,53 +187,17 @@ def test_kernel_paths_match_naive(steps, batch, size, hidden, threads, monkeypat
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
     # Scratch is reused between calls: poison it, so that reading stale scratch would show.
-    units = plan.wh.shape[0] * kernel.U
-    floats, ints = kernel._workspace(*kernel._workspace_size(x, units))
+    floats, ints = kernel.workspace(x, plan)
     floats[:], ints[:] = np.nan, 12345
-    old = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    old = get_threads()
+    set_threads(threads)
     try:
         got = lstm_sequence(x, h0, c0, plan)
     finally:
-        numba.set_num_threads(old)
+        set_threads(old)
     for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
         assert g.flags.c_contiguous and g.shape == (steps, batch, hidden)
-        np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
-
-
-def _carved(kernel, x, h0, c0, plan):
-    """A workspace of _workspace_size's size, carved as the kernel's path carves it: returns
-    (scratch, done, n_floats, n_ints); scratch is (xp, gx, hs, cs) row by row (hs, cs hold
-    the initial state in row 0), (z, c) for the column tile."""
-    steps, batch = x.shape[:2]
-    units = plan.wh.shape[0] * kernel.U
-    n_floats, n_ints = kernel._workspace_size(x, units)
-    floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
-    if batch <= kernel.ROWS_MAX:
-        hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
-        xp, gx, done = kernel._call(kernel._start_row, x, h0, c0, floats, ints, hs, cs)
-        return (xp, gx, hs, cs), done, n_floats, n_ints
-    z, c, done = kernel._call(kernel._carve, x, units, floats, ints)
-    return (z, c), done, n_floats, n_ints
-
-
-def _late_thread_run(kernel, x, h0, c0, plan, parts):
-    """Run part 1 of `parts` alone: the others never run, though they marked every other item
-    of every stage STARTED (descheduled for the rest of the call)."""
-    steps, batch, hidden = x.shape[0], x.shape[1], plan.hidden
-    scratch, done, _, _ = _carved(kernel, x, h0, c0, plan)
-    done[::2] = kernel.STARTED
-    if batch <= kernel.ROWS_MAX:
-        xp, gx, hs, cs = scratch
-        args = (xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done)
-        kernel._call(kernel._run, 1, parts, *args)
-        assert (done == kernel.DONE).all()
-        return hs[1:, :, :hidden], cs[1:, :, :hidden]
-    z, c = scratch
-    hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    kernel._call(kernel._run_cols, 1, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done)
-    assert (done == kernel.DONE).all()
-    return hs, cs
+        assert_close(g, want, rtol=0, atol=ATOL, check_dtype=False)
 
 
 @pytest.mark.parametrize("parts", [2, 3])
@@ -263,17 +205,16 @@ def _late_thread_run(kernel, x, h0, c0, plan, parts):
 def test_a_late_thread_delays_nobody(batch, parts):
     """The other parts never run: part 1 alone does its own run of every stage, then all of
     the others' items (those marked STARTED after a bounded wait), and gets the same numbers."""
-    from kernels import lstm as kernel
-
     steps, size, hidden = 3, 9, 20
     w = LSTMWeights.random(size, hidden, seed=7)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((steps, batch, size)).astype(np.float32)
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
-    got = _late_thread_run(kernel, x, h0, c0, plan, parts)
+    *got, done = kernel.run_part(x, h0, c0, plan, 1, parts, started=slice(None, None, 2))
+    assert (done == kernel.DONE).all()
     for g, want in zip(got, naive_lstm(x, h0, c0, w), strict=True):
-        np.testing.assert_allclose(g, want, rtol=0, atol=ATOL)
+        assert_close(g, want, rtol=0, atol=ATOL, check_dtype=False)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
@@ -290,35 +231,31 @@ def test_an_infinite_input_stays_out_of_the_other_units(batch):
         want = naive_lstm(x, h0, c0, w)
     for g, ref in zip(got, want, strict=True):
         assert np.isfinite(ref).all()
-        np.testing.assert_allclose(g, ref, rtol=0, atol=ATOL)
+        assert_close(g, ref, rtol=0, atol=ATOL, check_dtype=False)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_read_only_inputs_reuse_the_compiled_kernel(batch):
     """Constant initial states are read-only arrays; Numba would compile the kernel again
     for them (seconds), so they are passed on as writable copies."""
-    from kernels import lstm as kernel
-
     w = LSTMWeights.random(4, 6, seed=2)
     x = np.ones((2, batch, 4), np.float32)
     h = np.zeros((batch, 6), np.float32)
     for a in (x, h):
         a.setflags(write=False)
     lstm_sequence(x, h, h, prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb))
-    for fn in (kernel._sequence, kernel._sequence_cols):
-        assert not any(getattr(t, "readonly", False) for sig in fn.signatures for t in sig)
+    signatures = kernel.compiled_signatures()
+    assert not any(getattr(t, "readonly", False) for sig in signatures for t in sig)
 
 
 def test_workspace_sizes_cover_the_scratch():
-    """_workspace_size (Python) and _carve / _start_row (Numba) count the same scratch."""
-    from kernels import lstm as kernel
-
+    """The workspace size (Python) and the carving (Numba) count the same scratch."""
     for steps, batch, size, hidden in [(3, 1, 5, 7), (2, 3, 3, 8), (4, 17, 6, 20)]:
         w = LSTMWeights.random(size, hidden, seed=1)
         plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb)
         x = np.ones((steps, batch, size), np.float32)
         h = np.zeros((batch, hidden), np.float32)
-        scratch, done, n_floats, n_ints = _carved(kernel, x, h, h, plan)
+        scratch, done, n_floats, n_ints = kernel.carve(x, h, h, plan)
         used = scratch[0].size + scratch[1].size  # xp + gx, or z + c: the workspace's floats
         assert used <= n_floats and done.size == n_ints
 
@@ -340,8 +277,6 @@ def test_kernel_keeps_nan(batch):
 @pytest.mark.parametrize("batch", [2, 3, 5])
 def test_small_batches_row_by_row_and_tiled(batch, monkeypatch):
     """Batches up to ROWS_MAX run row by row; the column tile (forced here) gives the same."""
-    from kernels import lstm as kernel
-
     w = LSTMWeights.random(9, 13, seed=batch)
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((3, batch, 9)).astype(np.float32)
@@ -352,4 +287,4 @@ def test_small_batches_row_by_row_and_tiled(batch, monkeypatch):
         monkeypatch.setattr(kernel, "ROWS_MAX", rows_max)
         for got, ref in zip(lstm_sequence(x, h0, c0, plan), want, strict=True):
             assert got.flags.c_contiguous and got.shape == (3, batch, 13)
-            np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL)
+            assert_close(got, ref, rtol=0, atol=ATOL, check_dtype=False)

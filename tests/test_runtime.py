@@ -1,70 +1,28 @@
-"""fusion.runtime.Session against onnxruntime on the same graph with fused nodes left as functions.
+"""fusion.Session against onnxruntime on the same graph with fused nodes left as functions.
 
 Fused models are built by hand: a "ScaledRelu" node, relu(x * s), backed by a Mul + Relu function
-and run by a NumPy kernel registered in a test catalog. Run as a script to print the crossing cost.
+and run by a NumPy kernel registered in a test catalog (tests/helpers.py). The crossing cost is
+measured by bench/overheads.py.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import assert_all_close, fused_model, run_ort, scaled_relu, scaled_relu_kernel, tensor
+from helpers import scaled_relu_catalog as catalog
 from onnx import TensorProto as T
 from onnx import helper as h
 
-from fusion.catalog import DOMAIN, Catalog, Rule
-from fusion.io import FusionError
-from fusion.pattern import Const, Var, op
+from fusion.catalog import DOMAIN, Catalog
+from fusion.errors import FusionError
+from fusion.ort import inference_session
 from fusion.runtime import InvalidFeed, Session
-
-OPSETS = [h.make_opsetid("", 18), h.make_opsetid(DOMAIN, 1)]
-
-
-def scaled_relu_kernel(attrs: dict, constants: list):
-    """relu(x * s) in NumPy; `shift` (an attribute) exists so that a test can break the kernel."""
-    shift = attrs.get("shift", 0.0)
-
-    def run(x, s):
-        return (np.maximum(x * s, 0).astype(x.dtype) + np.float32(shift),)
-
-    return run
-
-
-def catalog(kernel=scaled_relu_kernel) -> Catalog:
-    pattern = op.Relu(op.Mul(Var("x"), Const("s")))
-    return Catalog([Rule("ScaledRelu", pattern, inputs=("x", "s"), kernel=kernel)])
-
-
-def scaled_relu_function() -> onnx.FunctionProto:
-    return h.make_function(
-        DOMAIN,
-        "ScaledRelu",
-        ["x", "s"],
-        ["y"],
-        [h.make_node("Mul", ["x", "s"], ["t"]), h.make_node("Relu", ["t"], ["y"])],
-        [h.make_opsetid("", 18)],
-        attributes=[],
-    )
-
-
-def scaled_relu(x: str, s: str, y: str, name: str, **attrs) -> onnx.NodeProto:
-    return h.make_node("ScaledRelu", [x, s], [y], name=name, domain=DOMAIN, **attrs)
-
-
-def fused_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
-    graph = h.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = h.make_model(graph, opset_imports=OPSETS, functions=[scaled_relu_function()])
-    model.ir_version = 10
-    return model
-
-
-def tensor(name, shape=("N", 3), elem=T.FLOAT):
-    return h.make_tensor_value_info(name, elem, shape)
+from fusion.runtime.plan import may_hold_a_conv
 
 
 def chain_model(**attrs) -> onnx.ModelProto:
@@ -97,8 +55,7 @@ def two_chains_model() -> onnx.ModelProto:
 
 def reference(model: onnx.ModelProto, feeds: dict, names=None) -> list[np.ndarray]:
     """onnxruntime alone, running each fused node through its function body."""
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(names, feeds)
+    return run_ort(model, feeds, names=names)
 
 
 def feeds_for(model, seed=0, batch=2) -> dict:
@@ -111,9 +68,7 @@ def feeds_for(model, seed=0, batch=2) -> dict:
 
 
 def assert_same(actual, expected):
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+    assert_all_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 # ---- scheduling ------------------------------------------------------------------------------
@@ -126,7 +81,7 @@ def test_kernel_between_two_islands():
         ("island", "island1"),
     ]
     assert sess.steps[0].outputs == ["x"] and sess.steps[2].inputs == ["y"]
-    assert [set(names) for names in sess._release] == [{"a"}, {"x", "s"}, {"y"}]  # z is kept
+    assert [set(names) for names in sess.releases] == [{"a"}, {"x", "s"}, {"y"}]  # z is kept
     feeds = feeds_for(model)
     assert_same(sess.run(None, feeds), reference(model, feeds))
 
@@ -265,7 +220,7 @@ def test_fuse_false_runs_an_original_model_as_is():
 def test_node_args_like_onnxruntime():
     model = chain_model()
     sess = Session(model, threads=1, catalog=catalog())
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = inference_session(model)
     for mine, theirs in [
         (sess.get_inputs(), ref.get_inputs()),
         (sess.get_outputs(), ref.get_outputs()),
@@ -333,7 +288,7 @@ def test_lists_are_accepted_like_onnxruntime():
 def test_concurrent_runs_give_each_caller_its_own_result():
     model = two_chains_model()
     sess = Session(model, threads=1, catalog=catalog())
-    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    oracle = inference_session(model)
     errors = []
 
     def worker(seed):
@@ -382,41 +337,6 @@ def test_kernel_gets_attributes_and_constants_once():
     assert constants[0] is None and constants[1] == np.float32(2.0)
 
 
-# ---- crossing cost ---------------------------------------------------------------------------
-def crossing_cost(calls: int = 2000) -> dict:
-    """Per-call microseconds: onnxruntime alone vs island -> kernel -> island (chain_model)."""
-    model = chain_model()
-    feeds = {"a": np.ones((1, 3), np.float32)}
-    ours = Session(model, threads=1, catalog=catalog())
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    theirs = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    timings = {}
-    for name, run in [("onnxruntime", theirs.run), ("fusion.Session", ours.run)]:
-        for _ in range(100):
-            run(None, feeds)
-        start = time.perf_counter()
-        for _ in range(calls):
-            run(None, feeds)
-        timings[name] = (time.perf_counter() - start) / calls * 1e6
-    timings["profile"] = ours.profile(feeds, repeat=calls).to_dict()
-    return timings
-
-
-if __name__ == "__main__":
-    result = crossing_cost(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)
-    prof = result.pop("profile")
-    for name, us in result.items():
-        print(f"{name:16} {us:8.1f} us/call")
-    for key in ("island_seconds", "kernel_seconds", "overhead_seconds", "wall_seconds"):
-        print(f"{key:16} {prof[key] * 1e6:8.1f} us")
-    # Two crossings (onnxruntime -> kernel -> onnxruntime) replace Mul + Relu inside one run.
-    extra = result["fusion.Session"] - result["onnxruntime"] - prof["kernel_seconds"] * 1e6
-    print(f"{'per crossing':16} {extra / 2:8.1f} us (Session - onnxruntime - kernel) / 2")
-
-
 @pytest.mark.parametrize(
     ("ops", "level"),
     [
@@ -425,7 +345,7 @@ if __name__ == "__main__":
     ],
 )
 def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
-    # NCHWc pays for its border reorders only across convolutions (see Session._session_options)
+    # NCHWc pays for its border reorders only across convolutions (see plan.island_settings)
     nodes, value, inits = [], "x", []
     for k, op_type in enumerate(ops):
         extra = dict(kernel_shape=[3, 3], strides=[2, 2]) if op_type == "MaxPool" else {}
@@ -445,16 +365,14 @@ def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     sess = Session(model, threads=1, catalog=Catalog())
     assert [s.kind for s in sess.steps] == ["island"]
-    assert sess.steps[0]._options.graph_optimization_level == level
+    assert sess.steps[0].settings.optimization == level
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype(np.float32)
     assert_same(sess.run(None, {"x": x}), reference(model, {"x": x}))
 
 
 def test_islands_keep_blocked_layouts_for_nodes_that_may_hide_a_conv():
-    from fusion.runtime import _may_hold_a_conv
-
     empty = h.make_graph([], "g", [], [])
-    assert not _may_hold_a_conv(h.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2]))
-    assert _may_hold_a_conv(h.make_node("Conv", ["x", "w"], ["y"]))
-    assert _may_hold_a_conv(h.make_node("ConvBiasRelu", ["x"], ["y"], domain=DOMAIN))  # a body
-    assert _may_hold_a_conv(h.make_node("If", ["c"], ["y"], then_branch=empty, else_branch=empty))
+    assert not may_hold_a_conv(h.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2]))
+    assert may_hold_a_conv(h.make_node("Conv", ["x", "w"], ["y"]))
+    assert may_hold_a_conv(h.make_node("ConvBiasRelu", ["x"], ["y"], domain=DOMAIN))  # a body
+    assert may_hold_a_conv(h.make_node("If", ["c"], ["y"], then_branch=empty, else_branch=empty))

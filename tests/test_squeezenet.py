@@ -6,11 +6,11 @@ FLOP counts are checked at 224x224 from the graph's shapes."""
 import numpy as np
 import onnx
 import pytest
-from builders import fused_ops, run_ort
+from helpers import fused_ops, run_ort
 
 import fusion
+from fusion.models import fire_modules, squeezenet, squeezenet_flops
 from fusion.runtime import Session
-from fusion.squeezenet import fire_modules, squeezenet, squeezenet_flops
 from fusion.verify import verify
 
 CATALOG = fusion.default_catalog()

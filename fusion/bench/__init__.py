@@ -6,19 +6,21 @@
 
 The modules, in the order a measurement uses them:
 
+  timing    the one timing loop, `interleave`, and its Timing (bench/ scripts use it too)
   workload  Workload (model, inputs, rules) and Options (rounds, budget, what to measure)
   runners   the runners (ort-none, ort-all, fusion, ort-fused, ort-native), their outputs
-            verified against ort-none, and the one timing loop, `interleave` (fusion.compare
-            uses it too)
+            verified against ort-none, timed through the loop
   flops     FLOPs of Conv, MatMul, Gemm and LSTM nodes, and the heaviest GEMM shape
   sgemm     the machine's SGEMM on that shape, the reference for GFLOP/s
   child     peak memory and Numba compile time, in child processes
   measure   `measure`: all of the above for one workload -> BenchResult (result)
   report    terminal tables, Markdown, JSON and a PNG bar chart
-  cli       `fusion bench MODEL.onnx`
+  compare   `fusion.compare`, the light front on runners and loop
+
+`fusion bench MODEL.onnx` is fusion.cli.bench.
 """
 
-from fusion.bench.cli import add_bench_arguments, cmd_bench
+from fusion.bench.compare import compare
 from fusion.bench.flops import Flops, count_flops
 from fusion.bench.measure import measure
 from fusion.bench.report import (
@@ -42,11 +44,11 @@ from fusion.bench.runners import (
     ORT_NONE,
     RUNNERS,
     RunnerInfo,
-    Timing,
-    interleave,
     make_runner,
+    time_runners,
     verify_runners,
 )
+from fusion.bench.timing import Timing, interleave
 from fusion.bench.workload import Options, Workload, catalog_with
 
 __all__ = [
@@ -62,9 +64,8 @@ __all__ = [
     "RunnerInfo",
     "Timing",
     "Workload",
-    "add_bench_arguments",
     "catalog_with",
-    "cmd_bench",
+    "compare",
     "count_flops",
     "detail_rows",
     "interleave",
@@ -75,6 +76,7 @@ __all__ = [
     "measure",
     "notes",
     "rich_tables",
+    "time_runners",
     "time_rows",
     "verify_runners",
     "write_json",

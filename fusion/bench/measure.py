@@ -1,9 +1,9 @@
 """`measure`: rewrite, verify and time one workload, with its FLOPs, SGEMM reference, profile
 and (in child processes) peak memory and compile time.
 
-Every runner's outputs are compared with ort-none's before and after timing (fusion.verify's
-`compare`, the rules' tolerances); a runner that disagrees is refused: no time is reported for
-it. Figures are medians with min and max over interleaved rounds (fusion.bench.runners).
+Every runner's outputs are compared with ort-none's before and after timing (fusion.numerics,
+the fused rules' tolerance); a runner that disagrees is refused: no time is reported for it.
+Figures are medians with min and max over interleaved rounds (fusion.bench.timing).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import gc
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-
-import onnxruntime as ort
 
 from fusion.bench.child import compile_times, peak_memory, write_inputs
 from fusion.bench.flops import count_flops
@@ -26,14 +24,15 @@ from fusion.bench.runners import (
     ORT_NONE,
     RunnerInfo,
     first_line,
-    interleave,
     make_runner,
+    time_runners,
     verify_runners,
 )
 from fusion.bench.sgemm import Sgemm
 from fusion.bench.workload import Options, Workload
-from fusion.catalog import DOMAIN, Catalog, Rule
-from fusion.io import FusionError
+from fusion.errors import FusionError
+from fusion.numerics import tolerance
+from fusion.rewriter import rewrite
 
 
 def measure(
@@ -49,11 +48,8 @@ def measure(
         result = measure(Workload("conv", model, feeds), Options(threads=2))
         result.speedup("ort-all")    # median ort-all time / median fusion time
     """
-    from fusion.rewriter import rewrite
-
     opts = options or Options()
     say = progress or (lambda _: None)
-    ort.set_default_logger_severity(3)  # errors only: no warnings about unused initializers
     catalog = workload.resolved_catalog()
     say("rewriting")
     rewritten = rewrite(workload.model, catalog)
@@ -64,7 +60,7 @@ def measure(
     models |= {FUSED: fused_model, ORT_FUSED: fused_model}
     if workload.native is not None:
         models[NATIVE] = workload.native
-    rtol, atol = _tolerances(fused_model, catalog, opts)
+    rtol, atol = tolerance(catalog.rules_in(fused_model), opts.rtol, opts.atol)
     notes = list(flops.notes)
     if not counts:
         notes.append("no catalog pattern matched: the fused run is onnxruntime in one island")
@@ -89,7 +85,9 @@ def measure(
     together = sgemm is not None and sgemm.interleaved
     if sgemm and not together:
         sgemm.block()  # before and after the runners: the machine's load drifts
-    timing = interleave({**runners, "sgemm": sgemm} if together else runners, workload.feeds, opts)
+    timing = time_runners(
+        {**runners, "sgemm": sgemm} if together else runners, workload.feeds, opts
+    )
     if together:
         sgemm.times = timing.times.pop("sgemm")
     elif sgemm:
@@ -125,19 +123,6 @@ def measure(
             if opts.compile and infos[FUSED].ok and counts:
                 _compile(result, Path(folder), workload, opts.threads, compile_cache, say)
     return result
-
-
-def _tolerances(fused_model, catalog: Catalog, opts: Options) -> tuple[float, float]:
-    """The loosest tolerances of the rules fused in the model, unless opts sets them."""
-    rules = [catalog.get(n.op_type) for n in fused_model.graph.node if n.domain == DOMAIN]
-    rules = [r for r in rules if r is not None]
-    default = Rule.__dataclass_fields__
-    rtol = max([r.rtol for r in rules], default=default["rtol"].default)
-    atol = max([r.atol for r in rules], default=default["atol"].default)
-    return (
-        opts.rtol if opts.rtol is not None else rtol,
-        opts.atol if opts.atol is not None else atol,
-    )
 
 
 def _profile(session, feeds: dict, rounds: int) -> dict:

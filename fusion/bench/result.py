@@ -5,16 +5,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from fusion.bench.runners import (
-    FUSED,
-    NATIVE,
-    ORT_ALL,
-    ORT_FUSED,
-    ORT_NONE,
-    RUNNERS,
-    RunnerInfo,
-    Timing,
-)
+from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, RUNNERS, RunnerInfo
+from fusion.bench.timing import Timing
 
 
 @dataclass

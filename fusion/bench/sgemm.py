@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from fusion.bench.timing import interleave
+
 
 class Sgemm:
     """numpy float32 [M, K] x [K, N] on `threads` OpenBLAS threads, timed in short blocks."""
@@ -34,12 +36,9 @@ class Sgemm:
         self.a @ self.b
 
     def block(self, budget: float = 0.25) -> None:
-        start, count = time.perf_counter(), 0
-        while count < 5 or (count < 200 and time.perf_counter() - start < budget):
-            t0 = time.perf_counter()
-            self.a @ self.b
-            self.times.append(time.perf_counter() - t0)
-            count += 1
+        """5 to 200 calls back to back, within `budget` seconds."""
+        timing = interleave({"sgemm": self}, 200, warmup=0, min_rounds=5, budget=budget)
+        self.times += timing.times["sgemm"]
         time.sleep(0.1)  # let OpenBLAS's workers stop spinning before anything else is timed
 
     def to_dict(self) -> dict:

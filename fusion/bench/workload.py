@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from fusion.catalog import Catalog, default_catalog
+from fusion.catalog import Catalog
+from fusion.registry import default_catalog
 
 
 @dataclass

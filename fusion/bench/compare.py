@@ -1,11 +1,11 @@
 """`fusion.compare`: one model timed in onnxruntime (unfused and default) and in fusion.Session.
 
-A light front on fusion.bench's runners and timing loop: the same session settings as `fusion
-bench` (`threads` for onnxruntime and Numba alike, idle onnxruntime workers never spin), outputs
-compared with the unfused run first (no speed is reported for wrong numbers), then warm-up and
-rounds of one call of each runner, the order rotated each round, so that a noisy, shared machine
-slows all of them alike; the figures are medians over rounds. No FLOPs, profile, memory or
-compile time: `fusion bench MODEL.onnx` measures those.
+A light front on fusion.bench's runners and its timing loop: the same runners as `fusion
+bench` (`threads` for onnxruntime and Numba alike), outputs compared with the unfused run
+first (no speed is reported for wrong numbers), then warm-up and rounds of one call of each
+runner, the order rotated each round, so that a noisy, shared machine slows all of them alike;
+the figures are medians over rounds. No FLOPs, profile, memory or compile time: `fusion bench
+MODEL.onnx` measures those.
 
     print(fusion.compare(model, feeds, threads=2, rounds=10).table())
 """
@@ -19,13 +19,18 @@ from fusion.bench.runners import (
     ORT_ALL,
     ORT_NONE,
     RunnerInfo,
-    Timing,
-    interleave,
     make_runner,
+    time_runners,
     verify_runners,
 )
+from fusion.bench.timing import Timing
 from fusion.bench.workload import Options
-from fusion.io import FusionError
+from fusion.errors import FusionError
+from fusion.feeds import model_inputs
+from fusion.modelfile import as_model
+from fusion.registry import default_catalog
+from fusion.rewriter import rewrite
+from fusion.runtime import is_fused
 
 LABELS = {  # the rows of Timing.table(), the first being the base of the speedups
     ORT_NONE: "onnxruntime, optimizations disabled",
@@ -50,12 +55,7 @@ def compare(
     threads: os.cpu_count() if None. Raises FusionError if a runner's outputs disagree with
     onnxruntime's unfused run beyond rtol / atol. Times are keyed by LABELS' values.
     """
-    from fusion.catalog import default_catalog
-    from fusion.rewriter import rewrite
-    from fusion.runtime import is_fused, load
-    from fusion.verify import model_inputs
-
-    model = load(model)
+    model = as_model(model)
     threads = threads or os.cpu_count() or 1
     if feeds is None:
         feeds, _ = model_inputs(model, None, 0, None)
@@ -69,6 +69,6 @@ def compare(
         if not info.ok:
             raise FusionError(f"{LABELS[name]} disagrees with onnxruntime: {info.reason}")
     opts = Options(threads=threads, rounds=rounds, min_rounds=rounds, warmup=warmup)
-    timing = interleave(runners, feeds, opts)
+    timing = time_runners(runners, feeds, opts)
     timing.times = {LABELS[name]: times for name, times in timing.times.items()}
     return timing

@@ -17,28 +17,33 @@ import contextlib
 import functools
 import math
 import os
-import re
 import tempfile
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
+import onnxruntime
 from google.protobuf.message import EncodeError
 from onnx import helper
 from onnx.external_data_helper import uses_external_data
+
+from fusion.errors import FusionError, one_line
+from fusion.ort import REFERENCE, inference_session, ort_error_line
 
 TWO_GB = 2**31  # protobuf cannot serialize a message this large: weights go to external data
 EXTERNAL_THRESHOLD = 1024  # bytes: smaller tensors stay inside the model file
 ALIGN = 4096  # external tensors start on a page boundary, so onnxruntime can map them
 
 
-class FusionError(Exception):
-    """A problem with the user's input, reported as one line (exit code 2 on the CLI)."""
-
-
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load an ONNX model with its external data; raise FusionError naming what is wrong."""
     return read_model(path)[0]
+
+
+def as_model(model_or_path: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """A ModelProto as it is, or the model in that file (load_model)."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        return model_or_path
+    return load_model(model_or_path)
 
 
 def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ...]]:
@@ -65,7 +70,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
         raise FusionError(
             f"{path}: not an ONNX model, or a truncated one (a protobuf message without {missing})"
         )
-    check_runtime(model, str(path))
+    require_runtime_support(model, str(path))
     external = [t for t in all_tensors(model) if uses_external_data(t)]
     for tensor in all_tensors(model):
         if not uses_external_data(tensor):
@@ -87,7 +92,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
     return model, data_files
 
 
-def check_model(model: onnx.ModelProto, full: bool, what: str) -> None:
+def run_checker(model: onnx.ModelProto, full: bool, what: str) -> None:
     """The ONNX checker (full: with strict shape inference), as a FusionError naming `what`.
 
     A model over 2 GB is checked as a file without its weights (protobuf cannot serialize it
@@ -112,12 +117,12 @@ def check_model(model: onnx.ModelProto, full: bool, what: str) -> None:
         raise FusionError(f"{what} fails the ONNX checker: {one_line(exc)}") from None
 
 
-def check_runtime(model: onnx.ModelProto, what: str) -> None:
+def require_runtime_support(model: onnx.ModelProto, what: str) -> None:
     """Refuse a model whose IR version or opsets this onnxruntime cannot load."""
     opsets = tuple(sorted((o.domain or "", o.version) for o in model.opset_import))
     reason = _runtime_refusal(model.ir_version, opsets)
     if reason:
-        raise FusionError(f"{what}: onnxruntime {ort.__version__} cannot load it: {reason}")
+        raise FusionError(f"{what}: onnxruntime {onnxruntime.__version__} cannot load it: {reason}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,30 +137,11 @@ def _runtime_refusal(ir_version: int, opsets: tuple) -> str | None:
         opset_imports=[helper.make_opsetid(d, v) for d, v in opsets],
     )
     probe.ir_version = ir_version
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: no "opset < 7" warnings on stderr
     try:
-        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        inference_session(probe, REFERENCE, threads=1)
     except Exception as exc:
-        return runtime_reason(exc)
+        return ort_error_line(exc)
     return None
-
-
-def runtime_reason(exc: BaseException) -> str:
-    """onnxruntime's error as one readable line, without its C++ source location."""
-    text = one_line(exc, limit=2000)
-    if m := re.search(r"model IR version: (\d+), max supported IR version: (\d+)", text):
-        return f"IR version {m[1]} (it supports up to {m[2]})"
-    if m := re.search(r"Opset (\d+) is under development.*domain (\S+) is till opset (\d+)", text):
-        return f"opset {m[1]} of domain {m[2]} (it supports up to {m[3]})"
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
-    text = re.sub(r"^/\S+:\d+ .*?\) ", "", text)  # "/src/model.cc:256 onnxruntime::Model(...) "
-    return text[:300]
-
-
-def is_runtime_error(exc: BaseException) -> bool:
-    """An exception raised by onnxruntime's C++ side (its classes derive from Exception only)."""
-    return type(exc).__module__.startswith("onnxruntime")
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False) -> None:
@@ -358,9 +344,3 @@ def _is_large(tensor: onnx.TensorProto) -> bool:
         return False
     size = _byte_size(tensor, -1)
     return (size if size >= 0 else len(tensor.raw_data)) >= EXTERNAL_THRESHOLD
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (checker messages span several)."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:limit]

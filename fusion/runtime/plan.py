@@ -12,7 +12,8 @@ only has to wait for an island boundary when it reads a kernel's output, so each
 is forced by some kernel -> standard edge and the number of islands is minimal.
 
 Constant-valued nodes (Constant, Identity of a constant) are folded at build time: islands receive
-their values as initializers and kernels as precomputed inputs, never recomputed per run.
+their values as initializers and kernels as precomputed inputs, never recomputed per run. After
+the steps, `releases` says which values each step leaves for no one: a run drops them there.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import onnx
-import onnxruntime as ort
+import onnxruntime
 from onnx import helper, numpy_helper
 
-from fusion.graph import GraphView, ValueType, node_label
+from fusion.graph import GraphView, ValueType, node_label, topological_order
+from fusion.ort import ISLAND, ISLAND_WITHOUT_CONV, Settings, inference_session
 
 
 @dataclass
@@ -47,28 +49,6 @@ class KernelPlan:
     node: onnx.NodeProto
     inputs: list[str]  # aligned to node.input; "" for an absent optional input
     outputs: list[str]
-
-
-def topological_order(view: GraphView, reads: list[set[str]]) -> list[int]:
-    """Node indices in an order where producers come first (graph order when it already is)."""
-    waiting = [sum(1 for v in reads[i] if v in view.producer) for i in range(len(view.nodes))]
-    ready = [i for i, n in enumerate(waiting) if n == 0]
-    ready.reverse()  # a stack, popped lowest index first, keeps graph order where possible
-    order: list[int] = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        released = []
-        for out in view.nodes[i].output:
-            for j in view.consumers.get(out, []) if out else []:
-                waiting[j] -= 1
-                if waiting[j] == 0:
-                    released.append(j)
-        ready.extend(sorted(released, reverse=True))
-    if len(order) != len(view.nodes):
-        stuck = next(i for i in range(len(view.nodes)) if i not in set(order))
-        raise ValueError(f"the graph has a cycle through {node_label(view.nodes[stuck])}")
-    return order
 
 
 def values_read(view: GraphView) -> list[set[str]]:
@@ -106,7 +86,9 @@ def plan(
     """The run steps of the graph, islands and kernels interleaved by depth (see module doc)."""
     reads = values_read(view)
     live = live_nodes(view, reads)
-    order = [i for i in topological_order(view, reads) if i in live]
+    deps = [[view.producer[v][0] for v in values if v in view.producer] for values in reads]
+    order = topological_order(deps, lambda i: node_label(view.nodes[i]))
+    order = [i for i in order if i in live]
     kernel = {i for i in order if is_kernel(view.nodes[i])}
     folded = {i for i in order if i not in kernel and is_folded(view, view.nodes[i])}
     depth: dict[int, int] = {}
@@ -192,31 +174,52 @@ def _value_info(name: str, vt: ValueType | None) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, vt.elem_type, shape)
 
 
+_BLOCKED_LAYOUT_OPS = {"Conv", "ConvTranspose", "FusedConv"}  # ops NCHWc speeds up
+
+
+def may_hold_a_conv(node: onnx.NodeProto) -> bool:
+    """A conv op, or a node whose function body or subgraphs (If, Loop, Scan) may hold one."""
+    return (
+        node.op_type in _BLOCKED_LAYOUT_OPS
+        or node.domain not in ("", "ai.onnx")
+        or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for a in node.attribute
+        )
+    )
+
+
+def island_settings(island: IslandPlan) -> Settings:
+    """onnxruntime's blocked NCHWc layout pays for its border reorders only across convs: an
+    island without one (pools between conv kernels) is optimized short of it."""
+    return ISLAND if any(may_hold_a_conv(n) for n in island.nodes) else ISLAND_WITHOUT_CONV
+
+
 class IslandStep:
-    """Runs one island's InferenceSession on values from the run's dict."""
+    """Runs one island's onnxruntime session on values from the run's dict."""
 
     kind = "island"
 
-    def __init__(self, island: IslandPlan, view: GraphView, options: ort.SessionOptions):
+    def __init__(self, island: IslandPlan, view: GraphView, settings: Settings, threads: int):
         self.name, self.inputs, self.outputs = island.name, island.inputs, island.outputs
         self.nodes = [n.name or n.output[0] for n in island.nodes]
-        self._island, self._view, self._options = island, view, options
+        self.settings, self.threads = settings, threads
+        self._island, self._view = island, view
         self._lock = threading.Lock()
-        self.session: ort.InferenceSession | None = None
+        self.session: onnxruntime.InferenceSession | None = None
         self._run: Callable | None = None
         types = {v: view.type_of(v) for v in island.inputs}
         if all(t is not None and t.elem_type for t in types.values()):
             self.session = self._build(types)
         # else: an input's dtype is only known from the first run's actual value
 
-    def _build(self, types: dict) -> ort.InferenceSession:
+    def _build(self, types: dict) -> onnxruntime.InferenceSession:
         self.model = island_model(self._view, self._island, types)
-        data = self.model.SerializeToString()
-        session = ort.InferenceSession(data, self._options, providers=["CPUExecutionProvider"])
-        # InferenceSession.run re-validates the feeds in Python (~6 us per call, a third of a
-        # crossing); the steps already pass exactly the island's inputs, so call the binding.
-        self._run = getattr(session, "_sess", session).run
-        return session
+        built = inference_session(self.model, self.settings, self.threads)
+        # InferenceSession.run re-validates the feeds in Python (a third of a crossing's cost);
+        # the steps already pass exactly the island's inputs, so call the binding.
+        self._run = getattr(built, "_sess", built).run
+        return built
 
     def _build_from(self, values: dict) -> Callable:
         with self._lock:
@@ -266,3 +269,23 @@ class KernelStep:
         else:
             for i in self.live:
                 values[self.outputs[i]] = results[i]
+
+
+def releases(steps: list[IslandStep | KernelStep], keep: set[str]) -> list[tuple[str, ...]]:
+    """Per step, the values no later step reads (those in `keep`, the graph outputs, excepted):
+    a run drops them after that step. Also sets each kernel step's `live`: a kernel output that
+    nothing reads is not even stored."""
+    last: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        for name in (*step.inputs, *step.outputs):
+            if name and name not in keep:
+                last[name] = i
+    dropped: list[list[str]] = [[] for _ in steps]
+    for name, i in last.items():
+        dropped[i].append(name)
+    for i, step in enumerate(steps):
+        if isinstance(step, KernelStep):
+            dead = set(dropped[i]).intersection(step.outputs)
+            step.live = tuple(k for k, n in enumerate(step.outputs) if n and n not in dead)
+            dropped[i] = [n for n in dropped[i] if n not in dead]
+    return [tuple(names) for names in dropped]

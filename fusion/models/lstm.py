@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
+
+from fusion.models.builder import GraphBuilder
 
 OPSET = {"split_input": 17, "split_attribute": 11, "num_outputs": 18, "slice": 17}
 
@@ -60,26 +62,18 @@ class LSTMWeights:
         return LSTMWeights(self.W[idx], self.R[idx], self.Wb[idx], self.Rb[idx])
 
 
-class _Graph:
+class _Graph(GraphBuilder):
     def __init__(self, opset: int):
-        self.opset, self.nodes, self.inits, self._n = opset, [], [], 0
+        super().__init__(opset)
+        self.weights_key, self.weights = None, []  # one set of initializers per chain
 
-    def const(self, array, hint: str = "c") -> str:
-        self._n += 1
-        name = f"{hint}_{self._n}"
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def node(self, op_type: str, inputs, n_out: int = 1, **attrs):
-        self._n += 1
-        name = f"/{op_type}_{self._n}"
-        outs = [f"{name}_output_{k}" for k in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name, **attrs))
-        return outs if n_out > 1 else outs[0]
+    def named(self, array, hint: str) -> str:
+        """An initializer named `{hint}_{n}`."""
+        return self.const(array, self.fresh(f"{hint}_"))
 
     def axes_op(self, op_type: str, x: str, axes: list[int]) -> str:
         if self.opset >= 13:
-            return self.node(op_type, [x, self.const(np.array(axes, np.int64), "axes")])
+            return self.node(op_type, [x, self.named(np.array(axes, np.int64), "axes")])
         return self.node(op_type, [x], axes=axes)
 
 
@@ -98,31 +92,31 @@ def lstm_cell(
     """Append one cell to `g`; returns (h', c'). Weights are shared across calls by name."""
     hid, ww = w.hidden, w.reorder(order)
     key = (form, order, forget_bias)
-    if getattr(g, "_weights_key", None) != key:  # one set of initializers for the whole chain
-        g._weights_key = key
+    if g.weights_key != key:  # one set of initializers for the whole chain
+        g.weights_key = key
         if form == "gemm":
-            g._w = [
-                g.const(ww.W, "W"),
-                g.const(ww.Wb, "Wb"),
-                g.const(ww.R, "R"),
-                g.const(ww.Rb, "Rb"),
+            g.weights = [
+                g.named(ww.W, "W"),
+                g.named(ww.Wb, "Wb"),
+                g.named(ww.R, "R"),
+                g.named(ww.Rb, "Rb"),
             ]
         elif form == "matmul":
-            g._w = [
-                g.const(ww.W.T.copy(), "W"),
-                g.const(ww.R.T.copy(), "R"),
-                g.const(ww.Wb + ww.Rb, "b"),
+            g.weights = [
+                g.named(ww.W.T.copy(), "W"),
+                g.named(ww.R.T.copy(), "R"),
+                g.named(ww.Wb + ww.Rb, "b"),
             ]
         else:
             wcat = np.concatenate([ww.W.T, ww.R.T], axis=0)
-            g._w = [g.const(wcat, "W"), g.const(ww.Wb + ww.Rb, "b")]
+            g.weights = [g.named(wcat, "W"), g.named(ww.Wb + ww.Rb, "b")]
     if form == "gemm":
-        wn, wb, rn, rb = g._w
+        wn, wb, rn, rb = g.weights
         pre = g.node(
             "Add", [g.node("Gemm", [x, wn, wb], transB=1), g.node("Gemm", [h, rn, rb], transB=1)]
         )
     elif form == "matmul":
-        wn, rn, b = g._w
+        wn, rn, b = g.weights
         xw, hr = g.node("MatMul", [x, wn]), g.node("MatMul", [h, rn])
         if assoc == 0:
             pre = g.node("Add", [g.node("Add", [xw, hr]), b])
@@ -131,13 +125,13 @@ def lstm_cell(
         else:
             pre = g.node("Add", [xw, g.node("Add", [hr, b])])
     else:
-        wn, b = g._w
+        wn, b = g.weights
         pre = g.node("Add", [g.node("MatMul", [g.node("Concat", [x, h], axis=1), wn]), b])
     chunks = _split_gates(g, pre, hid, gates)
     gate = dict(zip(order, chunks, strict=True))
     f_pre = gate["f"]
     if forget_bias:
-        f_pre = g.node("Add", [f_pre, g.const(np.array(forget_bias, np.float32), "forget_bias")])
+        f_pre = g.node("Add", [f_pre, g.named(np.array(forget_bias, np.float32), "forget_bias")])
     i, f = g.node("Sigmoid", [gate["i"]]), g.node("Sigmoid", [f_pre])
     cand, o = g.node("Tanh", [gate["g"]]), g.node("Sigmoid", [gate["o"]])
     c_new = g.node("Add", [g.node("Mul", [f, c]), g.node("Mul", [i, cand])])
@@ -147,7 +141,7 @@ def lstm_cell(
 
 def _split_gates(g: _Graph, pre: str, hid: int, gates: str) -> list[str]:
     if gates == "split_input":
-        return g.node("Split", [pre, g.const(np.array([hid] * 4, np.int64), "split")], 4, axis=1)
+        return g.node("Split", [pre, g.named(np.array([hid] * 4, np.int64), "split")], 4, axis=1)
     if gates == "split_attribute":
         return g.node("Split", [pre], 4, axis=1, split=[hid] * 4)
     if gates == "num_outputs":
@@ -156,16 +150,8 @@ def _split_gates(g: _Graph, pre: str, hid: int, gates: str) -> list[str]:
     for k in (2, 0, 3, 1):  # exporters do not promise an order
         starts, ends = [k * hid], [(k + 1) * hid if k < 3 else np.iinfo(np.int64).max]
         args = [np.array(v, np.int64) for v in (starts, ends, [-1] if k % 2 else [1])]
-        outs[k] = g.node("Slice", [pre, *(g.const(a, "slice") for a in args)])
+        outs[k] = g.node("Slice", [pre, *(g.named(a, "slice") for a in args)])
     return [outs[k] for k in range(4)]
-
-
-def _model(g: _Graph, inputs: dict, outputs: dict) -> onnx.ModelProto:
-    def info(specs):
-        return [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in specs.items()]
-
-    graph = helper.make_graph(g.nodes, "lstm", info(inputs), info(outputs), g.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)])
 
 
 def unrolled_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", **cell) -> onnx.ModelProto:
@@ -177,7 +163,7 @@ def unrolled_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", **cell) ->
     hid, size = w.hidden, w.W.shape[1]
     h, c, ys = "h0", "c0", []
     for t in range(steps):
-        x = g.node("Gather", ["X", g.const(np.array(t, np.int64), "t")], axis=0)
+        x = g.node("Gather", ["X", g.named(np.array(t, np.int64), "t")], axis=0)
         h, c = lstm_cell(g, x, h, c, w, **cell)
         ys.append(g.axes_op("Unsqueeze", h, [0]))
     g.nodes.append(helper.make_node("Concat", ys, ["Y"], name="/stack", axis=0))
@@ -185,7 +171,8 @@ def unrolled_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", **cell) ->
         node.input[:] = [{h: "h_n", c: "c_n"}.get(v, v) for v in node.input]
         node.output[:] = [{h: "h_n", c: "c_n"}.get(v, v) for v in node.output]
     inputs = {"X": [steps, batch, size], "h0": [batch, hid], "c0": [batch, hid]}
-    return _model(g, inputs, {"Y": [steps, batch, hid], "h_n": [batch, hid], "c_n": [batch, hid]})
+    outputs = {"Y": [steps, batch, hid], "h_n": [batch, hid], "c_n": [batch, hid]}
+    return g.model(inputs, outputs, name="lstm")
 
 
 def cell_model(
@@ -199,7 +186,7 @@ def cell_model(
     outputs = {h: [batch, hid], c: [batch, hid]}
     if extra_output:
         outputs[next(n.output[0] for n in g.nodes if n.op_type == extra_output)] = None
-    return _model(g, {"x": [batch, size], "h": [batch, hid], "c": [batch, hid]}, outputs)
+    return g.model({"x": [batch, size], "h": [batch, hid], "c": [batch, hid]}, outputs, name="lstm")
 
 
 def native_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", forget_bias=0.0):
@@ -208,12 +195,13 @@ def native_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", forget_bias=
     ww = w.reorder("iofg")
     b = np.concatenate([ww.Wb, ww.Rb])
     b[2 * w.hidden : 3 * w.hidden] += np.float32(forget_bias)
-    inputs = ["X", g.const(ww.W[None], "W"), g.const(ww.R[None], "R"), g.const(b[None], "B"), ""]
+    inputs = ["X", g.named(ww.W[None], "W"), g.named(ww.R[None], "R"), g.named(b[None], "B"), ""]
     inputs += [g.axes_op("Unsqueeze", "h0", [0]), g.axes_op("Unsqueeze", "c0", [0])]
     y, yh, yc = g.node("LSTM", inputs, 3, hidden_size=w.hidden)
-    g.nodes.append(helper.make_node("Squeeze", [y, g.const(np.array([1]), "axes")], ["Y"]))
-    g.nodes.append(helper.make_node("Squeeze", [yh, g.const(np.array([0]), "axes")], ["h_n"]))
-    g.nodes.append(helper.make_node("Squeeze", [yc, g.const(np.array([0]), "axes")], ["c_n"]))
+    g.nodes.append(helper.make_node("Squeeze", [y, g.named(np.array([1]), "axes")], ["Y"]))
+    g.nodes.append(helper.make_node("Squeeze", [yh, g.named(np.array([0]), "axes")], ["h_n"]))
+    g.nodes.append(helper.make_node("Squeeze", [yc, g.named(np.array([0]), "axes")], ["c_n"]))
     hid, size = w.hidden, w.W.shape[1]
     inputs = {"X": [steps, batch, size], "h0": [batch, hid], "c0": [batch, hid]}
-    return _model(g, inputs, {"Y": [steps, batch, hid], "h_n": [batch, hid], "c_n": [batch, hid]})
+    outputs = {"Y": [steps, batch, hid], "h_n": [batch, hid], "c_n": [batch, hid]}
+    return g.model(inputs, outputs, name="lstm")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
+
+from fusion.models.builder import GraphBuilder
 
 # (layer index, kind, args): "conv" (out, kernel, stride), "pool", "fire" (squeeze, e1x1, e3x3)
 FEATURES = {
@@ -54,27 +56,19 @@ def fire_modules(version: str = "1.1") -> list[tuple[str, int, int, int, int]]:
     return out
 
 
-class _Exporter:
+class _Exporter(GraphBuilder):
     """Writes nodes, initializers and value names the way torch.onnx.export names them."""
 
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def node(self, op_type: str, scope: str, inputs: list[str], **attrs) -> str:
-        name = f"{scope}/{op_type}"
-        out = f"{name}_output_0"
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name, **attrs))
-        return out
+    def scoped(self, op_type: str, scope: str, inputs: list[str], **attrs) -> str:
+        return self.node(op_type, inputs, name=f"{scope}/{op_type}", **attrs)
 
     def conv_relu(self, x: str, module: str, act: str, cin: int, cout: int, k: int, s=1, p=0):
         fan_in = cin * k * k
         w = self.rng.standard_normal((cout, cin, k, k)) * np.sqrt(2.0 / fan_in)
         b = self.rng.standard_normal(cout) * 0.05
-        self.inits.append(numpy_helper.from_array(w.astype(np.float32), f"{module}.weight"))
-        self.inits.append(numpy_helper.from_array(b.astype(np.float32), f"{module}.bias"))
-        y = self.node(
+        self.const(w.astype(np.float32), f"{module}.weight")
+        self.const(b.astype(np.float32), f"{module}.bias")
+        y = self.scoped(
             "Conv",
             _scope(module),
             [x, f"{module}.weight", f"{module}.bias"],
@@ -84,7 +78,7 @@ class _Exporter:
             pads=[p] * 4,
             strides=[s, s],
         )
-        return self.node("Relu", _scope(act), [y])
+        return self.scoped("Relu", _scope(act), [y])
 
 
 def _scope(module: str) -> str:
@@ -107,7 +101,7 @@ def squeezenet(
     """SqueezeNet `version` ("1.0" or "1.1") on a [batch, 3, size, size] input."""
     if version not in FEATURES:
         raise ValueError(f"unknown SqueezeNet version {version!r} (1.0 or 1.1)")
-    ex = _Exporter(seed)
+    ex = _Exporter(opset, seed)
     x, channels = "input", 3
     for index, kind, args in FEATURES[version]:
         layer = f"features.{index}"
@@ -116,7 +110,7 @@ def squeezenet(
             x = ex.conv_relu(x, layer, f"features.{index + 1}", channels, cout, k, s)
             channels = cout
         elif kind == "pool":
-            x = ex.node(
+            x = ex.scoped(
                 "MaxPool", _scope(layer), [x], ceil_mode=1, kernel_shape=[3, 3], pads=[0] * 4,
                 strides=[2, 2],
             )  # fmt: skip
@@ -127,19 +121,12 @@ def squeezenet(
             b = ex.conv_relu(
                 s, f"{layer}.expand3x3", f"{layer}.expand3x3_activation", sq, e3, 3, p=1
             )
-            x = ex.node("Concat", _scope(layer), [a, b], axis=1)
+            x = ex.scoped("Concat", _scope(layer), [a, b], axis=1)
             channels = e1 + e3
     x = ex.conv_relu(x, "classifier.1", "classifier.2", channels, classes, 1)
-    x = ex.node("GlobalAveragePool", _scope("classifier.3"), [x])
+    x = ex.scoped("GlobalAveragePool", _scope("classifier.3"), [x])
     ex.nodes.append(helper.make_node("Flatten", [x], ["output"], "/Flatten", axis=1))
-    graph = helper.make_graph(
-        ex.nodes,
-        "main_graph",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, classes])],
-        ex.inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model = ex.model({"input": [batch, 3, size, size]}, {"output": [batch, classes]})
     model.ir_version = 8  # what torch 2.x writes at opset 17
     model.producer_name, model.producer_version = "pytorch", "2.1.0"
     return model

@@ -9,32 +9,32 @@ from pathlib import Path
 from fusion.bench.measure import measure
 from fusion.bench.report import machine, notes, rich_tables, write_json, write_markdown, write_plot
 from fusion.bench.workload import Options, Workload
+from fusion.cli.inputs import add_input_argument, input_files
+from fusion.feeds import model_inputs
+from fusion.modelfile import read_model
+
+NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
 
 
-def add_bench_arguments(parser) -> None:
-    """`fusion bench`'s arguments. In cli.py: add_bench_arguments(command("bench", "..."))."""
+def add_arguments(parser) -> None:
     parser.add_argument("model", help="the .onnx file to benchmark (original, not fused)")
     parser.add_argument("--threads", type=int, default=None, help="threads for every runner")
     parser.add_argument("--rounds", type=int, default=20, help="at most this many timed rounds")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed rounds")
     parser.add_argument("--batch", type=int, default=1, help="size of symbolic first axes")
-    parser.add_argument("--input", action="append", help="NAME=FILE.npy (repeatable) or FILE.npz")
+    add_input_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of random inputs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time children")
     parser.add_argument("--json", help="write the results as JSON to this file")
     parser.add_argument("--markdown", help="write a Markdown table to this file")
     parser.add_argument("--plot", help="write a PNG bar chart of speedups to this file")
-    parser.set_defaults(func=cmd_bench)
 
 
-def cmd_bench(args) -> int:
+def execute(args) -> int:
     """Benchmark one model file; exit 1 if any runner's numbers were refused."""
-    from rich.console import Console
+    from rich.console import Console  # heavy: only for the tables
     from rich.progress import Progress
-
-    from fusion.io import read_model
-    from fusion.verify import model_inputs
 
     model = read_model(args.model)[0]
     batch_dims = {}
@@ -42,12 +42,7 @@ def cmd_bench(args) -> int:
         dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
         if dims and dims[0].HasField("dim_param"):
             batch_dims[dims[0].dim_param] = args.batch
-    inputs = None
-    if args.input:
-        from fusion.cli import _inputs
-
-        inputs = _inputs(args.input)
-    feeds, source = model_inputs(model, inputs, args.seed, batch_dims)
+    feeds, source = model_inputs(model, input_files(args.input), args.seed, batch_dims)
     opts = Options(
         threads=args.threads or os.cpu_count() or 1,
         rounds=args.rounds,

@@ -1,0 +1,155 @@
+"""`fusion rewrite IN -o OUT`: fuse the catalog's patterns in a file, never touching the input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fusion.cli.inputs import add_input_argument, input_files, pattern_names
+from fusion.errors import FusionError
+from fusion.modelfile import read_model, run_checker, save_model, writable_folder, write_atomic
+from fusion.registry import default_catalog
+from fusion.rewriter import rewrite
+from fusion.verify import verify
+
+NAME, HELP = "rewrite", "fuse the catalog's patterns in an ONNX file"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="input .onnx file (never modified unless --in-place)")
+    p.add_argument("-o", "--output", required=True, help="where to write the rewritten model")
+    p.add_argument("--only", type=pattern_names, help="comma-separated pattern names to use")
+    p.add_argument("--exclude", type=pattern_names, help="comma-separated pattern names to skip")
+    p.add_argument("--explain", action="store_true", help="print why near-misses were not fused")
+    p.add_argument("--report", help="write a JSON report to this file")
+    p.add_argument("--in-place", action="store_true", help="allow OUTPUT to be the input file")
+    p.add_argument("-v", "--verbose", action="store_true", help="list every fused node")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each fused node against onnxruntime and undo the ones that disagree",
+    )
+    add_input_argument(p, help="inputs for --verify (NAME=FILE.npy)")
+
+
+def execute(args) -> int:
+    return rewrite_file(
+        args.model,
+        args.output,
+        only=args.only or (),
+        exclude=args.exclude or (),
+        explain=args.explain,
+        report=args.report,
+        in_place=args.in_place,
+        verbose=args.verbose,
+        verified=args.verify,
+        inputs=args.input,
+    )
+
+
+def rewrite_file(
+    model,
+    output,
+    only=(),
+    exclude=(),
+    explain: bool = False,
+    report=None,
+    in_place: bool = False,
+    verbose: bool = False,
+    verified: bool = False,
+    inputs: list[str] | None = None,
+) -> int:
+    """Rewrite the file `model` into `output` and print what was fused; the exit code."""
+    src, dst = Path(model), Path(output)
+    if dst.resolve() == src.resolve() and not in_place:
+        raise FusionError(f"{dst}: output is the input file; pass --in-place to overwrite it")
+    writable_folder(dst)  # before the work, not after it
+    if report:
+        if Path(report).resolve() == dst.resolve():
+            raise FusionError(f"{report}: --report and the output are the same file")
+        _refuse_overwriting(Path(report), src, "--report")
+        writable_folder(report)
+    original, data_files = read_model(src)
+    run_checker(original, full=False, what=str(src))
+    _refuse_overwriting(dst, src, "output", data_files, in_place=in_place)
+    catalog = default_catalog().select(only, exclude)
+    result = rewrite(original, catalog)
+    if verified and result.fusions:
+        result = _rewrite_verified(original, result, catalog, input_files(inputs))
+    if result.fusions:
+        full = _passes_full_check(original)
+        try:
+            run_checker(result.model, full=full, what="the rewritten model")
+        except FusionError as exc:  # our bug, not the user's input: do not write it
+            print(f"fusion: internal error: {exc}", file=sys.stderr)
+            return 1
+        save_model(result.model, dst, external=bool(data_files))
+    elif data_files:
+        save_model(original, dst, external=True)
+    else:
+        _copy_unchanged(src, dst)
+    _print_rewrite(result, verbose)
+    if explain:
+        print(result.explain())
+    if report:
+        write_atomic(report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    return 0
+
+
+def _refuse_overwriting(target: Path, src: Path, what: str, data_files=(), in_place=False):
+    """Writing `target` (and, for a model, its `.data` beside it) must not destroy the input:
+    the input file itself (unless --in-place) or an external data file the input reads."""
+    if in_place and target.resolve() == src.resolve():
+        return  # the user asked to replace the input, weights included
+    targets = [target.resolve()]
+    if what == "output":
+        targets.append(target.resolve().with_name(target.name + ".data"))
+    for path in targets:
+        if path == src.resolve():
+            raise FusionError(f"{target}: the {what} would overwrite the input file {src}")
+        if path in data_files:
+            raise FusionError(
+                f"{target}: the {what} would overwrite {path.name}, where {src} keeps its weights"
+            )
+
+
+def _rewrite_verified(model, result, catalog, inputs):
+    """Check every fused node on a real run; rewrite again without the ones that disagree."""
+    report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
+    bad = {}
+    for node in report.nodes:
+        if not node.ok:
+            name = node.node.split(" ", 1)[1]
+            bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
+                f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
+            )
+    if bad:
+        result = rewrite(model, catalog, skip=bad)
+        for reason in bad.values():
+            print(f"{reason}")
+    print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
+    return result
+
+
+def _passes_full_check(model) -> bool:
+    try:
+        run_checker(model, full=True, what="input")
+        return True
+    except FusionError:
+        return False
+
+
+def _copy_unchanged(src: Path, dst: Path) -> None:
+    """Nothing to fuse: the output is the input, byte for byte."""
+    if dst.resolve() != src.resolve():
+        write_atomic(dst, src.read_bytes())
+
+
+def _print_rewrite(result, verbose: bool) -> None:
+    total = sum(result.counts().values())
+    counts = ", ".join(f"{name}: {n}" for name, n in result.counts().items())
+    print(f"{total} fusion{'s' if total != 1 else ''}" + (f" ({counts})" if counts else ""))
+    if verbose:
+        for f in result.fusions:
+            print(f"  {f.rule} {f.node} <- {', '.join(f.replaced)}")

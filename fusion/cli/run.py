@@ -1,0 +1,56 @@
+"""`fusion run MODEL`: run a model (fused or not) with fusion.Session, outputs to an .npz."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from fusion.cli.inputs import add_input_argument, input_files, load_checked
+from fusion.errors import FusionError
+from fusion.feeds import model_inputs
+from fusion.modelfile import writable_folder, write_atomic
+from fusion.runtime import Session
+
+NAME, HELP = "run", "run a model with fusion.Session"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help=".onnx file, fused or not (an unfused one is fused in memory)")
+    add_input_argument(p)
+    p.add_argument("-o", "--output", help="write the outputs to this .npz file")
+    p.add_argument("--threads", type=int, default=None, help="threads (Numba and onnxruntime)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random inputs not given")
+
+
+def execute(args) -> int:
+    if args.output:
+        if Path(args.output).resolve() == Path(args.model).resolve():
+            raise FusionError(f"{args.output}: the output would overwrite the model {args.model}")
+        writable_folder(args.output)
+    session = _session(args.model, args.threads)
+    feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
+    outputs = session.run(None, feeds)
+    names = [o.name for o in session.get_outputs()]
+    for name, value in zip(names, outputs, strict=True):
+        print(f"{name}: {value.dtype} {list(value.shape)}")
+    if args.output:
+        buffer = io.BytesIO()
+        np.savez(buffer, **dict(zip(names, outputs, strict=True)))
+        write_atomic(args.output, buffer.getvalue())
+    print(f"inputs: {source}; {Session.__name__} ran {len(session.steps)} steps")
+    return 0
+
+
+def _session(model_path, threads) -> Session:
+    """A fusion.Session, with a progress bar while kernels compile on first use."""
+    from rich.progress import Progress  # heavy: only for a command that builds kernels
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("preparing kernels", total=None)
+
+        def progress(name, i, total):
+            bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
+
+        return Session(load_checked(model_path), threads=threads, progress=progress)

@@ -1,0 +1,23 @@
+"""Example and benchmark models, built op by op the way exporters write them (no download):
+used by `fusion demo`, the tests and the benchmarks.
+
+  conv_stack   blocks of 3x3 Conv + bias + Relu (TensorFlow or PyTorch form)
+  lstm         LSTM cells unrolled as PyTorch exports nn.LSTMCell in a loop; the native twin
+  squeezenet   SqueezeNet 1.0 and 1.1 as torch.onnx.export writes torchvision's models
+"""
+
+from fusion.models.conv_stack import conv_stack, conv_stack_flops
+from fusion.models.lstm import LSTMWeights, cell_model, native_lstm, unrolled_lstm
+from fusion.models.squeezenet import fire_modules, squeezenet, squeezenet_flops
+
+__all__ = [
+    "LSTMWeights",
+    "cell_model",
+    "conv_stack",
+    "conv_stack_flops",
+    "fire_modules",
+    "native_lstm",
+    "squeezenet",
+    "squeezenet_flops",
+    "unrolled_lstm",
+]
