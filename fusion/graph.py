@@ -163,7 +163,7 @@ class GraphView:
         return dict(self._attr_cache[key])
 
     def _attributes(self, node: onnx.NodeProto) -> dict:
-        attrs = attribute_defaults(self, node)
+        attrs = attribute_defaults(node, self.opset, self.type_of)
         for a in node.attribute:
             attrs[a.name] = onnx.helper.get_attribute_value(a)
             if isinstance(attrs[a.name], bytes):

@@ -11,7 +11,8 @@ with batch 1 a channel slice is contiguous: the slice case runs at batch 2).
     python -m kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
 
 A group that fails prints its error and makes the command exit non-zero. Concurrent saves into
-Numba's cache are serialized by a file lock (see _serialize_cache_saves).
+Numba's cache are serialized by a file lock (see _serialize_cache_saves). Each group imports its
+kernel modules itself: the parent process that starts the groups compiles nothing.
 """
 
 from __future__ import annotations
@@ -150,9 +151,9 @@ def _serialize_cache_saves():
     the index back, with no lock: two processes adding different signatures of one function
     at the same time can leave the index naming the other's machine code (numba#4807). The
     warm-up's processes run at the same time and share callees, so their saves take a lock."""
-    import fcntl
+    import fcntl  # Unix only
 
-    from numba.core import caching
+    from numba.core import caching  # heavy: only in a group's process
 
     save = caching.IndexDataCacheFile.save
 

@@ -26,6 +26,7 @@ import onnx
 from fusion.bench.result import BenchResult
 from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, make_runner
 from fusion.bench.workload import Workload, catalog_with
+from fusion.registry import load_plugin
 
 RESULT_TAG = "FUSION-BENCH-RESULT "  # the line a child process reports on
 
@@ -103,8 +104,6 @@ def _status_kb(key: str) -> int | None:
 
 def run_child(spec: dict) -> dict:
     """In a child process: time a cold/cached first run, or the peak RSS of each runner."""
-    from fusion.registry import load_plugin
-
     folder, threads = Path(spec["dir"]), spec["threads"]
     for plugin in spec.get("plugins", ()):
         load_plugin(plugin)
@@ -116,11 +115,9 @@ def run_child(spec: dict) -> dict:
         start = time.perf_counter()  # building the Session loads or compiles the kernels
         make_runner(FUSED, model, catalog, threads)(feeds)
         return {"seconds": time.perf_counter() - start}
-    import resource
+    import resource  # Unix only
 
-    import numba  # noqa: F401
-
-    import fusion.runtime  # noqa: F401  everything imported before the baseline
+    import numba  # noqa: F401  heavy, and imported here on purpose: before the RSS baseline
 
     files = {ORT_NONE: ORT_NONE, ORT_ALL: ORT_NONE, FUSED: FUSED, ORT_FUSED: FUSED, NATIVE: NATIVE}
     models = {name: onnx.load(str(folder / f"{files[name]}.onnx")) for name in spec["runners"]}

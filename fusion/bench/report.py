@@ -26,7 +26,7 @@ def machine() -> dict:
             )
     except OSError:
         pass
-    import numba
+    import numba  # heavy: only to report its version
 
     return {
         "cpu": cpu,

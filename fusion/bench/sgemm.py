@@ -10,6 +10,7 @@ and just after the runners.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import time
@@ -64,8 +65,6 @@ def _short_blas_spin() -> bool:
 
 def _blas_threads(n: int) -> bool:
     """Set numpy's OpenBLAS thread count through the library itself (numpy has no API)."""
-    import ctypes
-
     try:
         with open("/proc/self/maps") as maps:
             libs = {line.split()[-1] for line in maps if "openblas" in line.lower()}

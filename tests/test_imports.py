@@ -1,0 +1,141 @@
+"""The layering: imports among project modules go one way (no cycle, function-level imports
+included), and `import fusion` + `fusion.rewrite` stay light (no Numba, no benchmark harness,
+no change to the environment)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fusion", "kernels", "patterns")
+
+
+def project_modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the project's packages."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def imported(name: str, path: Path, modules: dict) -> set[str]:
+    """The project modules `name` imports anywhere in its file (functions included). `from a
+    import b` is an edge to a.b when that is a module, else to a; never to a's parents."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]  # fmt: skip
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph (its modules in order, the first repeated), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_among_project_modules():
+    modules = project_modules()
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    assert sum(len(edges) for edges in graph.values()) > 100  # the walk sees the imports
+    assert "fusion.registry" in graph["fusion.rewriter"]  # a top-level edge
+    assert "kernels.conv2d" in graph["patterns.conv"]  # a function-level (lazy) edge
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_sees_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+LIGHT = """
+import os, sys
+before = dict(os.environ)
+import numpy as np
+from onnx import helper
+import fusion
+from fusion.models import conv_stack
+
+model = conv_stack(blocks=1, channels=4, size=8)
+out = model.graph.output[0]
+model.graph.node.append(
+    helper.make_node("MaxPool", [out.name], ["pooled"], kernel_shape=[2, 2], strides=[2, 2])
+)
+out.name = "pooled"
+del out.type.tensor_type.shape.dim[:]
+result = fusion.rewrite(model)
+assert result.counts() == {"ConvBiasRelu": 1, "MaxPool2D": 1}, result.counts()
+heavy = sorted(m for m in sys.modules if m == "numba" or m.startswith(("numba.", "fusion.bench")))
+assert not heavy, heavy
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+print("light")
+"""
+
+
+def test_import_and_rewrite_load_neither_numba_nor_the_bench_nor_touch_the_environment():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LIGHT)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "light", proc.stderr
+
+
+def test_the_runtime_applies_the_thread_settings_before_numba_starts():
+    """The settings import used to set are set by the first Session with kernels, and a user's
+    own value wins."""
+    code = """
+        import os
+        import numpy as np
+        import fusion
+        from fusion.models import conv_stack
+        assert "OMP_WAIT_POLICY" not in os.environ
+        fusion.Session(conv_stack(blocks=1, channels=4, size=8), threads=1)
+        print(os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"])
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["GOMP_SPINCOUNT"] = "7"
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["PASSIVE", "7"]
