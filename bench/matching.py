@@ -2,12 +2,10 @@
 nodes). Run: python bench/matching.py [--blocks 170]"""
 
 import argparse
-import statistics
-import time
-
-from fusion.examples import conv_stack
 
 import fusion
+from fusion.bench.timing import interleave
+from fusion.models import conv_stack
 
 
 def main() -> None:
@@ -17,14 +15,12 @@ def main() -> None:
     args = parser.parse_args()
     model = conv_stack(blocks=args.blocks, channels=4, size=8, form="pytorch")  # Identity weights
     catalog = fusion.default_catalog()
-    times = []
-    for _ in range(args.rounds):
-        start = time.perf_counter()
-        result = fusion.rewrite(model, catalog)
-        times.append(time.perf_counter() - start)
+    fusions = len(fusion.rewrite(model, catalog).fusions)
+    timing = interleave({"rewrite": lambda: fusion.rewrite(model, catalog)}, args.rounds, warmup=0)
+    times = timing.times["rewrite"]
     print(
-        f"{len(model.graph.node)} nodes, {len(catalog)} rules, {len(result.fusions)} fusions: "
-        f"median {statistics.median(times) * 1e3:.0f} ms (min {min(times) * 1e3:.0f}, "
+        f"{len(model.graph.node)} nodes, {len(catalog)} rules, {fusions} fusions: "
+        f"median {timing.median('rewrite') * 1e3:.0f} ms (min {min(times) * 1e3:.0f}, "
         f"max {max(times) * 1e3:.0f}) over {args.rounds} rewrites"
     )
 

@@ -1,38 +1,32 @@
 """Fixed costs of a kernel call, on inputs so small that the arithmetic is negligible: the
 Python and Numba dispatch around a conv call, a Fire module in one compiled call vs conv by conv
-(the path plans outside the usual ones take), and how late a parallel region starts when its
-worker thread has been idle (a busy main thread) or both cores have (a sleep).
+(the path plans outside the usual ones take), how late a parallel region starts when its
+worker thread has been idle (a busy main thread) or both cores have (a sleep), and what one
+crossing between an onnxruntime island and a kernel costs in fusion.Session.
 
     .venv/bin/python bench/overheads.py [--rounds 2000]
 
-Medians in microseconds. The worker's spinning after a region is set by GOMP_SPINCOUNT (see
-kernels/config.py); run with GOMP_SPINCOUNT=0 to see the cost without it.
+Medians in microseconds (fusion.bench.timing). The worker's spinning after a region is set by
+GOMP_SPINCOUNT (kernels/config.py); run with GOMP_SPINCOUNT=0 to see the cost without it.
 """
 
 import argparse
 import os
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kernels import conv2d_bias_act, prepare_conv2d, set_threads  # noqa: E402
-from kernels.conv_concat import conv_concat  # noqa: E402
-from kernels.fire import fire, prepare_fire  # noqa: E402
+import fusion
+from fusion.bench.timing import interleave
+from fusion.models.builder import GraphBuilder
+from fusion.ort import DEFAULT, inference_session
+from kernels import conv2d_bias_act, prepare_conv2d, set_threads
+from kernels.conv_concat import conv_concat
+from kernels.fire import fire, prepare_fire
 
 
-def median_us(call, rounds, before=None):
-    call()
-    times = []
-    for _ in range(rounds):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+def median_us(call, rounds, before=None) -> float:
+    return interleave({"call": call}, rounds, warmup=1, before=before).median("call") * 1e6
 
 
 def busy(seconds):
@@ -41,10 +35,7 @@ def busy(seconds):
         pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=2000)
-    args = parser.parse_args()
+def kernel_calls(rounds: int) -> list[tuple[str, float]]:
     ones = np.ones
     x = ones((1, 16, 4, 4), np.float32)
     conv = prepare_conv2d(ones((8, 16, 1, 1), np.float32), activation="relu")
@@ -64,24 +55,70 @@ def main() -> None:
         rows.append(
             (
                 f"1x1 conv call, {threads} thread(s)",
-                median_us(lambda: conv2d_bias_act(x, conv), args.rounds),
+                median_us(lambda: conv2d_bias_act(x, conv), rounds),
             )
         )
         rows.append(
             (
                 f"Fire module in one call, {threads} thread(s)",
-                median_us(lambda: fire(x, plan), args.rounds),
+                median_us(lambda: fire(x, plan), rounds),
             )
         )
         rows.append(
-            (f"Fire module conv by conv, {threads} thread(s)", median_us(conv_by_conv, args.rounds))
+            (f"Fire module conv by conv, {threads} thread(s)", median_us(conv_by_conv, rounds))
         )
-    few = max(20, args.rounds // 20)
+    few = max(20, rounds // 20)
     run = lambda: conv2d_bias_act(x, conv)  # noqa: E731
     rows.append(("1x1 conv call after the worker idled 2 ms (main thread busy)",
                  median_us(run, few, lambda: busy(2e-3))))  # fmt: skip
     rows.append(("1x1 conv call after both cores idled 2 ms (sleep)",
                  median_us(run, few, lambda: time.sleep(2e-3))))  # fmt: skip
+    return rows
+
+
+def crossing(rounds: int) -> list[tuple[str, float]]:
+    """a -> Add -> relu(. * s) -> Neg on a 1x3 tensor, threads=1: onnxruntime alone on the
+    rewritten model (the fused node through its function body) against fusion.Session, which
+    runs island, NumPy kernel, island. Two crossings replace Mul + Relu inside one run."""
+    catalog = fusion.Catalog()
+    pattern = fusion.op.Relu(fusion.op.Mul(fusion.Var("x"), fusion.Const("s")))
+
+    @fusion.register_pattern("ScaledRelu", pattern, inputs=("x", "s"), catalog=catalog)
+    def scaled_relu(x, s):
+        return np.maximum(x * s, 0)
+
+    g = GraphBuilder(opset=18)
+    y = g.node("Relu", [g.node("Mul", [g.node("Add", ["a", "a"]), g.const(np.float32(2.0))])])
+    model = g.model({"a": ["N", 3]}, {g.node("Neg", [y]): None})
+    fused = fusion.rewrite(model, catalog).model
+    ours = fusion.Session(fused, threads=1, catalog=catalog)
+    theirs = inference_session(fused, DEFAULT, threads=1)
+    feeds = {"a": np.ones((1, 3), np.float32)}
+    timing = interleave(
+        {
+            "onnxruntime": lambda: theirs.run(None, feeds),
+            "fusion.Session": lambda: ours.run(None, feeds),
+        },
+        rounds,
+        warmup=100,
+    )
+    prof = ours.profile(feeds, repeat=rounds)
+    us = {name: timing.median(name) * 1e6 for name in timing.times}
+    kernel = prof.total("kernel") * 1e6
+    rows = [(f"{name} (island, kernel, island)" if name != "onnxruntime" else
+             "onnxruntime alone, the same model", t) for name, t in us.items()]  # fmt: skip
+    rows += [("  of which islands", prof.total("island") * 1e6), ("  of which the kernel", kernel),
+             ("  of which between steps", prof.overhead * 1e6)]  # fmt: skip
+    rows.append(("per crossing: (Session - onnxruntime - kernel) / 2",
+                 (us["fusion.Session"] - us["onnxruntime"] - kernel) / 2))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=2000)
+    args = parser.parse_args()
+    rows = kernel_calls(args.rounds) + crossing(args.rounds)
     width = max(len(name) for name, _ in rows)
     for name, us in rows:
         print(f"{name:<{width}}  {us:8.1f} us")

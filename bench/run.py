@@ -15,31 +15,30 @@ runners.py for the runners, the interleaving and verification; report.py for the
   no-pattern   an MLP (MatMul, Add, Tanh, Softmax) the catalog has nothing for: the fused run
                must cost nothing there
 
-CNNs at batch 1 and 8, LSTM at batch 1 and 16. A workload whose builder module has not landed
-is skipped with a note. Exit code 1 when any runner's numbers were refused.
+CNNs at batch 1 and 8, LSTM at batch 1 and 16. Exit code 1 when any runner's numbers were
+refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # Read by OpenBLAS when numpy loads it: idle workers sleep at once instead of spinning for 2^28
 # cycles after each call, so the SGEMM reference can be interleaved with the runners.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from fusion import bench  # noqa: E402
 from fusion.bench import FUSED, ORT_ALL, Options, Workload  # noqa: E402
+from fusion.models import LSTMWeights, conv_stack, native_lstm, squeezenet, unrolled_lstm  # noqa: E402
+from fusion.models.builder import GraphBuilder  # noqa: E402
 
 LSTM_RULES = ("patterns.lstm", "patterns.lstm_sequence")
 # Numba compile time (cold and cached; a cold child takes 20-50 s under load) is measured on the
@@ -50,18 +49,12 @@ FAMILY = {"conv-stack": "cnn", "squeezenet1.1": "cnn", "squeezenet1.0": "cnn", "
 COST_NOTHING = 1.05  # a fused run of a model with no match may be at most 5 % slower
 
 
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _normal(shape, seed: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-# ---- workloads: (name, builder) where builder() -> Workload, or a string saying why not ------
-def conv_stack(batch: int):
-    from fusion.examples import conv_stack
-
+# ---- workloads: (name, builder) where builder() -> Workload ----------------------------------
+def conv_stack_workload(batch: int):
     model = conv_stack(blocks=4, channels=64, size=56, batch=batch, form="tf")
     return Workload(
         f"conv-stack b{batch}",
@@ -71,11 +64,7 @@ def conv_stack(batch: int):
     )
 
 
-def fire(batch: int):
-    if not _have("fusion.squeezenet"):
-        return "fusion/squeezenet.py (the Fire module's source) has not landed"
-    from fusion.squeezenet import squeezenet
-
+def fire_workload(batch: int):
     model = squeezenet("1.1", size=224, batch=batch)
     start, end = "/features/features.2/MaxPool_output_0", "/features/features.3/Concat_output_0"
     model = onnx.utils.Extractor(onnx.shape_inference.infer_shapes(model)).extract_model(
@@ -85,30 +74,22 @@ def fire(batch: int):
         f"fire b{batch}",
         model,
         {start: np.abs(_normal((batch, 64, 55, 55), 2))},  # it follows a Relu + MaxPool
-        rules=_rules(("patterns.fire",)),
+        rules=("patterns.fire",),
         description="SqueezeNet 1.1 features.3: 64 -> squeeze 16 -> 64 (1x1) + 64 (3x3), 55x55",
     )
 
 
-def squeezenet(version: str, batch: int):
-    if not _have("fusion.squeezenet"):
-        return "fusion/squeezenet.py has not landed"
-    from fusion.squeezenet import squeezenet
-
+def squeezenet_workload(version: str, batch: int):
     return Workload(
         f"squeezenet{version} b{batch}",
         squeezenet(version, size=224, batch=batch),
         {"input": _normal((batch, 3, 224, 224), 3)},
-        rules=_rules(("patterns.fire",)),
+        rules=("patterns.fire",),
         description=f"SqueezeNet {version}, 3x224x224",
     )
 
 
-def lstm(batch: int, steps: int = 16, size: int = 128, hidden: int = 256):
-    if not _have("fusion.lstm_models"):
-        return "fusion/lstm_models.py has not landed"
-    from fusion.lstm_models import LSTMWeights, native_lstm, unrolled_lstm
-
+def lstm_workload(batch: int, steps: int = 16, size: int = 128, hidden: int = 256):
     w = LSTMWeights.random(size, hidden, seed=0)
     feeds = {
         "X": _normal((steps, batch, size), 4),
@@ -119,7 +100,7 @@ def lstm(batch: int, steps: int = 16, size: int = 128, hidden: int = 256):
         f"lstm b{batch}",
         unrolled_lstm(w, steps, batch=batch, form="gemm"),
         feeds,
-        rules=_rules(LSTM_RULES),
+        rules=LSTM_RULES,
         native=native_lstm(w, steps, batch=batch),
         description=f"{steps} unrolled LSTMCell steps (PyTorch Gemm form), {size} -> {hidden}",
     )
@@ -127,24 +108,13 @@ def lstm(batch: int, steps: int = 16, size: int = 128, hidden: int = 256):
 
 def no_pattern(batch: int = 64, size: int = 512, hidden: int = 1024, classes: int = 256):
     """softmax(tanh(x W1 + b1) W2 + b2): nothing in the catalog matches it."""
-    inits = [
-        numpy_helper.from_array(_normal((size, hidden), 7, size**-0.5), "W1"),
-        numpy_helper.from_array(_normal((hidden,), 8, 0.1), "b1"),
-        numpy_helper.from_array(_normal((hidden, classes), 9, hidden**-0.5), "W2"),
-        numpy_helper.from_array(_normal((classes,), 10, 0.1), "b2"),
-    ]
-    steps = [("MatMul", ["x", "W1"], "m1"), ("Add", ["m1", "b1"], "a1"), ("Tanh", ["a1"], "t1"),
-             ("MatMul", ["t1", "W2"], "m2"), ("Add", ["m2", "b2"], "a2"),
-             ("Softmax", ["a2"], "y")]  # fmt: skip
-    nodes = [helper.make_node(o, i, [out], f"/{out}") for o, i, out in steps]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, classes])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = GraphBuilder()
+    w1, b1 = g.const(_normal((size, hidden), 7, size**-0.5)), g.const(_normal((hidden,), 8, 0.1))
+    w2 = g.const(_normal((hidden, classes), 9, hidden**-0.5))
+    b2 = g.const(_normal((classes,), 10, 0.1))
+    t1 = g.node("Tanh", [g.node("Add", [g.node("MatMul", ["x", w1]), b1])])
+    y = g.node("Softmax", [g.node("Add", [g.node("MatMul", [t1, w2]), b2])])
+    model = g.model({"x": [batch, size]}, {y: [batch, classes]}, name="mlp")
     return Workload(
         f"no-pattern b{batch}",
         model,
@@ -153,18 +123,14 @@ def no_pattern(batch: int = 64, size: int = 512, hidden: int = 1024, classes: in
     )
 
 
-def _rules(modules) -> tuple[str, ...]:
-    return tuple(m for m in modules if _have(m))
-
-
 def suite(quick: bool) -> list[tuple[str, object]]:
     """(name, builder) in run order; quick: batch 1 only."""
     cnn, rnn = ((1,), (1,)) if quick else ((1, 8), (1, 16))
-    out = [(f"squeezenet{v} b{b}", lambda v=v, b=b: squeezenet(v, b)) for v in ("1.1", "1.0")
-           for b in cnn]  # fmt: skip
-    out += [(f"conv-stack b{b}", lambda b=b: conv_stack(b)) for b in cnn]
-    out += [(f"fire b{b}", lambda b=b: fire(b)) for b in cnn]
-    out += [(f"lstm b{b}", lambda b=b: lstm(b)) for b in rnn]
+    out = [(f"squeezenet{v} b{b}", lambda v=v, b=b: squeezenet_workload(v, b))
+           for v in ("1.1", "1.0") for b in cnn]  # fmt: skip
+    out += [(f"conv-stack b{b}", lambda b=b: conv_stack_workload(b)) for b in cnn]
+    out += [(f"fire b{b}", lambda b=b: fire_workload(b)) for b in cnn]
+    out += [(f"lstm b{b}", lambda b=b: lstm_workload(b)) for b in rnn]
     out.append(("no-pattern b64", no_pattern))
     return out
 
@@ -211,7 +177,7 @@ def main(argv=None) -> int:
         f"{info['onnxruntime']}, numba {info['numba']}; load average "
         f"{' '.join(f'{x:.2f}' for x in info['load_average'] or [])}"
     )
-    results, skipped, compile_cache, compiled = [], [], {}, {}
+    results, compile_cache, compiled = [], {}, {}
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())  # fmt: skip
@@ -220,11 +186,6 @@ def main(argv=None) -> int:
         for name, build in todo:
             bar.update(task, description=f"{name}: building")
             workload = build()
-            if isinstance(workload, str):
-                skipped.append({"workload": name, "reason": workload})
-                console.print(f"skipped {name}: {workload}")
-                bar.advance(task)
-                continue
 
             def say(phase, name=name):
                 bar.update(task, description=f"{name}: {phase}")
@@ -247,12 +208,11 @@ def main(argv=None) -> int:
     for line in bench.notes(results):
         console.print(line, markup=False, highlight=False)
     console.print(f"{len(results)} workloads in {elapsed:.0f} s; command: {command}")
-    extra = {"command": command, "elapsed_s": elapsed, "skipped": skipped, "quick": quick}
+    extra = {"command": command, "elapsed_s": elapsed, "quick": quick}
     if args.json:
         bench.write_json(results, args.json, info, **extra)
     if args.markdown:
         text = bench.markdown(results, info, command)
-        text += "".join(f"- skipped {s['workload']}: {s['reason']}\n" for s in skipped)
         Path(args.markdown).write_text(text + f"\nRun time: {elapsed:.0f} s.\n")
     if args.plot:
         bench.write_plot(results, args.plot, title=title)

@@ -12,6 +12,8 @@ from its profiler (its layout reorders counted separately). Finally where the Se
 goes: kernels, onnxruntime islands (MaxPool, pooling head) and the steps in between.
 
     .venv/bin/python bench/squeezenet.py [--rounds 30] [--version 1.1] [--size 224]
+
+onnxruntime runs with fusion.ort's REFERENCE (ort-none) and DEFAULT_NO_SPIN (ort-all) settings.
 """
 
 import os
@@ -21,46 +23,27 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")  # numpy's SGEMM on the same 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import numpy as np  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fusion.squeezenet import squeezenet, squeezenet_flops  # noqa: E402
 
 import fusion  # noqa: E402
+from fusion.bench.timing import interleave  # noqa: E402
+from fusion.models import squeezenet, squeezenet_flops  # noqa: E402
+from fusion.ort import DEFAULT_NO_SPIN, REFERENCE, inference_session  # noqa: E402
 from fusion.runtime import Session  # noqa: E402
+from fusion.runtime.kernel import node_attributes  # noqa: E402
 from kernels.conv2d import conv2d_bias_act, output_shape  # noqa: E402
+from patterns.fire import fire_plan  # noqa: E402
 
 THREADS = 2
 CATALOG = fusion.default_catalog()
 
 
-def ort_session(model, level, profile=False):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = level
-    so.intra_op_num_threads = THREADS
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as fusion's islands
-    so.enable_profiling = profile
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def interleaved(cases: dict, rounds: int, warmup: int = 3) -> dict:
-    """Median seconds per case, the cases run one after another in every round."""
-    for f in cases.values():
-        for _ in range(warmup):
-            f()
-    times = defaultdict(list)
-    for _ in range(rounds):
-        for name, f in cases.items():
-            start = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+def interleaved(cases: dict, rounds: int) -> dict:
+    """Median seconds per case over interleaved rounds (fusion.bench.timing)."""
+    timing = interleave(cases, rounds, warmup=3, threads=THREADS)
+    return {name: timing.median(name) for name in cases}
 
 
 def scope(name: str) -> str:
@@ -74,7 +57,7 @@ def ort_fire_times(model, x, runs: int) -> tuple[dict, float, float]:
     """From onnxruntime ORT_ENABLE_ALL's profiler, medians per run in µs: per module scope (a
     Fire module: its convs and Concat, in NCHWc), of all that the Concats, and the layout
     reorders (NCHW <-> NCHWc)."""
-    sess = ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, profile=True)
+    sess = inference_session(model, DEFAULT_NO_SPIN, THREADS, profiling=True)
     for _ in range(runs + 3):
         sess.run(None, {"input": x})
     path = sess.end_profiling()
@@ -111,8 +94,8 @@ def main():
     kinds = {"FireModule": 8, "ConvBiasRelu": 2, "MaxPool2D": 3, "GlobalAvgPoolFlatten": 1}
     assert fused.counts() == kinds, fused.explain()
     session = Session(fused.model, threads=THREADS, fuse=False, catalog=CATALOG)
-    none = ort_session(model, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    full = ort_session(model, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    none = inference_session(model, REFERENCE, THREADS)
+    full = inference_session(model, DEFAULT_NO_SPIN, THREADS)
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((512, 576), np.float32), rng.standard_normal((576, 3136), np.float32)
     want = none.run(None, {"input": x})[0]
@@ -126,8 +109,8 @@ def main():
         },
         args.rounds,
     )
-    # Apart: OpenBLAS's threads spin after each call, and interleaved with the Numba kernels
-    # they made fusion.Session ~1.8x slower on this machine (72 vs 39 ms, measured).
+    # Apart: OpenBLAS's threads spin after each call and, interleaved with the Numba kernels,
+    # slow fusion.Session down (bench/NOTES.md, the bench harness).
     med.update(interleaved({"sgemm": lambda: a @ b}, args.rounds))
     flops = squeezenet_flops(args.version, args.size)
     sgemm = 2 * a.shape[0] * a.shape[1] * b.shape[1] / med["sgemm"] / 1e9
@@ -148,7 +131,7 @@ def main():
         key = step.name.split("/")[2]
         xin = values[step.inputs[0]]
         cases[key] = lambda k=step.kernel, v=xin: k(v)
-        plan = _fire_plan(step)
+        plan = _fire_plan(session, step)
         s = conv2d_bias_act(xin, plan.squeeze)
         convs = [("squeeze", plan.squeeze, xin)] + [("expand", e, s) for e in plan.expands]
         for j, (label, p, inp) in enumerate(convs):
@@ -208,14 +191,10 @@ def main():
           f"NCHWc reorders {reorder / 1e3:.2f} ms")  # fmt: skip
 
 
-def _fire_plan(step):
-    """The FirePlan the session's kernel for this node runs (held by its run() closure)."""
-    from kernels.fire import FirePlan
-
-    for cell in step.kernel.__closure__ or ():
-        if isinstance(cell.cell_contents, FirePlan):
-            return cell.cell_contents
-    raise RuntimeError(f"no FirePlan in the kernel of {step.name}")
+def _fire_plan(session, step):
+    """The FirePlan of a fused node, prepared again as its kernel's was."""
+    constants = [session.view.constant(v) if v else None for v in step.node.input]
+    return fire_plan(node_attributes(step.node), constants)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The one place that builds onnxruntime sessions; their settings are named here.
 
     inference_session(model, REFERENCE)            # the oracle: verify, check_pattern, the tests
-    inference_session(model, DEFAULT, threads=2)   # what users run: the rival in benchmarks
+    inference_session(model, DEFAULT, threads=2)   # what users run (the rival in a process of
+                                                   # its own)
     inference_session(model, ISLAND, threads=2)    # fusion.Session's islands between kernels
 
 Every session runs on the CPU provider and logs errors only (a warning would break the CLI's
@@ -35,6 +36,10 @@ class Settings:
 REFERENCE = Settings("reference", Level.ORT_DISABLE_ALL, spinning=False)
 # onnxruntime as a user runs it (all optimizations, NCHWc layouts, spinning workers).
 DEFAULT = Settings("default", Level.ORT_ENABLE_ALL, spinning=True)
+# The same optimizations with workers that sleep: the rival when runners take turns in one
+# process (fusion.bench's interleaved rounds), where DEFAULT's spinning workers would steal the
+# cores of whichever runner comes next (bench/NOTES.md, suite figures).
+DEFAULT_NO_SPIN = Settings("default-no-spin", Level.ORT_ENABLE_ALL, spinning=False)
 # Islands between kernels: idle workers must not spin while Numba's threads run a kernel.
 ISLAND = Settings("island", Level.ORT_ENABLE_ALL, spinning=False)
 # An island without a conv: ORT_ENABLE_ALL would add NCHWc reorders at its borders and win

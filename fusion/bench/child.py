@@ -1,4 +1,5 @@
-"""Measurements in child processes: peak memory per runner and Numba compile time.
+"""Measurements in child processes: peak memory per runner, Numba compile time, and the SGEMM
+with its threads awake (warm_sgemm).
 
 The models and inputs are written to a folder (write_inputs); each child rebuilds the catalog
 from the workload's rule modules and plugins, and reports one line tagged RESULT_TAG.
@@ -25,6 +26,7 @@ import onnx
 
 from fusion.bench.result import BenchResult
 from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, make_runner
+from fusion.bench.sgemm import busy_seconds
 from fusion.bench.workload import Workload, catalog_with
 from fusion.registry import load_plugin
 
@@ -82,6 +84,17 @@ def compile_times(folder: Path, workload: Workload, threads: int) -> dict:
     return {"cold_s": cold["seconds"], "cached_s": cached["seconds"]}
 
 
+def warm_sgemm(shape: tuple[int, int, int], threads: int) -> float:
+    """Seconds per SGEMM of `shape` with OpenBLAS's threads awake (sgemm.busy_seconds), in a
+    child process with OpenBLAS's default thread timeout and `threads` threads."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    got = _child({"mode": "sgemm", "shape": list(shape)}, env)
+    if "error" in got:
+        raise RuntimeError(got["error"])
+    return got["seconds"]
+
+
 def _can_reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -103,7 +116,10 @@ def _status_kb(key: str) -> int | None:
 
 
 def run_child(spec: dict) -> dict:
-    """In a child process: time a cold/cached first run, or the peak RSS of each runner."""
+    """In a child process: time a cold/cached first run, the peak RSS of each runner, or the
+    SGEMM with its threads awake."""
+    if spec["mode"] == "sgemm":
+        return {"seconds": busy_seconds(tuple(spec["shape"]))}
     folder, threads = Path(spec["dir"]), spec["threads"]
     for plugin in spec.get("plugins", ()):
         load_plugin(plugin)

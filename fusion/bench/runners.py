@@ -1,15 +1,16 @@
 """The runners: built, verified against the unfused run, then timed (fusion.bench.timing).
 
 Runners, all on the same inputs and thread count (intra-op threads = Numba threads = `threads`;
-onnxruntime's other settings are fusion.ort's named ones):
+onnxruntime's other settings are fusion.ort's named ones; all of them take turns in one process,
+so no onnxruntime worker spins: fusion.ort.DEFAULT_NO_SPIN rather than DEFAULT):
 
   ort-none    onnxruntime REFERENCE (ORT_DISABLE_ALL) on the original model (the unfused run)
-  ort-all     onnxruntime DEFAULT (ORT_ENABLE_ALL, spinning workers) on the original: what a
-              user runs today, the rival
+  ort-all     onnxruntime DEFAULT_NO_SPIN (ORT_ENABLE_ALL) on the original: what a user runs
+              today, the rival
   fusion      fusion.Session on the rewritten model (kernels + onnxruntime islands)
-  ort-fused   onnxruntime DEFAULT on the rewritten model through its function bodies
+  ort-fused   onnxruntime DEFAULT_NO_SPIN on the rewritten model through its function bodies
               (portability: the rewritten file still runs anywhere)
-  ort-native  onnxruntime DEFAULT on an equivalent model with a native op (LSTM)
+  ort-native  onnxruntime DEFAULT_NO_SPIN on an equivalent model with a native op (LSTM)
 
 A runner is a function feeds -> list of outputs. fusion.bench.measure and fusion.compare both
 time them through time_runners (the one loop, fusion.bench.timing.interleave).
@@ -25,7 +26,7 @@ import onnx
 from fusion.bench.timing import Timing, interleave
 from fusion.catalog import Catalog
 from fusion.numerics import compare_arrays
-from fusion.ort import DEFAULT, REFERENCE, inference_session
+from fusion.ort import DEFAULT_NO_SPIN, REFERENCE, inference_session
 from fusion.runtime import Session
 
 ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE = (
@@ -37,7 +38,7 @@ ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE = (
 )
 RUNNERS = {
     ORT_NONE: "onnxruntime ORT_DISABLE_ALL, original model",
-    ORT_ALL: "onnxruntime ORT_ENABLE_ALL (its defaults), original model",
+    ORT_ALL: "onnxruntime ORT_ENABLE_ALL, original model",
     FUSED: "fusion.Session, rewritten model",
     ORT_FUSED: "onnxruntime ORT_ENABLE_ALL, rewritten model (function bodies)",
     NATIVE: "onnxruntime ORT_ENABLE_ALL, native-op model",
@@ -54,7 +55,8 @@ def make_runner(name: str, model: onnx.ModelProto, catalog: Catalog, threads: in
 
         run.session = session
         return run
-    session = inference_session(model, REFERENCE if name == ORT_NONE else DEFAULT, threads)
+    settings = REFERENCE if name == ORT_NONE else DEFAULT_NO_SPIN
+    session = inference_session(model, settings, threads)
     return lambda feeds: session.run(None, feeds)
 
 

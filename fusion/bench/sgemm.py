@@ -2,7 +2,7 @@
 
 numpy float32 matmul of [M, K] x [K, N] on `threads` OpenBLAS threads. OpenBLAS's idle workers
 spin for a while after each call (2^28 cycles by default), which slows whatever runs next
-(measured: the 4-conv stack's fused run 54 ms right after a GEMM, 34 ms after a pause). With
+(bench/NOTES.md, the bench harness). With
 OPENBLAS_THREAD_TIMEOUT set to at most 8 before Python starts (bench/run.py sets 4), the SGEMM
 is interleaved in the rounds like a runner; otherwise it is timed in its own blocks just before
 and just after the runners.
@@ -55,6 +55,19 @@ class Sgemm:
             "blas_threads": self.threads,
             "interleaved": self.interleaved,
         }
+
+
+def busy_seconds(shape: tuple[int, int, int]) -> float:
+    """Median seconds of numpy's [M, K] x [K, N] back to back, threads awake and the CPU busy:
+    a few 2048^3 products first (cold, the first products ran ~1.5x slower), then 150 calls
+    after 50. Meant for a child process with OpenBLAS's own thread timeout (child.warm_sgemm)."""
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal((2048, 2048)).astype(np.float32)
+    for _ in range(5):
+        big @ big
+    m, k, n = shape
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n)))
+    return interleave({"sgemm": lambda: a @ b}, 150, warmup=50).median("sgemm")
 
 
 def _short_blas_spin() -> bool:
