@@ -4,9 +4,9 @@
     ih = oh * sh - pt + i * dh,   iw = ow * sw - pl + j * dw   (zero outside the image)
 
 Through the GEMM this is M = 1 per group: 3 of the 4 micro-kernel rows are padding and every
-pixel panel is gathered for one filter (measured 128 channels at 56x56: ~45 ms vs
-onnxruntime's ~1 ms). Here one work item is one channel plane, computed row by row straight
-from the input (no copy), a vector loop per tap (see _row).
+pixel panel is gathered for one filter (many times onnxruntime's time). Here one work item is
+one channel plane, computed row by row straight from the input (no copy), a vector loop per
+tap (see _row).
 """
 
 import numba
@@ -22,8 +22,8 @@ def _row(xp, wc, yrow, oh, sh, sw, dh, span, pt, b, lo, hi):
     span[j] = (first, last output column whose tap j is inside the image, its input column).
 
     Tap by tap, the row accumulates in place over the columns where the tap is inside the
-    image (no bounds test in the loop); bias and activation follow while it is in L1. (An
-    8-columns-per-register form with all taps inner, as in the GEMM, measured 2.3x slower.)"""
+    image (no bounds test in the loop); bias and activation follow while it is in L1 (faster
+    than the GEMM's 8-columns-per-register form, bench/NOTES.md)."""
     h = xp.shape[0]
     kh, kw = wc.shape
     ow_len = yrow.shape[0]

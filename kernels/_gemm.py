@@ -5,8 +5,7 @@
 A is a packed panel [K, MR] (weights, packed once), B a packed panel [K, NR] (input pixels).
 Per k it reads MR + NR floats and does MR * NR FMAs; the 4x16 accumulators live in eight
 ymm registers as eight 8-tuples, which the SLP vectorizer turns into vector FMAs (see
-config.GEMM_FASTMATH). Measured single-core on this machine: 4x16 ~33-38 GFLOP/s, 4x8 ~29,
-6x8 ~31, 8x8 ~31 (K = 64 and 576); the scalar form without SLP was ~3.
+config.GEMM_FASTMATH); 4x16 was the fastest tile shape measured (bench/NOTES.md).
 
 Two entry points: gemm_batch returns raw tiles (Winograd transforms them further, the LSTM
 adds its gates); gemm_block fuses bias + activation into the stores (im2col and 1x1
@@ -76,8 +75,7 @@ def tile_sum(a2, ar, b2, br, b0, bs, k_len):
 
     Operands are rows of 2-D arrays indexed in place, never sliced views: a view of an array
     that both threads use costs an atomic refcount update on a shared cache line (Numba's NRT
-    incref/decref), and per 4x16 tile that was as slow as the FMAs at K = 16 (17 GFLOP/s per
-    core with per-tile views, 31 without; 37 for the bare tile loop)."""
+    incref/decref), as slow per tile as the FMAs at K = 16."""
     z = np.float32(0.0)
     r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
     o = b0
@@ -153,9 +151,9 @@ def gemm_block(a2, a0, n_mb, b2, br, b0, b_step, bs, n_pan, k_len, out3, n, m0, 
     tile_sum at row br, offset b0 + j * b_step and row stride bs (all unsigned).
 
     A full 4x16 tile gets bias and activation in registers and is stored straight to out3 (a
-    scalar epilogue cost as much as the FMAs at K = 16); a partial one goes through `tile` and
-    store_tile. One tile body for the whole block: inlined into the parallel im2col driver
-    twice, it took that driver 350 s to compile."""
+    scalar epilogue costs as much as the FMAs at small K); a partial one goes through `tile`
+    and store_tile. One tile body for the whole block: inlined twice into the parallel im2col
+    driver, it made that driver's compile take minutes."""
     for mb in range(n_mb):
         mm = mb * MR
         rows = min(MR, m_len - mm)

@@ -20,9 +20,8 @@ from ._gemm import MR, NR, gemm_block
 from .config import INLINE, JIT, PARALLEL
 
 # 1x1, stride-1, unpadded convolutions with K up to this read their input in place as the
-# GEMM's B (no packing). Measured on SqueezeNet's 1x1 convs against packing (2 threads, a
-# scratch A/B): K = 16..128 0.54-0.87x the time, K = 256..512 1.04-1.26x, where a tile's K
-# unaligned 64-byte stretches no longer stay in L1 between channel panels.
+# GEMM's B (no packing); above it a tile's K unaligned stretches no longer stay in L1 between
+# channel panels and packing wins (bench/NOTES.md, convolutions).
 IN_PLACE_MAX_K = 128
 
 

@@ -8,10 +8,9 @@ Larger batches: step_cols (below).
 
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
 
-The gate math runs on 8-tuples (one ymm register each after SLP, like the micro-kernel):
-measured 2.0 us per step for H = 256 vs 8.1 us for the scalar loop it replaces. Arrays are
-passed as views starting at 0: a variable offset keeps Numba's wraparound select on every load
-and SLP gives up (see _gemm.tile_sum).
+The gate math runs on 8-tuples (one ymm register each after SLP, like the micro-kernel), several
+times faster than a scalar loop. Arrays are passed as views starting at 0: a variable offset keeps
+Numba's wraparound select on every load and SLP gives up (see _gemm.tile_sum).
 """
 
 import math
@@ -23,7 +22,7 @@ from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8
 from .config import INLINE_GEMM, JIT_GEMM
 
 U = 8  # hidden units per block
-W = 4 * U  # pre-activations per block and row: i, f, g, o of 8 units
+BLOCK_COLS = 4 * U  # pre-activation columns per block and row: i, f, g, o of its 8 units
 
 # tanh(x) ~ x P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float rational fit, abs error < 3e-7;
 # beyond the clamp tanh is 1 in float32). Written on |x| with one compare, which LLVM turns
@@ -88,8 +87,8 @@ def gemv(h, w0, w1, k_len, out):
     """out[:16] = h @ panel w0, out[16:] = h @ w1 (one batch row: a weight is used once).
 
     Two k-chains of 4 ymm accumulators hide the FMA latency; 4 k per trip and a loop counter
-    from 0 (no negative-index selects) measured 59 GB/s of weights per core from L2/L3 vs 44
-    for 2 k per trip over range(0, k_len - 1, 2); Zen1 loads at most 32 B per cycle.
+    from 0 (no negative-index selects) stream the weights fastest (Zen1 loads at most 32 B per
+    cycle; bench/NOTES.md).
     """
     z = np.float32(0.0)
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = (z, z, z, z, z, z, z, z)
@@ -133,17 +132,17 @@ def project(xp, w, bias, rows, gx, tiles):
 def step(t, b, w, gx, hs, cs, acc):
     """Units of block b at step t for each of the R batch rows, from hs[t] (hs, cs are
     [T + 1, R, Hp] with row 0 the initial state; gx row t R + r is row r's projected input);
-    acc is [W] scratch for the gate pre-activations. The block's weights (32 KB at H = 256)
-    come from L3 for the first row and from L1/L2 for the others.
+    acc is [BLOCK_COLS] scratch for the gate pre-activations. The block's weights (32 KB at
+    H = 256) come from L3 for the first row and from L1/L2 for the others.
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
-    per array argument (measured batch 1, one thread: 800 -> 703 us for T = 16). Its helpers
-    stay calls: Numba inlines by copying IR, and nesting cell8's copies made compiles explode.
+    per array argument, felt at batch 1. Its helpers stay calls: Numba inlines by
+    copying IR, and nesting cell8's copies made compiles explode.
     Batch > 1 runs step_cols (below).
     """
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
         gemv(hs[t, r], w[0], w[1], w.shape[1] // NR, acc)
-        cell8(acc[:NR], acc[NR:W], gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:],
+        cell8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:],
               cs[t + 1, r, j0:])  # fmt: skip
 
 
@@ -195,7 +194,7 @@ def _gates8(a, z0, k_len, bias):
 @numba.jit(**JIT_GEMM)
 def _tanh8_call(v):
     """_tanh8 as a call: one compiled copy of the rational tanh for all five gate functions of
-    _cell_cols (Numba-level inlining of five copies took 9 s to compile, this 2 s)."""
+    _cell_cols (inlining five copies made the compile several times longer)."""
     return _tanh8(v)
 
 

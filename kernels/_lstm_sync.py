@@ -1,12 +1,10 @@
 """Atomic int32 operations for Numba kernels, written as LLVM atomics (Numba exposes none).
 
 The LSTM recurrence needs threads to agree that step t is finished before step t + 1 reads h_t,
-once per step. A fork/join per step (one prange region per step) was measured at 40-90 us per
-step on this shared machine with OMP_WAIT_POLICY=PASSIVE, more than the step itself (~20 us);
-a spin barrier was ~1 us when both threads ran but a disaster when the other thread was
-descheduled (18 ms instead of 0.8 ms for T = 16). These atomics let threads publish and read
-"item done" flags instead, so no thread waits for another longer than a bounded spin (see
-lstm.py).
+once per step. A fork/join per step costs more than the step itself, and a spin barrier stalls
+everyone when one thread is descheduled (bench/NOTES.md, LSTM). These atomics let threads
+publish and read "item done" flags instead, so no thread waits for another longer than a
+bounded spin (see lstm.py).
 
 Each is an `@intrinsic`: the atomic instruction is emitted inline in the caller, nothing is
 called through a pointer, so functions using them still cache (cache=True).

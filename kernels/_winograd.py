@@ -11,15 +11,13 @@ Each 2x2 output tile comes from a 4x4 input patch d (Lavin & Gray 2015):
 so the sum over c becomes 16 independent GEMMs, U[xi] [M, C] x V[xi] [C, tiles], with
 16 * M * C multiplies per 4 outputs instead of 36 * M * C: 2.25x fewer FLOPs. U = G g G^T is
 computed once in float64 at prepare time. The transforms only add and subtract (and halve, in
-G), so float32 error stays within a few ulps of the direct sum (measured max relative error vs
-onnxruntime ~6e-7 on the 64-channel stack).
+G), so float32 error stays within a few ulps of the direct sum.
 
 One pass, fused per tile panel: a work item takes NR consecutive tiles, transforms their input
 patches for all C channels into a private V [16, C + 1, NR] (65 KiB at C = 64, stays in L2),
-runs the 16 GEMMs for every channel panel against it and writes the outputs. This replaced a
-two-phase form (transform every tile into a shared 3.2 MB buffer allocated per call, barrier,
-then GEMM): 0.77x its time on the 64-channel 56x56 layer, 2 threads. F(4x4) (_winograd4.py,
-opt-in) has the same structure and shares gather_tile.
+runs the 16 GEMMs for every channel panel against it and writes the outputs: no shared buffer,
+no barrier between transform and GEMM. F(4x4) (_winograd4.py, opt-in) has the same structure
+and shares gather_tile. Measurements: bench/NOTES.md, Winograd.
 """
 
 import math
@@ -32,8 +30,7 @@ from .config import INLINE, INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 # _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one cache line of padding per xi: at
-# C * NR * 4 bytes = 4 KiB (C = 64) the 16 rows written per tile would share L1 sets and thrash
-# (measured 4.6 ms vs 1.2 ms for the transform alone).
+# C * NR * 4 bytes = 4 KiB (C = 64) the 16 rows written per tile would share L1 sets and thrash.
 
 
 def pack_weights(weight):
@@ -116,8 +113,8 @@ def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, 
 
     The transform runs on 8 tiles per ymm register into y [4, NR] (the four outputs of each
     tile, bias and activation applied), then each tile's 2x2 block is stored at its place:
-    tile q's top-left output is (ty[q], tx[q]); n_t tiles are real. Scalar, this transform
-    cost about as much as the 16 GEMMs at C = 16 (a scratch profile, not kept)."""
+    tile q's top-left output is (ty[q], tx[q]); n_t tiles are real. (Scalar, this transform
+    costs about as much as the 16 GEMMs at small C.)"""
     for i in range(rows):
         b = bias[m0 + i]
         for q in range(0, NR, 8):

@@ -14,9 +14,8 @@ Each 4x4 output tile comes from a 6x6 input patch d (Lavin & Gray 2015, points 0
 
 36 GEMMs U[xi] [M, C] x V[xi] [C, tiles]: 36 multiplies per 16 outputs, 4x fewer than direct
 (F(2x2) is 2.25x) and the input is gathered 2.25 values per output instead of 4. The price is
-accuracy: the transforms scale by up to 8 (A) and 5 (B), so float32 rounding grows; measured max
-|error| / max |y| vs onnxruntime 3e-6 (C = 16) .. 1.5e-5 (C = 512), F(2x2) ~10x less (see the
-note at conv2d._WINOGRAD4_MAX_CHANNELS); so it is opt-in. U is computed once in float64 at
+accuracy: the transforms scale by up to 8 (A) and 5 (B), so float32 rounding grows with C, about
+10x F(2x2)'s (bench/NOTES.md, Winograd); so it is opt-in. U is computed once in float64 at
 prepare time.
 
 Same one-pass structure as F(2x2) (_winograd.py): a work item takes NR tiles, transforms their

@@ -45,15 +45,14 @@ class slp_vectorize:  # noqa: N801 (used like a function: `with slp_vectorize():
     vector FMAs. The flag is read when a function is compiled, so wrapping the first call is
     enough; later calls (and cache loads) do not depend on it. A compile running in another
     thread at the same moment would also get SLP, which is harmless. A class rather than
-    contextlib.contextmanager: it is entered on every kernel call (1.6-1.8 us with the lock below,
-    1.0 without; a contextmanager measured 2.9 us against the lock-free class's 0.3 earlier).
+    contextlib.contextmanager: it is entered on every kernel call, and costs a third as much.
 
     The flag is one global: it stays on while any thread is inside a block (a count under a
     lock), so a thread leaving its block cannot switch SLP off under another thread's compile.
 
     Beware: calling a kernel's jitted function directly, outside this block, compiles it
     without SLP, and cache=True then stores that slow code under the same signature for every
-    later process (seen: the 1x1 conv 4-5x slower until kernels/__pycache__ was cleared).
+    later process (several times slower until kernels/__pycache__ is cleared).
     Call kernels through their wrappers (conv2d_bias_act), or wrap the call in this block.
     """
 

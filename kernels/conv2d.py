@@ -35,16 +35,9 @@ from .windows import window_attributes
 
 ACTIVATIONS = (None, "relu", "clip")
 _WINOGRAD_MIN_CHANNELS = 8  # below this the GEMMs are too thin to pay for the transforms
-# F(4x4, 3x3) up to this many input channels, F(2x2, 3x3) above. F(4x4) does 4x fewer
-# multiplies than direct (F(2x2): 2.25x) and measured 0.6-0.75x the time of F(2x2) on the
-# 64-channel stack and SqueezeNet's expand convs, but its float32 error grows with C: max |err| /
-# max |y| vs onnxruntime, random He-scaled 3x3 pad-1 layers (C -> C, x ~ N(0, 1), 7x7..56x56),
-# F(4x4) vs F(2x2):
-#   C = 16: 2.9e-6 vs 3.7e-7;  64: 5.9e-6 vs 3.7e-7;  128: 9.9e-6 vs 5.5e-7;
-#   256: 8.9e-6 vs 5.7e-7;  512: 1.3e-5..1.5e-5 vs 9.6e-7   (tolerance 1e-4)
-# F(4x4) is opt-in (prepare_conv2d(winograd_tile=4)), and above 256 channels, where a 10x margin
-# would no longer hold, F(2x2) is used regardless. Not the default because tests/test_fire.py
-# checks with atol=1e-5 on outputs up to ~22: F(4x4) is off by 2.5e-5 there (1.1e-6 of max|y|).
+# F(4x4, 3x3) (opt-in: prepare_conv2d(winograd_tile=4)) up to this many input channels, F(2x2)
+# above: F(4x4)'s float32 error grows with C, and past 256 channels it would no longer stay 10x
+# inside the 1e-4 tolerance (error table: bench/NOTES.md, Winograd).
 _WINOGRAD4_MAX_CHANNELS = 256
 
 
@@ -160,8 +153,8 @@ def _check_out(out, shape, x):
     if np.may_share_memory(out, x):
         raise ValueError("out must not overlap the input x")
     # The same memory seen as [N, M, OH*OW], the flat pixel index the kernels write. Setting
-    # .shape on a view never copies (as_strided did the same at ~10 us per call); the plane
-    # check above guarantees the merge of OH and OW is possible.
+    # .shape on a view never copies (and is cheaper than as_strided); the plane check above
+    # guarantees the merge of OH and OW is possible.
     out3 = out.view()
     out3.shape = (shape[0], shape[1], oh * ow)
     return out3
@@ -170,11 +163,9 @@ def _check_out(out, shape, x):
 def m_splits(tile_panels, m, threads):
     """Into how many channel-panel ranges to split each tile panel so that every thread gets
     work: with fewer tile panels than 2 per thread (a 13x13 image is one F(4x4) panel) the
-    input transform is repeated per range rather than leaving a core idle. Splitting more
-    often was 1.09-1.13x the time on SqueezeNet's expand convs in a scratch A/B against this
-    code: a short last panel costs as much as a full one in the GEMMs, so equal item counts
-    are already balanced, and the split only repeats the input transform. Claiming items
-    dynamically gained nothing either."""
+    input transform is repeated per range rather than leaving a core idle. Not more often: a
+    short last panel costs as much as a full one in the GEMMs, so equal item counts are
+    already balanced, and a split only repeats the input transform (bench/NOTES.md)."""
     want, n_mb = 2 * threads, -(-m // _gemm.MR)
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
@@ -233,8 +224,7 @@ def _launch(plan, x_shape, threads):
         # one thread, 5 for the other): each thread takes every block for its share of the
         # channel panels instead (a block is then packed once per share). Only for a 1x1
         # conv, whose packing is a plain copy, and with enough channels that the shares are
-        # even: with a gathered 3x3 im2col or a few channel panels the split measured up to
-        # 1.7x slower (a reviewer's interleaved A/B, 2 threads).
+        # even: a gathered 3x3 im2col or a few channel panels ran slower split (bench/NOTES.md).
         n_ms = threads
     im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, n_ms, direct)
     fast = None

@@ -39,8 +39,7 @@ from .conv2d import (
 from .conv_concat import conv_concat
 
 # One compiled call per Fire module when its convs take these paths (SqueezeNet's always do):
-# the Python between its convs cost ~45 us per module in a budget of about 1 ms (a tiny Fire
-# module: 104 us conv by conv, 60 us in one call, 2 threads; `python bench/overheads.py`).
+# the Python between its convs costs tens of microseconds per module (bench/overheads.py).
 _ONE_CALL = {"squeeze": ("im2col",), "expand": ("im2col", "winograd")}
 
 

@@ -15,11 +15,6 @@ projection is part of each step and the gate math runs on the tile (_lstm_cell.s
 Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
 batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), all in one call
 from Python. The panels live in a per-thread workspace reused between calls (_workspace).
-Scratch A/Bs at T = 16, B = 16, I = 128, H = 256, 2 threads: 61-64 GFLOP/s, about 31 per
-thread against a 40.2 GFLOP/s FMA peak per core with both cores busy (`python bench/fma_peak.py`;
-one thread alone runs at 32-37, its core's peak 40.3-46.7). perf samples: 86% in the gate loop,
-10% in the cell's activations; writing the outputs from each step's items instead of a last
-stage cost 2-4%.
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
 shared out in contiguous runs, one per thread (thread p reads the same share of Wh every step:
@@ -29,20 +24,15 @@ DONE; so it moves to step t + 1 only when all of step t is done, by whoever. Ite
 idempotent (they read step t - 1 and write only their own slice of step t; nothing is ever
 overwritten), so an item two threads happen to compute at once gets the same numbers twice. A
 thread the OS has descheduled thus never holds up the others for long (at most a bounded spin
-per item it had started, below): on this shared 2-core machine a fork/join per step cost 40-90
-us (the step itself ~20 us) and a spin barrier up to milliseconds (see _lstm_sync). The row
-path claims nothing: claiming each item through an atomic counter (the previous scheme) was
-2-3% slower at batch 1, 2% at batch 3 and the same at 8 and 16 (scratch A/B, both kernels
-interleaved in one process, T = 16, 2 threads).
+per item it had started, below), where a fork/join or a barrier per step would (see
+_lstm_sync). The row path claims nothing: its items are ~1 us, and claiming cost more than it
+saved.
 
 Two threads finishing a step together would compute one item twice in every step (the first
-one done finds the other's last item open: counted, 16 of 512 items at batch 16). So the column
-tile claims an item before computing it (compare-and-swap OPEN -> STARTED), and a thread that
-finds only STARTED items left waits for them up to twice its own items' mean time (the
-time-stamp counter; see _lstm_sync.wait_done), then computes them too: batch 16 3.7% faster
-(scratch A/B as above, with a plain store for the claim). The row path does not (batch 1 0-4%
-slower with the extra flag store per ~1 us item, A/B ratios 0.963-1.000; the flags of both
-runs share cache lines), and computes an open item at once.
+one done finds the other's last item open). So the column tile claims an item before computing
+it (compare-and-swap OPEN -> STARTED), and a thread that finds only STARTED items left waits
+for them up to twice its own items' mean time (the time-stamp counter; see
+_lstm_sync.wait_done), then computes them too. Measurements: bench/NOTES.md, LSTM.
 """
 
 from __future__ import annotations
@@ -55,19 +45,16 @@ import numpy as np
 from numba import prange
 
 from ._gemm import MR, NR
-from ._lstm_cell import U, W, project, step, step_cols
+from ._lstm_cell import BLOCK_COLS, U, project, step, step_cols
 from ._lstm_sync import atomic_cas, atomic_load, atomic_store, cycles, wait_done
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
 
-# Below this much work per step (a few us on one core) one thread does it all: not measured
-# finely, a guess. At T = 16, I = 128, H = 256, batch 1 (0.4M per step) two threads win:
-# fusion.Session medians of 60 rounds at load ~2.6, four repeats: 785-805 us vs 843-874 us.
+# Below this much work per step (a few us on one core) one thread does it all (a guess; at
+# batch 1, I = 128, H = 256, 0.4M per step, two threads win).
 SERIAL_MACS_PER_STEP = 1 << 16
 # Batches up to this size run row by row: each step's GEMV reads a block's weights from L3
 # once and again from L1/L2 for the other rows, where the column tile pads the batch to a
-# multiple of 8 columns. Scratch runs, T = 16, I = 128, H = 256, 2 threads, us, rows vs tile
-# (interleaved): batch 2 577 vs 3458, 4 1017 vs 3485, 6 1592 vs 2157, 8 2061 vs 2190,
-# 10 2554 vs 3323, 12 3087 vs 3359, 16 3919 vs 3331.
+# multiple of 8 columns; from batch 16 the tile wins (bench/NOTES.md, LSTM).
 ROWS_MAX = 12
 OPEN, STARTED, DONE = 0, 1, 2  # an item's flag
 
@@ -78,7 +65,7 @@ class LSTMPlan:
 
     wx: np.ndarray  # [blocks, 2, I * 16] input weight panels
     wh: np.ndarray  # [blocks, 2, H * 16] recurrent weight panels
-    bias: np.ndarray  # [blocks, W], i f g o of each block's units
+    bias: np.ndarray  # [blocks, BLOCK_COLS], i f g o of each block's units
     input_size: int
     hidden: int
     wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
@@ -104,7 +91,7 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None)
         raise ValueError(f"weights [I, 4H] and [H, 4H] expected, got {wx.shape} and {wh.shape}")
     bias = np.zeros(4 * hidden, np.float32) if bias is None else bias.reshape(4 * hidden)
     wx32, wh32, b32 = (np.asarray(a, np.float32) for a in (wx, wh, bias[None]))
-    b = _panels(b32, hidden).reshape(-1, W)
+    b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
     wu, bu = _unit_panels(wx32, wh32, b32, hidden)
     return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu)
 
@@ -169,8 +156,8 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done):
 def _start_row(x, h0, c0, floats, ints, hs, cs):
     """Row by row (batch B <= ROWS_MAX): hs[0], cs[0] = h0, c0 (zero past H), and _run's
     scratch from the workspace: x's T B rows (row t B + r is x[t, r]) as [I, 4]-row panels xp
-    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, W], and the done flags,
-    zeroed."""
+    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, BLOCK_COLS], and the done
+    flags, zeroed."""
     steps, batch, size, hidden = x.shape[0], x.shape[1], x.shape[2], h0.shape[1]
     blocks, n_rows = hs.shape[2] // U, x.shape[0] * x.shape[1]
     for r in range(batch):
@@ -184,8 +171,8 @@ def _start_row(x, h0, c0, floats, ints, hs, cs):
             n = MR * g + m
             for k in range(size):
                 xp[g, MR * k + m] = x[n // batch, n % batch, k] if n < n_rows else 0
-    n_xp, n_gx = groups * size * MR, blocks * n_rows * W
-    gx = floats[n_xp : n_xp + n_gx].reshape((blocks, n_rows, W))
+    n_xp, n_gx = groups * size * MR, blocks * n_rows * BLOCK_COLS
+    gx = floats[n_xp : n_xp + n_gx].reshape((blocks, n_rows, BLOCK_COLS))
     n_done = blocks * (1 + steps)
     for i in range(n_done):
         ints[i] = 0
@@ -347,7 +334,7 @@ def _workspace_size(x, units):
     """(floats, ints) that _carve (column tile) or _start_row (row by row) takes for x [T, B, I]."""
     steps, batch, size = x.shape
     if batch <= ROWS_MAX:
-        floats = -(-steps * batch // MR) * size * MR + (units // U) * steps * batch * W
+        floats = -(-steps * batch // MR) * size * MR + (units // U) * steps * batch * BLOCK_COLS
         return floats, (units // U) * (1 + steps)
     panels = -(-batch // 8)
     floats = (steps + 1) * panels * (size + 2 * units) * 8

@@ -97,8 +97,8 @@ def _plane(x, n, c, y, kh, kw, sh, sw, dh, dw, pt, pl, a, b, col):
     h, w = x.shape[2], x.shape[3]
     ow_len = y.shape[3]
     for oh in range(y.shape[2]):
-        # Ping-pong between col[0] and col[1]: an in-place col[iw] = max(col[iw], v) became a
-        # masked store (vmaskmovps, microcoded on Zen1: the pass took 4x longer).
+        # Ping-pong between col[0] and col[1]: an in-place col[iw] = max(col[iw], v) becomes a
+        # masked store (vmaskmovps, microcoded on Zen1).
         valid = p = first = 0
         for i in range(kh):
             ih = oh * sh - pt + i * dh

@@ -1,8 +1,8 @@
 """Compile every kernel path ahead of use, several at once, into Numba's on-disk cache.
 
 Numba compiles a kernel on its first call and, with cache=True, stores the machine code in
-kernels/__pycache__ (or NUMBA_CACHE_DIR) for later processes. A first call costs 3-35 s of CPU
-per path on this project's machines, and a process compiles its paths one after another.
+kernels/__pycache__ (or NUMBA_CACHE_DIR) for later processes. A first call costs seconds of CPU
+per path (bench/NOTES.md), and a process compiles its paths one after another.
 Here each group of paths compiles in its own process, `jobs` at a time, by calling the public
 wrappers on tiny inputs: the same argument types as real use, so the cached signatures are the
 ones later calls look up (a fresh output array and a channel slice of a bigger one differ, but
