@@ -121,7 +121,7 @@ class Matcher:
             self.fail(state, f"{at}: a required input is absent")
             return
         if isinstance(pat, Var):
-            reason = self._check_var(pat, value)
+            reason = self._var_mismatch(pat, value)
             if reason:
                 self.fail(state, f"{at}: {reason}")
             else:
@@ -143,7 +143,8 @@ class Matcher:
         else:
             raise TypeError(f"not a pattern: {pat!r}")
 
-    def _check_var(self, pat: Var, value: str) -> str | None:
+    def _var_mismatch(self, pat: Var, value: str) -> str | None:
+        """Why `value` does not meet the Var's dtype, rank and `where` constraints, if not."""
         if pat.dtype is None and pat.rank is None and pat.where is None:
             return None
         vt = self.view.type_of(value)
@@ -187,7 +188,7 @@ class Matcher:
             self.fail(state, f"{label}: would be matched twice by one pattern")
             return
         state = state.bind(op_pat, index, node.output[0], node=index)
-        reason = self._check_node(op_pat, index, state)
+        reason = self._node_mismatch(op_pat, index, state)
         if reason:
             self.fail(state, f"{label}: {reason}")
             return
@@ -205,7 +206,8 @@ class Matcher:
             for st in self._match_all(op_pat.inputs, order, state, label):
                 yield st.bind(pat, value, value) if isinstance(pat, Output) else st
 
-    def _check_node(self, pat: Op, index: int, state: State) -> str | None:
+    def _node_mismatch(self, pat: Op, index: int, state: State) -> str | None:
+        """Why node `index` does not meet the Op's attribute and `_where` constraints, if not."""
         attrs = self.view.attributes(self.view.nodes[index])
         for name, want in pat.attrs.items():
             have = attrs.get(name)

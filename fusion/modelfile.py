@@ -74,7 +74,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
     external = [t for t in all_tensors(model) if uses_external_data(t)]
     for tensor in all_tensors(model):
         if not uses_external_data(tensor):
-            _check_size(tensor, len(tensor.raw_data), path)
+            _require_size(tensor, len(tensor.raw_data), path)
     if not external:
         return model, ()
     data_files = tuple(sorted({_data_file(path.parent, t)[0] for t in external}))
@@ -83,7 +83,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
             file, offset, length = _data_file(path.parent, tensor)
             if file.is_file():
                 available = file.stat().st_size - offset
-                _check_size(tensor, min(available, length if length >= 0 else available), path)
+                _require_size(tensor, min(available, length if length >= 0 else available), path)
         onnx.load_external_data_for_model(model, str(path.parent))
     except FusionError:
         raise
@@ -265,7 +265,7 @@ def _byte_size(tensor: onnx.TensorProto, default: int) -> int:
     return itemsize * math.prod(tensor.dims)
 
 
-def _check_size(tensor: onnx.TensorProto, got: int, path: Path) -> None:
+def _require_size(tensor: onnx.TensorProto, got: int, path: Path) -> None:
     """Raw bytes (in the file or in its data file) must fill the tensor's shape."""
     if not (tensor.HasField("raw_data") or uses_external_data(tensor)):
         return

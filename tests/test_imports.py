@@ -81,6 +81,19 @@ def test_no_import_cycle_among_project_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_patterns_use_the_engine_only_and_kernels_no_fusion():
+    """patterns/ import the pattern language, catalog data, the matcher and the graph view
+    (never the registry, rewriter or runtime); kernels/ know nothing of fusion."""
+    modules = project_modules()
+    allowed = {"fusion.pattern", "fusion.catalog", "fusion.matcher", "fusion.graph"}
+    for name, path in modules.items():
+        engine = {m for m in imported(name, path, modules) if m.startswith("fusion")}
+        if name.startswith("patterns"):
+            assert engine <= allowed, (name, engine - allowed)
+        if name.startswith("kernels"):
+            assert not engine, (name, engine)
+
+
 def test_find_cycle_sees_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
