@@ -1,8 +1,8 @@
 """Real CNNs for the bench: torchvision classifiers exported to ONNX with random weights.
 
-Each model is built with weights=None (seeded, nothing downloaded; BatchNorm statistics
-randomised too, see build), put in eval mode and exported
-with torch.onnx.export twice, the two ways PyTorch users do it:
+Each model is built with weights=None (seeded, nothing downloaded; BatchNorm statistics and
+biases randomised too, see build), put in eval mode and exported with torch.onnx.export twice,
+the two ways PyTorch users do it:
   ts17      TorchScript exporter (dynamo=False), opset 17
   dynamo18  torch.export-based exporter (dynamo=True), opset 18
 with a dynamic batch axis (one file serves batch 1 and 8), input [N, 3, 224, 224] named "input",
@@ -115,19 +115,21 @@ def build(name: str):
 
     torch.manual_seed(SEED)
     model = getattr(torchvision.models, name)(weights=None, **MODELS[name])
-    # Freshly initialised BatchNorm is the identity (mean 0, var 1, scale 1, shift 0): folded
-    # into the conv it gives a zero bias, which the dynamo exporter's optimizer then drops, so
-    # the graph would not look like a trained model's. Seeded random statistics, scale near 1.
+    # Fresh BatchNorm is the identity (mean 0, var 1, scale 1, shift 0) and fresh conv biases
+    # are zero; folded or not, a zero bias is dropped by the dynamo exporter's optimizer, so the
+    # graph would not look like a trained model's. Seeded random statistics and biases instead.
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for norm in model.modules():
-            if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
-                shape = norm.running_mean.shape
-                norm.running_mean.normal_(0.0, 0.1, generator=generator)
-                norm.running_var.copy_(torch.rand(shape, generator=generator) + 0.5)
-                if norm.affine:
-                    norm.weight.copy_(torch.rand(shape, generator=generator) + 0.5)
-                    norm.bias.normal_(0.0, 0.1, generator=generator)
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+                shape = layer.running_mean.shape
+                layer.running_mean.normal_(0.0, 0.1, generator=generator)
+                layer.running_var.copy_(torch.rand(shape, generator=generator) + 0.5)
+                if layer.affine:
+                    layer.weight.copy_(torch.rand(shape, generator=generator) + 0.5)
+                    layer.bias.normal_(0.0, 0.1, generator=generator)
+            elif isinstance(layer, torch.nn.Conv2d | torch.nn.Linear) and layer.bias is not None:
+                layer.bias.normal_(0.0, 0.1, generator=generator)
     return model.eval()
 
 
