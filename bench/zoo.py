@@ -240,7 +240,7 @@ def pick(text: str | None, known: dict, sets: dict | None = None) -> list[str]:
         elif name in known:
             picked += [name] * (name not in picked)
         else:
-            sys.exit(f"unknown name {name!r}; known: {', '.join([*(sets or {}), *known])}")
+            raise ValueError(f"unknown name {name!r}; known: {', '.join([*(sets or {}), *known])}")
     return picked
 
 
@@ -253,8 +253,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch and onnxruntime threads")
     ap.add_argument("--json", help="also write this run's results here")
     args = ap.parse_args(argv)
-    names = pick(args.only, MODELS, {"bench": BENCH, "coverage": COVERAGE})
-    exporters = pick(args.exporters, EXPORTERS)
+    try:
+        names = pick(args.only, MODELS, {"bench": BENCH, "coverage": COVERAGE})
+        exporters = pick(args.exporters, EXPORTERS)
+    except ValueError as exc:
+        ap.error(str(exc))  # exit status 2
     folder = zoo_dir(args.out)
     folder.mkdir(parents=True, exist_ok=True)
 
