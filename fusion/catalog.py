@@ -11,6 +11,8 @@ outputs (default: the value the pattern's root matches). `prepare(attrs, constan
 once per fused node when a session is built, with the node's attributes and, per input, its
 constant value (or None), and returns the kernel, a function `run(*inputs) -> tuple of arrays`
 (or any sequence of arrays: a session reads only the outputs later steps use, see KernelStep).
+A kernel that can compute its node in more than one way lists them as `kernel.tactics`, a list
+of `Tactic`s (fusion/runtime/tactics.py chooses among them and onnxruntime per input shape).
 
 Rules and catalogs are data: this module knows no pattern and no kernel. The catalog a rewrite
 uses by default (built-in, installed, registered) is fusion.registry.default_catalog().
@@ -31,7 +33,27 @@ from fusion.pattern import Op, Pattern, capture_names, walk
 KernelFactory = Callable[[dict, list], Callable[..., tuple]]  # (attrs, constants) -> run
 DOMAIN = "fusion"  # the domain of every fused node and its function
 
-__all__ = ["DOMAIN", "Catalog", "CatalogError", "KernelFactory", "Rule", "validate"]
+__all__ = ["DOMAIN", "Catalog", "CatalogError", "KernelFactory", "Rule", "Tactic", "validate"]
+
+
+@dataclass(frozen=True)
+class Tactic:
+    """One way a kernel can run its fused node. `run(*inputs)` returns the outputs; the inputs
+    at `blocked_inputs` arrive in the blocked layout (kernels/blocked.py) with `in_blocks[k]`
+    channels per block, and the outputs at `blocked_outputs` leave in it, holding
+    `out_channels[k]` channels. A session converts layouts only where a blocked tactic meets
+    anything else (fusion/runtime/layout.py).
+
+        Tactic("blocked", run, blocked_inputs=(0,), in_blocks=(8,), blocked_outputs=(0,),
+               out_channels=(64,))
+    """
+
+    name: str
+    run: Callable[..., Sequence]
+    blocked_inputs: tuple[int, ...] = ()
+    in_blocks: tuple[int, ...] = ()
+    blocked_outputs: tuple[int, ...] = ()
+    out_channels: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)

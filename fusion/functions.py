@@ -106,3 +106,22 @@ def _embed_constant(view: GraphView, value: str, new_name: str) -> onnx.NodeProt
         raise BodyError(f"constant {value} ({array.size} elements) must be a fused input")
     tensor = numpy_helper.from_array(array, new_name)
     return helper.make_node("Constant", [], [new_name], value=tensor)
+
+
+def single_node_model(model: onnx.ModelProto, node: onnx.NodeProto, inputs) -> onnx.ModelProto:
+    """A model of one fused node calling its function, with `inputs` (arrays aligned to
+    node.input, None where absent) declaring the input types: onnxruntime's version of what
+    that node's kernel computes (verify checks against it, tactics time it)."""
+    infos = [
+        helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+        for v, a in zip(node.input, inputs, strict=True)
+        if v
+    ]
+    outputs = [onnx.ValueInfoProto(name=v) for v in node.output if v]
+    graph = helper.make_graph([node], f"single_{node.op_type}", infos, outputs)
+    return helper.make_model(
+        graph,
+        opset_imports=list(model.opset_import),
+        functions=list(model.functions),
+        ir_version=model.ir_version,
+    )

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from fusion.catalog import DOMAIN, Catalog
 from fusion.errors import FusionError
 from fusion.feeds import model_inputs
+from fusion.functions import single_node_model
 from fusion.graph import GraphView, node_label
 from fusion.modelfile import as_model
 from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, Comparison, compare_arrays, tolerance
@@ -123,12 +123,12 @@ def verify(
         report.outputs.append(compare_arrays(out.name, values[out.name], want, out_rtol, out_atol))
     if not per_node:
         return report
-    for step in fused_session.steps:
+    for step in fused_session.steps_for(feeds):
         if step.kind != "kernel":
             continue
         rule = catalog.get(step.node.op_type)
-        args = [values[v] if v else None for v in step.inputs]
-        got = [values[v] for v in step.outputs if v]
+        args = [values[v] if v else None for v in step.node.input]  # NCHW, whatever the tactic
+        got = [values[v] for v in step.node.output if v]
         node_rtol, node_atol = tolerance([rule], rtol, atol)
         report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol)
     return report
@@ -181,17 +181,6 @@ def _compare_with_body(model, node, args, got, rtol, atol) -> list[Comparison]:
 
 def run_function_body(model: onnx.ModelProto, node: onnx.NodeProto, args) -> list[np.ndarray]:
     """onnxruntime's result for one fused node: a one-node model that calls its function."""
-    feeds = {v: np.asarray(a) for v, a in zip(node.input, args, strict=True) if v}
-    inputs = [
-        helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-        for v, a in feeds.items()
-    ]
-    outputs = [onnx.ValueInfoProto(name=v) for v in node.output if v]
-    graph = helper.make_graph([node], f"check_{node.op_type}", inputs, outputs)
-    single = helper.make_model(
-        graph,
-        opset_imports=list(model.opset_import),
-        functions=list(model.functions),
-        ir_version=model.ir_version,
-    )
-    return inference_session(single, REFERENCE).run(None, feeds)
+    args = [None if a is None else np.asarray(a) for a in args]
+    feeds = {v: a for v, a in zip(node.input, args, strict=True) if v}
+    return inference_session(single_node_model(model, node, args), REFERENCE).run(None, feeds)

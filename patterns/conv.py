@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
 
 
@@ -91,17 +91,60 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
     )
 
 
+def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
+    """The conv packed for the blocked-layout kernel, or None when that kernel cannot run it."""
+    from kernels.conv_nchwc import prepare_conv_nchwc, supports  # heavy (Numba)
+
+    if supports(weight.shape, attrs["group"]) is not None:
+        return None
+    return prepare_conv_nchwc(
+        weight,
+        bias,
+        strides=tuple(attrs["strides"]),
+        pads=tuple(attrs["pads"]),
+        dilations=tuple(attrs["dilations"]),
+        group=attrs["group"],
+        auto_pad=attrs["auto_pad"],
+        activation=attrs["activation"],
+        clip_min=attrs["clip_min"],
+        clip_max=attrs["clip_max"],
+    )
+
+
+class ConvKernel:
+    """A fused conv's kernel: called on an NCHW input it runs the NCHW kernel; `tactics` offers
+    the blocked-layout kernel first (when it supports the conv), then the NCHW one."""
+
+    def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
+        from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
+        from kernels.conv_nchwc import conv_nchwc
+
+        nchw = conv_plan(attrs, weight, bias)
+        blocked = blocked_plan(attrs, weight, bias)
+        self.run = lambda x, *_constants: (conv2d_bias_act(x, nchw),)
+        self.tactics = [Tactic(f"nchw-{nchw.method}", self.run)]
+        if blocked is not None:
+            run_blocked = lambda xb, *_constants: (conv_nchwc(xb, blocked),)  # noqa: E731
+            self.tactics.insert(
+                0,
+                Tactic(
+                    "blocked",
+                    run_blocked,
+                    blocked_inputs=(0,),
+                    in_blocks=(blocked.in_block,),
+                    blocked_outputs=(0,),
+                    out_channels=(weight.shape[0],),
+                ),  # fmt: skip
+            )
+
+    def __call__(self, x, *constants):
+        return self.run(x, *constants)
+
+
 def make_kernel(attrs: dict, constants: list):
-    """Prepare the weights once; the returned function runs the fused convolution."""
-    from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
-
+    """Prepare the weights once (for every tactic); the kernel runs the fused convolution."""
     _, weight, bias, bias_add = (list(constants) + [None] * 4)[:4]
-    plan = conv_plan(attrs, weight, folded_bias(weight.shape[0], bias, bias_add))
-
-    def run(x, *_constants):
-        return (conv2d_bias_act(x, plan),)
-
-    return run
+    return ConvKernel(attrs, weight, folded_bias(weight.shape[0], bias, bias_add))
 
 
 RULE = Rule(

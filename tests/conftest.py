@@ -8,7 +8,14 @@ compiles just what its tests use. FUSION_NO_WARMUP=1 skips it.
 """
 
 import os
+import tempfile
 import warnings
+
+# Sessions run their kernels' first tactic, untimed: a test of a kernel must run that kernel,
+# whatever the machine's timings say (tests of the choice itself ask for "fastest"), and no
+# test writes the user's timing cache.
+os.environ.setdefault("FUSION_TACTICS", "kernel")
+os.environ.setdefault("FUSION_CACHE_DIR", tempfile.mkdtemp(prefix="fusion-test-cache-"))
 
 
 def pytest_configure(config):

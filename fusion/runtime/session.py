@@ -16,7 +16,9 @@ Session.run keeps no per-run state on the session, so it may be called from seve
 from __future__ import annotations
 
 import os
+import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +27,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from fusion.catalog import DOMAIN, Catalog
+from fusion.catalog import DOMAIN, Catalog, Tactic
 from fusion.errors import FusionError
-from fusion.graph import GraphView, ValueType
-from fusion.modelfile import as_model
+from fusion.functions import single_node_model
+from fusion.graph import GraphView, ValueType, node_label
+from fusion.modelfile import as_model, weightless_copy
+from fusion.ort import ISLAND, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime.kernel import (
@@ -38,14 +42,25 @@ from fusion.runtime.kernel import (
     use_threads,
     workqueue_lock,
 )
+from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
 from fusion.runtime.plan import (
     IslandPlan,
     IslandStep,
-    KernelPlan,
     KernelStep,
     island_settings,
     plan,
     releases,
+)
+from fusion.runtime.tactics import (
+    ONNXRUNTIME,
+    TimingCache,
+    node_key,
+    policy,
+    preferred,
+    random_inputs,
+    source_version,
+    tactics_of,
+    time_call,
 )
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
@@ -77,6 +92,10 @@ class Session:
     fuse: rewrite an original model (one without fused nodes) in memory first.
     progress: called as progress(node label, i, total) before kernel i of total is built
     (building a kernel may compile it, which can take seconds on first use).
+    tactics: how each fused node runs (fusion/runtime/tactics.py): "fastest" (default, or the
+    FUSION_TACTICS environment variable): its kernel's tactics and onnxruntime timed on the
+    node's shapes, the fastest kept (cached on disk); "kernel": the kernel, untimed;
+    "onnxruntime": every node through its function body.
     """
 
     def __init__(
@@ -86,6 +105,7 @@ class Session:
         fuse: bool = True,
         catalog: Catalog | None = None,
         progress: Progress | None = None,
+        tactics: str | None = None,
     ):
         model = as_model(model_or_path)
         if fuse and not is_fused(model):
@@ -102,27 +122,184 @@ class Session:
         self._output_names = [o.name for o in model.graph.output]
 
         self._functions = {(f.domain, f.name, f.overload) for f in model.functions}
-        plans = plan(view, self._has_kernel)
-        self._base = _known_values(view, plans)
-        kernels = [p for p in plans if isinstance(p, KernelPlan)]
-        lock = None
-        if kernels:
+        self.tactics = policy(tactics)
+        self._progress = progress
+        self._kernels = self._build_kernels()
+        self._lock = threading.Lock()
+        self._cache: TimingCache | None = None
+        # The plan for the shapes the model declares; with symbolic input dims (a batch axis)
+        # and timed choices, each new feed shape gets its own plan on its first run.
+        shapes = {v: s for v in view.producer | dict.fromkeys(view.graph_inputs)
+                  if (s := _static_shape(view.type_of(v))) is not None}  # fmt: skip
+        self._dynamic = self.tactics == "fastest" and any(
+            _static_shape(view.type_of(v)) is None for v in view.graph_inputs
+        )
+        self._plans: dict[tuple, _RunPlan] = {}
+        self._base = _known_values(view, self._output_names)
+        self._default = self._plan(self._choose(shapes))
+        if self._dynamic:
+            self._default = self._plan(self._choose({}))  # kernels until shapes are known
+
+    # ---- building ----------------------------------------------------------------------------
+    def _build_kernels(self) -> dict[int, list[Tactic]]:
+        """Per fused node with a kernel, its tactics (building a kernel packs its weights)."""
+        fused = [i for i, n in enumerate(self.view.nodes) if self._has_kernel(n)]
+        kernels = {}
+        if fused:
             use_threads(self.threads)  # before the first kernel is built (or compiled)
             lock = workqueue_lock()
-        self.steps: list[IslandStep | KernelStep] = []
-        built = 0
+        for built, i in enumerate(fused, 1):
+            node = self.view.nodes[i]
+            if self._progress is not None:
+                self._progress(node_label(node), built, len(fused))
+            kernel = build_kernel(self.catalog.get(node.op_type), node, self.view)
+            kernels[i] = [
+                Tactic(
+                    t.name,
+                    serialized(t.run, lock),
+                    t.blocked_inputs,
+                    t.in_blocks,
+                    t.blocked_outputs,
+                    t.out_channels,
+                )  # fmt: skip
+                for t in tactics_of(kernel)
+            ]
+        return kernels
+
+    def _choose(self, shapes: dict) -> dict[int, Tactic | None]:
+        """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
+        by the session's policy, timing each candidate where the node's input shapes are known
+        (`shapes`: value -> shape) and the timing cache has no answer yet."""
+        if self.tactics == ONNXRUNTIME:
+            return dict.fromkeys(self._kernels)
+        if self.tactics != "fastest":  # "kernel", or a tactic name
+            return {i: preferred(tactics, self.tactics) for i, tactics in self._kernels.items()}
+        choices, fresh = {}, {}
+        for i, tactics in self._kernels.items():
+            node = self.view.nodes[i]
+            ins = [shapes.get(v) if v else None for v in node.input]
+            consts = [self.view.constant(v) if v else None for v in node.input]
+            unknown = [
+                v
+                for v, s, c in zip(node.input, ins, consts, strict=True)
+                if v and s is None and c is None
+            ]
+            if unknown:
+                choices[i] = tactics[0]  # shapes unknown until a run: the kernel meanwhile
+                continue
+            if self._cache is None:
+                from kernels.machine import cpu_key  # heavy package: only with kernels
+
+                self._cache = TimingCache(cpu_key()).load()
+            key = node_key(node, ins, self.threads, source_version("kernels", "patterns"))
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = {"times": self._time(node, tactics, ins, consts)}
+                fresh[key] = entry
+            times = entry["times"]
+            best = min(times, key=times.get)
+            choices[i] = next((t for t in tactics if t.name == best), None)
+        if fresh:
+            self._cache.put(fresh)
+        return choices
+
+    def _time(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:
+        """Median seconds of each tactic and of onnxruntime on the node's body, on random
+        inputs of the node's shapes. A tactic that fails is never chosen (and is reported)."""
+        from kernels.blocked import to_blocked  # heavy: Numba
+
+        ensure_threads(self.threads)
+        inputs = random_inputs(shapes, consts)
+        times = {}
+        for tactic in tactics:
+            args = list(inputs)
+            for k, pos in enumerate(tactic.blocked_inputs):
+                args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
+            try:
+                times[tactic.name] = time_call(lambda t=tactic, a=args: t.run(*a))
+            except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)
+                warnings.warn(f"fusion: {node_label(node)}: tactic {tactic.name} failed: {exc}",
+                              stacklevel=2)  # fmt: skip
+                times[tactic.name] = float("inf")
+        single = single_node_model(self.model, node, inputs)
+        body = inference_session(single, ISLAND, self.threads)
+        feeds = {v: a for v, a in zip(node.input, inputs, strict=True) if v}
+        times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
+        return times
+
+    def _plan(self, choices: dict[int, Tactic | None]) -> _RunPlan:
+        """The run steps for these choices: islands, kernels, and layout conversions."""
+        view = self.view
+        chosen = {id(view.nodes[i]): t for i, t in choices.items() if t is not None}
+        plans = plan(view, lambda node: id(node) in chosen)
+        layouts = Layouts()
+        steps: list = []
         for p in plans:
             if isinstance(p, IslandPlan):
-                self.steps.append(IslandStep(p, view, island_settings(p), self.threads))
+                for value in p.inputs:
+                    steps += convert(layouts, value, NCHW)
+                steps.append(IslandStep(p, view, island_settings(p), self.threads))
+                for value in p.outputs:
+                    layouts.made(value, NCHW)
                 continue
-            built += 1
-            if progress is not None:
-                progress(p.name, built, len(kernels))
-            kernel = build_kernel(self.catalog.get(p.node.op_type), p.node, view)
-            self.steps.append(KernelStep(p, serialized(kernel, lock)))
-        self._uses_numba = bool(kernels)
-        # Per step, the values dropped after it (and the kernel outputs never stored at all).
-        self.releases = releases(self.steps, set(self._output_names))
+            tactic = chosen[id(p.node)]
+            step = KernelStep(p, tactic.run)
+            step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
+            blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
+            for pos, value in enumerate(p.inputs):
+                if value:
+                    form = blocked_in.get(pos, NCHW)
+                    steps += convert(layouts, value, form)
+                    step.inputs[pos] = layouts.made(value, form) if form != NCHW else value
+            out_channels = dict(zip(tactic.blocked_outputs, tactic.out_channels, strict=True))
+            for pos, value in enumerate(p.outputs):
+                if value:
+                    form = OUT_BLOCK if pos in out_channels else NCHW
+                    step.outputs[pos] = layouts.made(value, form, out_channels.get(pos))
+            steps.append(step)
+        for value in self._output_names:
+            steps += convert(layouts, value, NCHW)
+        uses_numba = any(s.kind != "island" for s in steps)
+        choice = {s.name: s.choice for s in steps if s.kind == "kernel"}
+        kept = {i: ONNXRUNTIME for i, t in choices.items() if t is None}
+        for i in kept:
+            choice[node_label(view.nodes[i])] = ONNXRUNTIME
+        return _RunPlan(steps, releases(steps, set(self._output_names)), layouts, uses_numba,
+                        choice)  # fmt: skip
+
+    def _plan_for(self, feeds: dict) -> _RunPlan:
+        """The plan for these feeds' shapes: the default one, or (dynamic shapes, timed
+        choices) the one made for this shape on its first run."""
+        if not self._dynamic:
+            return self._default
+        signature = tuple(np.shape(feeds[spec.name]) for spec in self._inputs)
+        found = self._plans.get(signature)
+        if found is not None:
+            return found
+        with self._lock:
+            if signature not in self._plans and len(self._plans) < MAX_PLANS:
+                names = [spec.name for spec in self._inputs]
+                shapes = _concrete_shapes(self.model, dict(zip(names, signature, strict=True)))
+                self._plans[signature] = self._plan(self._choose(shapes))
+            return self._plans.get(signature, self._default)
+
+    @property
+    def steps(self) -> list:
+        """The run steps of the default plan (islands, kernels, conversions)."""
+        return self._default.steps
+
+    @property
+    def releases(self) -> list:
+        return self._default.releases
+
+    @property
+    def choices(self) -> dict[str, str]:
+        """Per fused node (its label), the tactic it runs in the default plan."""
+        return dict(self._default.choices)
+
+    def choices_for(self, feeds: Mapping) -> dict[str, str]:
+        """Per fused node (its label), the tactic a run on these feeds uses."""
+        return dict(self._plan_for(self._validated_feeds(feeds)).choices)
 
     # ---- building ----------------------------------------------------------------------------
     def _has_kernel(self, node: onnx.NodeProto) -> bool:
@@ -164,7 +341,8 @@ class Session:
         """Mean time per step over `repeat` runs, and the time spent between steps."""
         for _ in range(warmup):
             self.execute(feeds)
-        step_times = [0.0] * len(self.steps)
+        steps = self.steps_for(feeds)
+        step_times = [0.0] * len(steps)
         wall = 0.0
         for _ in range(repeat):
             times: list[float] = []
@@ -172,18 +350,24 @@ class Session:
             self.execute(feeds, times)
             wall += time.perf_counter() - start
             step_times = [a + b for a, b in zip(step_times, times, strict=True)]
-        rows = [(s.kind, s.name, t / repeat) for s, t in zip(self.steps, step_times, strict=True)]
+        rows = [(s.kind, s.name, t / repeat) for s, t in zip(steps, step_times, strict=True)]
         return Profile(rows, wall / repeat)
+
+    def steps_for(self, feeds: Mapping) -> list:
+        """The steps a run on these feeds takes (their shapes may have a plan of their own)."""
+        return self._plan_for(self._validated_feeds(feeds)).steps
 
     # ---- running -----------------------------------------------------------------------------
     def execute(self, feeds: Mapping, times: list | None = None, keep_all: bool = False) -> dict:
         """One run; returns the values it holds at the end: the graph outputs and whatever no
-        step released (keep_all: every value). times, when given, gets each step's seconds."""
+        step released (keep_all: every value, each also in NCHW under its own name). times,
+        when given, gets each step's seconds."""
         values = dict(self._base)
         values.update(self._validated_feeds(feeds))
-        if self._uses_numba:
+        run_plan = self._plan_for(values)
+        if run_plan.uses_numba:
             ensure_threads(self.threads)  # Numba's thread count is per calling thread
-        for step, release in zip(self.steps, self.releases, strict=True):
+        for step, release in zip(run_plan.steps, run_plan.releases, strict=True):
             if times is None:
                 step(values, keep_all)
             else:
@@ -193,6 +377,12 @@ class Session:
             if not keep_all:
                 for name in release:  # an activation is freed after its last reader
                     del values[name]
+        if keep_all:
+            from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
+
+            for name, (plain, channels) in run_plan.layouts.blocked.items():
+                if name in values and plain not in values:
+                    values[plain] = from_blocked(values[name], channels)
         return values
 
     def _validated_feeds(self, feeds: Mapping) -> dict[str, np.ndarray]:
@@ -239,13 +429,14 @@ class Profile:
     @property
     def overhead(self) -> float:
         """Time between steps: feed checks, dict bookkeeping, Python calls."""
-        return self.wall - self.total("island") - self.total("kernel")
+        return self.wall - self.total("island") - self.total("kernel") - self.total("convert")
 
     def to_dict(self) -> dict:
         return {
             "steps": [{"kind": k, "name": n, "seconds": t} for k, n, t in self.steps],
             "island_seconds": self.total("island"),
             "kernel_seconds": self.total("kernel"),
+            "convert_seconds": self.total("convert"),
             "overhead_seconds": self.overhead,
             "wall_seconds": self.wall,
         }
@@ -309,12 +500,14 @@ def _node_arg(name: str, vt: ValueType | None) -> NodeArg:
     return NodeArg(name, f"tensor({type_name})", list(vt.shape or []))
 
 
-def _known_values(view: GraphView, plans: list) -> dict[str, np.ndarray]:
-    """Values known at build time that a run reads from its dict: constants read by kernels or
-    returned as outputs, and defaults of initializers that a feed may override."""
-    wanted = set(view.graph_outputs)
-    for p in plans:
-        wanted.update(p.inputs)
+def _known_values(view: GraphView, outputs: list[str]) -> dict[str, np.ndarray]:
+    """Values known at build time that a run reads from its dict: constants read by fused
+    nodes (whatever runs them) or returned as graph outputs, and the defaults of initializers
+    that a feed may override. Constants only islands read live inside their islands."""
+    wanted = set(outputs) | (set(view.initializers) & {i.name for i in view.graph.input})
+    for node in view.nodes:
+        if node.domain == DOMAIN:
+            wanted.update(node.input)
     known = {}
     for value in wanted:
         if not value:
@@ -330,3 +523,43 @@ def _known_values(view: GraphView, plans: list) -> dict[str, np.ndarray]:
 def _fresh(value: np.ndarray, shared: bool) -> np.ndarray:
     """Build-time values are shared between runs: hand the caller a copy it may modify."""
     return value.copy() if shared else value
+
+
+MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
+
+
+@dataclass
+class _RunPlan:
+    steps: list  # IslandStep | KernelStep | ConvertStep, in run order
+    releases: list  # per step, the values dropped after it
+    layouts: Layouts  # the blocked values and what they hold
+    uses_numba: bool
+    choices: dict  # fused node label -> tactic name
+
+
+def _static_shape(vt: ValueType | None) -> tuple | None:
+    if vt is None or vt.shape is None or not all(isinstance(d, int) and d >= 0 for d in vt.shape):
+        return None
+    return tuple(vt.shape)
+
+
+def _concrete_shapes(model: onnx.ModelProto, inputs: dict[str, tuple]) -> dict[str, tuple]:
+    """Every value's shape for these input shapes, by ONNX shape inference on the model
+    without its weights' bytes (what inference cannot say is left out)."""
+    skeleton = weightless_copy(model)
+    for vi in skeleton.graph.input:
+        if vi.name in inputs and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            for d, size in zip(dims, inputs[vi.name], strict=False):
+                d.Clear()
+                d.dim_value = int(size)
+    try:
+        view = GraphView(skeleton)
+    except Exception:  # noqa: BLE001 (inference is best effort)
+        return {}
+    out = {}
+    for value in list(view.producer) + list(inputs):
+        shape = _static_shape(view.type_of(value))
+        if shape is not None:
+            out[value] = shape
+    return out
