@@ -9,8 +9,12 @@ memory: it runs only with FUSION_SLOW=1 (`FUSION_SLOW=1 python -m pytest tests/t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +35,7 @@ import fusion
 from fusion.cli import main
 from fusion.modelfile import all_tensors, save_model
 from fusion.models import conv_stack
+from fusion.numerics import compare_arrays
 from fusion.runtime import InvalidFeed
 
 slow = pytest.mark.skipif(not os.environ.get("FUSION_SLOW"), reason="set FUSION_SLOW=1 to run")
@@ -54,6 +59,15 @@ def assert_refused(result, message: str, folder: Path, before: dict) -> None:
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("fusion: error: ") and message in lines[0], err
     assert state(folder) == before  # no output, no temporary file, the input unchanged
+
+
+def data_names(folder: Path, model: str) -> list[str]:
+    """The data files save_model wrote for `model` in `folder`: MODEL.<digest>.data."""
+    return sorted(p.name for p in folder.glob(f"{model}.*.data"))
+
+
+def external_locations(model: onnx.ModelProto) -> set[str]:
+    return {e.value for t in all_tensors(model) for e in t.external_data if e.key == "location"}
 
 
 def small_model(**kw) -> onnx.ModelProto:
@@ -202,7 +216,7 @@ def test_report_is_checked_before_anything_is_written(
 def test_run_output_must_not_overwrite_the_model(capsys, tmp_path, model_file):
     before = state(tmp_path)
     result = cli(capsys, "run", model_file, "-o", model_file)
-    assert_refused(result, "would overwrite the model", tmp_path, before)
+    assert_refused(result, "the output would overwrite the input file", tmp_path, before)
 
 
 def test_in_place_replaces_the_input_atomically(capsys, tmp_path, model_file):
@@ -224,12 +238,11 @@ def test_external_data_is_written_beside_the_output(capsys, tmp_path):
     code, out, _ = cli(capsys, "rewrite", src, "-o", dst)
     assert code == 0 and "3 fusions" in out
     assert state(tmp_path / "a") == inputs
-    assert sorted(state(tmp_path / "b")) == ["out.onnx", "out.onnx.data"]
+    (data,) = data_names(tmp_path / "b", "out.onnx")
+    assert sorted(state(tmp_path / "b")) == ["out.onnx", data]
     fused = onnx.load(str(dst), load_external_data=False)
     assert all(n.domain == "fusion" for n in fused.graph.node)
-    assert {e.value for t in all_tensors(fused) for e in t.external_data} >= {
-        "out.onnx.data"
-    }  # the weights stay outside the model file
+    assert external_locations(fused) == {data}  # the weights stay outside the model file
     onnx.checker.check_model(str(dst), full_check=True)
     feeds = random_feeds(model)
     want = run_ort(src, feeds)
@@ -248,29 +261,29 @@ def test_external_data_with_nothing_to_fuse(capsys, tmp_path):
     save_external(model, src)
     code, out, _ = cli(capsys, "rewrite", src, "-o", dst)
     assert code == 0 and "0 fusions" in out
-    assert sorted(state(tmp_path)) == ["in.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
+    (data,) = data_names(tmp_path, "out.onnx")
+    assert sorted(state(tmp_path)) == ["in.onnx", "out.onnx", data, "weights.bin"]
     feeds = random_feeds(model)
     assert_close(run_ort(dst, feeds)[0], run_ort(src, feeds)[0], rtol=0, atol=0)
 
 
 def test_in_place_with_external_data(capsys, tmp_path):
-    model = small_model()
+    model = conv_stack(blocks=2, channels=16, size=6)  # weights of 9 KB: external data
     src = tmp_path / "in.onnx"
     save_external(model, src, location="in.onnx.data")
     feeds = random_feeds(model)
     want = run_ort(src, feeds)
     assert cli(capsys, "rewrite", src, "-o", src, "--in-place")[0] == 0
-    assert sorted(state(tmp_path)) == ["in.onnx", "in.onnx.data"]
+    (data,) = data_names(tmp_path, "in.onnx")  # the old in.onnx.data is gone, a new one named
+    assert sorted(state(tmp_path)) == ["in.onnx", data] and data != "in.onnx.data"
     assert_close(run_ort(src, feeds)[0], want[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("output", ["weights.bin", "weights"])  # the file itself, or OUT.data
-def test_output_must_not_replace_the_inputs_data(capsys, tmp_path, output):
-    location = "weights.bin" if output == "weights.bin" else "weights.data"
-    save_external(small_model(), tmp_path / "in.onnx", location=location)
+def test_output_must_not_replace_the_inputs_data(capsys, tmp_path):
+    save_external(small_model(), tmp_path / "in.onnx", location="weights.bin")
     before = state(tmp_path)
-    result = cli(capsys, "rewrite", tmp_path / "in.onnx", "-o", tmp_path / output)
-    assert_refused(result, "where", tmp_path, before)
+    result = cli(capsys, "rewrite", tmp_path / "in.onnx", "-o", tmp_path / "weights.bin")
+    assert_refused(result, "the output would overwrite weights.bin, where", tmp_path, before)
     assert "keeps its weights" in result[2]
 
 
@@ -331,14 +344,201 @@ def test_model_over_2gb_with_external_data(capsys, tmp_path):
     try:
         code, out, err = cli(capsys, "rewrite", src, "-o", dst)
         assert code == 0, err
-        assert "fusion" in out and (tmp_path / "out.onnx.data").stat().st_size >= 4 * n
+        (data,) = data_names(tmp_path, "out.onnx")
+        assert "fusion" in out and (tmp_path / data).stat().st_size >= 4 * n
         feeds = random_feeds(small_model())
         want, got = run_ort(src, feeds), run_ort(dst, feeds)
         assert_close(got[1], [0.0, 7.0], rtol=0, atol=0, check_dtype=False)
         assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     finally:
-        for name in ("big.bin", "out.onnx.data"):  # pytest keeps tmp folders: not 4 GB of them
+        for name in ("big.bin", *data_names(tmp_path, "out.onnx")):  # not 4 GB per run kept
             (tmp_path / name).unlink(missing_ok=True)
+
+
+# ---- nothing the tool writes destroys a file it reads ------------------------------------------
+# Every file a command writes is checked, by file identity, against every file it reads, before
+# any work: the model, its external data, --input files, plugins (fusion.files.check_outputs).
+@pytest.fixture
+def ext_model(tmp_path) -> Path:
+    """A small conv model whose weights are external data in weights.bin."""
+    save_external(small_model(), tmp_path / "ext.onnx")
+    return tmp_path / "ext.onnx"
+
+
+WRITES_OVER_READS = {
+    "--report over the input's weights": (
+        ["rewrite", "ext.onnx", "-o", "out.onnx", "--report", "weights.bin"],
+        "--report would overwrite weights.bin, where",
+    ),
+    "run -o over the input's weights": (
+        ["run", "ext.onnx", "-o", "weights.bin"],
+        "the output would overwrite weights.bin, where",
+    ),
+    "rewrite over the --input file": (
+        ["rewrite", "ext.onnx", "-o", "x.npy", "--verify", "--input", "input=x.npy"],
+        "the output would overwrite the --input file",
+    ),
+    "run -o over the --input file": (
+        ["run", "ext.onnx", "--input", "input=x.npy", "-o", "x.npy"],
+        "the output would overwrite the --input file",
+    ),
+    "rewrite over the plugin": (
+        ["rewrite", "ext.onnx", "-o", "plugin.py", "--plugin", "plugin.py"],
+        "the output would overwrite the plugin",
+    ),
+    "bench --json over the model": (["bench", "ext.onnx", "--json", "ext.onnx"], "--json would"),
+    "bench --markdown over the weights": (
+        ["bench", "ext.onnx", "--markdown", "weights.bin"],
+        "--markdown would overwrite weights.bin",
+    ),
+    "bench --plot over the model": (["bench", "ext.onnx", "--plot", "ext.onnx"], "--plot would"),
+    "bench --json and --plot the same file": (
+        ["bench", "ext.onnx", "--json", "r.out", "--plot", "r.out"],
+        "--plot and --json are the same file",
+    ),
+    "bench --json in a missing folder": (
+        ["bench", "ext.onnx", "--json", "nope/r.json"],
+        "the output directory",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITES_OVER_READS))
+def test_a_write_over_a_read_file_is_refused_before_any_work(
+    capsys, tmp_path, ext_model, monkeypatch, case
+):
+    argv, message = WRITES_OVER_READS[case]
+    np.save(tmp_path / "x.npy", random_feeds(small_model())["input"])
+    (tmp_path / "plugin.py").write_text("# registers nothing\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fusion.cli.bench.measure", lambda *a: pytest.fail("the bench ran"))
+    before = state(tmp_path)
+    assert_refused(cli(capsys, *argv), message, tmp_path, before)
+
+
+def test_a_report_named_like_the_outputs_data_leaves_a_loadable_output(capsys, tmp_path, ext_model):
+    feeds = random_feeds(small_model())
+    out, report = tmp_path / "out.onnx", tmp_path / "out.onnx.data"
+    code, _, err = cli(capsys, "rewrite", ext_model, "-o", out, "--report", report)
+    assert code == 0, err
+    assert_close(run_ort(out, feeds)[0], run_ort(small_model(), feeds)[0], rtol=1e-5, atol=1e-6)
+    assert json.loads(report.read_text())["fusions"]
+
+
+def test_the_same_file_under_another_name_is_the_input(capsys, tmp_path, model_file):
+    """A hard link (and, where mounting is allowed, a bind mount) is the input file itself."""
+    os.link(model_file, tmp_path / "link.onnx")
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", model_file, "-o", tmp_path / "link.onnx")
+    assert_refused(result, "output is the input file; pass --in-place", tmp_path, before)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if subprocess.run(["mount", "--bind", tmp_path, mount], capture_output=True).returncode:
+        return  # not allowed here (no root, or a container without mount rights)
+    try:
+        result = cli(capsys, "rewrite", model_file, "-o", mount / "in.onnx")
+        assert result[0] == 2 and "output is the input file" in result[2]
+        assert (tmp_path / "in.onnx").read_bytes() == before["in.onnx"]
+    finally:
+        subprocess.run(["umount", mount], check=True)
+
+
+# A child process that runs `fusion rewrite` and, at the n-th os.replace or unlink, either dies
+# on the spot (os._exit: a crash, nothing cleaned up) or gets SIGTERM.
+INTERRUPTED = """
+import os, signal, sys
+from fusion.cli import main
+
+n, how = int(sys.argv[1]), sys.argv[2]
+calls = 0
+
+def interrupt(real):
+    def call(*args, **kwargs):
+        global calls
+        calls += 1
+        if calls == n:
+            if how == "crash":
+                os._exit(9)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    return call
+
+os.replace, os.unlink = interrupt(os.replace), interrupt(os.unlink)
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def interrupted_rewrite(n: int, how: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, str(n), how, "rewrite", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["over an older output", "in place"])
+def test_a_crash_while_replacing_a_model_and_its_data_leaves_one_whole_pair(tmp_path, in_place):
+    """out.onnx + out.onnx.data (weights A) are replaced by a rewrite of new.onnx (weights B,
+    the same shapes), or m.onnx (weights A) in place by its rewrite. A crash at any step leaves
+    a pair that loads and gives A's outputs or B's, never a mix."""
+
+    def weights(seed):  # 16 channels: weights of 9 KB, stored as external data
+        return conv_stack(blocks=2, channels=16, size=6, seed=seed)
+
+    feeds = random_feeds(weights(1))
+    results = [run_ort(weights(seed), feeds)[0] for seed in (1, 2)]
+    for n in range(1, 12):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        if in_place:
+            src = out = tmp_path / "m.onnx"
+        else:
+            src, out = tmp_path / "new.onnx", tmp_path / "out.onnx"
+            save_external(weights(2), src, location="new.onnx.data")
+        save_external(weights(1), out, location=f"{out.name}.data")
+        proc = interrupted_rewrite(n, "crash", src, "-o", out, *["--in-place"] * in_place)
+        got = run_ort(out, feeds)[0]
+        assert any(compare_arrays("y", got, w, 1e-5, 1e-6).ok for w in results), (n, proc.stderr)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == 9, proc.stderr
+    else:
+        pytest.fail("the rewrite never completed")
+    assert n > 2  # the crashes hit the data's and the model's renames
+    (data,) = data_names(tmp_path, out.name)  # the old data is gone
+    assert sorted(state(tmp_path)) == sorted({src.name, out.name, data, *state(tmp_path)} - {""})
+    assert not [name for name in state(tmp_path) if name.endswith(".tmp")]
+
+
+def test_sigterm_while_writing_cleans_up_like_ctrl_c(tmp_path, ext_model):
+    before = state(tmp_path)
+    proc = interrupted_rewrite(1, "sigterm", ext_model, "-o", tmp_path / "out.onnx")
+    assert proc.returncode == 143 and proc.stderr.strip() == "fusion: terminated", proc.stderr
+    assert state(tmp_path) == before  # no temporary file left, no output
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_written_files_get_the_umask_mode_and_in_place_keeps_the_mode(capsys, tmp_path, external):
+    src = tmp_path / "in.onnx"
+    (save_external if external else save_model)(conv_stack(blocks=2, channels=16, size=6), src)
+    src.chmod(0o640)
+    mask = os.umask(0o027)
+    try:
+        out = tmp_path / "out.onnx"
+        assert cli(capsys, "rewrite", src, "-o", out, "--report", tmp_path / "r.json")[0] == 0
+        data = [tmp_path / name for name in data_names(tmp_path, out.name)]
+        written = [out, tmp_path / "r.json", *data]
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in written} == {
+            f.name: 0o640 for f in written
+        }
+        os.umask(0o022)
+        src.chmod(0o604)  # an unusual mode, kept
+        assert cli(capsys, "rewrite", src, "-o", src, "--in-place")[0] == 0
+        data = [tmp_path / n for n in data_names(tmp_path, src.name)]
+        assert {stat.S_IMODE(f.stat().st_mode) for f in [src, *data]} == {0o604}
+    finally:
+        os.umask(mask)
 
 
 # ---- running with bad feeds ------------------------------------------------------------------

@@ -46,8 +46,8 @@ def verify_files(
 ) -> int:
     """Verify the fused file (or the original fused in memory) and print the report."""
     report = verify(
-        load_checked(original),
-        load_checked(fused) if fused else None,
+        load_checked(original)[0],
+        load_checked(fused)[0] if fused else None,
         inputs=input_files(inputs),
         rtol=rtol,
         atol=atol,
