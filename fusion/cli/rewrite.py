@@ -6,7 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from fusion.cli.inputs import add_input_argument, check_writes, input_files, pattern_names
+from fusion.cli.inputs import (
+    add_input_argument,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    pattern_names,
+)
 from fusion.errors import FusionError, one_line
 from fusion.files import same_file, write_atomic
 from fusion.modelfile import read_model, require_valid, run_checker, save_model, write_model_bytes
@@ -73,9 +79,10 @@ def rewrite_file(
     check_writes(writes, src, data_files, inputs, replacing)  # and its external data
     checked = require_valid(original, str(src), source=src)
     catalog = default_catalog().select(only, exclude)
-    result = rewrite(original, catalog)
-    if verified and result.fusions:
-        result = _rewrite_verified(original, result, catalog, input_files(inputs))
+    with beyond_the_checker(src, checked):
+        result = rewrite(original, catalog)
+        if verified and result.fusions:
+            result = _rewrite_verified(original, result, catalog, input_files(inputs))
     keep = () if in_place else data_files  # what the old output named and the input still reads
     if result.fusions:
         try:
@@ -109,19 +116,29 @@ def _require_same_validity(fused, original, checked: bool) -> None:
 
 
 def _rewrite_verified(model, result, catalog, inputs):
-    """Check every fused node on a real run; rewrite again without the ones that disagree."""
-    report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
-    bad = {}
-    for node in report.nodes:
-        if not node.ok:
-            name = node.node.split(" ", 1)[1]
-            bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
-                f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
-            )
-    if bad:
-        result = rewrite(model, catalog, skip=bad)
+    """Check every fused node on a real run; rewrite again without the ones that disagree.
+
+    A kernel that raises or returns what its node does not declare stops the run there: that
+    fusion is rolled back and the rest verified again, until every remaining node is checked."""
+    skip: dict[str, str] = {}
+    for _ in range(len(result.fusions) + 1):
+        report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
+        bad = {}
+        for node in report.nodes:
+            if not node.ok:
+                name = node.node.split(" ", 1)[1]
+                bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
+                    f"({node.note})"
+                    if node.note
+                    else f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
+                )
         for reason in bad.values():
-            print(f"{reason}")
+            print(reason)
+        skip.update(bad)
+        if bad:
+            result = rewrite(model, catalog, skip=skip)
+        if not bad or report.outputs:  # every node ran and was compared
+            break
     print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
     return result
 

@@ -29,11 +29,14 @@ from fusion.catalog import DOMAIN, Catalog
 from fusion.errors import FusionError
 from fusion.graph import GraphView, ValueType
 from fusion.modelfile import as_model
+from fusion.ort import ISLAND
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime.kernel import (
+    binds_kernel,
     build_kernel,
     ensure_threads,
+    kernel_name,
     serialized,
     use_threads,
     workqueue_lock,
@@ -43,9 +46,11 @@ from fusion.runtime.plan import (
     IslandStep,
     KernelPlan,
     KernelStep,
+    OutputCheck,
     island_settings,
     plan,
     releases,
+    run_body,
 )
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
@@ -101,7 +106,7 @@ class Session:
         self._feedable = {vi.name for vi in model.graph.input}
         self._output_names = [o.name for o in model.graph.output]
 
-        self._functions = {(f.domain, f.name, f.overload) for f in model.functions}
+        self._functions = {(f.domain, f.name, f.overload): f for f in model.functions}
         plans = plan(view, self._has_kernel)
         self._base = _known_values(view, plans)
         kernels = [p for p in plans if isinstance(p, KernelPlan)]
@@ -118,8 +123,11 @@ class Session:
             built += 1
             if progress is not None:
                 progress(p.name, built, len(kernels))
-            kernel = build_kernel(self.catalog.get(p.node.op_type), p.node, view)
-            self.steps.append(KernelStep(p, serialized(kernel, lock)))
+            rule = self.catalog.get(p.node.op_type)
+            kernel = serialized(build_kernel(rule, p.node, view), lock)
+            checks = [OutputCheck.of(v, view.type_of(v) if v else None) for v in p.outputs]
+            body = self._body_runner(p.node)
+            self.steps.append(KernelStep(p, kernel, checks, body, kernel_name(rule)))
         self._uses_numba = bool(kernels)
         # Per step, the values dropped after it (and the kernel outputs never stored at all).
         self.releases = releases(self.steps, set(self._output_names))
@@ -128,15 +136,14 @@ class Session:
     def _has_kernel(self, node: onnx.NodeProto) -> bool:
         if node.domain != DOMAIN:
             return False
-        rule = self.catalog.get(node.op_type)
-        if rule is not None and rule.prepare is not None:
-            return True
+        body = self._functions.get((node.domain, node.op_type, node.overload))
+        return binds_kernel(self.catalog.get(node.op_type), node, body)
+
+    def _body_runner(self, node: onnx.NodeProto) -> Callable[[list], list] | None:
+        """The node's function body in onnxruntime (for runs a kernel is not called on)."""
         if (node.domain, node.op_type, node.overload) not in self._functions:
-            raise FusionError(
-                f"fused node {node.name or node.output[0]!r} ({node.op_type}) has no kernel in the "
-                "catalog and no function body in the model, so nothing can run it"
-            )
-        return False  # runs in onnxruntime through its function body
+            return None
+        return lambda args: run_body(self.model, node, args, ISLAND)
 
     # ---- the InferenceSession interface ------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -203,6 +210,8 @@ class Session:
             value = checked.get(spec.name)
             if value is None:
                 missing = [s.name for s in self._inputs if s.name not in feeds]
+                if not missing:
+                    raise InvalidFeed(f"Input {spec.name} is None: expected {spec.node_arg.type}")
                 raise InvalidFeed(
                     f"Required inputs ({missing}) are missing from input feed ({list(feeds)})."
                 )
@@ -276,6 +285,8 @@ class _InputSpec:
                 f"Unexpected input data type for input: {self.name}. "
                 f"Actual: ({value.dtype}), expected: ({self.dtype})"
             )
+        if not value.flags.c_contiguous:  # Fortran order, a strided view: one copy at the border
+            value = np.ascontiguousarray(value)
         if self.shape is None:
             return value
         shape = value.shape
