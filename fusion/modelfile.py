@@ -80,6 +80,7 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
         raise FusionError(
             f"{path}: not an ONNX model, or a truncated one (a protobuf message without {missing})"
         )
+    _require_utf8(model, path)
     require_runtime_support(model, str(path))
     external = [t for t in all_tensors(model) if uses_external_data(t)]
     for tensor in all_tensors(model):
@@ -331,8 +332,26 @@ def _byte_size(tensor: onnx.TensorProto, default: int) -> int:
     return itemsize * math.prod(tensor.dims)
 
 
+def _require_utf8(message, path: Path, where: str = "") -> None:
+    """Every string field is UTF-8 (protobuf hands an invalid one over as bytes, which no
+    name comparison, message or checker call expects)."""
+    for field, value in message.ListFields():
+        if field.type == field.TYPE_STRING:
+            for text in value if _is_repeated(field) else [value]:
+                if isinstance(text, bytes):
+                    raise FusionError(
+                        f"{path}: {where}{field.name} is not valid UTF-8 (a corrupt file?)"
+                    )
+        elif field.type == field.TYPE_MESSAGE:
+            for item in value if _is_repeated(field) else [value]:
+                _require_utf8(item, path, f"{where}{field.name}.")
+
+
+_TENSOR_TYPES = frozenset(helper.get_all_tensor_dtypes())
+
+
 def _require_known_type(tensor: onnx.TensorProto, path: Path) -> None:
-    if tensor.data_type not in onnx.TensorProto.DataType.values():
+    if tensor.data_type not in _TENSOR_TYPES:
         raise FusionError(
             f"{path}: tensor {tensor.name!r} has the unknown data type {tensor.data_type} "
             "(a corrupt file?)"

@@ -25,6 +25,7 @@ from helpers import (
     assert_close,
     control_flow_model,
     conv_block,
+    fused_ops,
     random_feeds,
     run_ort,
     save_external,
@@ -32,6 +33,7 @@ from helpers import (
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
+from fusion import FusionWarning
 from fusion.cli import main
 from fusion.modelfile import all_tensors, save_model
 from fusion.models import conv_stack
@@ -150,6 +152,74 @@ def test_debug_shows_the_traceback(tmp_path):
     (tmp_path / "in.onnx").write_bytes(b"junk" * 100)
     with pytest.raises(fusion.FusionError, match="not an ONNX model"):
         main(["rewrite", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "o.onnx"), "--debug"])
+
+
+@pytest.mark.parametrize("kind", ["device", "named pipe"])
+@pytest.mark.parametrize("command", ["rewrite", "run", "verify"])
+def test_a_device_or_a_pipe_is_not_a_model_file(capsys, tmp_path, command, kind):
+    src = Path("/dev/urandom")
+    if kind == "named pipe":
+        src = tmp_path / "pipe.onnx"
+        os.mkfifo(src)  # reading it would block: it must be refused unread
+    before = state(tmp_path)
+    out = ["-o", tmp_path / ("out.onnx" if command == "rewrite" else "out.npz")]
+    result = cli(capsys, command, src, *(out if command != "verify" else []))
+    assert_refused(result, "not a regular file (a device, a pipe or a socket)", tmp_path, before)
+
+
+def test_a_plugin_that_is_a_directory(capsys, tmp_path):
+    before = state(tmp_path)
+    assert_refused(
+        cli(capsys, "patterns", "--plugin", tmp_path), "is a directory", tmp_path, before
+    )
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_external_data_outside_the_folder_is_refused_before_anything_is_learnt_of_it(
+    capsys, tmp_path, where
+):
+    """Containment is checked before sizes: the message says nothing of the outside file (here
+    100 bytes, less than the weights need, which an earlier size check would have told)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "secret").write_bytes(b"s" * 100)
+    save_external(small_model(), tmp_path / "sub" / "in.onnx", location="w.bin")
+    model = onnx.load(str(tmp_path / "sub" / "in.onnx"), load_external_data=False)
+    location = "../secret" if where == "relative" else str(tmp_path / "secret")
+    for tensor in all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    (tmp_path / "sub" / "in.onnx").write_bytes(model.SerializeToString())
+    before = state(tmp_path)
+    result = cli(capsys, "rewrite", tmp_path / "sub" / "in.onnx", "-o", tmp_path / "out.onnx")
+    assert_refused(result, "points outside the directory of the model", tmp_path, before)
+    assert "100" not in result[2] and "bytes" not in result[2]
+
+
+def model_without_output_shape() -> onnx.ModelProto:
+    """Its output declared with a dtype and no shape: the checker rejects it, onnxruntime (and
+    every exporter that leaves it so) does not mind."""
+    model = small_model()
+    model.graph.output[0].type.tensor_type.ClearField("shape")
+    return model
+
+
+@pytest.mark.parametrize("command", ["rewrite", "run", "verify"])
+def test_a_model_only_the_checker_rejects_is_used_with_a_warning(capsys, tmp_path, command):
+    src = tmp_path / "in.onnx"
+    save_model(model_without_output_shape(), src)
+    out = {"rewrite": ["-o", tmp_path / "out.onnx"], "run": ["-o", tmp_path / "o.npz"]}
+    code, stdout, err = cli(capsys, command, src, *out.get(command, []))
+    assert code == 0, err
+    assert err.strip().splitlines() == [
+        f"fusion: warning: {src} fails the ONNX checker: Field 'shape' of 'type' is required but "
+        "missing.; onnxruntime loads it, so going on"
+    ]
+    if command == "rewrite":
+        assert "2 fusions" in stdout
+        feeds = random_feeds(small_model())
+        want = run_ort(small_model(), feeds)[0]
+        assert_close(run_ort(tmp_path / "out.onnx", feeds)[0], want, rtol=1e-5, atol=1e-6)
 
 
 # ---- where the output goes -------------------------------------------------------------------
@@ -613,6 +683,265 @@ def test_fusion_run_of_a_model_onnxruntime_cannot_run(capsys, tmp_path):
     assert_refused(
         result, "onnxruntime: Could not find an implementation for Conv", tmp_path, before
     )
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "cannot read it as .npy/.npz (the file is empty)"),
+        ("two arrays", "an .npz archive of 2 arrays where one array (.npy) is expected"),
+        ("truncated", "cannot read it as .npy/.npz (Failed to read all data"),
+    ],
+)
+def test_fusion_run_with_an_input_file_that_holds_no_one_array(capsys, tmp_path, content, message):
+    save_model(two_input_model(), tmp_path / "m.onnx")
+    x = tmp_path / "x.npy"
+    if content == "two arrays":
+        with open(x, "wb") as f:  # an .npz archive, whatever its name
+            np.savez(f, a=x_value(), b=x_value())
+    elif content == "truncated":
+        np.save(x, x_value())
+        x.write_bytes(x.read_bytes()[:-8])
+    else:
+        x.write_bytes(content)
+    before = state(tmp_path)
+    result = cli(capsys, "run", tmp_path / "m.onnx", "--input", f"x={x}")
+    assert_refused(result, message, tmp_path, before)
+
+
+def test_session_run_with_an_input_that_is_none():
+    session = fusion.Session(two_input_model(), threads=1)
+    with pytest.raises(InvalidFeed, match=r"^Input b is None: expected tensor\(float\)$"):
+        session.run(None, {"x": x_value(), "b": None})
+
+
+@pytest.mark.parametrize("layout", ["Fortran order", "strided view", "Fortran order, from a file"])
+def test_feeds_in_any_memory_layout_are_accepted(capsys, tmp_path, layout):
+    """onnxruntime accepts any layout; so does Session, making one C-ordered copy."""
+    model = small_model()
+    x = random_feeds(model)["input"]
+    want = run_ort(model, {"input": x})[0]
+    if layout == "strided view":
+        wide = np.zeros((*x.shape[:3], 2 * x.shape[3]), np.float32)
+        wide[..., ::2] = x
+        feed = wide[..., ::2]
+    else:
+        feed = np.asfortranarray(x)
+    if layout.endswith("from a file"):
+        save_model(model, tmp_path / "m.onnx")
+        np.save(tmp_path / "x.npy", feed)
+        argv = ["run", tmp_path / "m.onnx", "--input", f"input={tmp_path / 'x.npy'}"]
+        argv += ["-o", tmp_path / "out.npz"]
+        assert cli(capsys, *argv)[0] == 0
+        got = np.load(tmp_path / "out.npz")[model.graph.output[0].name]
+    else:
+        assert not feed.flags.c_contiguous
+        (got,) = fusion.Session(model, threads=1).run(None, {"input": feed})
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_0_gives_empty_outputs_like_onnxruntime(capsys, tmp_path):
+    model = conv_stack(blocks=2, channels=4, size=6)
+    x = np.zeros((0, 4, 6, 6), np.float32)
+    want = run_ort(model, {"input": x})
+    session = fusion.Session(model, threads=1)
+    assert [s.kind for s in session.steps] == ["kernel", "kernel"]
+    got = session.run(None, {"input": x})
+    assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
+    save_model(model, tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", x)
+    code, out, err = cli(capsys, "run", tmp_path / "m.onnx", "--input", f"input={tmp_path}/x.npy")
+    assert code == 0 and "float32 [0, 4, 6, 6]" in out, err
+
+
+# ---- fused nodes a kernel must not run, kernels that misbehave ---------------------------------
+def rewritten() -> onnx.ModelProto:
+    return fusion.rewrite(small_model()).model
+
+
+def edited_body(m: onnx.ModelProto) -> None:
+    for node in m.functions[0].node:
+        if node.op_type == "Relu":
+            node.op_type = "Sigmoid"  # the overload (the hash of the old body) is kept
+
+
+def another_tools_function(m: onnx.ModelProto) -> None:
+    """fusion.ConvBiasRelu, as some other tool might write it: no overload, its own body."""
+    edited_body(m)
+    m.functions[0].ClearField("overload")
+    for node in m.graph.node:
+        node.ClearField("overload")
+
+
+def one_input(m: onnx.ModelProto) -> None:
+    """Another tool's fusion.ConvBiasRelu with one input: Relu(x + 1)."""
+    another_tools_function(m)
+    func = m.functions[0]
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    body = [
+        helper.make_node("Constant", [], ["c"], value=one),
+        helper.make_node("Add", ["in0", "c"], ["t"]),
+        helper.make_node("Relu", ["t"], ["out0"]),
+    ]
+    del func.input[1:], func.node[:]
+    func.node.extend(body)
+    for node in m.graph.node:
+        del node.input[1:]
+
+
+def attribute_removed(m: onnx.ModelProto) -> None:
+    node = m.graph.node[0]
+    attrs = [a for a in node.attribute if a.name != "group"]
+    del node.attribute[:]
+    node.attribute.extend(attrs)
+
+
+UNTRUSTED_NODES = {
+    "body edited": (edited_body, "its function body is not the one the rule writes"),
+    "another tool's function": (another_tools_function, "(content hash"),
+    "one input": (one_input, "its function body is not the one the rule writes"),
+    "attribute removed": (attribute_removed, "it lacks the attribute(s) group"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNTRUSTED_NODES))
+def test_a_fused_node_not_as_the_rule_wrote_it_runs_its_body(case):
+    """The kernel is bound only to the body its rule writes, on a node with every input and
+    attribute: anything else runs as plain onnxruntime would run the file, with a warning."""
+    change, reason = UNTRUSTED_NODES[case]
+    model = rewritten()
+    change(model)
+    feeds = random_feeds(small_model())
+    with pytest.warns(FusionWarning, match="runs its function body in onnxruntime") as caught:
+        session = fusion.Session(model, threads=1)
+    assert reason in str(caught[0].message)
+    assert_close(session.run(None, feeds)[0], run_ort(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_verify_of_an_edited_body_fails(capsys, tmp_path, model_file):
+    model = rewritten()
+    edited_body(model)
+    save_model(model, tmp_path / "tampered.onnx")
+    code, out, err = cli(capsys, "verify", model_file, tmp_path / "tampered.onnx")
+    assert code == 1 and out.strip().endswith("FAIL"), out
+    assert "fusion: warning: ConvBiasRelu" in err and "not the one the rule writes" in err
+
+
+# A plugin whose Swish kernel (y = x * sigmoid(x)) misbehaves as MODE says.
+PLUGIN = """
+import numpy as np
+import fusion
+from fusion import Var, op
+
+MODE = {mode!r}
+x = Var("x", dtype="float32")
+
+
+@fusion.register_pattern("Swish", op.Mul(x, op.Sigmoid(x)), inputs=("x",))
+def swish(x):
+    y = x / (1 + np.exp(-x))
+    if MODE == "raises":
+        raise RuntimeError("a bug in the plugin")
+    if MODE == "two outputs":
+        return y, y
+    return {{"transposed": y.T, "float64": y.astype(np.float64)}}.get(MODE, y)
+"""
+
+
+@pytest.fixture
+def swish(tmp_path, monkeypatch):
+    """A Swish model (its output read by a Relu island) and a function writing the plugin."""
+    monkeypatch.setattr("fusion.registry.USER", fusion.Catalog())  # registered for this test
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("Mul", ["x", g.node("Sigmoid", ["x"])])])
+    save_model(g.model({"x": ["N", 3]}, [y]), tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3))
+
+    def plugin(mode: str) -> Path:
+        path = tmp_path / f"swish_{mode.replace(' ', '_')}.py"
+        path.write_text(PLUGIN.format(mode=mode))
+        return path
+
+    return tmp_path / "m.onnx", plugin
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("transposed", "returned shape [3, 2] where the node declares size 3 on axis 1 for"),
+        ("float64", "returned dtype float64 where the node declares float32 for"),
+        ("two outputs", "returned 2 outputs; the node has 1"),
+        ("raises", "failed: RuntimeError: a bug in the plugin"),
+    ],
+)
+def test_a_kernel_that_misbehaves_is_named(capsys, tmp_path, swish, mode, message):
+    model, plugin = swish
+    argv = ["run", model, "--plugin", plugin(mode), "--input", f"x={tmp_path / 'x.npy'}"]
+    before = state(tmp_path)
+    result = cli(capsys, *argv, "-o", tmp_path / "out.npz")
+    assert_refused(result, message, tmp_path, before)
+    assert f"fusion_plugin_swish_{mode.replace(' ', '_')}.swish of Swish" in result[2]
+
+
+@pytest.mark.parametrize(
+    "mode, reason",
+    [
+        ("raises", "RuntimeError: a bug in the plugin"),
+        ("two outputs", "returned 2 outputs"),
+        ("float64", "returned dtype float64 where the node declares float32"),
+    ],
+)
+def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(capsys, tmp_path, swish, mode, reason):
+    model, plugin = swish
+    out = tmp_path / "out.onnx"
+    argv = ["rewrite", model, "-o", out, "--verify", "--plugin", plugin(mode)]
+    code, stdout, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert "rolled back: kernel disagrees with onnxruntime" in stdout and reason in stdout, stdout
+    assert "0 fusions" in stdout and fused_ops(onnx.load(out)) == []
+    code, stdout, _ = cli(capsys, "verify", model, "--plugin", plugin(mode))
+    assert code == 1 and "FAIL" in stdout and reason in stdout, stdout
+
+
+# ---- the kernel cache ------------------------------------------------------------------------
+def test_kernels_run_where_neither_the_package_nor_home_can_hold_the_cache(tmp_path):
+    """A wheel installed by root, run by a user with no writable home: Numba can write neither
+    kernels/__pycache__ nor ~/.cache/numba. The cache moves to a private temp folder, with one
+    warning. (The package is a copy whose __pycache__ is a file: no one, root included, can
+    make that folder; .cache in HOME is a file too.)"""
+    root = Path(__file__).resolve().parent.parent
+    package = tmp_path / "site"
+    for name in ("fusion", "kernels", "patterns"):
+        shutil.copytree(root / name, package / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "kernels" / "__pycache__").write_text("")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("")
+    if os.geteuid() != 0:
+        for folder in (package / "kernels", home):
+            folder.chmod(0o555)
+    g = GraphBuilder()
+    y = g.node("Flatten", [g.node("GlobalAveragePool", ["x"])], axis=1)
+    save_model(g.model({"x": [1, 4, 5, 5]}, [y]), tmp_path / "pool.onnx")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    (tmp_path / "tmp").mkdir()
+    env.update(PYTHONPATH=str(package), HOME=str(home), TMPDIR=str(tmp_path / "tmp"))
+    # onnxruntime's own line when it cannot keep its telemetry ID in HOME; its opt-out:
+    env["ORT_DISABLE_TELEMETRY"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusion", "run", tmp_path / "pool.onnx"],
+        env=env,
+        cwd=tmp_path,  # -m puts the working directory first on the path
+        capture_output=True,
+        text=True,
+    )
+    cache = tmp_path / "tmp" / f"fusion-numba-cache-{os.getuid()}"
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"fusion: warning: neither {package}/kernels/__pycache__ nor {home}/.cache/numba is "
+        f"writable: compiled kernels are cached in {cache}"
+    ]
+    assert "float32 [1, 4]" in proc.stdout and list(cache.rglob("*.nbi"))
 
 
 # ---- models the catalog cannot fuse ----------------------------------------------------------

@@ -3,14 +3,16 @@ and the check every subcommand makes before it writes anything."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
 
-from fusion.errors import FusionError
+from fusion.errors import CatalogError, FusionError, one_line
 from fusion.files import check_outputs
 from fusion.modelfile import read_model, require_valid
+from fusion.ort import is_ort_error
 from fusion.registry import loaded_plugins
 
 
@@ -38,12 +40,29 @@ def pattern_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def load_checked(path) -> tuple[onnx.ModelProto, tuple[Path, ...]]:
+def load_checked(path) -> tuple[onnx.ModelProto, tuple[Path, ...], bool]:
     """A model file read and checked (structure only: a fused model may be run or verified),
-    and the external data files it was read from."""
+    the external data files it was read from, and whether the ONNX checker passed it (False:
+    only onnxruntime accepts it; see fusion.modelfile.require_valid)."""
     model, data_files = read_model(path)
-    require_valid(model, str(path), source=path)
-    return model, data_files
+    return model, data_files, require_valid(model, str(path), source=path)
+
+
+@contextlib.contextmanager
+def beyond_the_checker(path, checked: bool):
+    """Work on a model: when the ONNX checker rejected it (onnxruntime loads it), an error the
+    work meets in it is the input's fault, one line (exit 2), not a crash of ours."""
+    try:
+        yield
+    except (FusionError, CatalogError):
+        raise
+    except Exception as exc:
+        if checked or is_ort_error(exc):
+            raise
+        raise FusionError(
+            f"{path}: cannot work on this model, which the ONNX checker rejects "
+            f"({type(exc).__name__}: {one_line(exc)})"
+        ) from exc
 
 
 def check_writes(

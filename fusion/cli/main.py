@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     with _terminate_cleanly(), warnings.catch_warnings():
+        warnings.simplefilter("default", FusionWarning)  # shown once each, as one line
         warnings.showwarning = _show_warning
         try:
             for plugin in args.plugin:

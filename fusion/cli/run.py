@@ -6,7 +6,13 @@ import io
 
 import numpy as np
 
-from fusion.cli.inputs import add_input_argument, check_writes, input_files, load_checked
+from fusion.cli.inputs import (
+    add_input_argument,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    load_checked,
+)
 from fusion.feeds import model_inputs
 from fusion.files import write_atomic
 from fusion.runtime import Session
@@ -23,11 +29,12 @@ def add_arguments(p) -> None:
 
 
 def execute(args) -> int:
-    model, data_files = load_checked(args.model)
+    model, data_files, checked = load_checked(args.model)
     check_writes({"the output": args.output}, args.model, data_files, args.input)
-    session = _session(model, args.threads)
-    feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
-    outputs = session.run(None, feeds)
+    with beyond_the_checker(args.model, checked):
+        session = _session(model, args.threads)
+        feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
+        outputs = session.run(None, feeds)
     names = [o.name for o in session.get_outputs()]
     for name, value in zip(names, outputs, strict=True):
         print(f"{name}: {value.dtype} {list(value.shape)}")
@@ -41,9 +48,11 @@ def execute(args) -> int:
 
 def _session(model, threads) -> Session:
     """A fusion.Session, with a progress bar while kernels compile on first use."""
-    from rich.progress import Progress  # heavy: only for a command that builds kernels
+    from rich.console import Console  # heavy: only for a command that builds kernels
+    from rich.progress import Progress
 
-    with Progress(transient=True) as bar:
+    # On stderr: what is printed while it shows (a warning) goes there too, not to stdout.
+    with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("preparing kernels", total=None)
 
         def progress(name, i, total):
