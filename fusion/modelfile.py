@@ -334,17 +334,24 @@ def _byte_size(tensor: onnx.TensorProto, default: int) -> int:
 
 def _require_utf8(message, path: Path, where: str = "") -> None:
     """Every string field is UTF-8 (protobuf hands an invalid one over as bytes, which no
-    name comparison, message or checker call expects)."""
-    for field, value in message.ListFields():
-        if field.type == field.TYPE_STRING:
-            for text in value if _is_repeated(field) else [value]:
-                if isinstance(text, bytes):
-                    raise FusionError(
-                        f"{path}: {where}{field.name} is not valid UTF-8 (a corrupt file?)"
-                    )
-        elif field.type == field.TYPE_MESSAGE:
-            for item in value if _is_repeated(field) else [value]:
-                _require_utf8(item, path, f"{where}{field.name}.")
+    name comparison, message or checker call expects). Fields are read by descriptor, so a
+    tensor's bytes are never touched (reading raw_data would copy the weights)."""
+    for field in message.DESCRIPTOR.fields:
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue
+        if _is_repeated(field):
+            values = getattr(message, field.name)
+        elif message.HasField(field.name):
+            values = [getattr(message, field.name)]
+        else:
+            continue
+        for value in values:
+            if field.type == field.TYPE_MESSAGE:
+                _require_utf8(value, path, f"{where}{field.name}.")
+            elif isinstance(value, bytes):
+                raise FusionError(
+                    f"{path}: {where}{field.name} is not valid UTF-8 (a corrupt file?)"
+                )
 
 
 _TENSOR_TYPES = frozenset(helper.get_all_tensor_dtypes())

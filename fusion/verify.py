@@ -112,11 +112,11 @@ def verify(
     out_rtol, out_atol = tolerance(catalog.rules_in(fused), rtol, atol)
 
     feeds, source = model_inputs(original, inputs, seed, dims)
-    fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
     try:
+        fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
         values = fused_session.run_with_intermediates(feeds)  # first: its feed errors are one line
-    except KernelError as exc:  # the run stops there: that node is the one at fault
+    except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
         report.nodes.append(
             Comparison(exc.name, np.inf, np.inf, False, note=str(exc), node=exc.node)
         )

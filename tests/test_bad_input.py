@@ -5,6 +5,13 @@ problem (no traceback), and the folder holding input and output byte for byte as
 output, no temporary file, the input untouched). The >2 GB case writes 4 GB and holds ~7 GB of
 memory: it runs only with FUSION_SLOW=1 (`FUSION_SLOW=1 python -m pytest tests/test_bad_input.py
 -k 2gb`, about a minute).
+
+Sections, in order: model files (not models, corrupt, devices and pipes, what only the checker
+minds), where the output goes, external data, nothing the tool writes destroys a file it reads
+(file identity, a crash while replacing a model and its data, SIGTERM, file modes), bad feeds
+(unreadable files, None, memory layouts, batch 0), fused nodes a kernel must not run and
+kernels that misbehave, the kernel cache, models the catalog cannot fuse, control flow. Model
+files with a random bit or byte corrupted are fuzzed in test_fuzz.py.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ def cut_before_opset(model: onnx.ModelProto) -> bytes:
     return data[: head.ByteSize()]
 
 
+# ---- model files ---------------------------------------------------------------------------
 def undefined_input(m):
     m.graph.node[0].input[0] = "nowhere"
 

@@ -63,8 +63,9 @@ def binds_kernel(rule: Rule | None, node: onnx.NodeProto, body: onnx.FunctionPro
 def binding_refusal(
     rule: Rule, node: onnx.NodeProto, body: onnx.FunctionProto | None
 ) -> str | None:
-    """Why `rule`'s kernel must not run `node` (None: it may). Without a body only the counts
-    of inputs and outputs can be checked; with one, the body's hash covers its inputs."""
+    """Why `rule`'s kernel must not run `node` (None: it may): its body's content hash is not
+    its overload, or the node's inputs, outputs or attributes are not the body's. Without a
+    body (onnxruntime could not run the node either) only the count of inputs is checked."""
     if body is None:
         if len(node.input) > len(rule.inputs):  # fewer: trailing optional inputs left out
             return f"it has {len(node.input)} inputs where the kernel takes {len(rule.inputs)}"

@@ -243,8 +243,12 @@ class IslandStep:
 
 @dataclass(frozen=True)
 class OutputCheck:
-    """What a kernel output must be, from the node's declared or inferred type: its dtype, and,
-    when known, its rank and fixed sizes. A dtype and ndim comparison per output and call."""
+    """What a kernel output must be, from the node's declared or inferred type: its dtype and,
+    when known, its rank; and its fixed sizes where an island reads it (the island's session
+    declares them and would refuse another size, naming the island instead of the kernel).
+    Elsewhere sizes are not enforced, as onnxruntime does not enforce a graph output's declared
+    shape: onnx's shape inference and onnxruntime disagree on some pooling sizes.
+    A dtype and ndim comparison per output and call."""
 
     name: str
     dtype: np.dtype | None
@@ -252,13 +256,13 @@ class OutputCheck:
     fixed: tuple[tuple[int, int], ...]  # (axis, size) for every axis of declared size
 
     @staticmethod
-    def of(name: str, vt: ValueType | None) -> OutputCheck:
+    def of(name: str, vt: ValueType | None, sizes: bool = True) -> OutputCheck:
         if vt is None or not vt.elem_type:
             return OutputCheck(name, None, None, ())
         dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
         shape = vt.shape
         fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
-        return OutputCheck(name, dtype, None if shape is None else len(shape), fixed)
+        return OutputCheck(name, dtype, None if shape is None else len(shape), fixed * sizes)
 
     def mismatch(self, value) -> str | None:
         """Why `value` is not what the node declares (None: it fits)."""

@@ -114,6 +114,7 @@ class Session:
         if kernels:
             use_threads(self.threads)  # before the first kernel is built (or compiled)
             lock = workqueue_lock()
+        island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
         self.steps: list[IslandStep | KernelStep] = []
         built = 0
         for p in plans:
@@ -125,7 +126,10 @@ class Session:
                 progress(p.name, built, len(kernels))
             rule = self.catalog.get(p.node.op_type)
             kernel = serialized(build_kernel(rule, p.node, view), lock)
-            checks = [OutputCheck.of(v, view.type_of(v) if v else None) for v in p.outputs]
+            checks = [
+                OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
+                for v in p.outputs
+            ]
             body = self._body_runner(p.node)
             self.steps.append(KernelStep(p, kernel, checks, body, kernel_name(rule)))
         self._uses_numba = bool(kernels)
