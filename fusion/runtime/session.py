@@ -131,7 +131,8 @@ class Session:
                 for v in p.outputs
             ]
             body = self._body_runner(p.node)
-            self.steps.append(KernelStep(p, kernel, checks, body, kernel_name(rule)))
+            varying = [k for k, v in enumerate(p.inputs) if v and view.constant(v) is None]
+            self.steps.append(KernelStep(p, kernel, checks, body, kernel_name(rule), varying))
         self._uses_numba = bool(kernels)
         # Per step, the values dropped after it (and the kernel outputs never stored at all).
         self.releases = releases(self.steps, set(self._output_names))
