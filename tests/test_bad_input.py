@@ -494,12 +494,15 @@ def test_a_write_over_a_read_file_is_refused_before_any_work(
     assert_refused(cli(capsys, *argv), message, tmp_path, before)
 
 
-def test_a_report_named_like_the_outputs_data_leaves_a_loadable_output(capsys, tmp_path, ext_model):
-    feeds = random_feeds(small_model())
+def test_a_report_named_like_the_outputs_data_leaves_a_loadable_output(capsys, tmp_path):
+    model = conv_stack(blocks=2, channels=16, size=6)  # weights of 9 KB: OUT gets a data file
+    feeds = random_feeds(model)
+    want = run_ort(model, feeds)[0]
+    save_external(model, tmp_path / "ext.onnx")  # (which makes `model` point to its file)
     out, report = tmp_path / "out.onnx", tmp_path / "out.onnx.data"
-    code, _, err = cli(capsys, "rewrite", ext_model, "-o", out, "--report", report)
+    code, _, err = cli(capsys, "rewrite", tmp_path / "ext.onnx", "-o", out, "--report", report)
     assert code == 0, err
-    assert_close(run_ort(out, feeds)[0], run_ort(small_model(), feeds)[0], rtol=1e-5, atol=1e-6)
+    assert_close(run_ort(out, feeds)[0], want, rtol=1e-5, atol=1e-6)
     assert json.loads(report.read_text())["fusions"]
 
 
