@@ -11,7 +11,7 @@ kernel) nor the benchmark harness, and changes no environment variable.
 
 from fusion.catalog import DOMAIN, Catalog, Rule
 from fusion.check import CheckReport, check_pattern
-from fusion.errors import CatalogError, FusionError
+from fusion.errors import CatalogError, FusionError, FusionWarning, KernelError
 from fusion.matcher import Match
 from fusion.modelfile import load_model, save_model
 from fusion.pattern import Alt, Const, Op, Opt, Var, op
@@ -28,6 +28,8 @@ __all__ = [
     "CheckReport",
     "Const",
     "FusionError",
+    "FusionWarning",
+    "KernelError",
     "Match",
     "Op",
     "Opt",

@@ -1,6 +1,8 @@
-"""The two errors every layer may raise: bad user input, and a rule or catalog that cannot work.
+"""The errors every layer may raise: bad user input, a rule or catalog that cannot work, a
+kernel that failed or returned what its node does not declare; and the warning for what the
+tool works around (the CLI prints it as `fusion: warning: ...`).
 
-Both are one-line messages: the CLI prints them as `fusion: error: ...` and exits 2.
+All are one-line messages: the CLI prints them as `fusion: error: ...` and exits 2.
 """
 
 
@@ -10,6 +12,20 @@ class FusionError(Exception):
 
 class CatalogError(ValueError):
     """A rule or catalog that cannot work, with the reason."""
+
+
+class KernelError(CatalogError):
+    """A kernel raised, or returned outputs that do not fit its fused node (count, dtype, rank,
+    a declared size). `node` is the fused node's label: verify reports it as the node at
+    fault, and a rewrite with --verify rolls that fusion back."""
+
+    def __init__(self, message: str, node: str = "", name: str = ""):
+        super().__init__(message)
+        self.node, self.name = node, name  # the node's label and name
+
+
+class FusionWarning(UserWarning):
+    """Something the tool worked around and the user should know (one line)."""
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

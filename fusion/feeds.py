@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from onnx import helper
 
-from fusion.errors import FusionError
+from fusion.errors import FusionError, one_line
 from fusion.graph import GraphView
 
 BATCH_DIM = 1  # a symbolic first axis (batch) in random inputs
@@ -28,28 +28,65 @@ def model_inputs(model, inputs, seed: int, dims: Mapping[str, int] | None):
     if isinstance(inputs, (str, Path)):
         path = Path(inputs)
         if path.suffix == ".npz":
-            with _load_npy(path) as archive:
-                return {k: archive[k] for k in archive.files}, str(path)
+            return _load_archive(path), str(path)
         if len(names) != 1:
             raise FusionError(f"{path}: one array, but the model has {len(names)} inputs; use .npz")
-        return {names[0]: _load_npy(path)}, str(path)
+        return {names[0]: _load_array(path)}, str(path)
     if isinstance(inputs, Mapping):
-        feeds = {k: _load_npy(v) if isinstance(v, (str, Path)) else v for k, v in inputs.items()}
+        feeds = {k: _load_array(v) if isinstance(v, (str, Path)) else v for k, v in inputs.items()}
         return feeds, "given"
     if isinstance(inputs, Sequence):
         if len(inputs) != len(names):
             raise FusionError(f"{len(inputs)} inputs given, the model has {len(names)}")
-        arrays = [_load_npy(v) if isinstance(v, (str, Path)) else v for v in inputs]
+        arrays = [_load_array(v) if isinstance(v, (str, Path)) else v for v in inputs]
         return dict(zip(names, arrays, strict=True)), "given"
     raise FusionError(f"inputs: expected a dict, a list or an .npy/.npz path, not {type(inputs)}")
 
 
-def _load_npy(path):
-    """An .npy array, or an .npz archive (a context manager of arrays)."""
+def _load_array(path) -> np.ndarray:
+    """One array: an .npy file (or an .npz archive holding exactly one)."""
+    loaded = _load(path)
+    if isinstance(loaded, np.ndarray):
+        return loaded
+    arrays = _arrays(path, loaded)
+    if len(arrays) != 1:
+        raise FusionError(
+            f"{path}: an .npz archive of {len(arrays)} arrays where one array (.npy) is "
+            "expected; pass the archive as --input FILE.npz, its arrays named as the inputs"
+        )
+    return next(iter(arrays.values()))
+
+
+def _load_archive(path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz archive, by name."""
+    loaded = _load(path)
+    if isinstance(loaded, np.ndarray):
+        raise FusionError(f"{path}: one array (.npy), not an .npz archive of named arrays")
+    return _arrays(path, loaded)
+
+
+def _arrays(path, archive) -> dict[str, np.ndarray]:
+    try:
+        with archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError) as exc:  # a damaged member, or a pickled one
+        raise FusionError(f"{path}: cannot read it as .npz ({one_line(exc)})") from None
+
+
+def _load(path):
+    """np.load without pickles: an array, or an open .npz archive."""
+    path = Path(path)
+    if path.is_dir():
+        raise FusionError(f"{path}: is a directory, not an .npy/.npz file")
+    if path.exists() and not path.is_file():
+        raise FusionError(f"{path}: not a regular file (a device, a pipe or a socket)")
     try:
         return np.load(path, allow_pickle=False)
+    except EOFError:
+        raise FusionError(f"{path}: cannot read it as .npy/.npz (the file is empty)") from None
     except (OSError, ValueError) as exc:
-        raise FusionError(f"{path}: cannot read it as .npy/.npz ({exc})") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        raise FusionError(f"{path}: cannot read it as .npy/.npz ({reason})") from None
 
 
 def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[str, np.ndarray]:

@@ -70,8 +70,17 @@ def build_function(
     func = helper.make_function(
         DOMAIN, name, formal_in, formal_out, body, opsets, attributes=sorted(attributes)
     )
-    func.overload = hashlib.sha1(func.SerializeToString(deterministic=True)).hexdigest()[:10]
+    func.overload = content_hash(func)
     return func
+
+
+def content_hash(func: onnx.FunctionProto) -> str:
+    """The hash of a function's canonical body and signature, its overload as the rewriter
+    writes it: the runtime binds a kernel only to a body whose hash still matches."""
+    unnamed = onnx.FunctionProto()
+    unnamed.CopyFrom(func)
+    unnamed.ClearField("overload")
+    return hashlib.sha1(unnamed.SerializeToString(deterministic=True)).hexdigest()[:10]
 
 
 def _inlined(view: GraphView, node: onnx.NodeProto) -> list[onnx.NodeProto]:

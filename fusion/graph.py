@@ -42,8 +42,9 @@ def _value_type(type_proto: onnx.TypeProto) -> ValueType | None:
     if not type_proto.HasField("tensor_type"):
         return None
     tt = type_proto.tensor_type
+    elem = tt.elem_type if tt.elem_type in _KNOWN_ELEM_TYPES else 0  # a corrupt one: unknown
     if not tt.HasField("shape"):
-        return ValueType(tt.elem_type, None)
+        return ValueType(elem, None)
     dims = []
     for d in tt.shape.dim:
         if d.HasField("dim_value"):
@@ -52,7 +53,10 @@ def _value_type(type_proto: onnx.TypeProto) -> ValueType | None:
             dims.append(d.dim_param)
         else:
             dims.append(None)
-    return ValueType(tt.elem_type, tuple(dims))
+    return ValueType(elem, tuple(dims))
+
+
+_KNOWN_ELEM_TYPES = frozenset(onnx.helper.get_all_tensor_dtypes())
 
 
 def node_label(node: onnx.NodeProto) -> str:

@@ -1,10 +1,15 @@
 """Reading and writing model files: clear one-line errors, atomic writes, external data kept.
 
 A file is refused, with one line naming the problem, when it cannot be read as an ONNX model
-(missing, a directory, empty, truncated, another protobuf, weights shorter than their shape),
-when onnxruntime cannot load its IR version or opsets, or when it fails the ONNX checker.
-Writes never leave a partial file: the model and its external data go to temporary files
-beside the target, renamed when complete.
+(missing, a directory, a device or pipe, empty, truncated, another protobuf, weights shorter
+than their shape or stored outside the model's folder), when onnxruntime cannot load its IR
+version or opsets, or when neither the ONNX checker nor onnxruntime accepts it (a model only
+the checker rejects is used with a warning naming the checker's complaint).
+
+Writes never leave a partial file, and a model with external data is replaced crash-safe: the
+new data goes to a file named after its content (`OUT.<digest>.data`), which only the new model
+names; then one rename replaces the model; then the data files the old model kept under OUT's
+name are removed. An interruption at any point leaves the old pair or the new pair, each whole.
 
 Large weights are never copied inside a protobuf message to write or check a model: Python's
 protobuf (upb) keeps a message's memory in an arena that only grows, so setting weights aside
@@ -13,11 +18,13 @@ and back would cost their size again each time. A weightless skeleton is built i
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import hashlib
 import math
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import onnx
@@ -26,7 +33,8 @@ from google.protobuf.message import EncodeError
 from onnx import helper
 from onnx.external_data_helper import uses_external_data
 
-from fusion.errors import FusionError, one_line
+from fusion.errors import FusionError, FusionWarning, one_line
+from fusion.files import file_mode, same_file, sync_folder, synced, writable_folder, write_atomic
 from fusion.ort import REFERENCE, inference_session, ort_error_line
 
 TWO_GB = 2**31  # protobuf cannot serialize a message this large: weights go to external data
@@ -56,6 +64,8 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
         raise FusionError(f"{path}: no such file")
     if path.is_dir():
         raise FusionError(f"{path}: is a directory, not an ONNX file")
+    if not path.is_file():
+        raise FusionError(f"{path}: not a regular file (a device, a pipe or a socket)")
     if path.stat().st_size == 0:
         raise FusionError(f"{path}: the file is empty")
     try:
@@ -70,26 +80,26 @@ def read_model(path: str | os.PathLike) -> tuple[onnx.ModelProto, tuple[Path, ..
         raise FusionError(
             f"{path}: not an ONNX model, or a truncated one (a protobuf message without {missing})"
         )
+    _require_utf8(model, path)
     require_runtime_support(model, str(path))
     external = [t for t in all_tensors(model) if uses_external_data(t)]
     for tensor in all_tensors(model):
+        _require_known_type(tensor, path)
         if not uses_external_data(tensor):
             _require_size(tensor, len(tensor.raw_data), path)
     if not external:
         return model, ()
-    data_files = tuple(sorted({_data_file(path.parent, t)[0] for t in external}))
+    places = [(tensor, _data_file(path, tensor)) for tensor in external]
+    for tensor, (file, offset, length) in places:  # before reading: onnx reads a short file
+        if not file.is_file():
+            continue  # missing: onnx's own message below
+        available = file.stat().st_size - offset
+        _require_size(tensor, min(available, length if length >= 0 else available), path)
     try:
-        for tensor in external:  # before reading: onnx reads a short file without complaint
-            file, offset, length = _data_file(path.parent, tensor)
-            if file.is_file():
-                available = file.stat().st_size - offset
-                _require_size(tensor, min(available, length if length >= 0 else available), path)
         onnx.load_external_data_for_model(model, str(path.parent))
-    except FusionError:
-        raise
-    except Exception as exc:  # OSError, or the checker refusing a location outside the folder
+    except Exception as exc:  # OSError, or the checker refusing a location
         raise FusionError(f"{path}: cannot read its external data ({one_line(exc)})") from None
-    return model, data_files
+    return model, tuple(sorted({file for _, (file, _, _) in places}))
 
 
 def run_checker(model: onnx.ModelProto, full: bool, what: str) -> None:
@@ -113,8 +123,30 @@ def run_checker(model: onnx.ModelProto, full: bool, what: str) -> None:
             Path(folder, "weights").touch()
             Path(folder, "model.onnx").write_bytes(skeleton.SerializeToString())
             onnx.checker.check_model(str(Path(folder, "model.onnx")), full_check=full)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+    except Exception as exc:  # ValidationError, InferenceError, or a name that is not UTF-8
         raise FusionError(f"{what} fails the ONNX checker: {one_line(exc)}") from None
+
+
+def require_valid(model: onnx.ModelProto, what: str, source=None, full: bool = False) -> bool:
+    """The ONNX checker passes (True); or it does not, but onnxruntime loads the model
+    (False, with a FusionWarning naming the checker's complaint: exporters and hand edits leave
+    harmless things the checker rejects, such as an output declared without a type). Refused
+    (FusionError, the checker's message) when neither accepts it.
+
+    source: what onnxruntime loads (the file, which holds the external data's location), else
+    the model itself.
+    """
+    try:
+        run_checker(model, full=full, what=what)
+        return True
+    except FusionError as exc:
+        complaint = exc
+    try:
+        inference_session(model if source is None else source, REFERENCE, threads=1)
+    except Exception:
+        raise complaint from None
+    warnings.warn(f"{complaint}; onnxruntime loads it, so going on", FusionWarning, stacklevel=2)
+    return False
 
 
 def require_runtime_support(model: onnx.ModelProto, what: str) -> None:
@@ -144,31 +176,98 @@ def _runtime_refusal(ir_version: int, opsets: tuple) -> str | None:
     return None
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False) -> None:
-    """Write atomically: a temporary file beside `path`, renamed over it when complete.
+def save_model(
+    model: onnx.ModelProto, path: str | os.PathLike, external: bool = False, keep=()
+) -> None:
+    """Write atomically; `model` is not modified.
 
-    With `external` (or a model over 2 GB), tensors of 1 KB or more go to `<name>.data` beside
-    the model, written the same way and renamed just before the model. The data file is
-    written whole, never appended to; `model` is not modified.
+    With `external` (or a model over 2 GB), tensors of 1 KB or more go to a data file beside
+    the model, `<name>.<digest>.data` (named after its bytes, so the same model gives the same
+    files), written whole before the model names it. Replacing a model and its data is
+    crash-safe (see the module doc); data files the old model at `path` kept under its name are
+    removed afterwards, except those in `keep` (files the caller still reads).
     """
     path = Path(path)
-    folder = writable_folder(path)
-    if not (external or over_2gb(model)):
-        write_atomic(path, model.SerializeToString(deterministic=True))
+    skeleton, large = _skeleton(model) if external or over_2gb(model) else (model, [])
+    if not large:
+        write_model_bytes(path, model.SerializeToString(deterministic=True), keep)
         return
-    data_path = folder / f"{path.name}.data"
-    skeleton, large = _skeleton(model)
-    with _atomic_temp(path) as model_tmp, _atomic_temp(data_path) as data_tmp:
-        with open(data_tmp, "wb") as data:
-            offset = 0
+    folder = writable_folder(path)
+    stale = _own_data_files(path)
+    fd, data_tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    model_tmp, published = None, None
+    try:
+        os.fchmod(fd, file_mode(path))
+        with os.fdopen(fd, "wb") as data:
+            fd, digest, offset, spans = None, hashlib.sha256(), 0, []
             for tensor, placeholder in large:
-                offset += data.write(b"\0" * (-offset % ALIGN))
+                pad = b"\0" * (-offset % ALIGN)
                 raw = tensor.raw_data  # one tensor's bytes at a time
-                _point_to(placeholder, data_path.name, offset, len(raw))
-                offset += data.write(raw)
+                for chunk in (pad, raw):
+                    digest.update(chunk)
+                    offset += data.write(chunk)
+                spans.append((placeholder, offset - len(raw), len(raw)))
                 del raw
-        with open(model_tmp, "wb") as f:
+            synced(data)
+        data_path = folder / f"{path.name}.{digest.hexdigest()[:16]}.data"
+        for placeholder, start, length in spans:
+            _point_to(placeholder, data_path.name, start, length)
+        fd, model_tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        os.fchmod(fd, file_mode(path))
+        with os.fdopen(fd, "wb") as f:
+            fd = None
             f.write(skeleton.SerializeToString(deterministic=True))
+            synced(f)
+        # 1. the new data under a name no model uses yet (or the same bytes under their name)
+        published = None if data_path.exists() else data_path
+        os.replace(data_tmp, data_path)
+        # 2. the model, in one step: the old pair or the new one, never a mix
+        os.replace(model_tmp, path)
+        published = None
+        sync_folder(folder)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        for tmp in (data_tmp, model_tmp, published):
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
+    # 3. the old data, now named by no model
+    _remove_stale(stale, [data_path, *keep])
+
+
+def write_model_bytes(path: str | os.PathLike, data: bytes, keep=()) -> None:
+    """A self-contained model file, atomically; then the data files the model it replaced kept
+    under its name (except those in `keep`) are removed."""
+    path = Path(path)
+    stale = _own_data_files(path)
+    write_atomic(path, data)
+    _remove_stale(stale, keep)
+
+
+def _own_data_files(path: Path) -> list[Path]:
+    """The data files the model at `path` names under its own name (`<name>.data`, or
+    `<name>.<digest>.data` as save_model writes them): the ones a new model there replaces."""
+    own = re.compile(re.escape(path.name) + r"(\.[0-9a-f]{16})?\.data")
+    if not path.is_file() or not any(own.fullmatch(p.name) for p in path.parent.iterdir()):
+        return []
+    try:
+        old = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not a model: it names nothing
+        return []
+    names = {
+        e.value
+        for t in all_tensors(old)
+        if uses_external_data(t)
+        for e in t.external_data
+        if e.key == "location"
+    }
+    return [path.parent / name for name in sorted(names) if own.fullmatch(name)]
+
+
+def _remove_stale(stale: list[Path], keep) -> None:
+    for file in stale:
+        if not any(same_file(file, k) for k in keep):
+            file.unlink(missing_ok=True)
 
 
 def over_2gb(model: onnx.ModelProto) -> bool:
@@ -183,38 +282,6 @@ def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without the bytes of its large tensors (shapes and dtypes kept): what shape
     inference needs, for a model too large to serialize."""
     return _skeleton(model)[0]
-
-
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    with _atomic_temp(Path(path)) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-
-
-@contextlib.contextmanager
-def _atomic_temp(path: Path):
-    """A temporary file name beside `path`, renamed to `path` if the block succeeds."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=writable_folder(path))
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def writable_folder(path: str | os.PathLike) -> Path:
-    """The folder `path` would be written in; FusionError when it cannot be."""
-    path = Path(path)
-    folder = path.parent
-    if path.is_dir():
-        raise FusionError(f"{path}: is a directory; give a file name to write")
-    if not folder.exists():
-        raise FusionError(f"{path}: the output directory {folder} does not exist")
-    if not folder.is_dir():
-        raise FusionError(f"{path}: cannot write there, {folder} is a file, not a directory")
-    if not os.access(folder, os.W_OK):
-        raise FusionError(f"{path}: the output directory {folder} is not writable")
-    return folder
 
 
 # ---- tensors ---------------------------------------------------------------------------------
@@ -265,6 +332,39 @@ def _byte_size(tensor: onnx.TensorProto, default: int) -> int:
     return itemsize * math.prod(tensor.dims)
 
 
+def _require_utf8(message, path: Path, where: str = "") -> None:
+    """Every string field is UTF-8 (protobuf hands an invalid one over as bytes, which no
+    name comparison, message or checker call expects). Fields are read by descriptor, so a
+    tensor's bytes are never touched (reading raw_data would copy the weights)."""
+    for field in message.DESCRIPTOR.fields:
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue
+        if _is_repeated(field):
+            values = getattr(message, field.name)
+        elif message.HasField(field.name):
+            values = [getattr(message, field.name)]
+        else:
+            continue
+        for value in values:
+            if field.type == field.TYPE_MESSAGE:
+                _require_utf8(value, path, f"{where}{field.name}.")
+            elif isinstance(value, bytes):
+                raise FusionError(
+                    f"{path}: {where}{field.name} is not valid UTF-8 (a corrupt file?)"
+                )
+
+
+_TENSOR_TYPES = frozenset(helper.get_all_tensor_dtypes())
+
+
+def _require_known_type(tensor: onnx.TensorProto, path: Path) -> None:
+    if tensor.data_type not in _TENSOR_TYPES:
+        raise FusionError(
+            f"{path}: tensor {tensor.name!r} has the unknown data type {tensor.data_type} "
+            "(a corrupt file?)"
+        )
+
+
 def _require_size(tensor: onnx.TensorProto, got: int, path: Path) -> None:
     """Raw bytes (in the file or in its data file) must fill the tensor's shape."""
     if not (tensor.HasField("raw_data") or uses_external_data(tensor)):
@@ -278,11 +378,26 @@ def _require_size(tensor: onnx.TensorProto, got: int, path: Path) -> None:
         )
 
 
-def _data_file(folder: Path, tensor: onnx.TensorProto) -> tuple[Path, int, int]:
-    """Where an external tensor's bytes are: (resolved file, offset, length or -1)."""
+def _data_file(model_path: Path, tensor: onnx.TensorProto) -> tuple[Path, int, int]:
+    """Where an external tensor's bytes are: (resolved file, offset, length or -1). A location
+    outside the model's folder is refused before anything is learnt about that path."""
     entries = {e.key: e.value for e in tensor.external_data}
-    file = (folder / entries.get("location", "")).resolve()
-    return file, int(entries.get("offset") or 0), int(entries.get("length") or -1)
+    if not entries.get("location"):
+        raise FusionError(f"{model_path}: tensor {tensor.name!r}: external, with no location")
+    folder = model_path.parent.resolve()
+    file = (folder / entries["location"]).resolve()
+    if not file.is_relative_to(folder) or file == folder:
+        raise FusionError(
+            f"{model_path}: tensor {tensor.name!r}: its external data location "
+            f"{entries['location']!r} points outside the directory of the model"
+        )
+    try:
+        return file, int(entries.get("offset") or 0), int(entries.get("length") or -1)
+    except ValueError:
+        raise FusionError(
+            f"{model_path}: tensor {tensor.name!r}: its external data offset or length is not "
+            "a number (a corrupt file?)"
+        ) from None
 
 
 def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:

@@ -5,8 +5,9 @@
                                                    # its own)
     inference_session(model, ISLAND, threads=2)    # fusion.Session's islands between kernels
 
-Every session runs on the CPU provider and logs errors only (a warning would break the CLI's
-one-line stderr); `threads` sets the intra-op threads (None: onnxruntime's choice, one per core).
+Every session runs on the CPU provider and logs nothing below fatal (a warning or a logged error
+would break the CLI's one-line stderr; errors arrive as exceptions); `threads` sets the intra-op
+threads (None: onnxruntime's choice, one per core).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def inference_session(
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = settings.optimization
-    options.log_severity_level = 3  # errors only
+    options.log_severity_level = 4  # fatal only: errors arrive as exceptions, once
     if threads is not None:
         options.intra_op_num_threads = threads
     if not settings.spinning:

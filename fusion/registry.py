@@ -141,8 +141,12 @@ def installed_catalogs() -> tuple[Rule, ...]:
 def load_plugin(path: str | Path) -> None:
     """Import a Python file whose top level registers patterns (the CLI's --plugin)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise FusionError(f"plugin {path}: is a directory, not a Python file")
+    if not path.exists():
         raise FusionError(f"plugin {path}: no such file")
+    if not path.is_file():
+        raise FusionError(f"plugin {path}: not a regular file")
     if path.resolve() in _LOADED:
         return
     module_name = f"fusion_plugin_{path.stem}"
@@ -156,6 +160,11 @@ def load_plugin(path: str | Path) -> None:
     except Exception as exc:
         raise FusionError(f"plugin {path} failed: {type(exc).__name__}: {exc}") from None
     _LOADED.add(path.resolve())
+
+
+def loaded_plugins() -> list[Path]:
+    """The plugin files this process has loaded (files a command reads: never to overwrite)."""
+    return sorted(_LOADED)
 
 
 _LOADED: set[Path] = set()

@@ -22,9 +22,8 @@ import numpy as np
 import onnx
 
 from fusion.catalog import DOMAIN, Catalog
-from fusion.errors import FusionError
+from fusion.errors import FusionError, KernelError
 from fusion.feeds import model_inputs
-from fusion.functions import single_node_model
 from fusion.graph import GraphView, node_label
 from fusion.modelfile import as_model
 from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, Comparison, compare_arrays, tolerance
@@ -32,7 +31,8 @@ from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime import Session
-from fusion.runtime.kernel import build_kernel
+from fusion.runtime.kernel import binding_refusal, build_kernel
+from fusion.runtime.plan import run_body
 
 
 @dataclass
@@ -112,10 +112,16 @@ def verify(
     out_rtol, out_atol = tolerance(catalog.rules_in(fused), rtol, atol)
 
     feeds, source = model_inputs(original, inputs, seed, dims)
-    fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
-    values = fused_session.run_with_intermediates(feeds)  # first: its feed errors are one line
-    expected = inference_session(original, REFERENCE).run(None, feeds)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
+    try:
+        fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
+        values = fused_session.run_with_intermediates(feeds)  # first: its feed errors are one line
+    except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
+        report.nodes.append(
+            Comparison(exc.name, np.inf, np.inf, False, note=str(exc), node=exc.node)
+        )
+        return report
+    expected = inference_session(original, REFERENCE).run(None, feeds)
     for out, want in zip(original.graph.output, expected, strict=True):
         if out.name not in values:
             report.outputs.append(Comparison(out.name, np.inf, np.inf, False, note="not produced"))
@@ -154,6 +160,11 @@ def verify_node(
     rule = catalog.get(node.op_type)
     if rule is None or node.domain != DOMAIN:
         raise FusionError(f"{node_label(node)} is not a fused node of a rule in the catalog")
+    key = (node.domain, node.op_type, node.overload)
+    body = next((f for f in model.functions if (f.domain, f.name, f.overload) == key), None)
+    reason = binding_refusal(rule, node, body)
+    if reason is not None:
+        raise FusionError(f"{node_label(node)}: the kernel does not run this node: {reason}")
     if isinstance(input_values, Mapping):
         input_values = [input_values.get(v) if v else None for v in node.input]
     kernel = build_kernel(rule, node, GraphView(model))
@@ -180,7 +191,5 @@ def _compare_with_body(model, node, args, got, rtol, atol) -> list[Comparison]:
 
 
 def run_function_body(model: onnx.ModelProto, node: onnx.NodeProto, args) -> list[np.ndarray]:
-    """onnxruntime's result for one fused node: a one-node model that calls its function."""
-    args = [None if a is None else np.asarray(a) for a in args]
-    feeds = {v: a for v, a in zip(node.input, args, strict=True) if v}
-    return inference_session(single_node_model(model, node, args), REFERENCE).run(None, feeds)
+    """onnxruntime's result for one fused node (the model as written): its function body."""
+    return run_body(model, node, args, REFERENCE)

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 
 import fusion
 from fusion.catalog import DOMAIN, Catalog, Rule
+from fusion.functions import content_hash
 from fusion.models.builder import GraphBuilder as ModelBuilder
 from fusion.numerics import compare_arrays
 from fusion.ort import DEFAULT, REFERENCE, inference_session
@@ -239,16 +240,20 @@ def scaled_relu_catalog(kernel=scaled_relu_kernel, **options) -> Catalog:
     return Catalog([Rule("ScaledRelu", pattern, inputs=("x", "s"), prepare=kernel, **options)])
 
 
-def scaled_relu_function() -> onnx.FunctionProto:
-    return helper.make_function(
+def scaled_relu_function(attributes=()) -> onnx.FunctionProto:
+    """The body the rewriter would write, named by its content hash as the rewriter names it
+    (the runtime binds a kernel only to such a body)."""
+    func = helper.make_function(
         DOMAIN,
         "ScaledRelu",
         ["x", "s"],
         ["y"],
         [helper.make_node("Mul", ["x", "s"], ["t"]), helper.make_node("Relu", ["t"], ["y"])],
         [helper.make_opsetid("", 18)],
-        attributes=[],
+        attributes=list(attributes),
     )
+    func.overload = content_hash(func)
+    return func
 
 
 def scaled_relu(x: str, s: str, y: str, name: str, **attrs) -> onnx.NodeProto:
@@ -256,8 +261,15 @@ def scaled_relu(x: str, s: str, y: str, name: str, **attrs) -> onnx.NodeProto:
 
 
 def fused_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    """A model of `nodes`; each ScaledRelu node calls the function declaring its attributes."""
+    functions = {(): scaled_relu_function()}
+    for node in nodes:
+        if node.domain == DOMAIN and node.op_type == "ScaledRelu":
+            names = tuple(sorted(a.name for a in node.attribute))
+            func = functions.setdefault(names, scaled_relu_function(names))
+            node.overload = func.overload
     graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = helper.make_model(graph, opset_imports=OPSETS, functions=[scaled_relu_function()])
+    model = helper.make_model(graph, opset_imports=OPSETS, functions=list(functions.values()))
     model.ir_version = 10
     return model
 

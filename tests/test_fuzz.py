@@ -1,5 +1,5 @@
 """Fuzzing the rewriter: random models made of catalog patterns, their variants and near-misses
-(tests/strategies.py).
+(tests/strategies.py); and the command line on corrupted model files (at the end).
 
 For every model: the rewrite passes the full ONNX checker, exactly the clean blocks are fused
 (near-misses never), onnxruntime gives the same outputs on the rewritten and the original model,
@@ -20,6 +20,8 @@ from onnx import TensorProto
 from strategies import models
 
 import fusion
+from fusion.cli import main
+from fusion.models import conv_stack
 
 EXAMPLES = int(os.environ.get("FUSION_FUZZ_EXAMPLES", "200"))
 
@@ -49,3 +51,55 @@ def test_rewrite_keeps_meaning_and_fuses_exactly_the_clean_blocks(case, seed):
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype
             assert_close(g, w, rtol, atol)
+
+
+# ---- corrupted files -------------------------------------------------------------------------
+# One bit flipped, or one byte replaced, anywhere in a small conv model's file: `fusion rewrite`
+# and `fusion run` refuse it with exit 2 and one line, or work (exit 0, and a rewrite means what
+# the damaged file means in onnxruntime). Longer: FUSION_FUZZ_CORRUPTIONS=20000 (every bit of
+# the 2 KB file about once).
+CORRUPTIONS = int(os.environ.get("FUSION_FUZZ_CORRUPTIONS", "150"))
+MODEL_FILE = conv_stack(blocks=2, channels=4, size=6).SerializeToString(deterministic=True)
+
+
+@settings(
+    max_examples=CORRUPTIONS,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.integers(0, len(MODEL_FILE) - 1),
+    st.one_of(
+        st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), st.integers(0, 255).map(lambda b: -b)
+    ),
+    st.sampled_from(["rewrite", "run"]),
+)
+def test_a_corrupted_model_file_is_refused_in_one_line_or_works(
+    tmp_path, capfd, pos, change, command
+):
+    data = bytearray(MODEL_FILE)
+    data[pos] = data[pos] ^ change if change > 0 else -change  # a bit flipped, or a new byte
+    src, out = (
+        tmp_path / "damaged.onnx",
+        tmp_path / ("out.onnx" if command == "rewrite" else "o.npz"),
+    )
+    src.write_bytes(bytes(data))
+    out.unlink(missing_ok=True)
+    capfd.readouterr()
+    code = main([command, str(src), "-o", str(out)])
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line and not line.startswith("fusion: warning: ")]
+    assert code in (0, 2), err
+    if code == 2:
+        assert len(lines) == 1 and lines[0].startswith("fusion: error: "), err
+        return
+    assert lines == [], err
+    if command == "run":
+        return
+    try:  # what the damaged file computes, if onnxruntime runs it at all
+        feeds = random_feeds(onnx.load(str(src)))
+        want = run_ort(src, feeds)
+    except Exception:
+        return
+    for got, expected in zip(run_ort(out, feeds), want, strict=True):
+        assert_close(got, expected, rtol=1e-4, atol=1e-5)

@@ -9,7 +9,7 @@ from pathlib import Path
 from fusion.bench.measure import measure
 from fusion.bench.report import machine, notes, rich_tables, write_json, write_markdown, write_plot
 from fusion.bench.workload import Options, Workload
-from fusion.cli.inputs import add_input_argument, input_files
+from fusion.cli.inputs import add_input_argument, check_writes, input_files
 from fusion.feeds import model_inputs
 from fusion.modelfile import read_model
 
@@ -36,7 +36,9 @@ def execute(args) -> int:
     from rich.console import Console  # heavy: only for the tables
     from rich.progress import Progress
 
-    model = read_model(args.model)[0]
+    model, data_files = read_model(args.model)
+    writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
+    check_writes(writes, args.model, data_files, args.input)  # before the long run
     batch_dims = {}
     for vi in model.graph.input:
         dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []

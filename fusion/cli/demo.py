@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from fusion.bench.compare import compare
+from fusion.cli.inputs import check_writes
 from fusion.cli.rewrite import rewrite_file
 from fusion.cli.verify import verify_files
 from fusion.modelfile import save_model
@@ -27,6 +28,7 @@ def run_demo(folder: str | None = None, threads: int | None = None) -> int:
     folder = Path(folder or tempfile.mkdtemp(prefix="fusion-demo-"))
     folder.mkdir(parents=True, exist_ok=True)
     original, fused = folder / "conv_stack.onnx", folder / "conv_stack.fused.onnx"
+    check_writes({"the example": original, "the fused example": fused})
     save_model(conv_stack(blocks=4, channels=64, size=56, form="tf"), original)
     print(f"example: 4 x (3x3 Conv, 64 channels, 56x56) + Add(bias) + Relu -> {original}")
     code = rewrite_file(original, fused, verbose=True) or verify_files(original, fused)

@@ -1,11 +1,19 @@
-"""What several subcommands read from their arguments: model files, --input, pattern names."""
+"""What several subcommands read from their arguments (model files, --input, pattern names),
+and the check every subcommand makes before it writes anything."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+
 import onnx
 
-from fusion.errors import FusionError
-from fusion.modelfile import read_model, run_checker
+from fusion.errors import CatalogError, FusionError, one_line
+from fusion.files import check_outputs
+from fusion.modelfile import read_model, require_valid
+from fusion.ort import is_ort_error
+from fusion.registry import loaded_plugins
 
 
 def add_input_argument(parser, help: str = "NAME=FILE.npy (repeatable) or FILE.npz") -> None:
@@ -32,8 +40,47 @@ def pattern_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def load_checked(path) -> onnx.ModelProto:
-    """A model file read and checked (structure only: a fused model may be run or verified)."""
-    model = read_model(path)[0]
-    run_checker(model, full=False, what=str(path))
-    return model
+def load_checked(path) -> tuple[onnx.ModelProto, tuple[Path, ...], bool]:
+    """A model file read and checked (structure only: a fused model may be run or verified),
+    the external data files it was read from, and whether the ONNX checker passed it (False:
+    only onnxruntime accepts it; see fusion.modelfile.require_valid)."""
+    model, data_files = read_model(path)
+    return model, data_files, require_valid(model, str(path), source=path)
+
+
+@contextlib.contextmanager
+def beyond_the_checker(path, checked: bool):
+    """Work on a model: when the ONNX checker rejected it (onnxruntime loads it), an error the
+    work meets in it is the input's fault, one line (exit 2), not a crash of ours."""
+    try:
+        yield
+    except (FusionError, CatalogError):
+        raise
+    except Exception as exc:
+        if checked or is_ort_error(exc):
+            raise
+        raise FusionError(
+            f"{path}: cannot work on this model, which the ONNX checker rejects "
+            f"({type(exc).__name__}: {one_line(exc)})"
+        ) from exc
+
+
+def check_writes(
+    writes: Mapping[str, object],
+    model=None,
+    data_files=(),
+    inputs: list[str] | None = None,
+    replacing: Mapping[str, object] | None = None,
+) -> None:
+    """Before any work: each file a command writes (label -> path) can be written and is none
+    of the files it reads: the model, its external data, the --input files, the plugins."""
+    reads = {}
+    if model is not None:
+        reads[model] = f"the input file {model}"
+        reads.update({f: f"{Path(f).name}, where {model} keeps its weights" for f in data_files})
+    feeds = input_files(inputs)
+    for path in [feeds] if isinstance(feeds, str) else (feeds or {}).values():
+        reads[path] = f"the --input file {path}"
+    for plugin in loaded_plugins():
+        reads[plugin] = f"the plugin {plugin}"
+    check_outputs(writes, reads, replacing)

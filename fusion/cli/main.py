@@ -1,16 +1,26 @@
-"""The `fusion` command line. Exit codes: 0 success, 1 a check failed, 2 bad input or usage."""
+"""The `fusion` command line. Exit codes: 0 success, 1 a check failed, 2 bad input or usage
+(one line on stderr), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). An interruption or
+termination unwinds like an error, so every temporary file is removed."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+import warnings
 
 from fusion.cli import bench, demo, patterns, rewrite, run, verify
-from fusion.errors import CatalogError, FusionError, one_line
+from fusion.errors import CatalogError, FusionError, FusionWarning, one_line
 from fusion.ort import is_ort_error, ort_error_line
 from fusion.registry import load_plugin
 
 COMMANDS = (rewrite, run, verify, patterns, demo, bench)  # NAME, HELP, add_arguments, execute
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that `finally` blocks clean up (as Ctrl-C)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,29 +45,60 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with _terminate_cleanly(), warnings.catch_warnings():
+        warnings.simplefilter("default", FusionWarning)  # shown once each, as one line
+        warnings.showwarning = _show_warning
+        try:
+            for plugin in args.plugin:
+                load_plugin(plugin)
+            return args.func(args)
+        except (FusionError, CatalogError) as exc:
+            if args.debug:
+                raise
+            print(f"fusion: error: {one_line(exc, limit=1000)}", file=sys.stderr)
+            return 2
+        except OSError as exc:  # reading or writing a file the checks above could not foresee
+            if args.debug:
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"fusion: error: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
+            return 2
+        except Exception as exc:
+            if args.debug or not is_ort_error(exc):
+                raise
+            print(f"fusion: error: onnxruntime: {ort_error_line(exc)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("fusion: interrupted", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("fusion: terminated", file=sys.stderr)
+            return 143
+
+
+@contextlib.contextmanager
+def _terminate_cleanly():
+    """While a command runs, SIGTERM raises Terminated (Python's default would end the process
+    at once, leaving a half-written temporary file behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        for plugin in args.plugin:
-            load_plugin(plugin)
-        return args.func(args)
-    except (FusionError, CatalogError) as exc:
-        if args.debug:
-            raise
-        print(f"fusion: error: {one_line(exc, limit=1000)}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # reading or writing a file the checks above could not foresee
-        if args.debug:
-            raise
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"fusion: error: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        if args.debug or not is_ort_error(exc):
-            raise
-        print(f"fusion: error: onnxruntime: {ort_error_line(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fusion: interrupted", file=sys.stderr)
-        return 130
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, FusionWarning):
+        print(f"fusion: warning: {one_line(message, limit=1000)}", file=sys.stderr)
+    else:
+        print(warnings.formatwarning(message, category, filename, lineno, line), file=sys.stderr)
 
 
 if __name__ == "__main__":

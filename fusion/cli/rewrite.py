@@ -6,9 +6,17 @@ import json
 import sys
 from pathlib import Path
 
-from fusion.cli.inputs import add_input_argument, input_files, pattern_names
-from fusion.errors import FusionError
-from fusion.modelfile import read_model, run_checker, save_model, writable_folder, write_atomic
+from fusion.cli.inputs import (
+    add_input_argument,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    pattern_names,
+)
+from fusion.errors import FusionError, one_line
+from fusion.files import same_file, write_atomic
+from fusion.modelfile import read_model, require_valid, run_checker, save_model, write_model_bytes
+from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.verify import verify
@@ -62,33 +70,31 @@ def rewrite_file(
 ) -> int:
     """Rewrite the file `model` into `output` and print what was fused; the exit code."""
     src, dst = Path(model), Path(output)
-    if dst.resolve() == src.resolve() and not in_place:
+    if same_file(dst, src) and not in_place:
         raise FusionError(f"{dst}: output is the input file; pass --in-place to overwrite it")
-    writable_folder(dst)  # before the work, not after it
-    if report:
-        if Path(report).resolve() == dst.resolve():
-            raise FusionError(f"{report}: --report and the output are the same file")
-        _refuse_overwriting(Path(report), src, "--report")
-        writable_folder(report)
+    writes = {"the output": dst, "--report": report}
+    replacing = {"the output": src} if in_place else None
+    check_writes(writes, src, (), inputs, replacing)  # before reading a large model
     original, data_files = read_model(src)
-    run_checker(original, full=False, what=str(src))
-    _refuse_overwriting(dst, src, "output", data_files, in_place=in_place)
+    check_writes(writes, src, data_files, inputs, replacing)  # and its external data
+    checked = require_valid(original, str(src), source=src)
     catalog = default_catalog().select(only, exclude)
-    result = rewrite(original, catalog)
-    if verified and result.fusions:
-        result = _rewrite_verified(original, result, catalog, input_files(inputs))
+    with beyond_the_checker(src, checked):
+        result = rewrite(original, catalog)
+        if verified and result.fusions:
+            result = _rewrite_verified(original, result, catalog, input_files(inputs))
+    keep = () if in_place else data_files  # what the old output named and the input still reads
     if result.fusions:
-        full = _passes_full_check(original)
         try:
-            run_checker(result.model, full=full, what="the rewritten model")
+            _require_same_validity(result.model, original, checked)
         except FusionError as exc:  # our bug, not the user's input: do not write it
             print(f"fusion: internal error: {exc}", file=sys.stderr)
             return 1
-        save_model(result.model, dst, external=bool(data_files))
+        save_model(result.model, dst, external=bool(data_files), keep=keep)
     elif data_files:
-        save_model(original, dst, external=True)
-    else:
-        _copy_unchanged(src, dst)
+        save_model(original, dst, external=True, keep=keep)
+    elif not same_file(dst, src):  # nothing to fuse: the output is the input, byte for byte
+        write_model_bytes(dst, src.read_bytes(), keep=keep)
     _print_rewrite(result, verbose)
     if explain:
         print(result.explain())
@@ -97,37 +103,42 @@ def rewrite_file(
     return 0
 
 
-def _refuse_overwriting(target: Path, src: Path, what: str, data_files=(), in_place=False):
-    """Writing `target` (and, for a model, its `.data` beside it) must not destroy the input:
-    the input file itself (unless --in-place) or an external data file the input reads."""
-    if in_place and target.resolve() == src.resolve():
-        return  # the user asked to replace the input, weights included
-    targets = [target.resolve()]
-    if what == "output":
-        targets.append(target.resolve().with_name(target.name + ".data"))
-    for path in targets:
-        if path == src.resolve():
-            raise FusionError(f"{target}: the {what} would overwrite the input file {src}")
-        if path in data_files:
-            raise FusionError(
-                f"{target}: the {what} would overwrite {path.name}, where {src} keeps its weights"
-            )
+def _require_same_validity(fused, original, checked: bool) -> None:
+    """The rewritten model passes what the input passed: the checker (full when the input
+    passes the full check), or, for an input only onnxruntime accepts, onnxruntime."""
+    if checked:
+        run_checker(fused, full=_passes_full_check(original), what="the rewritten model")
+        return
+    try:
+        inference_session(fused, REFERENCE, threads=1)
+    except Exception as exc:
+        raise FusionError(f"onnxruntime cannot load the rewritten model: {one_line(exc)}") from None
 
 
 def _rewrite_verified(model, result, catalog, inputs):
-    """Check every fused node on a real run; rewrite again without the ones that disagree."""
-    report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
-    bad = {}
-    for node in report.nodes:
-        if not node.ok:
-            name = node.node.split(" ", 1)[1]
-            bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
-                f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
-            )
-    if bad:
-        result = rewrite(model, catalog, skip=bad)
+    """Check every fused node on a real run; rewrite again without the ones that disagree.
+
+    A kernel that raises or returns what its node does not declare stops the run there: that
+    fusion is rolled back and the rest verified again, until every remaining node is checked."""
+    skip: dict[str, str] = {}
+    for _ in range(len(result.fusions) + 1):
+        report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
+        bad = {}
+        for node in report.nodes:
+            if not node.ok:
+                name = node.node.split(" ", 1)[1]
+                bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
+                    f"({node.note})"
+                    if node.note
+                    else f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
+                )
         for reason in bad.values():
-            print(f"{reason}")
+            print(reason)
+        skip.update(bad)
+        if bad:
+            result = rewrite(model, catalog, skip=skip)
+        if not bad or report.outputs:  # every node ran and was compared
+            break
     print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
     return result
 
@@ -138,12 +149,6 @@ def _passes_full_check(model) -> bool:
         return True
     except FusionError:
         return False
-
-
-def _copy_unchanged(src: Path, dst: Path) -> None:
-    """Nothing to fuse: the output is the input, byte for byte."""
-    if dst.resolve() != src.resolve():
-        write_atomic(dst, src.read_bytes())
 
 
 def _print_rewrite(result, verbose: bool) -> None:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import numpy as np
 
-from fusion.cli.inputs import add_input_argument, input_files, load_checked
-from fusion.errors import FusionError
+from fusion.cli.inputs import (
+    add_input_argument,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    load_checked,
+)
 from fusion.feeds import model_inputs
-from fusion.modelfile import writable_folder, write_atomic
+from fusion.files import write_atomic
 from fusion.runtime import Session
 
 NAME, HELP = "run", "run a model with fusion.Session"
@@ -25,13 +29,12 @@ def add_arguments(p) -> None:
 
 
 def execute(args) -> int:
-    if args.output:
-        if Path(args.output).resolve() == Path(args.model).resolve():
-            raise FusionError(f"{args.output}: the output would overwrite the model {args.model}")
-        writable_folder(args.output)
-    session = _session(args.model, args.threads)
-    feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
-    outputs = session.run(None, feeds)
+    model, data_files, checked = load_checked(args.model)
+    check_writes({"the output": args.output}, args.model, data_files, args.input)
+    with beyond_the_checker(args.model, checked):
+        session = _session(model, args.threads)
+        feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
+        outputs = session.run(None, feeds)
     names = [o.name for o in session.get_outputs()]
     for name, value in zip(names, outputs, strict=True):
         print(f"{name}: {value.dtype} {list(value.shape)}")
@@ -43,14 +46,16 @@ def execute(args) -> int:
     return 0
 
 
-def _session(model_path, threads) -> Session:
+def _session(model, threads) -> Session:
     """A fusion.Session, with a progress bar while kernels compile on first use."""
-    from rich.progress import Progress  # heavy: only for a command that builds kernels
+    from rich.console import Console  # heavy: only for a command that builds kernels
+    from rich.progress import Progress
 
-    with Progress(transient=True) as bar:
+    # On stderr: what is printed while it shows (a warning) goes there too, not to stdout.
+    with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("preparing kernels", total=None)
 
         def progress(name, i, total):
             bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
 
-        return Session(load_checked(model_path), threads=threads, progress=progress)
+        return Session(model, threads=threads, progress=progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fusion.cli.inputs import add_input_argument, input_files, load_checked
+from fusion.cli.inputs import add_input_argument, beyond_the_checker, input_files, load_checked
 from fusion.verify import verify
 
 NAME, HELP = "verify", "compare a fused model with the original in onnxruntime"
@@ -45,14 +45,17 @@ def verify_files(
     as_json: bool = False,
 ) -> int:
     """Verify the fused file (or the original fused in memory) and print the report."""
-    report = verify(
-        load_checked(original),
-        load_checked(fused) if fused else None,
-        inputs=input_files(inputs),
-        rtol=rtol,
-        atol=atol,
-        per_node=per_node,
-        seed=seed,
-    )
+    model, _, checked = load_checked(original)
+    fused_model, _, fused_checked = load_checked(fused) if fused else (None, (), True)
+    with beyond_the_checker(original, checked and fused_checked):
+        report = verify(
+            model,
+            fused_model,
+            inputs=input_files(inputs),
+            rtol=rtol,
+            atol=atol,
+            per_node=per_node,
+            seed=seed,
+        )
     print(json.dumps(report.to_dict(), indent=2) if as_json else report)
     return 0 if report.ok else 1

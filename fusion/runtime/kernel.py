@@ -1,5 +1,12 @@
-"""A fused node's kernel: built in one place (a session's steps, verify's per-node check), and
-the thread settings applied before the first kernel runs.
+"""A fused node's kernel: whether a node gets one (`binds_kernel`), building it in one place (a
+session's steps, verify's per-node check), the cache Numba compiles it into, and the thread
+settings applied before the first kernel runs.
+
+A kernel is bound only to the node its rule writes: the node's function body is unchanged since
+the rewrite (its content hash is still its `overload`) and the node has the inputs, outputs and
+attributes that body declares. Any other `fusion`-domain node (a hand-edited body, another
+tool's function that happens to share a rule's name, an attribute removed) runs its body in
+onnxruntime, which is what plain onnxruntime would run, with a warning naming the node and why.
 
 Numba is imported here only when a session has kernels to run: it is heavy (about a second to
 import) and a rewrite or an all-onnxruntime session never needs it.
@@ -8,17 +15,78 @@ import) and a rewrite or an all-onnxruntime session never needs it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
+import tempfile
 import threading
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import onnx
 from onnx import helper
 
 from fusion.catalog import Rule
-from fusion.errors import CatalogError
+from fusion.errors import CatalogError, FusionError, FusionWarning, KernelError, one_line
+from fusion.functions import content_hash
 from fusion.graph import GraphView, node_label
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
+
+
+def binds_kernel(rule: Rule | None, node: onnx.NodeProto, body: onnx.FunctionProto | None) -> bool:
+    """Whether a fused node runs its rule's kernel (True) or its function body in onnxruntime
+    (False; a FusionWarning says why when the rule has a kernel). FusionError when neither
+    can run it."""
+    label = node_label(node)
+    if rule is None or rule.prepare is None:
+        if body is None:
+            raise FusionError(
+                f"fused node {node.name or node.output[0]!r} ({node.op_type}) has no kernel in the "
+                "catalog and no function body in the model, so nothing can run it"
+            )
+        return False
+    reason = binding_refusal(rule, node, body)
+    if reason is None:
+        return True
+    if body is None:
+        raise FusionError(f"{label}: {reason}, and it has no function body: nothing can run it")
+    warnings.warn(
+        f"{label} runs its function body in onnxruntime, not the {rule.name} kernel: {reason}",
+        FusionWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+def binding_refusal(
+    rule: Rule, node: onnx.NodeProto, body: onnx.FunctionProto | None
+) -> str | None:
+    """Why `rule`'s kernel must not run `node` (None: it may): its body's content hash is not
+    its overload, or the node's inputs, outputs or attributes are not the body's. Without a
+    body (onnxruntime could not run the node either) only the count of inputs is checked."""
+    if body is None:
+        if len(node.input) > len(rule.inputs):  # fewer: trailing optional inputs left out
+            return f"it has {len(node.input)} inputs where the kernel takes {len(rule.inputs)}"
+        return None
+    if content_hash(body) != body.overload:
+        return (
+            f"its function body is not the one the rule writes (content hash "
+            f"{content_hash(body)}, overload {body.overload or 'none'}): edited, or another "
+            "tool's function"
+        )
+    if len(node.input) > len(body.input) or len(node.output) != len(body.output):
+        return (
+            f"it has {len(node.input)} inputs and {len(node.output)} outputs where its body "
+            f"declares {len(body.input)} and {len(body.output)}"
+        )
+    declared, given = set(body.attribute), {a.name for a in node.attribute}
+    if declared - given:
+        return f"it lacks the attribute(s) {', '.join(sorted(declared - given))}"
+    if given - declared:
+        return f"its body does not declare the attribute(s) {', '.join(sorted(given - declared))}"
+    return None
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:
@@ -35,8 +103,99 @@ def build_kernel(rule: Rule | None, node: onnx.NodeProto, view: GraphView) -> Ke
     holds, per input, the value of a constant input (None otherwise)."""
     if rule is None or rule.prepare is None:
         raise CatalogError(f"{node_label(node)}: no kernel registered for {node.op_type}")
+    prepare_kernel_cache()
     constants = [view.constant(v) if v else None for v in node.input]
-    return rule.prepare(node_attributes(node), constants)
+    try:
+        return rule.prepare(node_attributes(node), constants)
+    except Exception as exc:  # the factory validates what the pattern did not (a corrupt file)
+        label = node_label(node)
+        raise KernelError(
+            f"{kernel_name(rule)} cannot be built for {label}: {type(exc).__name__}: "
+            f"{one_line(exc)}",
+            node=label,
+            name=node.name,
+        ) from exc
+
+
+def kernel_name(rule: Rule) -> str:
+    """How messages name a rule's kernel: its module and function."""
+    return f"{rule.prepare.__module__}.{rule.prepare.__qualname__}"
+
+
+# ---- the kernel cache ------------------------------------------------------------------------
+_cache_lock = threading.Lock()
+_cache_ready = False
+
+
+def prepare_kernel_cache() -> None:
+    """Give Numba a writable cache before it is first imported (it reads NUMBA_CACHE_DIR then).
+
+    Numba caches a kernel in __pycache__ beside its source, else in ~/.cache/numba, and fails
+    when it can write neither: a wheel installed by root and run by a user without a writable
+    home (a container, a service). Then the cache goes to a private folder in the temp
+    directory, with one warning; with none writable, a FusionError says so."""
+    global _cache_ready
+    with _cache_lock:
+        if _cache_ready:
+            return
+        reason = _unwritable_cache()
+        if reason:
+            folder = Path(tempfile.gettempdir()) / f"fusion-numba-cache-{os.getuid()}"
+            if not _private_folder(folder):
+                raise FusionError(
+                    f"no writable folder for the kernel cache ({reason}, and neither is {folder}); "
+                    "set NUMBA_CACHE_DIR to one"
+                )
+            os.environ["NUMBA_CACHE_DIR"] = str(folder)
+            if "numba" in sys.modules:  # imported already (by a plugin): tell its config too
+                sys.modules["numba"].config.CACHE_DIR = str(folder)
+            warnings.warn(
+                f"{reason}: compiled kernels are cached in {folder}", FusionWarning, stacklevel=3
+            )
+        _cache_ready = True
+
+
+def _unwritable_cache() -> str | None:
+    """Why Numba could not cache the kernels package's functions (None: it can)."""
+    chosen = os.environ.get("NUMBA_CACHE_DIR")
+    if chosen:
+        return None if _writable(Path(chosen)) else f"NUMBA_CACHE_DIR {chosen} is not writable"
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or not spec.submodule_search_locations:
+        return None  # no kernels package: nothing of ours to cache
+    in_tree = Path(next(iter(spec.submodule_search_locations))) / "__pycache__"
+    if _writable(in_tree):
+        return None
+    try:
+        user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+    except (RuntimeError, KeyError):  # no home directory at all
+        return f"{in_tree} is not writable and there is no home directory"
+    if _writable(user):
+        return None
+    return f"neither {in_tree} nor {user} is writable"
+
+
+def _writable(folder: Path) -> bool:
+    """Numba's own test: the folder can be made and a file created in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        return True
+    except OSError:
+        return False
+
+
+def _private_folder(folder: Path) -> bool:
+    """`folder` exists (made if need be), is a real directory of this user that no one else
+    can write (a shared temp directory must not let another user plant cache files), and is
+    writable."""
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+    except OSError:
+        return False
+    own = st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return folder.is_dir() and not folder.is_symlink() and own and _writable(folder)
 
 
 # ---- threads ---------------------------------------------------------------------------------
@@ -46,6 +205,7 @@ _applied = threading.local()  # .threads: what this thread last gave Numba
 def use_threads(threads: int) -> None:
     """Give Numba `threads` (at most the threads it started) for the calling thread. The first
     call also applies the kernels' thread settings, before Numba starts its thread pool."""
+    prepare_kernel_cache()  # before Numba is imported: it reads NUMBA_CACHE_DIR then
     import numba  # heavy: only once a session has kernels
 
     try:

@@ -22,10 +22,13 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 import onnxruntime
 from onnx import helper, numpy_helper
 
+from fusion.errors import KernelError, one_line
+from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label, topological_order
 from fusion.ort import ISLAND, ISLAND_WITHOUT_CONV, Settings, inference_session
 
@@ -239,36 +242,123 @@ class IslandStep:
         values.update(zip(self.outputs, results, strict=True))
 
 
+@dataclass(frozen=True)
+class OutputCheck:
+    """What a kernel output must be, from the node's declared or inferred type: its dtype and,
+    when known, its rank; and its fixed sizes where an island reads it (the island's session
+    declares them and would refuse another size, naming the island instead of the kernel).
+    Elsewhere sizes are not enforced, as onnxruntime does not enforce a graph output's declared
+    shape: onnx's shape inference and onnxruntime disagree on some pooling sizes.
+    A dtype and ndim comparison per output and call."""
+
+    name: str
+    dtype: np.dtype | None
+    rank: int | None
+    fixed: tuple[tuple[int, int], ...]  # (axis, size) for every axis of declared size
+
+    @staticmethod
+    def of(name: str, vt: ValueType | None, sizes: bool = True) -> OutputCheck:
+        if vt is None or not vt.elem_type:
+            return OutputCheck(name, None, None, ())
+        dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
+        shape = vt.shape
+        fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
+        return OutputCheck(name, dtype, None if shape is None else len(shape), fixed * sizes)
+
+    def mismatch(self, value) -> str | None:
+        """Why `value` is not what the node declares (None: it fits)."""
+        if type(value) is not np.ndarray:
+            return f"a {type(value).__name__}, not a NumPy array"
+        if self.dtype is not None and value.dtype != self.dtype:
+            return f"dtype {value.dtype} where the node declares {self.dtype}"
+        if self.rank is not None and value.ndim != self.rank:
+            return f"shape {list(value.shape)} where the node declares rank {self.rank}"
+        for axis, size in self.fixed:
+            if value.shape[axis] != size:
+                return (
+                    f"shape {list(value.shape)} where the node declares size {size} on axis {axis}"
+                )
+        return None
+
+
 class KernelStep:
     """Calls one fused node's kernel; absent optional inputs are passed as None.
 
     A kernel returns a sequence of outputs, a tuple or any Sequence. `live` (set by the session)
     lists the positions that later steps read: a run stores only those, unless it keeps every
     value, so a kernel whose outputs are views made on demand makes only those (an unrolled
-    LSTM's fused node has an output per step, and a run reads three of them)."""
+    LSTM's fused node has an output per step, and a run reads three of them).
+
+    Each stored output is checked against the node's type (OutputCheck); a kernel that raises
+    or returns what the node does not declare is a KernelError naming the kernel and the node.
+    A run with an empty input (batch 0) does not call the kernel: `body` (the node's function
+    body in onnxruntime) computes the empty outputs and their shapes."""
 
     kind = "kernel"
 
-    def __init__(self, kernel: KernelPlan, run: Callable[..., tuple]):
+    def __init__(
+        self,
+        kernel: KernelPlan,
+        run: Callable[..., tuple],
+        checks: Sequence[OutputCheck] = (),
+        body: Callable[[list], list] | None = None,
+        kernel_name: str = "",
+        varying: Sequence[int] | None = None,
+    ):
         self.name, self.node = kernel.name, kernel.node
         self.inputs, self.outputs = kernel.inputs, kernel.outputs
         self.kernel = run
+        self.checks = tuple(checks) or tuple(OutputCheck.of(v, None) for v in self.outputs)
+        self.body = body
+        # the inputs a run may make empty (not build-time constants); default: every given one
+        self.varying = (
+            tuple(k for k, v in enumerate(self.inputs) if v) if varying is None else tuple(varying)
+        )
+        self.kernel_name = kernel_name or "the kernel"
         self.live: tuple[int, ...] | None = None  # None: every output
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
-        results = self.kernel(*[values[name] if name else None for name in self.inputs])
+        args = [values[name] if name else None for name in self.inputs]
+        for k in self.varying:
+            if args[k].size == 0 and self.body is not None:
+                results = self.body(args)  # nothing to compute: onnxruntime gives the shapes
+                break
+        else:
+            try:
+                results = self.kernel(*args)
+            except Exception as exc:
+                raise self._error(f"failed: {type(exc).__name__}: {one_line(exc)}") from exc
         if not isinstance(results, Sequence):
             results = tuple(results)  # a generator, say
         if len(results) != len(self.outputs):
-            raise ValueError(
-                f"the kernel of {self.name} returned {len(results)} outputs; "
-                f"the node has {len(self.outputs)}"
-            )
-        if keep_all or self.live is None:
-            values.update(zip(self.outputs, results, strict=True))
-        else:
-            for i in self.live:
-                values[self.outputs[i]] = results[i]
+            raise self._error(f"returned {len(results)} outputs; the node has {len(self.outputs)}")
+        stored = range(len(self.outputs)) if keep_all or self.live is None else self.live
+        checks = self.checks
+        for i in stored:
+            value, check = results[i], checks[i]
+            if (  # the common case in three comparisons; the rest says what is wrong, if anything
+                type(value) is not np.ndarray
+                or value.dtype != check.dtype
+                or value.ndim != check.rank
+                or check.fixed
+            ):
+                reason = check.mismatch(value)
+                if reason is not None:
+                    raise self._error(f"returned {reason} for {self.outputs[i]}")
+            values[self.outputs[i]] = value
+
+    def _error(self, what: str) -> KernelError:
+        return KernelError(
+            f"{self.kernel_name} of {self.name} {what}", node=self.name, name=self.node.name
+        )
+
+
+def run_body(model: onnx.ModelProto, node: onnx.NodeProto, args, settings: Settings) -> list:
+    """onnxruntime's outputs of one fused node: its function body on `args`."""
+    arrays = [None if a is None else np.asarray(a) for a in args]
+    feeds = {v: a for v, a in zip(node.input, arrays, strict=True) if v}
+    single = single_node_model(model, node, arrays)
+    return inference_session(single, settings, threads=1).run(None, feeds)
 
 
 def releases(steps: list[IslandStep | KernelStep], keep: set[str]) -> list[tuple[str, ...]]:

@@ -36,8 +36,10 @@ from fusion.ort import ISLAND, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime.kernel import (
+    binds_kernel,
     build_kernel,
     ensure_threads,
+    kernel_name,
     serialized,
     use_threads,
     workqueue_lock,
@@ -47,9 +49,11 @@ from fusion.runtime.plan import (
     IslandPlan,
     IslandStep,
     KernelStep,
+    OutputCheck,
     island_settings,
     plan,
     releases,
+    run_body,
 )
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
@@ -121,7 +125,7 @@ class Session:
         self._feedable = {vi.name for vi in model.graph.input}
         self._output_names = [o.name for o in model.graph.output]
 
-        self._functions = {(f.domain, f.name, f.overload) for f in model.functions}
+        self._functions = {(f.domain, f.name, f.overload): f for f in model.functions}
         self.tactics = policy(tactics)
         self._progress = progress
         self._kernels = self._build_kernels()
@@ -232,6 +236,7 @@ class Session:
         view = self.view
         chosen = {id(view.nodes[i]): t for i, t in choices.items() if t is not None}
         plans = plan(view, lambda node: id(node) in chosen)
+        island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
         layouts = Layouts()
         steps: list = []
         for p in plans:
@@ -243,7 +248,18 @@ class Session:
                     layouts.made(value, NCHW)
                 continue
             tactic = chosen[id(p.node)]
-            step = KernelStep(p, tactic.run)
+            checks = [
+                OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/8, H, W, 8]
+                if k in tactic.blocked_outputs
+                else OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
+                for k, v in enumerate(p.outputs)
+            ]
+            rule = self.catalog.get(p.node.op_type)
+            varying = [k for k, v in enumerate(p.inputs) if v and view.constant(v) is None]
+            # An empty input (batch 0) runs the node's body for its output shapes; a blocked
+            # tactic's inputs are not the body's, and its kernels return empty outputs.
+            body = None if tactic.blocked_inputs else self._body_runner(p.node)
+            step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
             step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
             blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
             for pos, value in enumerate(p.inputs):
@@ -305,15 +321,14 @@ class Session:
     def _has_kernel(self, node: onnx.NodeProto) -> bool:
         if node.domain != DOMAIN:
             return False
-        rule = self.catalog.get(node.op_type)
-        if rule is not None and rule.prepare is not None:
-            return True
+        body = self._functions.get((node.domain, node.op_type, node.overload))
+        return binds_kernel(self.catalog.get(node.op_type), node, body)
+
+    def _body_runner(self, node: onnx.NodeProto) -> Callable[[list], list] | None:
+        """The node's function body in onnxruntime (for runs a kernel is not called on)."""
         if (node.domain, node.op_type, node.overload) not in self._functions:
-            raise FusionError(
-                f"fused node {node.name or node.output[0]!r} ({node.op_type}) has no kernel in the "
-                "catalog and no function body in the model, so nothing can run it"
-            )
-        return False  # runs in onnxruntime through its function body
+            return None
+        return lambda args: run_body(self.model, node, args, ISLAND)
 
     # ---- the InferenceSession interface ------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -393,6 +408,8 @@ class Session:
             value = checked.get(spec.name)
             if value is None:
                 missing = [s.name for s in self._inputs if s.name not in feeds]
+                if not missing:
+                    raise InvalidFeed(f"Input {spec.name} is None: expected {spec.node_arg.type}")
                 raise InvalidFeed(
                     f"Required inputs ({missing}) are missing from input feed ({list(feeds)})."
                 )
@@ -467,6 +484,8 @@ class _InputSpec:
                 f"Unexpected input data type for input: {self.name}. "
                 f"Actual: ({value.dtype}), expected: ({self.dtype})"
             )
+        if not value.flags.c_contiguous:  # Fortran order, a strided view: one copy at the border
+            value = np.ascontiguousarray(value)
         if self.shape is None:
             return value
         shape = value.shape
