@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from fusion.catalog import DOMAIN, Catalog
 from fusion.errors import FusionError
@@ -181,17 +181,29 @@ def _compare_with_body(model, node, args, got, rtol, atol) -> list[Comparison]:
 
 def run_function_body(model: onnx.ModelProto, node: onnx.NodeProto, args) -> list[np.ndarray]:
     """onnxruntime's result for one fused node: a one-node model that calls its function."""
-    feeds = {v: np.asarray(a) for v, a in zip(node.input, args, strict=True) if v}
+    single, feeds = function_body_model(model, node, args)
+    return inference_session(single, REFERENCE).run(None, feeds)
+
+
+def function_body_model(
+    model: onnx.ModelProto, node: onnx.NodeProto, args, constants=()
+) -> tuple[onnx.ModelProto, dict]:
+    """A one-node model calling a fused node's function (the model's functions and opsets),
+    its inputs typed and shaped by `args` (aligned to node.input), and the feeds for it.
+    Inputs named in `constants` become initializers (weights onnxruntime may pre-pack)."""
+    values = {v: np.asarray(a) for v, a in zip(node.input, args, strict=True) if v}
+    feeds = {v: a for v, a in values.items() if v not in constants}
     inputs = [
         helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
         for v, a in feeds.items()
     ]
+    inits = [numpy_helper.from_array(a, v) for v, a in values.items() if v in constants]
     outputs = [onnx.ValueInfoProto(name=v) for v in node.output if v]
-    graph = helper.make_graph([node], f"check_{node.op_type}", inputs, outputs)
+    graph = helper.make_graph([node], f"check_{node.op_type}", inputs, outputs, inits)
     single = helper.make_model(
         graph,
         opset_imports=list(model.opset_import),
         functions=list(model.functions),
         ir_version=model.ir_version,
     )
-    return inference_session(single, REFERENCE).run(None, feeds)
+    return single, feeds

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import textwrap
+import time
 
 import numpy as np
 import onnx
@@ -17,7 +20,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fusion import bench
-from fusion.bench import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, Options, Workload
+from fusion.bench import (
+    FUSED,
+    NATIVE,
+    ORT_ALL,
+    ORT_FUSED,
+    ORT_NONE,
+    PROCESSES,
+    SAME_PROCESS,
+    Options,
+    Workload,
+)
 from fusion.catalog import Catalog
 from fusion.cli import bench as bench_command
 from fusion.cli import main
@@ -25,7 +38,8 @@ from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
 from patterns import conv
 
-FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, memory=False, compile=False)
+FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
+            compile=False, mode=SAME_PROCESS, node_rounds=2)  # fmt: skip
 
 
 def tiny_conv(batch=1):
@@ -38,6 +52,17 @@ def wrong_kernel(attrs, constants):
     """The real ConvBiasRelu kernel, plus 0.5 everywhere."""
     run = conv.make_kernel(attrs, constants)
     return lambda *args: tuple(y + np.float32(0.5) for y in run(*args))
+
+
+def slow_kernel(attrs, constants):
+    """The real ConvBiasRelu kernel, 20 ms late: right numbers, slower than onnxruntime."""
+    run = conv.make_kernel(attrs, constants)
+
+    def late(*args):
+        time.sleep(0.02)
+        return run(*args)
+
+    return late
 
 
 def test_flops_of_conv_stack_match_the_closed_form():
@@ -76,12 +101,51 @@ def test_measure_verifies_and_times_every_runner():
     model, feeds = tiny_conv()
     result = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
     assert result.fused == {"ConvBiasRelu": 2}
-    assert result.refused == []
+    assert result.refused == [] and result.mode == SAME_PROCESS
     assert set(result.timing.times) == {ORT_NONE, ORT_ALL, FUSED, ORT_FUSED}
-    assert all(len(t) == result.timing.rounds >= 2 for t in result.timing.times.values())
+    assert all(len(t) == 2 * result.timing.rounds >= 4 for t in result.timing.times.values())
     assert result.speedup(ORT_NONE) > 0 and result.gflops(FUSED) > 0
     assert result.sgemm["gflops"] > 0 and result.sgemm["shape_mkn"] == [4, 36, 36]
     assert result.profile["kernels"] == 2 and result.profile["wall_s"] > 0
+    # in one process onnxruntime's workers must not spin into the next runner's turn
+    assert result.runners[ORT_ALL].settings == "default-no-spin"
+    assert result.runners[ORT_ALL].spinning == "0"
+    assert {r.pid for r in result.runners.values()} == {os.getpid()}
+    steps = result.profile["steps"]
+    assert [s["seconds"] for s in steps] == sorted((s["seconds"] for s in steps), reverse=True)
+    assert sum(s["share"] for s in steps) == pytest.approx(1.0)
+    assert {s["runs"] for s in steps if s["kind"] == "kernel"} == {"ConvBiasRelu"}
+    assert [n["runs"] for n in result.nodes] == ["ConvBiasRelu"] * 2
+
+
+def test_default_onnxruntime_runners_keep_spinning_each_in_its_own_process():
+    """The headline mode: every runner in a worker process of its own, onnxruntime at
+    fusion.ort.DEFAULT (its idle workers spin, as by default), the unfused oracle at REFERENCE."""
+    model, feeds = tiny_conv()
+    opts = Options(**{**FAST, "mode": PROCESSES})
+    result = bench.measure(Workload("tiny", model, feeds), opts)
+    assert result.refused == [] and result.mode == PROCESSES
+    runners = result.runners
+    pids = [r.pid for r in runners.values()]
+    assert os.getpid() not in pids and len(set(pids)) == len(pids)
+    for name in (ORT_ALL, ORT_FUSED):
+        assert runners[name].settings == "default"
+        assert runners[name].spinning == "default"  # the entry is unset: onnxruntime's own
+    assert runners[ORT_NONE].settings == "reference"
+    assert "each runner in its own process" in result.timing.describe()
+    assert len(result.nodes) == 2 and all(n["onnxruntime_settings"] == "default"
+                                          for n in result.nodes)  # fmt: skip
+
+
+def test_a_fused_node_slower_than_its_body_is_flagged():
+    model, feeds = tiny_conv()
+    slow = Catalog([dataclasses.replace(conv.RULE, prepare=slow_kernel)])
+    result = bench.measure(Workload("slow", model, feeds, catalog=slow), Options(**FAST))
+    assert result.refused == []
+    assert len(result.slower_nodes) == 2
+    assert all(n["kernel_ms"] > 20 > n["onnxruntime_ms"] for n in result.slower_nodes)
+    assert sum("slower than onnxruntime on its own body" in n for n in result.notes) == 2
+    assert "SLOWER" in bench.markdown([result])
 
 
 def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
@@ -101,20 +165,19 @@ def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
     assert "| bad | ConvBiasRelu 2 |" in text and "refused" in text
 
 
-def test_cli_writes_json_markdown_and_plot(tmp_path):
+def test_cli_writes_json_markdown_and_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     model = conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf")
     path = tmp_path / "tiny.onnx"
     save_model(model, path)
     out = {k: tmp_path / f"out.{k}" for k in ("json", "md", "png")}
+    argv = [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
+    argv += ["--same-process", "--repeat", "2", "--no-memory", "--no-compile"]
+    argv += ["--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]
     parser = argparse.ArgumentParser()
     bench_command.add_arguments(parser)
-    args = parser.parse_args(
-        [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
-        + ["--no-memory", "--no-compile", "--json", str(out["json"])]
-        + ["--markdown", str(out["md"]), "--plot", str(out["png"])]
-    )
-    assert bench_command.execute(args) == 0
+    monkeypatch.setattr("sys.argv", ["/usr/bin/fusion", "bench", *argv])  # as typed
+    assert bench_command.execute(parser.parse_args(argv)) == 0
     doc = json.loads(out["json"].read_text())
     assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu"]
     (w,) = doc["workloads"]
@@ -122,9 +185,26 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert w["refused"] == [] and w["gflop_per_run"] == pytest.approx(2 * 2 * 16 * 9 * 36 * 2e-9)
     for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):
         r = w["runners"][name]
-        assert r["ok"] and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
-        assert len(r["samples_ms"]) == w["rounds"]
-    lines = out["md"].read_text().splitlines()
+        assert r["ok"] and r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["p99_ms"]
+        assert r["p99_ms"] <= r["max_ms"]
+        samples = np.array(r["samples_ms"])
+        assert len(samples) == r["calls"] == w["rounds"] * w["calls_per_turn"]
+        assert r["p90_ms"] == pytest.approx(np.percentile(samples, 90))
+        assert r["throughput_per_s"] == pytest.approx(2 / (r["median_ms"] / 1e3))  # batch 2
+    assert w["mode"] == "same process" and w["batch"] == 2
+    m = doc["machine"]
+    assert m["cpu"] and m["threads"] >= m["cores"] >= 1
+    for key in ("cpu_family", "cpu_model", "stepping", "llvm_cpu"):
+        assert key in m
+    if m["vendor"] in ("AuthenticAMD", "GenuineIntel"):
+        assert m["cpu_family"] > 0 and m["cpu_model"] is not None and m["llvm_cpu"]
+        assert set(m["isa"]) <= {"avx512f", "avx2", "fma", "avx"}
+    assert m["onnxruntime"] and m["numba"] and m["numpy"]
+    assert m["command"].startswith("fusion bench ") and "--json" in m["command"]
+    md = out["md"].read_text()
+    assert "Machine: " in md and m["cpu"] in md and "Command: `fusion bench " in md
+    assert "all runners in one process (quick mode)" in md
+    lines = md.splitlines()
     tables = [ln for ln in lines if ln.startswith("| tiny |")]
     assert len(tables) == 2  # times and details
     header = next(ln for ln in lines if ln.startswith("| workload |"))
@@ -132,15 +212,26 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fusion_bench_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")  # rich: one line per table row
-
-    path = tmp_path / "tiny.onnx"
+def test_fusion_bench_reads_at_80_columns(tmp_path, capsys, monkeypatch):
+    """One runner per row; every line fits; no header cut into a stub ("wor…")."""
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "a_model_with_a_rather_long_file_name_for_the_title.onnx"
     save_model(tiny_conv()[0], path)
     argv = ["bench", str(path), "--threads", "1", "--rounds", "2", "--budget", "0"]
-    assert main([*argv, "--no-memory", "--no-compile"]) == 0
+    argv += ["--same-process", "--no-memory", "--no-compile"]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/fusion", *argv])
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "time per run" in out and "ConvBiasRelu 2" in out
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, out
+    assert "…" not in out and "..." not in out
+    head = next(ln for ln in lines if ln.split()[:1] == ["runner"])
+    assert head.split() == ["runner", "median", "min-max", "p90", "p99", "items/s", "vs", "ort-all"]
+    for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):  # one row each, numbers after the name
+        assert sum(re.match(rf"\s*{name}\s+[0-9]", ln) is not None for ln in lines) == 1, out
+    assert "CPU: " in out and "command: fusion bench " in out
+    assert "all runners in one process (quick mode)" in out
+    assert "ConvBiasRelu 2" in out
 
 
 def test_compare_times_on_the_bench_runners():
