@@ -95,6 +95,29 @@ def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
+    """One row per workload for a set of real models: fusion against onnxruntime at its
+    defaults, the share of conv FLOPs fusion's own kernels run, islands, and how many fused
+    nodes are slower than onnxruntime on their own body."""
+    head = ["model", "batch", "fused nodes", "fusion ms", "ort-all ms", "fusion vs ort-all",
+            "conv FLOPs in kernels", "islands", "slower nodes"]  # fmt: skip
+    body = []
+    for r in results:
+        share = r.conv.get("share_in_kernels")
+        body.append([
+            r.workload,
+            str(r.batch),
+            str(sum(r.fused.values())),
+            _ms(r, FUSED),
+            _ms(r, ORT_ALL),
+            _x(r.speedup(ORT_ALL)),
+            "-" if share is None else f"{share:.0%}",
+            str(r.profile.get("islands", "-")),
+            f"{len(r.slower_nodes)} of {len(r.nodes)}" if r.nodes else "-",
+        ])  # fmt: skip
+    return head, body
+
+
 def detail_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
     """Where fusion's time goes, against the machine's SGEMM; compile time; memory."""
     head = ["workload", "GFLOP/run", "fusion GFLOP/s med / best",
@@ -254,16 +277,22 @@ def _md_table(head, body, left: int = 2) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in body]
 
 
-def markdown(results: list[BenchResult], info: dict | None = None, command: str = "") -> str:
-    info = dict(info or machine())
-    if command:
-        info["command"] = command
+def markdown_header(results: list[BenchResult], info: dict) -> list[str]:
+    """The machine, the command and how the runners were timed, as Markdown lines."""
     out = [f"Machine: {cpu_line(info)}; onnxruntime {info['onnxruntime']}, numba "
            f"{info['numba']}, numpy {info['numpy']}, Python {info['python']}."]  # fmt: skip
     if info.get("command"):
         out.append(f"Command: `{info['command']}`")
     if results:
         out.append(f"Timing: {results[0].timing.describe()}.")
+    return out
+
+
+def markdown(results: list[BenchResult], info: dict | None = None, command: str = "") -> str:
+    info = dict(info or machine())
+    if command:
+        info["command"] = command
+    out = markdown_header(results, info)
     out += ["", f"**{TIMES_TITLE}**", "", *_md_table(*time_rows(results))]
     out += ["", f"**{DETAILS_TITLE}**", "", *_md_table(*detail_rows(results)), ""]
     for r in results:
