@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -36,6 +38,7 @@ from fusion.cli import bench as bench_command
 from fusion.cli import main
 from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
+from fusion.models.builder import GraphBuilder
 from patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
@@ -116,6 +119,50 @@ def test_measure_verifies_and_times_every_runner():
     assert sum(s["share"] for s in steps) == pytest.approx(1.0)
     assert {s["runs"] for s in steps if s["kind"] == "kernel"} == {"ConvBiasRelu"}
     assert [n["runs"] for n in result.nodes] == ["ConvBiasRelu"] * 2
+    assert result.conv["convs"] == result.conv["convs_in_kernels"] == 2
+    assert result.conv["share_in_kernels"] == 1.0
+    head, (row,) = bench.summary_rows([result])
+    summary = dict(zip(head, row, strict=True))
+    assert summary["conv FLOPs in kernels"] == "100%" and summary["islands"] == "0"
+    assert summary["slower nodes"].endswith(" of 2")
+
+
+def load_script(name: str):
+    """A bench/ script as a module (bench/ is a folder of scripts, not a package)."""
+    path = Path(__file__).parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
+    """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
+    stride-2 conv with nothing after it (not fused)."""
+    convs = load_script("convs")
+    g = GraphBuilder()
+    rng = np.random.default_rng(0)
+    w = [g.const(rng.standard_normal(s).astype(np.float32) * 0.2)
+         for s in ((8, 3, 3, 3), (8, 8, 3, 3), (8, 8, 3, 3), (16, 8, 1, 1))]  # fmt: skip
+    h = g.node("Relu", [g.node("Conv", ["x", w[0]], pads=[1, 1, 1, 1])])
+    for k in (1, 2):
+        h = g.node("Relu", [g.node("Conv", [h, w[k]], pads=[1, 1, 1, 1])])
+    y = g.node("Conv", [h, w[3]], strides=[2, 2])
+    save_model(g.model({"x": ["N", 3, 8, 8]}, {y: None}), tmp_path / "m.onnx")
+    out = tmp_path / "convs.json"
+    argv = [str(tmp_path / "m.onnx"), "--threads", "1", "--rounds", "2", "--repeat", "1"]
+    assert convs.main([*argv, "--json", str(out), "-q"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu"] and doc["machine"]["command"]
+    rows = doc["batches"]["1"]["convs"]
+    assert [(r["class"], r["count"], bool(r["fused"])) for r in rows] == [
+        ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, False)
+    ]  # fmt: skip
+    assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
+    classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
+    assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
+    assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 1
+    assert "| 3x3 s1 | 2 (1) |" in capsys.readouterr().out
 
 
 def test_default_onnxruntime_runners_keep_spinning_each_in_its_own_process():
