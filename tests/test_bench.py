@@ -13,6 +13,7 @@ import json
 import os
 import re
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -182,6 +183,23 @@ def test_default_onnxruntime_runners_keep_spinning_each_in_its_own_process():
     assert "each runner in its own process" in result.timing.describe()
     assert len(result.nodes) == 2 and all(n["onnxruntime_settings"] == "default"
                                           for n in result.nodes)  # fmt: skip
+
+
+def test_a_worker_turn_ends_once_its_threads_stop_spinning():
+    """settle waits out a thread that burns CPU (as onnxruntime's idle workers do after a run)
+    and returns at once in a quiet process."""
+    from fusion.bench.workers import settle
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    thread = threading.Thread(target=spin, args=(0.15,))
+    thread.start()
+    assert 0.15 <= settle(limit=2.0) < 1.0
+    thread.join()
+    assert settle(limit=2.0) < 0.15
 
 
 def test_a_fused_node_slower_than_its_body_is_flagged():

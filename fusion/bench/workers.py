@@ -26,6 +26,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -115,7 +116,10 @@ class Host:
         return run(run.feeds)
 
     def do_turn(self, key, calls: int) -> list[float]:
-        return burst(self.calls[key], calls)
+        times = burst(self.calls[key], calls)
+        if self.alone:  # the next runner, in another process, gets quiet cores
+            settle()
+        return times
 
     def do_profile(self, repeat: int) -> list[dict]:
         """fusion's run, step by step (Session.profile): kind, name, what runs it, seconds."""
@@ -158,6 +162,20 @@ class Host:
             single, feeds = function_body_model(self.model, node, args, set(constants))
             session = inference_session(single, settings, self.threads)
             self.calls[name] = lambda s=session, f=feeds: s.run(None, f)
+
+
+def settle(limit: float = 0.5, window: float = 0.002, quiet_for: float = 0.03) -> float:
+    """Wait until this process's threads have stopped spinning: onnxruntime's idle workers spin
+    for tens of milliseconds after a run by default (bench/NOTES.md, the bench harness), which
+    would steal the cores of the runner whose turn comes next; they do not always start at
+    once. Returns the seconds waited: at most `limit`, until `quiet_for` seconds of `window`s
+    in a row pass each with under a tenth of it in CPU time."""
+    start, quiet = time.perf_counter(), 0
+    while quiet * window < quiet_for and time.perf_counter() - start < limit:
+        cpu = time.process_time()
+        time.sleep(window)
+        quiet = quiet + 1 if time.process_time() - cpu < window / 10 else 0
+    return time.perf_counter() - start
 
 
 class LocalWorker:
