@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.models and not args.builtin:
         ap.error("name at least one model file or --builtin model")
-    from rich.console import Console
+    from rich.console import Console  # heavy: only for the terminal
+    from rich.table import Table
 
     info = bench.machine()
     console = Console(highlight=False)
@@ -102,8 +103,6 @@ def main(argv=None) -> int:
             r = results[-1]
             console.print(f"{r.workload}: fusion vs ort-all {r.speedup('ort-all') or 0:.2f}x",
                           markup=False)  # fmt: skip
-    from rich.table import Table
-
     head, body = bench.summary_rows(results)
     table = Table(title=f"fusion vs onnxruntime at its defaults; {results[0].timing.describe()}")
     for i, h in enumerate(head):

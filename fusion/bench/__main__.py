@@ -5,13 +5,12 @@
 import json
 import sys
 
-if len(sys.argv) == 3 and sys.argv[1] == "--child":
-    from fusion.bench.child import RESULT_TAG, run_child
+from fusion.bench.child import RESULT_TAG, run_child
+from fusion.bench.workers import serve
 
+if len(sys.argv) == 3 and sys.argv[1] == "--child":
     print(RESULT_TAG + json.dumps(run_child(json.loads(sys.argv[2]))), flush=True)
 elif len(sys.argv) == 4 and sys.argv[1] == "--worker":
-    from fusion.bench.workers import serve
-
     serve(int(sys.argv[2]), int(sys.argv[3]))
 else:
     sys.exit("usage: python -m fusion.bench --child SPEC | --worker FD_IN FD_OUT (internal)")

@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 
 from fusion.bench.runners import first_line, make_runner, spinning_entry
+from fusion.bench.sgemm import Sgemm
 from fusion.bench.timing import burst
 from fusion.errors import FusionError
 from fusion.ort import DEFAULT, DEFAULT_NO_SPIN, inference_session
@@ -76,8 +77,6 @@ class Host:
         self.runners: dict = {}  # key -> feeds -> outputs
         self.info = {"pid": os.getpid(), "settings": "", "spinning": ""}
         if kind == SGEMM:
-            from fusion.bench.sgemm import Sgemm  # numpy's BLAS only where it is timed
-
             self.calls[None] = Sgemm(shape, threads)
             return
         if kind == BODIES:
