@@ -209,7 +209,8 @@ def _one(k, labels, cls, one, feeds, workers, catalog, folder, rounds, repeat, t
         if not c.ok:
             row[f"{name}_refused"] = str(c)
     calls = {name: Keyed(workers[name], k) for name in (FUSED, ORT_ALL)}
-    timing = interleave(calls, rounds, warmup=2, repeat=repeat, threads=threads, mode=PROCESSES)
+    timing = interleave(calls, rounds, warmup=2, repeat=repeat, threads=threads, mode=PROCESSES,
+                        warm=0.05)  # fmt: skip
     for name in (FUSED, ORT_ALL):
         s = timing.stats(name)
         row[f"{name}_ms"] = s["median_ms"]

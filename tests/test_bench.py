@@ -43,7 +43,7 @@ from fusion.models.builder import GraphBuilder
 from patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
-            compile=False, mode=SAME_PROCESS, node_rounds=2)  # fmt: skip
+            compile=False, mode=SAME_PROCESS, node_rounds=2, warm=0.01)  # fmt: skip
 
 
 def tiny_conv(batch=1):

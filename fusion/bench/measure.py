@@ -301,7 +301,8 @@ def _node_check(fused, mode, workload, opts, folder, say) -> list[dict]:
             calls[(name, "kernel")] = Keyed(fused, name)
             calls[(name, "onnxruntime")] = Keyed(bodies, name)
         timing = interleave(calls, opts.node_rounds, warmup=max(1, opts.warmup),
-                            repeat=opts.repeat, threads=opts.threads, mode=mode)  # fmt: skip
+                            repeat=opts.repeat, threads=opts.threads, mode=mode,
+                            warm=opts.warm)  # fmt: skip
     finally:
         bodies.close()
     rows = []

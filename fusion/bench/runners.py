@@ -125,7 +125,7 @@ def verify_runners(runners, infos, reference, rtol, atol) -> None:
 def time_runners(runners: dict, feeds: dict, opts, mode: str = SAME_PROCESS) -> Timing:
     """The runners through the one timing loop, with opts' (fusion.bench.Options) warm-up,
     rounds, calls per turn, minimum rounds and time budget. A runner is feeds -> outputs (called
-    here on `feeds`) or a worker with turn(n) (fusion.bench.workers, which holds its feeds)."""
+    here on `feeds`) or a worker with turn(n, warm) (fusion.bench.workers: it holds its feeds)."""
     calls = {
         name: run if hasattr(run, "turn") else functools.partial(run, feeds)
         for name, run in runners.items()
@@ -139,6 +139,7 @@ def time_runners(runners: dict, feeds: dict, opts, mode: str = SAME_PROCESS) -> 
         repeat=opts.repeat,
         threads=opts.threads,
         mode=mode,
+        warm=opts.warm,
     )
 
 

@@ -6,9 +6,12 @@
 Every benchmark here and in bench/ times through `interleave`: warm-up first, then rounds of
 one turn per runner with the order rotated each round, so that load from other processes (a
 shared, noisy machine) slows all of them alike. A turn is a burst of calls back to back, each
-timed on its own. A runner is either a plain callable, timed here (`burst`), or an object with
-`turn(calls) -> seconds per call` that times its burst where it lives (a runner in a process of
-its own, fusion.bench.workers, which times with the same `burst`).
+timed on its own, after `warm` seconds of untimed calls: a process that idled while the others
+took their turns gets slow CPUs on these virtual machines for its first tens of milliseconds
+(bench/NOTES.md, the bench harness), and every runner gets the same allowance. A runner is
+either a plain callable, timed here (`burst`), or an object with `turn(calls, warm) -> seconds
+per call` that times its burst where it lives (a runner in a process of its own,
+fusion.bench.workers, which times with the same `burst`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,19 @@ SAME_PROCESS = "same process"  # every runner in the measuring process, taking t
 PROCESSES = "own processes"  # every runner in a long-lived process of its own (workers.py)
 
 
-def burst(call: Callable[[], object], calls: int, before: Callable[[], object] | None = None):
-    """`calls` calls back to back (`before()` untimed ahead of each); seconds per call."""
+def burst(
+    call: Callable[[], object],
+    calls: int,
+    before: Callable[[], object] | None = None,
+    warm: float = 0.0,
+) -> list[float]:
+    """`calls` calls back to back (`before()` untimed ahead of each); seconds per call. With
+    `warm`, untimed calls first until that many seconds have passed (at least one)."""
+    if warm > 0:
+        end = time.perf_counter() + warm
+        call()
+        while time.perf_counter() < end:
+            call()
     times = []
     for _ in range(calls):
         if before is not None:
@@ -51,6 +65,7 @@ class Timing:
     times: dict[str, list[float]] = field(default_factory=dict)  # runner -> seconds per call
     mode: str = SAME_PROCESS  # where the runners lived: SAME_PROCESS or PROCESSES
     repeat: int = 1  # calls per turn
+    warm: float = 0.0  # seconds of untimed calls at the start of each turn
 
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
@@ -75,9 +90,10 @@ class Timing:
             else "all runners in one process (quick mode)"
         )
         threads = f", {self.threads} threads" if self.threads else ""
+        warm = f" after {self.warm * 1e3:.0f} ms of untimed calls" if self.warm else ""
         return (
             f"{where}{threads}; {self.rounds} rounds round robin, order rotated, "
-            f"{self.repeat} call{'s' if self.repeat != 1 else ''} per turn"
+            f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}"
         )
 
     def table(self, base: str | None = None) -> str:
@@ -101,6 +117,7 @@ class Timing:
             "threads": self.threads,
             "rounds": self.rounds,
             "calls_per_turn": self.repeat,
+            "warm_s": self.warm,
             "runners": {k: self.stats(k) for k in self.times},
         }
 
@@ -117,28 +134,30 @@ def interleave(
     before: Callable[[], object] | None = None,
     threads: int | None = None,
     mode: str = SAME_PROCESS,
+    warm: float = 0.0,
 ) -> Timing:
     """Each runner `warmup` calls, then rounds of one turn per runner, the order rotated.
 
-    calls: name -> a callable (timed here) or an object with turn(n) -> seconds per call (timed
-    where it runs). A turn is `repeat` calls back to back, each timed. `pause`: seconds of idling
+    calls: name -> a callable (timed here) or an object with turn(n, warm) -> seconds per call
+    (timed where it runs). A turn is `repeat` calls back to back, each timed, after `warm`
+    seconds of untimed calls. `pause`: seconds of idling
     before each round (a machine coming back from idle); `before()`: untimed work before each
     local call. Rounds stop after `rounds`, or, past `min_rounds` (default: all of them), once
     `budget` seconds have passed.
     """
 
-    def turn(name: str, n: int) -> list[float]:
+    def turn(name: str, n: int, warm: float) -> list[float]:
         call = calls[name]
         if hasattr(call, "turn"):
-            return call.turn(n)
-        return burst(call, n, before)
+            return call.turn(n, warm)
+        return burst(call, n, before, warm)
 
     names = list(calls)
     if warmup:
         for name in names:
-            turn(name, warmup)
+            turn(name, warmup, 0.0)
     least = rounds if min_rounds is None else min_rounds
-    timing = Timing(threads, 0, {name: [] for name in names}, mode, repeat)
+    timing = Timing(threads, 0, {name: [] for name in names}, mode, repeat, warm)
     start = time.perf_counter()
     while timing.rounds < rounds and (
         timing.rounds < least or time.perf_counter() - start < budget
@@ -147,6 +166,6 @@ def interleave(
             time.sleep(pause)
         k = timing.rounds % len(names)
         for name in names[k:] + names[:k]:
-            timing.times[name] += turn(name, repeat)
+            timing.times[name] += turn(name, repeat, warm)
         timing.rounds += 1
     return timing

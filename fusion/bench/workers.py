@@ -114,8 +114,8 @@ class Host:
         run = self.runners[key]
         return run(run.feeds)
 
-    def do_turn(self, key, calls: int) -> list[float]:
-        times = burst(self.calls[key], calls)
+    def do_turn(self, key, calls: int, warm: float = 0.0) -> list[float]:
+        times = burst(self.calls[key], calls, warm=warm)
         if self.alone:  # the next runner, in another process, gets quiet cores
             settle()
         return times
@@ -190,8 +190,8 @@ class LocalWorker:
     def run(self, key=None):
         return self.ask("run", key)
 
-    def turn(self, calls: int, key=None) -> list[float]:
-        return self.ask("turn", key, calls)
+    def turn(self, calls: int, warm: float = 0.0, key=None) -> list[float]:
+        return self.ask("turn", key, calls, warm)
 
     def close(self) -> None:
         self.host = None
@@ -254,8 +254,8 @@ class Worker:
     def run(self, key=None):
         return self.ask("run", key)
 
-    def turn(self, calls: int, key=None) -> list[float]:
-        return self.ask("turn", key, calls)
+    def turn(self, calls: int, warm: float = 0.0, key=None) -> list[float]:
+        return self.ask("turn", key, calls, warm)
 
     def close(self) -> None:
         if self._out.closed:
@@ -289,8 +289,8 @@ class Keyed:
     def __init__(self, worker, key):
         self.worker, self.key = worker, key
 
-    def turn(self, calls: int) -> list[float]:
-        return self.worker.turn(calls, self.key)
+    def turn(self, calls: int, warm: float = 0.0) -> list[float]:
+        return self.worker.turn(calls, warm, self.key)
 
 
 def start_workers(specs: dict, progress=None, envs: dict | None = None) -> tuple[dict, dict]:
