@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=5.0, help="seconds of timing per workload")
     ap.add_argument("--same-process", action="store_true", help="quick mode, one process")
     ap.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")
+    ap.add_argument("--node-rounds", type=int, default=3, help="rounds of that comparison")
     ap.add_argument("--json", help="write every result as JSON to this file")
     ap.add_argument("--markdown", help="write the summary and details as Markdown")
     args = ap.parse_args(argv)
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
         repeat=args.repeat,
         mode=SAME_PROCESS if args.same_process else PROCESSES,
         nodes=not args.no_nodes,
+        node_rounds=args.node_rounds,
         memory=False,
         compile=False,
     )

@@ -91,9 +91,8 @@ class Host:
 
     def _add(self, key, model, feeds, progress=None) -> None:
         run = make_runner(self.kind, model, self.catalog, self.threads, self.alone, progress)
-        self.runners[key] = run
-        self.calls[key] = lambda: run(feeds)
-        self.runners[key].feeds = feeds
+        run.feeds = feeds
+        self.runners[key], self.calls[key] = run, lambda: run(feeds)
 
     def handle(self, request: str, args: tuple):
         return getattr(self, f"do_{request}")(*args)
