@@ -1,7 +1,13 @@
 """Real models through the harness: fusion.Session against onnxruntime at its defaults.
 
+    python bench/models.py --zoo                       # bench/zoo.py's BENCH set, batch 1 and 8
+    python bench/models.py --zoo resnet18,googlenet --exporter dynamo18
     python bench/models.py FILE.onnx ... [--batch 1 8] [--rounds 10] [--json F] [--markdown F]
     python bench/models.py --builtin squeezenet1.1     # fusion/models' SqueezeNet, no file
+
+--zoo reads the files bench/zoo.py exported (torchvision's resnet18, resnet50, mobilenet_v2,
+googlenet, shufflenet_v2_x1_0, densenet121, squeezenet1_1 by default) from its cache folder;
+export them first (bench/zoo.py says how: torch lives in a venv of its own).
 
 Each model (a symbolic first axis set to each --batch) goes through fusion.bench.measure:
 every runner in a worker process of its own, onnxruntime at its defaults (spinning), round
@@ -19,6 +25,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from zoo import BENCH, EXPORTERS, model_path, zoo_dir  # bench/zoo.py, beside this script
 
 from fusion import bench
 from fusion.bench import PROCESSES, SAME_PROCESS, Options, Workload
@@ -60,6 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("models", nargs="*", help="ONNX files (a symbolic first axis is the batch)")
     ap.add_argument("--builtin", nargs="*", default=[], choices=sorted(BUILTIN),
                     help="built-in models instead of (or besides) files")  # fmt: skip
+    ap.add_argument("--zoo", nargs="?", const=",".join(BENCH), default=None,
+                    help="comma-separated names of bench/zoo.py's exported models "
+                         "(default: its BENCH set)")  # fmt: skip
+    ap.add_argument("--exporter", default="ts17", choices=sorted(EXPORTERS),
+                    help="which of bench/zoo.py's exports (--zoo)")  # fmt: skip
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=10)
@@ -71,8 +84,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every result as JSON to this file")
     ap.add_argument("--markdown", help="write the summary and details as Markdown")
     args = ap.parse_args(argv)
-    if not args.models and not args.builtin:
-        ap.error("name at least one model file or --builtin model")
+    files = list(args.models)
+    for name in (args.zoo or "").split(","):
+        if name.strip():
+            path = model_path(zoo_dir(), name.strip(), args.exporter)
+            if not path.is_file():
+                ap.error(f"{path}: not exported yet (run bench/zoo.py in its venv)")
+            files.append(str(path))
+    if not files and not args.builtin:
+        ap.error("name at least one model file, --zoo or --builtin model")
     from rich.console import Console  # heavy: only for the terminal
     from rich.table import Table
 
@@ -93,7 +113,7 @@ def main(argv=None) -> int:
         compile=False,
     )
     models = [(Path(p).name.removesuffix(".onnx"), lambda p=p: read_model(p)[0])
-              for p in args.models]  # fmt: skip
+              for p in files]  # fmt: skip
     models += [(name, BUILTIN[name]) for name in args.builtin]
     results = []
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if console.is_terminal else None
