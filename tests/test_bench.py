@@ -137,6 +137,23 @@ def load_script(name: str):
     return module
 
 
+def test_bench_models_summarises_each_model_and_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `import zoo`
+    models = load_script("models")
+    monkeypatch.setenv("COLUMNS", "200")
+    save_model(conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf"), tmp_path / "c.onnx")
+    out = tmp_path / "m.json"
+    argv = [str(tmp_path / "c.onnx"), "--batch", "1", "2", "--threads", "1", "--rounds", "2"]
+    argv += ["--repeat", "1", "--budget", "0", "--same-process", "--node-rounds", "1"]
+    assert models.main([*argv, "--json", str(out), "--markdown", str(tmp_path / "m.md")]) == 0
+    doc = json.loads(out.read_text())
+    assert [w["workload"] for w in doc["workloads"]] == ["c b1", "c b2"]
+    assert [w["batch"] for w in doc["workloads"]] == [1, 2]
+    assert all(w["conv"]["share_in_kernels"] == 1.0 for w in doc["workloads"])
+    md = (tmp_path / "m.md").read_text()
+    assert "| c b2 | 2 | 2 |" in md and "conv FLOPs in kernels" in md and "Machine: " in md
+
+
 def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
     stride-2 conv with nothing after it (not fused)."""
