@@ -312,6 +312,7 @@ def test_fusion_bench_reads_at_80_columns(tmp_path, capsys, monkeypatch):
     for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):  # one row each, numbers after the name
         assert sum(re.match(rf"\s*{name}\s+[0-9]", ln) is not None for ln in lines) == 1, out
     assert "CPU: " in out and "command: fusion bench " in out
+    assert "building runners" not in out and "verifying" not in out  # no progress off a TTY
     assert "all runners in one process (quick mode)" in out
     assert "ConvBiasRelu 2" in out
 

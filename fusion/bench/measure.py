@@ -185,7 +185,7 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
     say("verifying outputs")
     reference = runners[ORT_NONE].run()
     verify_runners(runners, infos, reference, rtol, atol)
-    say("timing")
+    say("warming up and timing")
     blocks = mode == SAME_PROCESS and sgemm is not None and not sgemm.host.calls[None].interleaved
     if blocks:  # OpenBLAS's workers would spin into the next runner's turn: apart, before, after
         sgemm.host.calls[None].block()
