@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from fusion.bench.runners import (
     time_runners,
     verify_runners,
 )
+from fusion.bench.sgemm import sgemm_figures
 from fusion.bench.timing import PROCESSES, SAME_PROCESS, interleave
 from fusion.bench.workers import (
     BODIES,
@@ -208,7 +208,9 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
         flops.total,
         timing,
         infos,
-        _sgemm_dict(flops.gemm_shape, sgemm_times, opts.threads, mode) if sgemm_times else {},
+        sgemm_figures(flops.gemm_shape, sgemm_times, opts.threads, not blocks)
+        if sgemm_times
+        else {},
         notes=notes,
         batch=workload.items(),
     )
@@ -244,21 +246,6 @@ def conv_share(rewritten, flops, steps: list[dict]) -> dict:
         "gflop": total / 1e9,
         "gflop_in_kernels": sum(conv[c] for c in ours) / 1e9,
         "share_in_kernels": sum(conv[c] for c in ours) / total if total else None,
-    }
-
-
-def _sgemm_dict(shape, times, threads, mode) -> dict:
-    m, k, n = shape
-    med, best = statistics.median(times), min(times)
-    return {
-        "shape_mkn": [m, k, n],
-        "median_ms": med * 1e3,
-        "min_ms": best * 1e3,
-        "max_ms": max(times) * 1e3,
-        "gflops": 2 * m * k * n / med / 1e9,
-        "gflops_best": 2 * m * k * n / best / 1e9,
-        "threads": threads,
-        "interleaved": mode == PROCESSES or None,
     }
 
 
