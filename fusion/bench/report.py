@@ -350,7 +350,7 @@ def write_plot(results: list[BenchResult], path, title: str = "", info: dict | N
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels([r.workload for r in results], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over onnxruntime at its defaults (median)")
+    ax.set_ylabel("speedup over ort-all, onnxruntime ORT_ENABLE_ALL (median)")
     ax.set_title(title or "fusion benchmark", fontsize=9)
     ax.legend(fontsize=7)
     caption = [cpu_line(info), modes(results)] + ([info["command"]] if info.get("command") else [])
