@@ -100,6 +100,31 @@ def _pool():
     global_average_pool(x)
 
 
+def _blocked_conv(fb_channels):
+    """The blocked direct conv with fb output blocks per tile (fb_channels: output channels
+    that pick that tile), from a blocked input (8 per block) and from a 3-channel one."""
+
+    def compile_group():
+        from .blocked import to_blocked
+        from .conv_nchwc import conv_nchwc, prepare_conv_nchwc
+
+        rng = np.random.default_rng(0)
+        for c in (8, 3):
+            w = rng.standard_normal((fb_channels, c, 3, 3), dtype=np.float32)
+            plan = prepare_conv_nchwc(w, pads=(1, 1, 1, 1), activation="relu")
+            x = rng.standard_normal((1, c, 6, 7), dtype=np.float32)
+            conv_nchwc(to_blocked(x, block=plan.in_block), plan)
+
+    return compile_group
+
+
+def _blocked_layout():
+    from .blocked import from_blocked, to_blocked
+
+    x = np.random.default_rng(0).standard_normal((1, 3, 5, 5), dtype=np.float32)
+    from_blocked(to_blocked(x), 3)
+
+
 TIMEOUT_S = 1800  # per group: a compile that hangs must not hang the test run
 
 GROUPS = {
@@ -109,6 +134,10 @@ GROUPS = {
     "depthwise": _depthwise,
     "lstm": _lstm,
     "pool": _pool,
+    "blocked_layout": _blocked_layout,
+    "blocked_conv_f4": _blocked_conv(32),
+    "blocked_conv_f2": _blocked_conv(16),
+    "blocked_conv_f1": _blocked_conv(8),
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 

@@ -1,0 +1,108 @@
+"""The blocked channel layout (NCHWc) that fused convolutions, pools and adds pass between them.
+
+    x[n, c, h, w]  ->  xb[n, c // b, h, w, c % b]        b = BLOCK, or C when C < BLOCK
+
+A blocked tensor is float32 [N, ceil(C/b), H, W, b], C-contiguous; the channels past C in the
+last block are zero, so a consumer may read whole blocks. With the b channels of a pixel side by
+side, a convolution broadcasts one input value against a vector of b output channels and a
+depthwise conv or a pool works on b channels per vector instruction: the layout onnxruntime's
+NCHWc transformer and oneDNN use. b = 8 fills an AVX2 register with float32. An input with
+fewer channels than a block (an RGB image) is stored with b = C (that is NHWC), so a stem conv
+does no work on padding channels.
+
+Conversions happen only where a blocked region of the graph meets the rest (graph inputs and
+outputs, onnxruntime islands); both are one parallel pass over the tensor.
+
+    >>> xb = to_blocked(x)                  # [1, 64, 56, 56] -> [1, 8, 56, 56, 8]
+    >>> np.array_equal(from_blocked(xb, 64), x)
+    True
+"""
+
+import numba
+import numpy as np
+
+from .config import PARALLEL
+
+BLOCK = 8
+
+
+def block_size(channels: int) -> int:
+    """The block of a tensor with `channels` channels: BLOCK, or the channel count below it."""
+    return BLOCK if channels >= BLOCK else max(1, int(channels))
+
+
+def blocked_shape(shape, block: int | None = None) -> tuple:
+    """[N, ceil(C/b), H, W, b] for an NCHW shape."""
+    n, c, h, w = shape
+    b = block_size(c) if block is None else block
+    return (n, -(-c // b), h, w, b)
+
+
+@numba.jit(**PARALLEL)
+def _to_blocked(x3, y4):
+    """y4[n * CB + cb, h*w, k] = x3[n, cb * b + k, h*w] (0 past C)."""
+    n_len, c_len, p_len = x3.shape
+    cb_len, b = y4.shape[0] // n_len, y4.shape[2]
+    for item in numba.prange(n_len * cb_len):
+        n, cb = item // cb_len, item % cb_len
+        for k in range(b):
+            c = cb * b + k
+            if c < c_len:
+                for p in range(p_len):
+                    y4[item, p, k] = x3[n, c, p]
+            else:
+                for p in range(p_len):
+                    y4[item, p, k] = 0.0
+
+
+@numba.jit(**PARALLEL)
+def _from_blocked(x4, y3):
+    """y3[n, c, p] = x4[n * CB + c // b, p, c % b] for c < C."""
+    n_len, c_len, p_len = y3.shape
+    cb_len, b = x4.shape[0] // n_len, x4.shape[2]
+    for item in numba.prange(n_len * cb_len):
+        n, cb = item // cb_len, item % cb_len
+        for k in range(min(b, c_len - cb * b)):
+            c = cb * b + k
+            for p in range(p_len):
+                y3[n, c, p] = x4[item, p, k]
+
+
+def to_blocked(x, block: int | None = None, out=None):
+    """The blocked copy of a float32 NCHW array (any strides); `out` if given."""
+    if not isinstance(x, np.ndarray) or x.ndim != 4 or x.dtype != np.float32:
+        raise ValueError(f"x must be a float32 NCHW array, got {getattr(x, 'shape', x)!r}")
+    shape = blocked_shape(x.shape, block)
+    out = np.empty(shape, np.float32) if out is None else _checked(out, shape)
+    n, c, h, w = x.shape
+    if x.size:
+        x3 = np.ascontiguousarray(x).reshape(n, c, h * w)
+        _to_blocked(x3, out.reshape(n * shape[1], h * w, shape[4]))
+    return out
+
+
+def from_blocked(xb, channels: int, out=None):
+    """The NCHW array of a blocked tensor holding `channels` channels; `out` if given."""
+    if not isinstance(xb, np.ndarray) or xb.ndim != 5 or xb.dtype != np.float32:
+        raise ValueError(f"xb must be a float32 blocked array, got {getattr(xb, 'shape', xb)!r}")
+    n, cb, h, w, b = xb.shape
+    if not (cb - 1) * b < channels <= cb * b and channels > 0:
+        raise ValueError(f"{cb} blocks of {b} cannot hold {channels} channels")
+    shape = (n, channels, h, w)
+    out = np.empty(shape, np.float32) if out is None else _checked(out, shape)
+    if out.size:
+        xb = np.ascontiguousarray(xb)
+        _from_blocked(xb.reshape(n * cb, h * w, b), out.reshape(n, channels, h * w))
+    return out
+
+
+def _checked(out, shape):
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != tuple(shape)
+        or out.dtype != np.float32
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
+    return out

@@ -1,0 +1,220 @@
+"""Conv2D on blocked tensors with the fused epilogue: the conv family's fast path.
+
+    y = epilogue(conv2d(x, W)),  x, y blocked (kernels/blocked.py), epilogue as in
+    kernels/epilogue.py (bias, residual before or after, activation, clip)
+
+prepare_conv_nchwc packs the weights once for the register tile (_direct.py); conv_nchwc
+validates an input, works out the geometry for its shape (cached per shape and thread count)
+and runs the parallel kernel. Groups are supported when each group's input and output channels
+are whole blocks (a depthwise conv has its own kernel, _dwconv.py); with one group any channel
+counts work (the last block is zero-padded).
+
+    >>> plan = prepare_conv_nchwc(w, b, pads=(1, 1, 1, 1), activation="relu")
+    >>> yb = conv_nchwc(to_blocked(x), plan)       # [N, ceil(M/8), OH, OW, 8]
+"""
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from . import _direct as d
+from .blocked import BLOCK, block_size
+from .config import get_threads, slp_vectorize
+from .epilogue import RESIDUALS, activation_params
+from .machine import cache_bytes
+from .windows import conv_output_shape, window_attributes
+
+# Relative speed of the three register tiles (3x4, 6x2, 12x1): the 12x1 tile loads a broadcast
+# per FMA and runs at about 3/4 of the others (bench/NOTES.md, "blocked conv tiles").
+_TILE_SPEED = {4: 1.0, 2: 0.97, 1: 0.76}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvPlan:
+    """A Conv node's weights packed for the blocked kernel, and its attributes."""
+
+    in_channels: int
+    out_channels: int
+    group: int
+    kernel: tuple
+    strides: tuple
+    dilations: tuple
+    pads: tuple  # (top, left, bottom, right)
+    auto_pad: str
+    in_block: int  # BI: channels per input block
+    out_blocks_per_group: int  # MBG
+    in_blocks_per_group: int  # CBG
+    fb: int  # output blocks per register tile
+    packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*8] flat
+    bias: np.ndarray  # [G * OGG * FB * 8]
+    act: tuple  # (code, alpha, beta, lo, hi)
+    residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
+    geometry: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def out_blocks(self) -> int:
+        return self.group * self.out_blocks_per_group
+
+
+def supports(weight_shape, group: int, in_channels: int | None = None) -> str | None:
+    """Why the blocked direct kernel cannot run this conv, or None when it can."""
+    m, cg, _, _ = weight_shape
+    if group == 1:
+        return None
+    if cg % BLOCK or (m // group) % BLOCK:
+        return (f"grouped conv with {cg} input and {m // group} output channels per group: the "
+                f"blocked kernel needs whole blocks of {BLOCK}")  # fmt: skip
+    return None
+
+
+def _pick_fb(mbg: int) -> int:
+    """Output blocks per tile: the fewest tile-slots (padding included) per unit of speed."""
+    return min((4, 2, 1), key=lambda fb: (-(-mbg // fb) * fb / _TILE_SPEED[fb], -fb))
+
+
+def prepare_conv_nchwc(
+    weight,
+    bias=None,
+    *,
+    strides=(1, 1),
+    pads=(0, 0, 0, 0),
+    dilations=(1, 1),
+    group=1,
+    auto_pad="NOTSET",
+    activation=None,
+    alpha=None,
+    beta=None,
+    clip_min=-math.inf,
+    clip_max=math.inf,
+    residual=None,
+):
+    """Pack a Conv's weights [M, C/group, kh, kw] (float32) and bias for conv_nchwc.
+
+    activation: None, "relu", "clip" or a name in kernels.epilogue.ACTIVATIONS; residual: None,
+    "before" (added before the activation) or "after"."""
+    if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
+        raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
+    m, cg, kh, kw = weight.shape
+    group = int(group)
+    if group < 1 or m % group or min(weight.shape) < 1:
+        raise ValueError(f"bad weight shape {weight.shape} for group={group}: M % group must be 0")
+    reason = supports(weight.shape, group)
+    if reason:
+        raise ValueError(reason)
+    strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual must be one of {list(RESIDUALS)}, got {residual!r}")
+    act = activation_params(activation, alpha, beta, clip_min, clip_max)
+    c = cg * group
+    bi = block_size(c) if group == 1 else BLOCK
+    mg = m // group
+    cbg, mbg = -(-cg // bi), -(-mg // BLOCK)
+    fb = _pick_fb(mbg)
+    ogg = -(-mbg // fb)
+    wp = np.zeros((group, ogg * fb * BLOCK, cbg * bi, kh, kw), np.float32)
+    wp[:, :mg, :cg] = weight.reshape(group, mg, cg, kh, kw)
+    wp = wp.reshape(group, ogg, fb * BLOCK, cbg, bi, kh, kw).transpose(0, 1, 3, 5, 6, 4, 2)
+    bp = np.zeros((group, ogg * fb * BLOCK), np.float32)
+    if bias is not None:
+        bias = np.asarray(bias)
+        if bias.dtype != np.float32 or bias.size != m:
+            raise ValueError(f"bias must be {m} float32 values, got {bias.dtype} {bias.shape}")
+        bp[:, :mg] = bias.reshape(group, mg)
+    return ConvPlan(
+        in_channels=c, out_channels=m, group=group, kernel=(kh, kw), strides=strides,
+        dilations=dilations, pads=pads, auto_pad=auto_pad, in_block=bi,
+        out_blocks_per_group=mbg, in_blocks_per_group=cbg, fb=fb,
+        packed=np.ascontiguousarray(wp).ravel(), bias=bp.ravel(), act=act,
+        residual=RESIDUALS[residual],
+    )  # fmt: skip
+
+
+def output_shape(x_shape, plan: ConvPlan):
+    """The blocked output shape [N, MB, OH, OW, 8] for a blocked input shape."""
+    n, _, h, w, _ = x_shape
+    (_, _, oh, ow), _ = conv_output_shape((n, plan.in_channels, h, w), plan)
+    return (n, plan.out_blocks, oh, ow, BLOCK)
+
+
+@functools.lru_cache(maxsize=8)
+def _budgets():
+    """(bytes of packed weights below which K is not cut, bytes of one chunk when it is): a
+    filter group's weights are read once per tile, so they must stay in L2 (from L3 a tile
+    stalls on them; keeping them in L1 instead costs more in parked accumulators than it saves:
+    bench/NOTES.md, "blocked conv")."""
+    l2 = cache_bytes(2)
+    return l2 // 2, l2 // 4
+
+
+def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
+    n, cb, h, w, bi = x_shape
+    (_, _, oh, ow), (pt, pl, _, _) = conv_output_shape((n, plan.in_channels, h, w), plan)
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    fb = plan.fb
+    pw = d.ACC // fb
+    ogg = -(-plan.out_blocks_per_group // fb)
+    # Columns whose every tap is inside the row: ow >= a, ow < b.
+    a = min(ow, -(-pl // sw))
+    last = w - 1 - (kw - 1) * dw + pl
+    b = max(a, min(ow, last // sw + 1)) if last >= 0 else a
+    whole, part = _budgets()
+    per_block = kh * kw * bi * fb * BLOCK * 4  # bytes of packed weights per input block
+    cbg = plan.in_blocks_per_group
+    chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
+    others = n * plan.group * ogg
+    rb_len = min(oh, max(1, -(-4 * threads // others)))
+    rows = -(-oh // rb_len)
+    g = np.zeros(d.N_GEO, np.int64)
+    values = {
+        d.N: n, d.CB: cb, d.BI: bi, d.H: h, d.W: w, d.KH: kh, d.KW: kw, d.SH: sh, d.SW: sw,
+        d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.MB: plan.out_blocks, d.OH: oh, d.OW: ow,
+        d.G: plan.group, d.CBG: cbg, d.MBG: plan.out_blocks_per_group, d.FB: fb, d.PW: pw,
+        d.OGG: ogg, d.COL_A: a, d.COL_B: b, d.CHUNK: chunk, d.ROWS: rows,
+        d.RESIDUAL: plan.residual, d.ACT: plan.act[0],
+    }  # fmt: skip
+    for k, v in values.items():
+        g[k] = v
+    return g
+
+
+def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
+    """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
+
+    residual: a blocked array of the output's shape when the plan adds one."""
+    if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
+        raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
+    n, cb, h, w, bi = xb.shape
+    want_cb = plan.group * plan.in_blocks_per_group
+    if bi != plan.in_block or cb != want_cb:
+        raise ValueError(
+            f"x has {cb} blocks of {bi} channels; the conv reads {plan.in_channels} channels "
+            f"({want_cb} blocks of {plan.in_block})"
+        )
+    shape = output_shape(xb.shape, plan)
+    if min(shape[2:]) < 1:
+        raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    if n == 0:
+        return out
+    xb = np.ascontiguousarray(xb)
+    threads = get_threads()
+    key = (xb.shape, threads)
+    g = plan.geometry.get(key)
+    if g is None:
+        g = plan.geometry[key] = _geometry(plan, xb.shape, threads)
+    if plan.residual:
+        if not isinstance(residual, np.ndarray) or residual.shape != shape:
+            raise ValueError(f"the residual must be a blocked array of shape {shape}")
+        res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
+    else:
+        res = out.reshape(-1)  # not read
+    code, alpha, beta, lo, hi = plan.act
+    with slp_vectorize():  # only has an effect when the kernel is compiled
+        d.entry(plan.fb, plan.in_block)(xb.reshape(-1), plan.packed, plan.bias, out.reshape(-1),
+                                        res, g, alpha, beta, lo, hi, plan.in_block)  # fmt: skip
+    return out
