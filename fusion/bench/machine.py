@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kernels.machine import cpu_identity
+
 ISA = ("avx512f", "avx2", "fma", "avx")  # the vector features the kernels' code can use
 
 
@@ -36,26 +38,20 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (Linux), plus the count of physical cores."""
-    fields: dict[str, str] = {}
-    cores = set()
+def _physical_cores() -> int | None:
+    """Distinct (physical id, core id) pairs of /proc/cpuinfo (Linux), else None."""
+    cores, physical = set(), "0"
     try:
         with open("/proc/cpuinfo") as f:
-            physical = "0"
             for line in f:
                 key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "physical id":
-                    physical = value
-                elif key == "core id":
-                    cores.add((physical, value))
-                fields.setdefault(key, value)
+                if key.strip() == "physical id":
+                    physical = value.strip()
+                elif key.strip() == "core id":
+                    cores.add((physical, value.strip()))
     except OSError:
-        pass
-    if cores:
-        fields["physical cores"] = str(len(cores))
-    return fields
+        return None
+    return len(cores) or None
 
 
 def _llvm_target() -> tuple[str, list[str]]:
@@ -70,9 +66,10 @@ def _llvm_target() -> tuple[str, list[str]]:
 
 
 def machine(command: str | None = None) -> dict:
-    """CPU model name, family/model/stepping, LLVM target and vector ISA, cores and threads,
-    versions of the libraries timed, load average, and the command line."""
-    info = _cpuinfo()
+    """CPU model name, family/model/stepping (kernels.machine.cpu_identity), the LLVM target
+    and vector ISA the kernels are compiled for, cores and threads, versions of the libraries
+    timed, load average, and the command line."""
+    cpu = cpu_identity()  # the CPU as the kernels and their timing caches name it
     llvm_cpu, isa = _llvm_target()
     try:
         import numba  # heavy: only to report its version
@@ -83,14 +80,15 @@ def machine(command: str | None = None) -> dict:
     threads = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads
     return {
-        "cpu": info.get("model name") or platform.processor() or platform.machine(),
-        "vendor": info.get("vendor_id", ""),
-        "cpu_family": _int(info.get("cpu family")),
-        "cpu_model": _int(info.get("model")),
-        "stepping": _int(info.get("stepping")),
+        "cpu": cpu["model_name"],
+        "vendor": cpu["vendor"],
+        "cpu_family": _int(cpu["family"]),
+        "cpu_model": _int(cpu["model"]),
+        "stepping": _int(cpu["stepping"]),
+        "cpu_isa": cpu["isa"],  # what the CPU offers (its flags)
         "llvm_cpu": llvm_cpu,
-        "isa": isa,
-        "cores": _int(info.get("physical cores")) or threads,
+        "isa": isa,  # what Numba's code generator enables for the kernels
+        "cores": _physical_cores() or threads,
         "threads": threads,
         "usable_threads": usable,
         "nproc": threads,
