@@ -75,7 +75,7 @@ def main():
     med = {k: timing.median(k) for k in cases}
     gf_sgemm = flops["sgemm"] / med["sgemm"] / 1e9
     print(f"{args.layers} x conv3x3 {c}ch {s}x{s} batch {nb}, {THREADS} threads,"
-          f" {args.rounds} rounds,"
+          f" {args.rounds} rounds, all in one process (onnxruntime not spinning),"
           f" plan method {plans[0].method}, max|err|/max|y| vs ort = {err:.2e}")  # fmt: skip
     print(f"{'case':10s} {'ms':>8s} {'GFLOP/s':>8s} {'x sgemm':>8s}")
     for name, t in med.items():

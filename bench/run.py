@@ -1,11 +1,13 @@
 """The built-in benchmark suite: fused against unfused and against onnxruntime, side by side.
 
     .venv/bin/python bench/run.py                      # default run, about 3 minutes on 2 cores
-    .venv/bin/python bench/run.py --quick              # batch 1, short timing, no child processes
+    .venv/bin/python bench/run.py --quick              # batch 1, short, all in one process
     .venv/bin/python bench/run.py --json b.json --markdown b.md --plot b.png --only lstm
 
-Workloads (generated, no download), each measured by fusion.bench.measure (see fusion/bench/:
-runners.py for the runners, the interleaving and verification; report.py for the columns):
+Workloads (generated, no download), each measured by fusion.bench.measure: every runner in a
+worker process of its own, onnxruntime at its defaults (see fusion/bench/: runners.py for the
+runners and verification, workers.py for the processes, report.py for the columns; --quick and
+--same-process time them all in this process instead, and every output says so):
 
   conv-stack   4 x (3x3 Conv 64 ch, 56x56, no bias) + Add([1,C,1,1]) + Relu, TensorFlow form
   fire         SqueezeNet 1.1's first Fire module (64 -> 16 -> 64 + 64 ch, 55x55), cut out
@@ -36,7 +38,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 from fusion import bench  # noqa: E402
-from fusion.bench import FUSED, ORT_ALL, Options, Workload  # noqa: E402
+from fusion.bench import FUSED, ORT_ALL, PROCESSES, SAME_PROCESS, Options, Workload  # noqa: E402
 from fusion.models import LSTMWeights, conv_stack, native_lstm, squeezenet, unrolled_lstm  # noqa: E402
 from fusion.models.builder import GraphBuilder  # noqa: E402
 
@@ -102,6 +104,7 @@ def lstm_workload(batch: int, steps: int = 16, size: int = 128, hidden: int = 25
         feeds,
         rules=LSTM_RULES,
         native=native_lstm(w, steps, batch=batch),
+        batch=batch,
         description=f"{steps} unrolled LSTMCell steps (PyTorch Gemm form), {size} -> {hidden}",
     )
 
@@ -137,7 +140,10 @@ def suite(quick: bool) -> list[tuple[str, object]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1, short timing, no children")
+    ap.add_argument("--quick", action="store_true", help="batch 1, short, all in one process")
+    ap.add_argument("--same-process", action="store_true", help="all runners in this process")
+    ap.add_argument("--repeat", type=int, default=3, help="calls per runner and round")
+    ap.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")
     ap.add_argument("--threads", type=int, default=None, help="threads for every runner")
     ap.add_argument("--rounds", type=int, default=None, help="at most this many timed rounds")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timing per workload")
@@ -152,6 +158,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    info = bench.machine()  # before anything runs: the load, the command as typed
     threads = args.threads or os.cpu_count() or 1
     quick = args.quick
     opts = Options(
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
         min_rounds=3 if quick else 5,
         budget=args.budget if args.budget is not None else (1.5 if quick else 2.5),
         warmup=1,
+        repeat=args.repeat,
+        mode=SAME_PROCESS if quick or args.same_process else PROCESSES,
+        nodes=not (quick or args.no_nodes),
         memory=not (quick or args.no_memory),
         compile=not (quick or args.no_compile),
     )
@@ -167,21 +177,18 @@ def main(argv=None) -> int:
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
         todo = [(n, b) for n, b in todo if any(k in n for k in keys)]
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 180))  # logs and pipes: keep rows whole
-    info = bench.machine()
-    command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    console.print(
-        f"{info['cpu']}, {info['nproc']} cores, {threads} threads; onnxruntime "
-        f"{info['onnxruntime']}, numba {info['numba']}; load average "
-        f"{' '.join(f'{x:.2f}' for x in info['load_average'] or [])}"
-    )
+    console = Console(highlight=False)
+    if argv is not None:
+        info["command"] = bench.command_line(["bench/run.py", *argv])
+    for line in bench.machine_lines(info):
+        console.print(line, markup=False)
     results, compile_cache, compiled = [], {}, {}
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())  # fmt: skip
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as bar:
         task = bar.add_task("", total=len(todo))
         for name, build in todo:
             bar.update(task, description=f"{name}: building")
@@ -202,20 +209,22 @@ def main(argv=None) -> int:
             results.append(result)
             bar.advance(task)
     elapsed = time.perf_counter() - start
-    title = f"fusion bench: {threads} threads, {info['cpu']} ({info['nproc']} cores)"
-    for table in bench.rich_tables(results, title=title):
+    title = f"fusion bench: {threads} threads"
+    if results:
+        console.print(f"timing: {results[0].timing.describe()}", markup=False)
+    for table in bench.rich_tables(results, width=console.width):
         console.print(table)
     for line in bench.notes(results):
-        console.print(line, markup=False, highlight=False)
-    console.print(f"{len(results)} workloads in {elapsed:.0f} s; command: {command}")
-    extra = {"command": command, "elapsed_s": elapsed, "quick": quick}
+        console.print(line, markup=False)
+    console.print(f"{len(results)} workloads in {elapsed:.0f} s", markup=False)
+    extra = {"command": info["command"], "elapsed_s": elapsed, "quick": quick}
     if args.json:
         bench.write_json(results, args.json, info, **extra)
     if args.markdown:
-        text = bench.markdown(results, info, command)
+        text = bench.markdown(results, info)
         Path(args.markdown).write_text(text + f"\nRun time: {elapsed:.0f} s.\n")
     if args.plot:
-        bench.write_plot(results, args.plot, title=title)
+        bench.write_plot(results, args.plot, title=title, info=info)
     return 1 if any(r.refused for r in results) else 0
 
 

@@ -1,10 +1,12 @@
 """SqueezeNet 1.1, batch 1, 3x224x224, 2 threads: fusion.Session vs onnxruntime, side by side.
 
-Runs interleaved round by round after warm-up (numpy apart, see main), and prints medians:
+The whole model first, through fusion.compare (each runner in a worker process of its own,
+round robin after warm-up, medians):
   ort-none   onnxruntime ORT_DISABLE_ALL on the original model
-  ort-all    onnxruntime ORT_ENABLE_ALL on the original (Conv+Relu fusion, NCHWc layouts)
+  ort-all    onnxruntime at its defaults (ORT_ENABLE_ALL: Conv+Relu fusion, NCHWc layouts;
+             its idle workers spinning)
   fusion     fusion.Session on the rewritten model (8 FireModule + 2 ConvBiasRelu kernels)
-  sgemm      numpy matmul [512, 576] x [576, 3136] (the machine's SGEMM reference)
+  sgemm      numpy matmul [512, 576] x [576, 3136] (the machine's SGEMM reference, here)
 then, per Fire module: the fused kernel's time and GFLOP/s, the same split into its squeeze,
 1x1 and 3x3 convs (with the method each runs), numpy SGEMM on each conv's GEMM shape
 (weights [M, K] x im2col [K, OH*OW]), and onnxruntime ORT_ENABLE_ALL's time for the same nodes
@@ -13,7 +15,8 @@ goes: kernels, onnxruntime islands (MaxPool, pooling head) and the steps in betw
 
     .venv/bin/python bench/squeezenet.py [--rounds 30] [--version 1.1] [--size 224]
 
-onnxruntime runs with fusion.ort's REFERENCE (ort-none) and DEFAULT_NO_SPIN (ort-all) settings.
+The per-module part runs in this process (kernels called directly; onnxruntime's profiler with
+fusion.ort.DEFAULT_NO_SPIN, so that its workers do not spin into the kernels' time).
 """
 
 import os
@@ -95,20 +98,15 @@ def main():
     assert fused.counts() == kinds, fused.explain()
     session = Session(fused.model, threads=THREADS, fuse=False, catalog=CATALOG)
     none = inference_session(model, REFERENCE, THREADS)
-    full = inference_session(model, DEFAULT_NO_SPIN, THREADS)
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((512, 576), np.float32), rng.standard_normal((576, 3136), np.float32)
     want = none.run(None, {"input": x})[0]
     err = np.abs(session.run(None, {"input": x})[0] - want).max() / np.abs(want).max()
 
-    med = interleaved(
-        {
-            "ort-none": lambda: none.run(None, {"input": x}),
-            "ort-all": lambda: full.run(None, {"input": x}),
-            "fusion": lambda: session.run(None, {"input": x}),
-        },
-        args.rounds,
-    )
+    timing = fusion.compare(model, {"input": x}, threads=THREADS, rounds=args.rounds)
+    labels = dict(zip(("ort-none", "ort-all", "fusion"), timing.times, strict=True))
+    med = {name: timing.median(label) for name, label in labels.items()}
+    print(timing.describe())
     # Apart: OpenBLAS's threads spin after each call and, interleaved with the Numba kernels,
     # slow fusion.Session down (bench/NOTES.md, the bench harness).
     med.update(interleaved({"sgemm": lambda: a @ b}, args.rounds))

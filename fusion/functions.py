@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -117,20 +118,27 @@ def _embed_constant(view: GraphView, value: str, new_name: str) -> onnx.NodeProt
     return helper.make_node("Constant", [], [new_name], value=tensor)
 
 
-def single_node_model(model: onnx.ModelProto, node: onnx.NodeProto, inputs) -> onnx.ModelProto:
-    """A model of one fused node calling its function, with `inputs` (arrays aligned to
-    node.input, None where absent) declaring the input types: onnxruntime's version of what
-    that node's kernel computes (verify checks against it, tactics time it)."""
-    infos = [
+def single_node_model(
+    model: onnx.ModelProto, node: onnx.NodeProto, args, constants=()
+) -> tuple[onnx.ModelProto, dict]:
+    """A one-node model calling a fused node's function (the model's functions and opsets),
+    its inputs typed and shaped by `args` (arrays aligned to node.input, None where absent),
+    and the feeds for it: onnxruntime's version of what that node's kernel computes (verify
+    checks against it, tactics and the bench time it). Inputs named in `constants` become
+    initializers, weights onnxruntime may pre-pack as it does in the whole model."""
+    values = {v: np.asarray(a) for v, a in zip(node.input, args, strict=True) if v}
+    feeds = {v: a for v, a in values.items() if v not in constants}
+    inputs = [
         helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-        for v, a in zip(node.input, inputs, strict=True)
-        if v
+        for v, a in feeds.items()
     ]
+    inits = [numpy_helper.from_array(a, v) for v, a in values.items() if v in constants]
     outputs = [onnx.ValueInfoProto(name=v) for v in node.output if v]
-    graph = helper.make_graph([node], f"single_{node.op_type}", infos, outputs)
-    return helper.make_model(
+    graph = helper.make_graph([node], f"single_{node.op_type}", inputs, outputs, inits)
+    single = helper.make_model(
         graph,
         opset_imports=list(model.opset_import),
         functions=list(model.functions),
         ir_version=model.ir_version,
     )
+    return single, feeds

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import os
+import re
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -17,15 +23,27 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fusion import bench
-from fusion.bench import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, Options, Workload
+from fusion.bench import (
+    FUSED,
+    NATIVE,
+    ORT_ALL,
+    ORT_FUSED,
+    ORT_NONE,
+    PROCESSES,
+    SAME_PROCESS,
+    Options,
+    Workload,
+)
 from fusion.catalog import Catalog
 from fusion.cli import bench as bench_command
 from fusion.cli import main
 from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
+from fusion.models.builder import GraphBuilder
 from patterns import conv
 
-FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, memory=False, compile=False)
+FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
+            compile=False, mode=SAME_PROCESS, node_rounds=2, warm=0.01)  # fmt: skip
 
 
 def tiny_conv(batch=1):
@@ -38,6 +56,17 @@ def wrong_kernel(attrs, constants):
     """The real ConvBiasRelu kernel, plus 0.5 everywhere."""
     run = conv.make_kernel(attrs, constants)
     return lambda *args: tuple(y + np.float32(0.5) for y in run(*args))
+
+
+def slow_kernel(attrs, constants):
+    """The real ConvBiasRelu kernel, 20 ms late: right numbers, slower than onnxruntime."""
+    run = conv.make_kernel(attrs, constants)
+
+    def late(*args):
+        time.sleep(0.02)
+        return run(*args)
+
+    return late
 
 
 def test_flops_of_conv_stack_match_the_closed_form():
@@ -76,12 +105,129 @@ def test_measure_verifies_and_times_every_runner():
     model, feeds = tiny_conv()
     result = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
     assert result.fused == {"ConvBiasRelu": 2}
-    assert result.refused == []
+    assert result.refused == [] and result.mode == SAME_PROCESS
     assert set(result.timing.times) == {ORT_NONE, ORT_ALL, FUSED, ORT_FUSED}
-    assert all(len(t) == result.timing.rounds >= 2 for t in result.timing.times.values())
+    assert all(len(t) == 2 * result.timing.rounds >= 4 for t in result.timing.times.values())
     assert result.speedup(ORT_NONE) > 0 and result.gflops(FUSED) > 0
     assert result.sgemm["gflops"] > 0 and result.sgemm["shape_mkn"] == [4, 36, 36]
     assert result.profile["kernels"] == 2 and result.profile["wall_s"] > 0
+    # in one process onnxruntime's workers must not spin into the next runner's turn
+    assert result.runners[ORT_ALL].settings == "default-no-spin"
+    assert result.runners[ORT_ALL].spinning == "0"
+    assert {r.pid for r in result.runners.values()} == {os.getpid()}
+    steps = result.profile["steps"]
+    assert [s["seconds"] for s in steps] == sorted((s["seconds"] for s in steps), reverse=True)
+    assert sum(s["share"] for s in steps) == pytest.approx(1.0)
+    assert {s["runs"] for s in steps if s["kind"] == "kernel"} == {"ConvBiasRelu (blocked)"}
+    assert [n["runs"] for n in result.nodes] == ["ConvBiasRelu (blocked)"] * 2
+    assert result.conv["convs"] == result.conv["convs_in_kernels"] == 2
+    assert result.conv["share_in_kernels"] == 1.0
+    head, (row,) = bench.summary_rows([result])
+    summary = dict(zip(head, row, strict=True))
+    assert summary["conv FLOPs in kernels"] == "100%" and summary["islands"] == "0"
+    assert summary["slower nodes"].endswith(" of 2")
+
+
+def load_script(name: str):
+    """A bench/ script as a module (bench/ is a folder of scripts, not a package)."""
+    path = Path(__file__).parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_models_summarises_each_model_and_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `import zoo`
+    models = load_script("models")
+    monkeypatch.setenv("COLUMNS", "200")
+    save_model(conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf"), tmp_path / "c.onnx")
+    out = tmp_path / "m.json"
+    argv = [str(tmp_path / "c.onnx"), "--batch", "1", "2", "--threads", "1", "--rounds", "2"]
+    argv += ["--repeat", "1", "--budget", "0", "--same-process", "--node-rounds", "1"]
+    assert models.main([*argv, "--json", str(out), "--markdown", str(tmp_path / "m.md")]) == 0
+    doc = json.loads(out.read_text())
+    assert [w["workload"] for w in doc["workloads"]] == ["c b1", "c b2"]
+    assert [w["batch"] for w in doc["workloads"]] == [1, 2]
+    assert all(w["conv"]["share_in_kernels"] == 1.0 for w in doc["workloads"])
+    md = (tmp_path / "m.md").read_text()
+    assert "| c b2 | 2 | 2 |" in md and "conv FLOPs in kernels" in md and "Machine: " in md
+
+
+def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
+    """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
+    stride-2 conv with nothing after it (not fused)."""
+    convs = load_script("convs")
+    g = GraphBuilder()
+    rng = np.random.default_rng(0)
+    w = [g.const(rng.standard_normal(s).astype(np.float32) * 0.2)
+         for s in ((8, 3, 3, 3), (8, 8, 3, 3), (8, 8, 3, 3), (16, 8, 1, 1))]  # fmt: skip
+    h = g.node("Relu", [g.node("Conv", ["x", w[0]], pads=[1, 1, 1, 1])])
+    for k in (1, 2):
+        h = g.node("Relu", [g.node("Conv", [h, w[k]], pads=[1, 1, 1, 1])])
+    y = g.node("Conv", [h, w[3]], strides=[2, 2])
+    save_model(g.model({"x": ["N", 3, 8, 8]}, {y: None}), tmp_path / "m.onnx")
+    out = tmp_path / "convs.json"
+    argv = [str(tmp_path / "m.onnx"), "--threads", "1", "--rounds", "2", "--repeat", "1"]
+    assert convs.main([*argv, "--json", str(out), "-q"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu"] and doc["machine"]["command"]
+    rows = doc["batches"]["1"]["convs"]
+    assert [(r["class"], r["count"], bool(r["fused"])) for r in rows] == [
+        ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, False)
+    ]  # fmt: skip
+    assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
+    classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
+    assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
+    assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 1
+    assert "| 3x3 s1 | 2 (1) |" in capsys.readouterr().out
+
+
+def test_default_onnxruntime_runners_keep_spinning_each_in_its_own_process():
+    """The headline mode: every runner in a worker process of its own, onnxruntime at
+    fusion.ort.DEFAULT (its idle workers spin, as by default), the unfused oracle at REFERENCE."""
+    model, feeds = tiny_conv()
+    opts = Options(**{**FAST, "mode": PROCESSES})
+    result = bench.measure(Workload("tiny", model, feeds), opts)
+    assert result.refused == [] and result.mode == PROCESSES
+    runners = result.runners
+    pids = [r.pid for r in runners.values()]
+    assert os.getpid() not in pids and len(set(pids)) == len(pids)
+    for name in (ORT_ALL, ORT_FUSED):
+        assert runners[name].settings == "default"
+        assert runners[name].spinning == "default"  # the entry is unset: onnxruntime's own
+    assert runners[ORT_NONE].settings == "reference"
+    assert "each runner in its own process" in result.timing.describe()
+    assert len(result.nodes) == 2 and all(n["onnxruntime_settings"] == "default"
+                                          for n in result.nodes)  # fmt: skip
+
+
+def test_a_worker_turn_ends_once_its_threads_stop_spinning():
+    """settle waits out a thread that burns CPU (as onnxruntime's idle workers do after a run)
+    and returns at once in a quiet process."""
+    from fusion.bench.workers import settle
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    thread = threading.Thread(target=spin, args=(0.15,))
+    thread.start()
+    assert 0.15 <= settle(limit=2.0) < 1.0
+    thread.join()
+    assert settle(limit=2.0) < 0.15
+
+
+def test_a_fused_node_slower_than_its_body_is_flagged():
+    model, feeds = tiny_conv()
+    slow = Catalog([dataclasses.replace(conv.RULE, prepare=slow_kernel)])
+    result = bench.measure(Workload("slow", model, feeds, catalog=slow), Options(**FAST))
+    assert result.refused == []
+    assert len(result.slower_nodes) == 2
+    assert all(n["kernel_ms"] > 20 > n["onnxruntime_ms"] for n in result.slower_nodes)
+    assert sum("slower than onnxruntime on its own body" in n for n in result.notes) == 2
+    assert "SLOWER" in bench.markdown([result])
 
 
 def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
@@ -101,20 +247,19 @@ def test_wrong_kernel_is_refused_and_no_speed_is_reported(tmp_path):
     assert "| bad | ConvBiasRelu 2 |" in text and "refused" in text
 
 
-def test_cli_writes_json_markdown_and_plot(tmp_path):
+def test_cli_writes_json_markdown_and_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     model = conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf")
     path = tmp_path / "tiny.onnx"
     save_model(model, path)
     out = {k: tmp_path / f"out.{k}" for k in ("json", "md", "png")}
+    argv = [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
+    argv += ["--same-process", "--repeat", "2", "--no-memory", "--no-compile"]
+    argv += ["--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]
     parser = argparse.ArgumentParser()
     bench_command.add_arguments(parser)
-    args = parser.parse_args(
-        [str(path), "--threads", "1", "--rounds", "3", "--budget", "0", "--batch", "2"]
-        + ["--no-memory", "--no-compile", "--json", str(out["json"])]
-        + ["--markdown", str(out["md"]), "--plot", str(out["png"])]
-    )
-    assert bench_command.execute(args) == 0
+    monkeypatch.setattr("sys.argv", ["/usr/bin/fusion", "bench", *argv])  # as typed
+    assert bench_command.execute(parser.parse_args(argv)) == 0
     doc = json.loads(out["json"].read_text())
     assert doc["machine"]["nproc"] >= 1 and doc["machine"]["cpu"]
     (w,) = doc["workloads"]
@@ -122,9 +267,26 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert w["refused"] == [] and w["gflop_per_run"] == pytest.approx(2 * 2 * 16 * 9 * 36 * 2e-9)
     for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):
         r = w["runners"][name]
-        assert r["ok"] and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
-        assert len(r["samples_ms"]) == w["rounds"]
-    lines = out["md"].read_text().splitlines()
+        assert r["ok"] and r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["p99_ms"]
+        assert r["p99_ms"] <= r["max_ms"]
+        samples = np.array(r["samples_ms"])
+        assert len(samples) == r["calls"] == w["rounds"] * w["calls_per_turn"]
+        assert r["p90_ms"] == pytest.approx(np.percentile(samples, 90))
+        assert r["throughput_per_s"] == pytest.approx(2 / (r["median_ms"] / 1e3))  # batch 2
+    assert w["mode"] == "same process" and w["batch"] == 2
+    m = doc["machine"]
+    assert m["cpu"] and m["threads"] >= m["cores"] >= 1
+    for key in ("cpu_family", "cpu_model", "stepping", "llvm_cpu"):
+        assert key in m
+    if m["vendor"] in ("AuthenticAMD", "GenuineIntel"):
+        assert m["cpu_family"] > 0 and m["cpu_model"] is not None and m["llvm_cpu"]
+        assert set(m["isa"]) <= {"avx512f", "avx2", "fma", "avx"}
+    assert m["onnxruntime"] and m["numba"] and m["numpy"]
+    assert m["command"].startswith("fusion bench ") and "--json" in m["command"]
+    md = out["md"].read_text()
+    assert "Machine: " in md and m["cpu"] in md and "Command: `fusion bench " in md
+    assert "all runners in one process (quick mode)" in md
+    lines = md.splitlines()
     tables = [ln for ln in lines if ln.startswith("| tiny |")]
     assert len(tables) == 2  # times and details
     header = next(ln for ln in lines if ln.startswith("| workload |"))
@@ -132,15 +294,27 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fusion_bench_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")  # rich: one line per table row
-
-    path = tmp_path / "tiny.onnx"
+def test_fusion_bench_reads_at_80_columns(tmp_path, capsys, monkeypatch):
+    """One runner per row; every line fits; no header cut into a stub ("wor…")."""
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "a_model_with_a_rather_long_file_name_for_the_title.onnx"
     save_model(tiny_conv()[0], path)
     argv = ["bench", str(path), "--threads", "1", "--rounds", "2", "--budget", "0"]
-    assert main([*argv, "--no-memory", "--no-compile"]) == 0
+    argv += ["--same-process", "--no-memory", "--no-compile"]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/fusion", *argv])
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "time per run" in out and "ConvBiasRelu 2" in out
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, out
+    assert "…" not in out and "..." not in out
+    head = next(ln for ln in lines if ln.split()[:1] == ["runner"])
+    assert head.split() == ["runner", "median", "min-max", "p90", "p99", "items/s", "vs", "ort-all"]
+    for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):  # one row each, numbers after the name
+        assert sum(re.match(rf"\s*{name}\s+[0-9]", ln) is not None for ln in lines) == 1, out
+    assert "CPU: " in out and "command: fusion bench " in out
+    assert "building runners" not in out and "verifying" not in out  # no progress off a TTY
+    assert "all runners in one process (quick mode)" in out
+    assert "ConvBiasRelu 2" in out
 
 
 def test_compare_times_on_the_bench_runners():

@@ -7,11 +7,13 @@ SGEMM reference (fusion.bench.sgemm).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import helper
+
+from fusion.graph import node_label
 
 
 @dataclass
@@ -20,6 +22,21 @@ class Flops:
     by_op: dict[str, int]
     gemm_shape: tuple[int, int, int] | None  # [M, K] x [K, N] of the heaviest node
     notes: list[str]
+    by_node: dict[str, int] = field(default_factory=dict)  # node label -> FLOPs
+
+
+def inferred_shapes(model: onnx.ModelProto, feeds: dict | None = None) -> dict[str, list[int]]:
+    """Every value's shape that ONNX shape inference can work out for these feeds' shapes
+    (initializers included); values of unknown or symbolic shape are left out."""
+    inferred = onnx.shape_inference.infer_shapes(_with_input_shapes(model, feeds or {}))
+    shapes = {t.name: list(t.dims) for t in inferred.graph.initializer}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+            if all(d is not None for d in dims):
+                shapes[vi.name] = dims
+    return shapes
 
 
 def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
@@ -28,18 +45,11 @@ def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
     >>> count_flops(conv_stack(blocks=1, channels=8, size=4, batch=1)).total   # 2*8*8*9*16
     18432
     """
-    model = _with_input_shapes(model, feeds or {})
-    inferred = onnx.shape_inference.infer_shapes(model)
-    shapes = {t.name: list(t.dims) for t in inferred.graph.initializer}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-            if all(d is not None for d in dims):
-                shapes[vi.name] = dims
+    shapes = inferred_shapes(model, feeds)
     by_op: dict[str, int] = {}
+    by_node: dict[str, int] = {}
     best, best_shape, unknown = 0, None, 0
-    for node in inferred.graph.node:
+    for node in model.graph.node:
         if node.op_type not in ("Conv", "MatMul", "Gemm", "LSTM"):
             continue
         got = _node_flops(node, shapes)
@@ -48,10 +58,11 @@ def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
             continue
         flops, gemm = got
         by_op[node.op_type] = by_op.get(node.op_type, 0) + flops
+        by_node[node_label(node)] = flops
         if flops > best:
             best, best_shape = flops, gemm
     notes = [f"{unknown} Conv/MatMul/Gemm/LSTM nodes of unknown shape not counted"] * (unknown > 0)
-    return Flops(sum(by_op.values()), by_op, best_shape, notes)
+    return Flops(sum(by_op.values()), by_op, best_shape, notes, by_node)
 
 
 def _node_flops(node, shapes) -> tuple[int, tuple[int, int, int]] | None:

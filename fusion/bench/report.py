@@ -1,43 +1,23 @@
-"""Results for people and programs: terminal tables, Markdown, JSON and a PNG bar chart."""
+"""Results for people and programs: terminal tables, Markdown, JSON and a PNG bar chart.
+
+Every form names the machine and the command (fusion.bench.machine) and how the runners were
+timed (each in its own process, or all in one: the quick mode). The terminal tables read at 80
+columns: one runner per row, the details as name-value rows.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import platform
-import statistics
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
+from fusion.bench.machine import cpu_line, machine, machine_lines
 from fusion.bench.result import BenchResult
 from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, RUNNERS
 
-
-def machine() -> dict:
-    """Where the numbers come from: CPU, core count, library versions, load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    import numba  # heavy: only to report its version
-
-    return {
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "onnxruntime": ort.__version__,
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "onnx": onnx.__version__,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+TOP_STEPS = 8  # profile rows shown in a terminal or Markdown (the JSON has them all)
+WIDE = 160  # columns from which the terminal also gets the one-row-per-workload summary
 
 
 def _ms(result: BenchResult, name: str) -> str:
@@ -46,8 +26,8 @@ def _ms(result: BenchResult, name: str) -> str:
         return "-"
     if not info.ok:
         return "refused" if info.reason.startswith("wrong") else "failed"
-    s = result.timing.times[name]
-    return f"{statistics.median(s) * 1e3:.2f} [{min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}]"
+    s = result.timing.stats(name)
+    return f"{s['median_ms']:.2f} [{s['min_ms']:.2f}-{s['max_ms']:.2f}]"
 
 
 def _x(value: float | None) -> str:
@@ -58,18 +38,82 @@ def _num(value: float | None, fmt: str = ".1f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _rate(per_s: float | None) -> str:
+    """Items per second, without an exponent: 31000, 412, 3.25."""
+    if per_s is None:
+        return "-"
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
+def _fused(result: BenchResult) -> str:
+    return ", ".join(f"{k} {v}" for k, v in result.fused.items()) or "none"
+
+
+def modes(results: list[BenchResult]) -> str:
+    """How the runners were timed, one phrase for all results."""
+    texts = sorted({r.timing.describe().split(";")[0] for r in results})
+    return "; ".join(texts)
+
+
 def time_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
     """Time per run of every runner, and fusion's speedups: header and one row per workload."""
-    head = ["workload", "fused nodes", *RUNNERS, "fusion vs ort-none", "vs ort-all", "vs native"]
+    head = ["workload", "fused nodes", *RUNNERS, "fusion vs ort-all", "vs ort-none", "vs native"]
     body = []
     for r in results:
         body.append([
             r.workload,
-            ", ".join(f"{k} {v}" for k, v in r.fused.items()) or "none",
+            _fused(r),
             *(_ms(r, n) for n in RUNNERS),
-            _x(r.speedup(ORT_NONE)),
             _x(r.speedup(ORT_ALL)),
+            _x(r.speedup(ORT_NONE)),
             _x(r.speedup(NATIVE)) if NATIVE in r.runners else "-",
+        ])  # fmt: skip
+    return head, body
+
+
+def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
+    """One row per runner: median, min-max, p90, p99 (ms), throughput, and how many times
+    faster than onnxruntime at its defaults (ort-all)."""
+    head = ["runner", "median", "min-max", "p90", "p99", "items/s", "vs ort-all"]
+    body = []
+    base = result.median(ORT_ALL)
+    for name, info in result.runners.items():
+        if not info.ok:
+            body.append([name, "refused" if info.reason.startswith("wrong") else "failed",
+                         "", "", "", "", ""])  # fmt: skip
+            continue
+        s = result.timing.stats(name)
+        body.append([
+            name,
+            f"{s['median_ms']:.3g}",
+            f"{s['min_ms']:.3g}-{s['max_ms']:.3g}",
+            f"{s['p90_ms']:.3g}",
+            f"{s['p99_ms']:.3g}",
+            _rate(result.throughput(name)),
+            _x(base / result.median(name)) if base else "-",
+        ])  # fmt: skip
+    return head, body
+
+
+def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
+    """One row per workload for a set of real models: fusion against onnxruntime at its
+    defaults, the share of conv FLOPs fusion's own kernels run, islands, and how many fused
+    nodes are slower than onnxruntime on their own body."""
+    head = ["model", "batch", "fused nodes", "fusion ms", "ort-all ms", "fusion vs ort-all",
+            "conv FLOPs in kernels", "islands", "slower nodes"]  # fmt: skip
+    body = []
+    for r in results:
+        share = r.conv.get("share_in_kernels")
+        body.append([
+            r.workload,
+            str(r.batch),
+            str(sum(r.fused.values())),
+            _ms(r, FUSED),
+            _ms(r, ORT_ALL),
+            _x(r.speedup(ORT_ALL)),
+            "-" if share is None else f"{share:.0%}",
+            str(r.profile.get("islands", "-")),
+            f"{len(r.slower_nodes)} of {len(r.nodes)}" if r.nodes else "-",
         ])  # fmt: skip
     return head, body
 
@@ -104,34 +148,108 @@ def detail_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]
     return head, body
 
 
-TIMES_TITLE = "time per run, ms: median [min-max] over interleaved rounds"
+def step_rows(result: BenchResult, top: int | None = TOP_STEPS) -> tuple[list, list]:
+    """fusion's run step by step, slowest first: fused nodes (with the kernel that runs them)
+    and onnxruntime islands, with their share of the run."""
+    head = ["step", "runs", "ms", "share"]
+    steps = result.profile.get("steps", [])
+    body = [
+        [s["name"], s["runs"] + (f" ({s['nodes']} nodes)" if s["kind"] == "island" else ""),
+         f"{s['seconds'] * 1e3:.3f}", f"{s['share']:.0%}"]
+        for s in steps[:top]
+    ]  # fmt: skip
+    if top is not None and len(steps) > top:
+        rest = steps[top:]
+        share = sum(s["share"] for s in rest)
+        ms = sum(s["seconds"] for s in rest) * 1e3
+        body.append([f"{len(rest)} more steps", "", f"{ms:.3f}", f"{share:.0%}"])
+    return head, body
+
+
+def node_rows(result: BenchResult, top: int | None = TOP_STEPS) -> tuple[list, list]:
+    """Each fused node alone against onnxruntime on its own function body: slowest kernels
+    first, and every node that is slower than its body."""
+    head = ["fused node", "kernel", "ms", "ort ms", "speedup"]
+    nodes = result.nodes if top is None else [
+        n for i, n in enumerate(result.nodes) if i < top or n["slower"]
+    ]  # fmt: skip
+    body = [
+        [n["name"], n["runs"], f"{n['kernel_ms']:.3f}", f"{n['onnxruntime_ms']:.3f}",
+         _x(n["speedup"]) + (" SLOWER" if n["slower"] else "")]
+        for n in nodes
+    ]  # fmt: skip
+    return head, body
+
+
+def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
+    """The details of one workload as (what, value) rows: readable at any width."""
+    head, body = detail_rows([result])
+    pairs = list(zip(head[1:], body[0][1:], strict=True))
+    p, c = result.profile, result.conv
+    if p:
+        pairs.append(("kernels / islands", f"{p['kernels']} / {p['islands']}"))
+    if c.get("share_in_kernels") is not None:
+        pairs.append(("conv FLOPs in fusion's kernels",
+                      f"{c['share_in_kernels']:.0%} ({c['convs_in_kernels']} of {c['convs']} "
+                      "convs)"))  # fmt: skip
+    return [(k, v) for k, v in pairs if v not in ("-", "- / -", "-/-/-/-/-")]
+
+
+TIMES_TITLE = "time per run, ms: median [min-max]"
 DETAILS_TITLE = "fusion's run: throughput, time split (Session.profile), compile, memory"
 
 
-def rich_tables(results: list[BenchResult], title: str = ""):
-    """The two summary tables for a terminal."""
+def header_lines(results: list[BenchResult], info: dict) -> list[str]:
+    """The machine, the command and how the runners were timed."""
+    lines = machine_lines(info)
+    if results:
+        lines.append(f"timing: {results[0].timing.describe()}")
+    return lines
+
+
+def rich_tables(results: list[BenchResult], width: int = 80):
+    """Terminal tables for `width` columns: per workload, one runner per row, the details as
+    name-value rows, the slowest steps and the fused nodes against their bodies; on wide
+    terminals also the one-row-per-workload summary."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    tables = []
-    for caption, (head, body) in ((TIMES_TITLE, time_rows(results)),
-                                  (DETAILS_TITLE, detail_rows(results))):  # fmt: skip
-        table = Table(title=escape(f"{title}: {caption}" if title else caption))
+    def table(title, head, body, right_from=1):
+        t = Table(title=escape(title), box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
         for i, h in enumerate(head):
-            table.add_column(h, justify="left" if i < 2 and "GFLOP" not in h else "right")
+            t.add_column(escape(h), justify="right" if i >= right_from else "left",
+                         overflow="fold", no_wrap=i > 0 and i >= right_from)  # fmt: skip
         for row in body:
-            table.add_row(*row)
-        tables.append(table)
-    return tables
+            t.add_row(*(escape(c) for c in row))
+        return t
+
+    out = []
+    for r in results:
+        out.append(table(f"{r.workload} ({_fused(r)}), batch {r.batch}: ms per run",
+                         *runner_rows(r)))  # fmt: skip
+        out.append(table(f"{r.workload}: details", ["what", "value"],
+                         [list(p) for p in detail_pairs(r)], right_from=2))  # fmt: skip
+        if r.profile.get("steps"):
+            out.append(table(f"{r.workload}: fusion's run by step, slowest first",
+                             *step_rows(r), right_from=2))  # fmt: skip
+        if r.nodes:
+            out.append(table(f"{r.workload}: each fused node alone vs onnxruntime on its body",
+                             *node_rows(r), right_from=2))  # fmt: skip
+    if width >= WIDE and len(results) > 1:
+        out.append(table(TIMES_TITLE, *time_rows(results), right_from=2))
+    return out
 
 
 def legend() -> list[str]:
     lines = [f"- `{n}`: {label}" for n, label in RUNNERS.items()]
     lines += [
         "- `vs X`: median of X / median of fusion (above 1: fusion is faster)",
+        "- medians, min and max over every timed call; p90, p99: percentiles of them; items/s: "
+        "the batch over the median",
         "- GFLOP/s: the original model's Conv/MatMul/Gemm/LSTM FLOPs over fusion's median "
         "(best: fastest) run; SGEMM: numpy float32 on the workload's heaviest GEMM shape, "
-        "same threads, same run; of SGEMM: median vs median / best vs best",
+        "same threads, same rounds; of SGEMM: median vs median / best vs best",
         "- kernels / islands / between: fusion.Session.profile, mean per run",
         "- compile: Session build + first run in a child process, fresh Numba cache / "
         "cached; measured once per set of fused ops (`measured_on` in the JSON)",
@@ -144,7 +262,7 @@ def legend() -> list[str]:
 
 
 def notes(results: list[BenchResult]) -> list[str]:
-    """Refusals, failures and notes, one line each."""
+    """Refusals, failures, slower fused nodes and notes, one line each."""
     out = []
     for r in results:
         for name in r.refused:
@@ -153,32 +271,47 @@ def notes(results: list[BenchResult]) -> list[str]:
     return out
 
 
-def _md_table(head, body) -> list[str]:
+def _md_table(head, body, left: int = 2) -> list[str]:
     lines = ["| " + " | ".join(head) + " |"]
-    lines.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|")
+    lines.append("|" + "|".join("---" if i < left else "---:" for i in range(len(head))) + "|")
     return lines + ["| " + " | ".join(row) + " |" for row in body]
 
 
-def markdown(results: list[BenchResult], info: dict | None = None, command: str = "") -> str:
-    out = []
-    if info:
-        out.append(
-            f"Machine: {info['cpu']}, {info['nproc']} cores; onnxruntime {info['onnxruntime']}, "
-            f"numpy {info['numpy']}, numba {info['numba']}, Python {info['python']}."
-        )
-    if command:
-        out.append(f"Command: `{command}`")
+def markdown_header(results: list[BenchResult], info: dict) -> list[str]:
+    """The machine, the command and how the runners were timed, as Markdown lines."""
+    out = [f"Machine: {cpu_line(info)}; onnxruntime {info['onnxruntime']}, numba "
+           f"{info['numba']}, numpy {info['numpy']}, Python {info['python']}."]  # fmt: skip
+    if info.get("command"):
+        out.append(f"Command: `{info['command']}`")
     if results:
-        out.append(f"Threads: {results[0].threads} for every runner.")
+        out.append(f"Timing: {results[0].timing.describe()}.")
+    return out
+
+
+def markdown(results: list[BenchResult], info: dict | None = None, command: str = "") -> str:
+    info = dict(info or machine())
+    if command:
+        info["command"] = command
+    out = markdown_header(results, info)
     out += ["", f"**{TIMES_TITLE}**", "", *_md_table(*time_rows(results))]
     out += ["", f"**{DETAILS_TITLE}**", "", *_md_table(*detail_rows(results)), ""]
+    for r in results:
+        if r.profile.get("steps"):
+            out += [f"**{r.workload}: fusion's run by step, slowest first**", "",
+                    *_md_table(*step_rows(r), left=2), ""]  # fmt: skip
+        if r.slower_nodes:
+            out += [f"**{r.workload}: fused nodes slower than onnxruntime on their own body**",
+                    "", *_md_table(*node_rows(r, top=0), left=2), ""]  # fmt: skip
     out += legend()
     out += [f"- {line}" for line in notes(results)]
     return "\n".join(out) + "\n"
 
 
 def write_json(results: list[BenchResult], path, info: dict | None = None, **extra) -> None:
-    doc = {"machine": info or machine(), **extra, "workloads": [r.to_dict() for r in results]}
+    info = dict(info or machine())
+    if extra.get("command"):
+        info["command"] = extra["command"]
+    doc = {"machine": info, **extra, "workloads": [r.to_dict() for r in results]}
     Path(path).write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
 
 
@@ -192,20 +325,22 @@ def write_markdown(results, path, info: dict | None = None, command: str = "") -
     Path(path).write_text(markdown(results, info, command))
 
 
-def write_plot(results: list[BenchResult], path, title: str = "") -> None:
-    """PNG bar chart: each runner's speedup over onnxruntime without optimizations."""
+def write_plot(results: list[BenchResult], path, title: str = "", info: dict | None = None):
+    """PNG bar chart: each runner's speedup over onnxruntime at its defaults (ort-all), with the
+    machine, the command and the timing mode written under it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n in RUNNERS if n != ORT_NONE]
-    colors = {ORT_ALL: "#7f7f7f", FUSED: "#d62728", ORT_FUSED: "#1f77b4", NATIVE: "#2ca02c"}
+    info = info or machine()
+    names = [n for n in RUNNERS if n != ORT_ALL]
+    colors = {ORT_NONE: "#7f7f7f", FUSED: "#d62728", ORT_FUSED: "#1f77b4", NATIVE: "#2ca02c"}
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(results) + 2), 5.2))
     for j, name in enumerate(names):
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(results))]
-        ys = [r.speedup(ORT_NONE, of=name) or 0.0 for r in results]
+        ys = [r.speedup(ORT_ALL, of=name) or 0.0 for r in results]
         if any(ys):
             ax.bar(xs, ys, width, label=RUNNERS[name], color=colors[name])
     for i, r in enumerate(results):
@@ -215,9 +350,11 @@ def write_plot(results: list[BenchResult], path, title: str = "") -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels([r.workload for r in results], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over onnxruntime ORT_DISABLE_ALL (median)")
+    ax.set_ylabel("speedup over ort-all, onnxruntime ORT_ENABLE_ALL (median)")
     ax.set_title(title or "fusion benchmark", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    caption = [cpu_line(info), modes(results)] + ([info["command"]] if info.get("command") else [])
+    fig.text(0.01, 0.01, "\n".join(caption), fontsize=6, va="bottom", ha="left")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

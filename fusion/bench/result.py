@@ -22,6 +22,23 @@ class BenchResult:
     profile: dict = field(default_factory=dict)  # kernel/island/between seconds
     compile: dict = field(default_factory=dict)  # cold/cached seconds, or a note
     notes: list[str] = field(default_factory=list)
+    batch: int = 1  # items per run: throughput = batch / median
+    nodes: list[dict] = field(default_factory=list)  # each fused node alone vs its body
+    conv: dict = field(default_factory=dict)  # conv FLOPs, and the share fusion's kernels run
+
+    @property
+    def mode(self) -> str:
+        return self.timing.mode
+
+    @property
+    def slower_nodes(self) -> list[dict]:
+        """Fused nodes slower than onnxruntime running their own function body."""
+        return [n for n in self.nodes if n["slower"]]
+
+    def throughput(self, name: str) -> float | None:
+        """Items per second at the median: batch / median seconds per run."""
+        m = self.median(name)
+        return self.batch / m if m else None
 
     @property
     def refused(self) -> list[str]:
@@ -57,9 +74,8 @@ class BenchResult:
             row.pop("name")
             if samples:
                 row.update(
-                    median_ms=statistics.median(samples) * 1e3,
-                    min_ms=min(samples) * 1e3,
-                    max_ms=max(samples) * 1e3,
+                    **self.timing.stats(name),
+                    throughput_per_s=self.throughput(name),
                     gflops=self.gflops(name),
                     gflops_best=self.gflops(name, best=True),
                     samples_ms=[s * 1e3 for s in samples],
@@ -69,8 +85,11 @@ class BenchResult:
         return {
             "workload": self.workload,
             "description": self.description,
+            "mode": self.mode,
             "threads": self.threads,
+            "batch": self.batch,
             "rounds": self.timing.rounds,
+            "calls_per_turn": self.timing.repeat,
             "fused_nodes": self.fused,
             "gflop_per_run": self.flops / 1e9,
             "runners": runners,
@@ -82,6 +101,9 @@ class BenchResult:
                 "median": self.sgemm_fraction(best=False),
             },
             "profile": self.profile,
+            "conv": self.conv,
+            "nodes": self.nodes,
+            "slower_nodes": [n["name"] for n in self.slower_nodes],
             "compile": self.compile,
             "notes": self.notes,
         }

@@ -1,19 +1,23 @@
 """The runners: built, verified against the unfused run, then timed (fusion.bench.timing).
 
 Runners, all on the same inputs and thread count (intra-op threads = Numba threads = `threads`;
-onnxruntime's other settings are fusion.ort's named ones; all of them take turns in one process,
-so no onnxruntime worker spins: fusion.ort.DEFAULT_NO_SPIN rather than DEFAULT):
+onnxruntime's other settings are fusion.ort's named ones):
 
   ort-none    onnxruntime REFERENCE (ORT_DISABLE_ALL) on the original model (the unfused run)
-  ort-all     onnxruntime DEFAULT_NO_SPIN (ORT_ENABLE_ALL) on the original: what a user runs
-              today, the rival
+  ort-all     onnxruntime DEFAULT (ORT_ENABLE_ALL, its workers spinning as they do by default)
+              on the original: what a user runs today, the rival
   fusion      fusion.Session on the rewritten model (kernels + onnxruntime islands)
-  ort-fused   onnxruntime DEFAULT_NO_SPIN on the rewritten model through its function bodies
+  ort-fused   onnxruntime DEFAULT on the rewritten model through its function bodies
               (portability: the rewritten file still runs anywhere)
-  ort-native  onnxruntime DEFAULT_NO_SPIN on an equivalent model with a native op (LSTM)
+  ort-native  onnxruntime DEFAULT on an equivalent model with a native op (LSTM)
 
-A runner is a function feeds -> list of outputs. fusion.bench.measure and fusion.compare both
-time them through time_runners (the one loop, fusion.bench.timing.interleave).
+Each runner normally lives in a process of its own (fusion.bench.workers), so onnxruntime keeps
+its defaults. In the quick same-process mode the runners take turns in one process, where a
+spinning onnxruntime worker would steal the cores of whichever runner comes next: there they
+run with fusion.ort.DEFAULT_NO_SPIN instead, and every output says so.
+
+A runner is a function feeds -> list of outputs, with its onnxruntime `settings` (None for
+fusion's, whose islands choose their own) and fusion's `session`.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from dataclasses import dataclass
 
 import onnx
 
-from fusion.bench.timing import Timing, interleave
+from fusion.bench.timing import SAME_PROCESS, Timing, interleave
 from fusion.catalog import Catalog
 from fusion.numerics import compare_arrays
-from fusion.ort import DEFAULT_NO_SPIN, REFERENCE, inference_session
+from fusion.ort import DEFAULT, DEFAULT_NO_SPIN, REFERENCE, inference_session
 from fusion.runtime import Session
 
 ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE = (
@@ -36,28 +40,41 @@ ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE = (
     "ort-fused",
     "ort-native",
 )
-RUNNERS = {
+RUNNERS = {  # in the quick same-process mode the ORT_ENABLE_ALL runners do not spin
     ORT_NONE: "onnxruntime ORT_DISABLE_ALL, original model",
-    ORT_ALL: "onnxruntime ORT_ENABLE_ALL, original model",
+    ORT_ALL: "onnxruntime at its defaults (ORT_ENABLE_ALL, spinning), original model",
     FUSED: "fusion.Session, rewritten model",
-    ORT_FUSED: "onnxruntime ORT_ENABLE_ALL, rewritten model (function bodies)",
-    NATIVE: "onnxruntime ORT_ENABLE_ALL, native-op model",
+    ORT_FUSED: "onnxruntime at its defaults, rewritten model (function bodies)",
+    NATIVE: "onnxruntime at its defaults, native-op model",
 }
 
 
-def make_runner(name: str, model: onnx.ModelProto, catalog: Catalog, threads: int):
-    """A function feeds -> list of outputs for one runner (fusion's keeps its `session`)."""
+def make_runner(
+    name: str,
+    model: onnx.ModelProto,
+    catalog: Catalog,
+    threads: int,
+    alone: bool = False,
+    progress=None,
+):
+    """A function feeds -> list of outputs for one runner, with its `settings` and `session`.
+
+    alone: the runner has its process to itself, so onnxruntime keeps its default spinning
+    (fusion.ort.DEFAULT); otherwise DEFAULT_NO_SPIN. progress(label, i, total): called before
+    each of fusion's kernels is built (building may compile it).
+    """
     if name == FUSED:
-        session = Session(model, threads=threads, fuse=False, catalog=catalog)
+        session = Session(model, threads=threads, fuse=False, catalog=catalog, progress=progress)
+        settings = None
+    else:
+        settings = REFERENCE if name == ORT_NONE else DEFAULT if alone else DEFAULT_NO_SPIN
+        session = inference_session(model, settings, threads)
 
-        def run(feeds):
-            return session.run(None, feeds)
+    def run(feeds):
+        return session.run(None, feeds)
 
-        run.session = session
-        return run
-    settings = REFERENCE if name == ORT_NONE else DEFAULT_NO_SPIN
-    session = inference_session(model, settings, threads)
-    return lambda feeds: session.run(None, feeds)
+    run.session, run.settings = session, settings
+    return run
 
 
 @dataclass
@@ -69,15 +86,19 @@ class RunnerInfo:
     max_rel: float = float("nan")
     peak_mb: float | None = None  # RSS high-water mark while building and running it, MB
     extra_mb: float | None = None  # that mark minus the RSS just before building it
+    settings: str = ""  # fusion.ort settings of its onnxruntime session ("" for fusion's)
+    spinning: str = ""  # its session's allow_spinning entry as onnxruntime reports it
+    pid: int | None = None  # the process it ran in
 
 
-def verify_runners(runners, infos, feeds, reference, rtol, atol) -> None:
+def verify_runners(runners, infos, reference, rtol, atol) -> None:
     """Refuse (drop) every runner whose outputs disagree with `reference` (fusion.numerics:
-    |got - want| <= atol + rtol * |want|), recording why in its RunnerInfo."""
+    |got - want| <= atol + rtol * |want|), recording why in its RunnerInfo. A runner here is
+    anything with run() -> outputs on its feeds (fusion.bench.workers)."""
     for name in list(runners):
         info = infos[name]
         try:
-            got = runners[name](feeds)
+            got = runners[name].run()
         except Exception as exc:
             info.ok, info.reason = False, f"fails to run: {first_line(exc)}"
             del runners[name]
@@ -101,18 +122,37 @@ def verify_runners(runners, infos, feeds, reference, rtol, atol) -> None:
             del runners[name]
 
 
-def time_runners(runners: dict, feeds: dict, opts) -> Timing:
-    """The runners (feeds -> outputs) on the same feeds through the one timing loop, with
-    opts' (fusion.bench.Options) warm-up, rounds, minimum rounds and time budget."""
-    calls = {name: functools.partial(run, feeds) for name, run in runners.items()}
+def time_runners(runners: dict, feeds: dict, opts, mode: str = SAME_PROCESS) -> Timing:
+    """The runners through the one timing loop, with opts' (fusion.bench.Options) warm-up,
+    rounds, calls per turn, minimum rounds and time budget. A runner is feeds -> outputs (called
+    here on `feeds`) or a worker with turn(n, warm) (fusion.bench.workers: it holds its feeds)."""
+    calls = {
+        name: run if hasattr(run, "turn") else functools.partial(run, feeds)
+        for name, run in runners.items()
+    }
     return interleave(
         calls,
         opts.rounds,
         warmup=opts.warmup,
         min_rounds=opts.min_rounds,
         budget=opts.budget,
+        repeat=opts.repeat,
         threads=opts.threads,
+        mode=mode,
+        warm=opts.warm,
     )
+
+
+def spinning_entry(session) -> str:
+    """What an onnxruntime session says about its workers' spinning: "0", "1", or "default"
+    when the entry is not set (onnxruntime's default: spinning on)."""
+    options = getattr(session, "get_session_options", None)
+    if options is None:
+        return ""
+    try:
+        return options().get_session_config_entry("session.intra_op.allow_spinning")
+    except Exception:  # onnxruntime raises for an entry that was never set
+        return "default"
 
 
 def first_line(exc: BaseException) -> str:

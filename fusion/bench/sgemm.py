@@ -42,19 +42,22 @@ class Sgemm:
         self.times += timing.times["sgemm"]
         time.sleep(0.1)  # let OpenBLAS's workers stop spinning before anything else is timed
 
-    def to_dict(self) -> dict:
-        m, k, n = self.shape
-        med = statistics.median(self.times)
-        return {
-            "shape_mkn": [m, k, n],
-            "median_ms": med * 1e3,
-            "min_ms": min(self.times) * 1e3,
-            "max_ms": max(self.times) * 1e3,
-            "gflops": 2 * m * k * n / med / 1e9,
-            "gflops_best": 2 * m * k * n / min(self.times) / 1e9,
-            "blas_threads": self.threads,
-            "interleaved": self.interleaved,
-        }
+
+def sgemm_figures(shape, times: list[float], threads, interleaved: bool) -> dict:
+    """The reference's figures from its seconds per call; interleaved: timed in the rounds
+    with the runners (else in blocks just before and after them)."""
+    m, k, n = shape
+    med, best = statistics.median(times), min(times)
+    return {
+        "shape_mkn": [m, k, n],
+        "median_ms": med * 1e3,
+        "min_ms": best * 1e3,
+        "max_ms": max(times) * 1e3,
+        "gflops": 2 * m * k * n / med / 1e9,
+        "gflops_best": 2 * m * k * n / best / 1e9,
+        "blas_threads": threads,
+        "interleaved": interleaved,
+    }
 
 
 def busy_seconds(shape: tuple[int, int, int]) -> float:

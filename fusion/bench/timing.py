@@ -1,11 +1,17 @@
-"""The one timing loop: calls interleaved round by round, medians over rounds.
+"""The one timing loop: turns interleaved round by round, statistics over every timed call.
 
     timing = interleave({"fusion": run_fused, "ort-all": run_ort}, rounds=20, budget=6.0)
-    timing.median("fusion"), timing.table()
+    timing.median("fusion"), timing.stats("fusion")["p90_ms"], timing.table()
 
 Every benchmark here and in bench/ times through `interleave`: warm-up first, then rounds of
-one turn per call with the order rotated each round, so that load from other processes (a
-shared, noisy machine) slows all of them alike.
+one turn per runner with the order rotated each round, so that load from other processes (a
+shared, noisy machine) slows all of them alike. A turn is a burst of calls back to back, each
+timed on its own, after `warm` seconds of untimed calls: a process that idled while the others
+took their turns gets slow CPUs on these virtual machines for its first tens of milliseconds
+(bench/NOTES.md, the bench harness), and every runner gets the same allowance. A runner is
+either a plain callable, timed here (`burst`), or an object with `turn(calls, warm) -> seconds
+per call` that times its burst where it lives (a runner in a process of its own,
+fusion.bench.workers, which times with the same `burst`).
 """
 
 from __future__ import annotations
@@ -16,42 +22,108 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
+SAME_PROCESS = "same process"  # every runner in the measuring process, taking turns
+PROCESSES = "own processes"  # every runner in a long-lived process of its own (workers.py)
+
+
+def burst(
+    call: Callable[[], object],
+    calls: int,
+    before: Callable[[], object] | None = None,
+    warm: float = 0.0,
+) -> list[float]:
+    """`calls` calls back to back (`before()` untimed ahead of each); seconds per call. With
+    `warm`, untimed calls first until that many seconds have passed (at least one)."""
+    if warm > 0:
+        end = time.perf_counter() + warm
+        call()
+        while time.perf_counter() < end:
+            call()
+    times = []
+    for _ in range(calls):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def percentile(samples, q: float) -> float:
+    """The q-th percentile (0-100) of `samples`, linear between order statistics."""
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
+
 
 @dataclass
 class Timing:
-    """Seconds per call of each runner over interleaved rounds."""
+    """Seconds per call of each runner over interleaved rounds of bursts."""
 
     threads: int | None
     rounds: int
     times: dict[str, list[float]] = field(default_factory=dict)  # runner -> seconds per call
+    mode: str = SAME_PROCESS  # where the runners lived: SAME_PROCESS or PROCESSES
+    repeat: int = 1  # calls per turn
+    warm: float = 0.0  # seconds of untimed calls at the start of each turn
 
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
 
-    def table(self, base: str | None = None) -> str:
-        """Median and min per runner, and its speedup over `base` (default: the first runner)."""
-        base_median = self.median(base or next(iter(self.times)))
+    def stats(self, name: str) -> dict:
+        """Median, min, max, p90 and p99 of one runner's calls, in ms, and how many calls."""
+        s = self.times[name]
+        return {
+            "median_ms": statistics.median(s) * 1e3,
+            "min_ms": min(s) * 1e3,
+            "max_ms": max(s) * 1e3,
+            "p90_ms": percentile(s, 90) * 1e3,
+            "p99_ms": percentile(s, 99) * 1e3,
+            "calls": len(s),
+        }
+
+    def describe(self) -> str:
+        """How the figures were taken, in words (heads every table of them)."""
+        where = (
+            "each runner in its own process"
+            if self.mode == PROCESSES
+            else "all runners in one process (quick mode)"
+        )
         threads = f", {self.threads} threads" if self.threads else ""
-        lines = [f"medians of {self.rounds} interleaved rounds{threads}"]
-        lines.append(f"{'runner':<42} {'median ms':>10} {'min ms':>9} {'speedup':>8}")
-        for name, samples in self.times.items():
-            med = statistics.median(samples)
+        warm = f" after {self.warm * 1e3:.0f} ms of untimed calls" if self.warm else ""
+        return (
+            f"{where}{threads}; {self.rounds} rounds round robin, order rotated, "
+            f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}"
+        )
+
+    def table(self, base: str | None = None) -> str:
+        """Median, min and p90 per runner, and its speedup over `base` (default: the first)."""
+        base_median = self.median(base or next(iter(self.times)))
+        width = max([len(n) for n in self.times] + [6])
+        lines = [self.describe()]
+        lines.append(f"{'runner':<{width}} {'median ms':>10} {'min ms':>9} {'p90 ms':>9} "
+                     f"{'speedup':>8}")  # fmt: skip
+        for name in self.times:
+            s = self.stats(name)
             lines.append(
-                f"{name:<42} {med * 1e3:>10.3f} {min(samples) * 1e3:>9.3f} "
-                f"{base_median / med:>7.2f}x"
+                f"{name:<{width}} {s['median_ms']:>10.3f} {s['min_ms']:>9.3f} "
+                f"{s['p90_ms']:>9.3f} {base_median / self.median(name):>7.2f}x"
             )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {
+            "mode": self.mode,
             "threads": self.threads,
             "rounds": self.rounds,
-            "median_ms": {k: self.median(k) * 1e3 for k in self.times},
+            "calls_per_turn": self.repeat,
+            "warm_s": self.warm,
+            "runners": {k: self.stats(k) for k in self.times},
         }
 
 
 def interleave(
-    calls: Mapping[str, Callable[[], object]],
+    calls: Mapping[str, object],
     rounds: int,
     *,
     warmup: int = 2,
@@ -61,20 +133,31 @@ def interleave(
     pause: float = 0.0,
     before: Callable[[], object] | None = None,
     threads: int | None = None,
+    mode: str = SAME_PROCESS,
+    warm: float = 0.0,
 ) -> Timing:
-    """Each call `warmup` times, then rounds of one turn per call, the order rotated each round.
+    """Each runner `warmup` calls, then rounds of one turn per runner, the order rotated.
 
-    A turn is `repeat` calls back to back, timed together (the time per call is kept). `pause`:
-    seconds of idling before each round (a machine coming back from idle); `before()`: untimed
-    work before each turn. Rounds stop after `rounds`, or, past `min_rounds` (default: all of
-    them), once `budget` seconds have passed.
+    calls: name -> a callable (timed here) or an object with turn(n, warm) -> seconds per call
+    (timed where it runs). A turn is `repeat` calls back to back, each timed, after `warm`
+    seconds of untimed calls. `pause`: seconds of idling
+    before each round (a machine coming back from idle); `before()`: untimed work before each
+    local call. Rounds stop after `rounds`, or, past `min_rounds` (default: all of them), once
+    `budget` seconds have passed.
     """
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
+
+    def turn(name: str, n: int, warm: float) -> list[float]:
+        call = calls[name]
+        if hasattr(call, "turn"):
+            return call.turn(n, warm)
+        return burst(call, n, before, warm)
+
     names = list(calls)
+    if warmup:
+        for name in names:
+            turn(name, warmup, 0.0)
     least = rounds if min_rounds is None else min_rounds
-    timing = Timing(threads, 0, {name: [] for name in names})
+    timing = Timing(threads, 0, {name: [] for name in names}, mode, repeat, warm)
     start = time.perf_counter()
     while timing.rounds < rounds and (
         timing.rounds < least or time.perf_counter() - start < budget
@@ -83,12 +166,6 @@ def interleave(
             time.sleep(pause)
         k = timing.rounds % len(names)
         for name in names[k:] + names[:k]:
-            call = calls[name]
-            if before is not None:
-                before()
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                call()
-            timing.times[name].append((time.perf_counter() - t0) / repeat)
+            timing.times[name] += turn(name, repeat, warm)
         timing.rounds += 1
     return timing

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from fusion.bench.timing import PROCESSES
 from fusion.catalog import Catalog
 from fusion.registry import default_catalog
 
@@ -31,9 +32,17 @@ class Workload:
     native: onnx.ModelProto | None = None
     description: str = ""
     plugins: tuple[str, ...] = ()  # `--plugin` files, loaded again in child processes
+    batch: int | None = None  # items per run, for throughput (None: the first input's axis 0)
 
     def resolved_catalog(self) -> Catalog:
         return self.catalog if self.catalog is not None else catalog_with(self.rules)
+
+    def items(self) -> int:
+        """Items per run: `batch`, else the first input's first axis (1 for a scalar)."""
+        if self.batch is not None:
+            return self.batch
+        first = next(iter(self.feeds.values()), None)
+        return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
 @dataclass
@@ -42,8 +51,15 @@ class Options:
     rounds: int = 20  # at most this many timed rounds
     min_rounds: int = 5  # at least this many, even past the budget
     budget: float = 6.0  # seconds of timed rounds, after which no new round starts
-    warmup: int = 2
-    profile: bool = True  # kernel / island / crossing split of the fused run
+    warmup: int = 2  # untimed calls per runner first
+    repeat: int = 3  # calls per turn, back to back, each timed
+    warm: float = 0.05  # seconds of untimed calls first in each turn (fusion.bench.timing)
+    mode: str = PROCESSES  # PROCESSES (each runner in its own process) or SAME_PROCESS (quick)
+    profile: bool = True  # the fused run step by step: kernels, islands, between
+    nodes: bool = True  # each fused node alone against its function body in onnxruntime
+    node_rounds: int = 5  # rounds of that comparison
+    runners: tuple[str, ...] | None = None  # which runners (None: all that apply)
+    sgemm: bool = True  # numpy's SGEMM on the heaviest GEMM shape, the GFLOP/s reference
     memory: bool = True  # peak RSS per runner, in a child process
     compile: bool = True  # Numba compile time, cold and cached, in child processes
     rtol: float | None = None  # None: the loosest of the fused rules' tolerances

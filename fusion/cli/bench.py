@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
+from fusion.bench.machine import machine
 from fusion.bench.measure import measure
-from fusion.bench.report import machine, notes, rich_tables, write_json, write_markdown, write_plot
+from fusion.bench.report import (
+    header_lines,
+    notes,
+    rich_tables,
+    write_json,
+    write_markdown,
+    write_plot,
+)
+from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
 from fusion.cli.inputs import add_input_argument, check_writes, input_files
 from fusion.feeds import model_inputs
@@ -20,12 +28,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("model", help="the .onnx file to benchmark (original, not fused)")
     parser.add_argument("--threads", type=int, default=None, help="threads for every runner")
     parser.add_argument("--rounds", type=int, default=20, help="at most this many timed rounds")
+    parser.add_argument("--repeat", type=int, default=3, help="calls per runner and round")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed rounds")
     parser.add_argument("--batch", type=int, default=1, help="size of symbolic first axes")
+    parser.add_argument(
+        "--same-process",
+        action="store_true",
+        help="quick mode: every runner in this process (onnxruntime's workers not spinning)",
+    )
     add_input_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of random inputs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time children")
+    parser.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")
     parser.add_argument("--json", help="write the results as JSON to this file")
     parser.add_argument("--markdown", help="write a Markdown table to this file")
     parser.add_argument("--plot", help="write a PNG bar chart of speedups to this file")
@@ -36,6 +51,7 @@ def execute(args) -> int:
     from rich.console import Console  # heavy: only for the tables
     from rich.progress import Progress
 
+    info = machine()  # the command line as typed, the machine, before anything runs
     model, data_files = read_model(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
@@ -48,7 +64,10 @@ def execute(args) -> int:
     opts = Options(
         threads=args.threads or os.cpu_count() or 1,
         rounds=args.rounds,
+        repeat=args.repeat,
         budget=args.budget,
+        mode=SAME_PROCESS if args.same_process else PROCESSES,
+        nodes=not args.no_nodes,
         memory=not args.no_memory,
         compile=not args.no_compile,
     )
@@ -59,20 +78,21 @@ def execute(args) -> int:
         description=f"inputs: {source}",
         plugins=tuple(getattr(args, "plugin", None) or ()),
     )
-    console = Console()
-    with Progress(console=console, transient=True) as bar:
+    console = Console(highlight=False)
+    # progress while kernels compile and runners warm up; nothing when not a terminal
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(workload.name, total=None)
         result = measure(workload, opts, lambda s: bar.update(task, description=s))
-    info = machine()
-    for table in rich_tables([result], title=f"{args.model}, {opts.threads} threads"):
+    for line in header_lines([result], info):
+        console.print(line, markup=False)
+    for table in rich_tables([result], width=console.width):
         console.print(table)
     for line in notes([result]):
-        console.print(line, markup=False, highlight=False)
-    command = " ".join(["fusion", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
+        console.print(line, markup=False)
     if args.json:
-        write_json([result], args.json, info, command=command)
+        write_json([result], args.json, info, command=info["command"])
     if args.markdown:
-        write_markdown([result], args.markdown, info, command)
+        write_markdown([result], args.markdown, info)
     if args.plot:
-        write_plot([result], args.plot, title=f"{args.model}, {opts.threads} threads")
+        write_plot([result], args.plot, title=f"{args.model}, {opts.threads} threads", info=info)
     return 1 if result.refused else 0

@@ -355,9 +355,7 @@ class KernelStep:
 
 def run_body(model: onnx.ModelProto, node: onnx.NodeProto, args, settings: Settings) -> list:
     """onnxruntime's outputs of one fused node: its function body on `args`."""
-    arrays = [None if a is None else np.asarray(a) for a in args]
-    feeds = {v: a for v, a in zip(node.input, arrays, strict=True) if v}
-    single = single_node_model(model, node, arrays)
+    single, feeds = single_node_model(model, node, args)
     return inference_session(single, settings, threads=1).run(None, feeds)
 
 

@@ -225,9 +225,11 @@ class Session:
                 warnings.warn(f"fusion: {node_label(node)}: tactic {tactic.name} failed: {exc}",
                               stacklevel=2)  # fmt: skip
                 times[tactic.name] = float("inf")
-        single = single_node_model(self.model, node, inputs)
+        # The body with the node's constants as initializers, as onnxruntime would run it inside
+        # an island (weights pre-packed), on the same inputs.
+        constants = {v for v, c in zip(node.input, consts, strict=True) if v and c is not None}
+        single, feeds = single_node_model(self.model, node, inputs, constants)
         body = inference_session(single, ISLAND, self.threads)
-        feeds = {v: a for v, a in zip(node.input, inputs, strict=True) if v}
         times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
         return times
 

@@ -1,0 +1,42 @@
+"""`fusion match MODEL [--json]`: what a rewrite would fuse, and why the near-misses are not
+fused, per pattern; nothing is written. The JSON has the shape of `rewrite --report`."""
+
+from __future__ import annotations
+
+import json
+
+from fusion.cli.inputs import load_checked, pattern_names
+from fusion.registry import default_catalog
+from fusion.rewriter import rewrite
+
+NAME, HELP = "match", "list what would be fused (and near-misses, with reasons); writes nothing"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="the .onnx file to match (read only)")
+    p.add_argument("--only", type=pattern_names, help="comma-separated pattern names to use")
+    p.add_argument("--exclude", type=pattern_names, help="comma-separated pattern names to skip")
+    p.add_argument("--json", action="store_true", help="the rewrite --report JSON on stdout")
+
+
+def execute(args) -> int:
+    model = load_checked(args.model)[0]
+    catalog = default_catalog().select(args.only or (), args.exclude or ())
+    result = rewrite(model, catalog)  # in memory: the rewritten model is dropped
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"{args.model}: {len(model.graph.node)} nodes")
+    for rule in result.rules:
+        fused = [f for f in result.fusions if f.rule == rule]
+        misses = [n for n in result.near_misses if n.rule == rule]
+        if not fused and not misses:
+            print(f"{rule}: no match")
+            continue
+        print(f"{rule}: {len(fused)} match{'es' if len(fused) != 1 else ''}, "
+              f"{len(misses)} near-miss{'es' if len(misses) != 1 else ''}")  # fmt: skip
+        for f in fused:
+            print(f"  match {f.node}: {', '.join(f.replaced)}")
+        for n in misses:
+            print(f"  near-miss at {n.at}: {n.reason}")
+    return 0
