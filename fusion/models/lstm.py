@@ -9,7 +9,8 @@ Unsqueeze + Concat. Variants as parameters:
 
 - form: "gemm" (PyTorch: Gemm(x, W, b, transB=1) + Gemm(h, R, b2, transB=1)), "matmul"
   (MatMul(x, W^T) + MatMul(h, R^T) + b, `assoc` picks the association), "concat"
-  (TF/Keras: MatMul(Concat(x, h), [W^T; R^T]) + b);
+  (TF/Keras: MatMul(Concat(x, h), [W^T; R^T]) + b), "concat_gemm" (tf2onnx's
+  Gemm(Concat(x, h), [W^T; R^T], b, transB=0));
 - gates: "split_input" (opset 13+), "split_attribute" (opset 11), "num_outputs" (opset 18),
   "slice" (four Slices, written in a shuffled order);
 - order: the gate order of the pre-activation columns, a permutation of "ifgo"
@@ -107,7 +108,7 @@ def lstm_cell(
                 g.named(ww.R.T.copy(), "R"),
                 g.named(ww.Wb + ww.Rb, "b"),
             ]
-        else:
+        else:  # concat, concat_gemm
             wcat = np.concatenate([ww.W.T, ww.R.T], axis=0)
             g.weights = [g.named(wcat, "W"), g.named(ww.Wb + ww.Rb, "b")]
     if form == "gemm":
@@ -124,9 +125,12 @@ def lstm_cell(
             pre = g.node("Add", [hr, g.node("Add", [b, xw])])
         else:
             pre = g.node("Add", [xw, g.node("Add", [hr, b])])
-    else:
+    elif form == "concat":
         wn, b = g.weights
         pre = g.node("Add", [g.node("MatMul", [g.node("Concat", [x, h], axis=1), wn]), b])
+    else:
+        wn, b = g.weights
+        pre = g.node("Gemm", [g.node("Concat", [x, h], axis=1), wn, b], transB=0)
     chunks = _split_gates(g, pre, hid, gates)
     gate = dict(zip(order, chunks, strict=True))
     f_pre = gate["f"]
