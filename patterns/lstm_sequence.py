@@ -22,11 +22,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView, node_label
 from fusion.matcher import Match
 from patterns.lstm import WEIGHTS, cell_weights
+
+IFGO_TO_ONNX = [0, 3, 1, 2]  # the kernel's gate blocks i, f, g, o -> ONNX's i, o, f, c
 
 # A cell's roles with x and h exchanged: its inputs' order, and its attributes' names.
 SWAP_INPUTS = [1, 0, 2, *(3 + WEIGHTS.index(w) for w in ("R", "h_c", "h_b", "W", "x_c", "x_b"))]
@@ -257,6 +260,70 @@ class StepOutputs(Sequence):
         return self.hs[i] if i < self.steps else self.cs[i - self.steps]
 
 
+def standard(view: GraphView, node: onnx.NodeProto):
+    """The fused chain as the ONNX LSTM op (rewrite(standard_ops=True)): (nodes, initializers)
+    computing the outputs that anything reads, or why it cannot (the op returns only the last
+    step's c)."""
+    attrs = view.attributes(node)
+    steps, folded = attrs["steps"], attrs.get("folded", 0)
+    n_x = 1 if folded else steps
+    inputs = list(node.input) + [""] * (n_x + 2 + len(WEIGHTS) - len(node.input))
+    constants = [view.constant(v) if v else None for v in inputs[n_x + 2 :]]
+    wx, wh, b = cell_weights(attrs, constants)
+    hidden = wh.shape[0]
+    cols = np.concatenate([np.arange(k * hidden, (k + 1) * hidden) for k in IFGO_TO_ONNX])
+    outputs = list(node.output)
+    ys, hs, cs = outputs[:folded], outputs[folded : folded + steps], outputs[folded + steps :]
+    read = {v for n in view.nodes if n is not node for v in n.input} | view.graph_outputs
+    if any(c in read for c in cs[:-1]):
+        return "a step's c other than the last is read, and the LSTM op returns only the last"
+    g = _Nodes(view, f"{node.name or outputs[0]}/")
+    x = inputs[0] if folded else g.op("Concat", [g.unsqueeze(v) for v in inputs[:steps]], axis=0)
+    weights = [
+        g.const(wx[:, cols].T[None], "W"),
+        g.const(wh[:, cols].T[None], "R"),
+        g.const(np.concatenate([b[cols], np.zeros_like(b)])[None], "B"),
+    ]
+    lstm_in = [x, *weights, "", g.unsqueeze(inputs[n_x]), g.unsqueeze(inputs[n_x + 1])]
+    y4, yh, yc = g.op("LSTM", lstm_in, n_out=3, hidden_size=hidden)
+    per_step = [t for t, h in enumerate(hs[:-1]) if h in read]
+    if per_step or (ys and ys[0] in read):
+        y = g.op("Squeeze", [y4, g.const(np.array([1]), "axes")], out=ys[0] if ys else None)
+        for t in per_step:
+            g.op("Gather", [y, g.const(np.array(t), f"t{t}")], out=hs[t], axis=0)
+    for value, state in ((hs[-1], yh), (cs[-1], yc)):
+        if value in read:
+            g.op("Squeeze", [state, g.const(np.array([0]), "axes")], out=value)
+    return g.nodes, g.inits
+
+
+class _Nodes:
+    """Nodes and initializers of a standard form, their names under `prefix`."""
+
+    def __init__(self, view: GraphView, prefix: str):
+        self.view, self.prefix = view, prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, array: np.ndarray, hint: str) -> str:
+        name = f"{self.prefix}{hint}_{len(self.inits)}"
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def op(self, op_type: str, inputs, n_out: int = 1, out: str | None = None, **attrs):
+        if op_type in ("Squeeze", "Unsqueeze") and self.view.opset.get("", 1) < 13:
+            attrs["axes"] = numpy_helper.to_array(self.inits.pop()).tolist()
+            inputs = inputs[:1]
+        k = len(self.nodes)
+        outs = [out] if out else [f"{self.prefix}{op_type}_{k}_{i}" for i in range(n_out)]
+        name = f"{self.prefix}{op_type}_{k}"
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, **attrs))
+        return outs if n_out > 1 else outs[0]
+
+    def unsqueeze(self, value: str) -> str:
+        return self.op("Unsqueeze", [value, self.const(np.array([0]), "axes")])
+
+
 RULE = Rule(
     "LSTMSequence",
     None,
@@ -266,6 +333,7 @@ RULE = Rule(
     attributes=attributes,
     finder=find_chain,
     anchor_ops=("LSTMCell",),
+    standard=standard,
     stage=1,
     priority=10,
     description="a chain of LSTMCell nodes with the same weights, as one recurrence",
