@@ -18,16 +18,14 @@ not chain says why (fusion.explain).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView, node_label
 from fusion.matcher import Match
 from patterns.lstm import WEIGHTS, cell_weights
+from patterns.rnn_steps import StandardNodes, StepOutputs, fold_steps
 
 IFGO_TO_ONNX = [0, 3, 1, 2]  # the kernel's gate blocks i, f, g, o -> ONNX's i, o, f, c
 
@@ -142,76 +140,11 @@ def find_chain(view: GraphView, index: int) -> list[Match] | str | None:
     }
     chain = [i for i, _ in cells]
     nodes = {"head": index}
-    folded = _fold_steps(view, values)
+    folded = fold_steps(view, values)
     plain = Match.of(view, values, nodes, chain)
     if folded is None:
         return [plain]
     return [Match.of(view, folded[0], nodes, chain + folded[1]), plain]
-
-
-def _fold_steps(view: GraphView, values: dict):
-    """Captures with X [T, B, I] as the only step input and Y [T, B, H] as the first output,
-    and the nodes that fold in, when the steps' x are cut from one X and their h stacked into
-    one Y (_unstacked, _stacked); None otherwise."""
-    unstacked, stacked = _unstacked(view, values["xs"]), _stacked(view, values["hs"])
-    if unstacked is None or stacked is None:
-        return None
-    (data, before), (y, after) = unstacked, stacked
-    return {**values, "xs": [data], "hs": [y, *values["hs"]]}, before + after
-
-
-def _axis0(view: GraphView, node: onnx.NodeProto) -> bool:
-    """The node's axes (input 1 or attribute) are [0]."""
-    axes = view.constant(node.input[1]) if len(node.input) > 1 and node.input[1] else None
-    axes = view.attributes(node).get("axes") if axes is None else axes
-    return axes is not None and np.reshape(axes, -1).tolist() == [0]
-
-
-def _unstacked(view: GraphView, xs: list[str]):
-    """(X, nodes) when x_t = Gather(X, t, axis=0) (PyTorch's x[t]) or x_t = Squeeze(output t
-    of Split(X, axis=0) into T parts, axes=[0]) (tf.unstack, as tf2onnx writes it)."""
-    data, nodes = None, []
-    for t, x in enumerate(xs):
-        index = view.producer.get(x, (None,))[0]
-        node = None if index is None else view.nodes[index]
-        if node is not None and node.op_type == "Squeeze" and _axis0(view, node):
-            split = view.producer.get(node.input[0])
-            if split is None or split[1] != t or view.nodes[split[0]].op_type != "Split":
-                return None
-            cut = view.nodes[split[0]]
-            if view.attributes(cut).get("axis") != 0 or len(cut.output) != len(xs):
-                return None
-            source, nodes = cut.input[0], nodes + [index] + ([split[0]] if t == 0 else [])
-        elif node is not None and node.op_type == "Gather" and view.attributes(node)["axis"] == 0:
-            at = view.constant(node.input[1])
-            if at is None or at.ndim != 0 or int(at) != t:
-                return None
-            source, nodes = node.input[0], nodes + [index]
-        else:
-            return None
-        if data not in (None, source):
-            return None
-        data = source
-    return data, nodes
-
-
-def _stacked(view: GraphView, hs: list[str]):
-    """(Y, nodes) when Y = Concat(Unsqueeze(h_t, axes=[0]) for t, axis=0) (torch.stack,
-    tf.stack)."""
-    nodes, parts = [], []
-    for h in hs:
-        users = [j for j in view.consumers.get(h, ()) if view.nodes[j].op_type == "Unsqueeze"]
-        if len(users) != 1 or not _axis0(view, view.nodes[users[0]]):
-            return None
-        nodes.append(users[0])
-        parts.append(view.nodes[users[0]].output[0])
-    users = view.consumers.get(parts[0], [])
-    concat = view.nodes[users[0]] if len(users) == 1 else None
-    if concat is None or concat.op_type != "Concat" or list(concat.input) != parts:
-        return None
-    if view.attributes(concat).get("axis") != 0:
-        return None
-    return concat.output[0], [*nodes, users[0]]
 
 
 def attributes(m: Match) -> dict:
@@ -240,26 +173,6 @@ def make_kernel(attrs: dict, constants: list):
     return run
 
 
-class StepOutputs(Sequence):
-    """The node's outputs, (Y,) h_1 .. h_T, c_1 .. c_T, as views of hs and cs made when asked
-    for: a session reads only those a later step uses (often Y, h_T and c_T of 2 T + 1)."""
-
-    def __init__(self, hs: np.ndarray, cs: np.ndarray, stacked: bool):
-        self.hs, self.cs, self.first, self.steps = hs, cs, int(stacked), len(hs)
-        self.size = self.first + 2 * self.steps
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not -self.size <= i < self.size:
-            raise IndexError(i)
-        i = i % self.size - self.first
-        if i < 0:
-            return self.hs
-        return self.hs[i] if i < self.steps else self.cs[i - self.steps]
-
-
 def standard(view: GraphView, node: onnx.NodeProto):
     """The fused chain as the ONNX LSTM op (rewrite(standard_ops=True)): (nodes, initializers)
     computing the outputs that anything reads, or why it cannot (the op returns only the last
@@ -277,7 +190,7 @@ def standard(view: GraphView, node: onnx.NodeProto):
     read = {v for n in view.nodes if n is not node for v in n.input} | view.graph_outputs
     if any(c in read for c in cs[:-1]):
         return "a step's c other than the last is read, and the LSTM op returns only the last"
-    g = _Nodes(view, f"{node.name or outputs[0]}/")
+    g = StandardNodes(view, f"{node.name or outputs[0]}/")
     x = inputs[0] if folded else g.op("Concat", [g.unsqueeze(v) for v in inputs[:steps]], axis=0)
     weights = [
         g.const(wx[:, cols].T[None], "W"),
@@ -295,33 +208,6 @@ def standard(view: GraphView, node: onnx.NodeProto):
         if value in read:
             g.op("Squeeze", [state, g.const(np.array([0]), "axes")], out=value)
     return g.nodes, g.inits
-
-
-class _Nodes:
-    """Nodes and initializers of a standard form, their names under `prefix`."""
-
-    def __init__(self, view: GraphView, prefix: str):
-        self.view, self.prefix = view, prefix
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def const(self, array: np.ndarray, hint: str) -> str:
-        name = f"{self.prefix}{hint}_{len(self.inits)}"
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def op(self, op_type: str, inputs, n_out: int = 1, out: str | None = None, **attrs):
-        if op_type in ("Squeeze", "Unsqueeze") and self.view.opset.get("", 1) < 13:
-            attrs["axes"] = numpy_helper.to_array(self.inits.pop()).tolist()
-            inputs = inputs[:1]
-        k = len(self.nodes)
-        outs = [out] if out else [f"{self.prefix}{op_type}_{k}_{i}" for i in range(n_out)]
-        name = f"{self.prefix}{op_type}_{k}"
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, **attrs))
-        return outs if n_out > 1 else outs[0]
-
-    def unsqueeze(self, value: str) -> str:
-        return self.op("Unsqueeze", [value, self.const(np.array([0]), "axes")])
 
 
 RULE = Rule(

@@ -63,7 +63,7 @@ class LSTMWeights:
         return LSTMWeights(self.W[idx], self.R[idx], self.Wb[idx], self.Rb[idx])
 
 
-class _Graph(GraphBuilder):
+class RNNGraph(GraphBuilder):
     def __init__(self, opset: int):
         super().__init__(opset)
         self.weights_key, self.weights = None, []  # one set of initializers per chain
@@ -79,7 +79,7 @@ class _Graph(GraphBuilder):
 
 
 def lstm_cell(
-    g: _Graph,
+    g: RNNGraph,
     x,
     h,
     c,
@@ -143,7 +143,7 @@ def lstm_cell(
     return h_new, c_new
 
 
-def _split_gates(g: _Graph, pre: str, hid: int, gates: str) -> list[str]:
+def _split_gates(g: RNNGraph, pre: str, hid: int, gates: str) -> list[str]:
     if gates == "split_input":
         return g.node("Split", [pre, g.named(np.array([hid] * 4, np.int64), "split")], 4, axis=1)
     if gates == "split_attribute":
@@ -163,7 +163,7 @@ def unrolled_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", **cell) ->
 
     >>> model = unrolled_lstm(LSTMWeights.random(128, 256), steps=16, form="gemm")
     """
-    g = _Graph(OPSET[cell.get("gates", "split_input")])
+    g = RNNGraph(OPSET[cell.get("gates", "split_input")])
     hid, size = w.hidden, w.W.shape[1]
     h, c, ys = "h0", "c0", []
     for t in range(steps):
@@ -184,7 +184,7 @@ def cell_model(
 ) -> onnx.ModelProto:
     """One cell: x [B, I], h, c [B, H] -> h', c' (and `extra_output`, an intermediate, if named
     by its op type, e.g. "Tanh": the first node of that type becomes an output too)."""
-    g = _Graph(OPSET[cell.get("gates", "split_input")])
+    g = RNNGraph(OPSET[cell.get("gates", "split_input")])
     h, c = lstm_cell(g, "x", "h", "c", w, **cell)
     hid, size = w.hidden, w.W.shape[1]
     outputs = {h: [batch, hid], c: [batch, hid]}
@@ -195,7 +195,7 @@ def cell_model(
 
 def native_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", forget_bias=0.0):
     """The same network as one ONNX LSTM node (gates i, o, f, c), same inputs and outputs."""
-    g = _Graph(17)
+    g = RNNGraph(17)
     ww = w.reorder("iofg")
     b = np.concatenate([ww.Wb, ww.Rb])
     b[2 * w.hidden : 3 * w.hidden] += np.float32(forget_bias)
