@@ -12,7 +12,8 @@ Workload: input 128, hidden 256, T = 16 (options), 2 threads everywhere. Runners
 Each runner lives in its own process (a spinning onnxruntime would steal the CPU from the next
 runner in a shared process). The parent runs rounds: in each, every runner in turn (the order
 rotated per round) times `repeat` calls back to back in its own process and reports seconds per
-call. It prints medians with min and max per runner and the ratios, after checking every
+call, after a short gap (--gap) in which the previous runner's spinning workers settle. It
+prints medians with min and max per runner and the ratios, after checking every
 runner's outputs against onnxruntime on the unrolled graph (1e-5). `--compile` instead times a
 Session build + first run with a fresh Numba cache, then again from that cache.
 
@@ -70,7 +71,9 @@ def build(cell: str, runner: str, batch: int, steps: int):
 
 def worker(spec: str) -> None:
     """A runner's process: build, warm up, then answer the parent's commands on stdin:
-    "time N" (seconds per call over N calls), "save PATH" (the outputs), "quit"."""
+    "time N" (seconds per call over N calls, after N // 4 untimed ones: a process that has
+    been idle runs slow at first on these virtual machines, bench/NOTES.md), "save PATH" (the
+    outputs), "quit"."""
     cell, runner, batch, steps = json.loads(spec)
     run, _ = build(cell, runner, batch, steps)
     for _ in range(5):
@@ -79,6 +82,8 @@ def worker(spec: str) -> None:
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "time":
+            for _ in range(int(arg) // 4):
+                run()
             start = time.perf_counter()
             for _ in range(int(arg)):
                 run()
@@ -111,7 +116,12 @@ class Worker:
         self.proc.wait(timeout=30)
 
 
-def bench(cell: str, batch: int, steps: int, rounds: int, runners) -> None:
+def _estimate(worker: Worker) -> float:
+    """Seconds per call of a runner, roughly."""
+    return float(worker.ask("time 8"))
+
+
+def bench(cell: str, batch: int, steps: int, rounds: int, runners, gap: float) -> None:
     workers = [Worker(cell, name, batch, steps) for name in runners]
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -125,11 +135,12 @@ def bench(cell: str, batch: int, steps: int, rounds: int, runners) -> None:
             for g, ref in zip(got, want, strict=True):
                 err = float(np.abs(g - ref).max())
                 assert err <= 1e-5, f"{name}: max abs error {err:.3g} vs onnxruntime"
-        repeat = 20 if batch == 1 else 5
+        repeat = max(4, round(0.05 / _estimate(workers[0])))  # ~50 ms of calls per turn
         times = {w.name: [] for w in workers}
         for r in range(rounds):
             order = workers[r % len(workers) :] + workers[: r % len(workers)]
             for w in order:
+                time.sleep(gap)  # the last runner's spinning workers settle (not timed)
                 times[w.name].append(float(w.ask(f"time {repeat}")))
     finally:
         for w in workers:
@@ -167,6 +178,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    ap.add_argument("--gap", type=float, default=0.02, help="s between two runners' turns")
     ap.add_argument("--compile", action="store_true", help="time the kernels' compile instead")
     args = ap.parse_args()
     if args.worker:
@@ -179,7 +191,7 @@ def main():
             compile_time(cell)
             continue
         for batch in args.batch:
-            bench(cell, batch, args.steps, args.rounds, args.runners)
+            bench(cell, batch, args.steps, args.rounds, args.runners, args.gap)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 

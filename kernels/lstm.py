@@ -1,4 +1,5 @@
-"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o.
+"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o; the GRU
+on the same blocks (prepare_gru, gru_sequence: gates z, r, n_x, n_h and its own cell).
 
     G_t = x_t Wx + h_{t-1} Wh + b          [B, 4H]
     c_t = sig(G_f) * c_{t-1} + sig(G_i) * tanh(G_g),   h_t = sig(G_o) * tanh(c_t)

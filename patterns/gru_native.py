@@ -18,6 +18,7 @@ import onnx
 from fusion.catalog import Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
+from patterns.rnn_steps import fold_native, shaped_outputs
 
 INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h")
 
@@ -56,14 +57,24 @@ def find(view: GraphView, index: int) -> list[Match] | str:
     inputs = dict(zip(INPUTS, node.input, strict=False))
     values = {name: inputs.get(name, "") for name in ("X", "initial_h", "W", "R", "B")}
     values["outputs"] = [v for v in node.output if v]
-    return [Match.of(view, values, {"gru": index}, [index])]
+    plain = Match.of(view, values, {"gru": index}, [index])
+    if view.attributes(node).get("direction") == "bidirectional":
+        return [plain]
+    folded = fold_native(view, index, values, ("initial_h",), (1, 0))
+    if folded is None:
+        return [plain]
+    return [Match.of(view, folded[0], {"gru": index}, folded[1]), plain]
 
 
 def attributes(m: Match) -> dict:
+    """As LSTMOp's (patterns/lstm_native.py)."""
     node = m.node("gru")
+    outputs = [v for v in node.output if v]
     return {
         "direction": m.attrs("gru").get("direction", "forward"),
         "present": [int(bool(v)) for v in (list(node.output) + ["", ""])[:2]],
+        "squeezed": [int(v not in outputs) for v in m["outputs"]],
+        "unsqueezed": int(bool(m["initial_h"]) and m["initial_h"] not in node.input),
     }
 
 
@@ -79,8 +90,10 @@ def make_kernel(attrs: dict, constants: list):
         for d in range(dirs)
     ]
     reverse, wanted = attrs["direction"] == "reverse", attrs["present"]
+    squeezed, unsqueezed = attrs.get("squeezed", [0, 0]), attrs.get("unsqueezed", 0)
 
     def run(x, h0=None, *_weights):
+        h0 = h0[None] if h0 is not None and unsqueezed else h0
         zeros = np.zeros((x.shape[1], hidden), np.float32)
         ys, hn = [], []
         for d, plan in enumerate(plans):
@@ -89,8 +102,7 @@ def make_kernel(attrs: dict, constants: list):
             hs = gru_sequence(x[::-1] if backward else x, start, plan)
             ys.append(hs[::-1] if backward else hs)
             hn.append(hs[-1] if len(hs) else start)
-        y, yh = np.stack(ys, axis=1), np.stack(hn)  # [T, D, B, H], [D, B, H]
-        return tuple(v for v, keep in zip((y, yh), wanted, strict=True) if keep)
+        return shaped_outputs(ys, [hn], wanted, squeezed)
 
     return run
 

@@ -9,7 +9,9 @@ kernel does not do is refused with a reason: sequence_lens, peepholes (P), clip,
 activations other than Sigmoid/Tanh/Tanh, layout 1 (which onnxruntime does not run, so
 nothing could check the kernel against it).
 A single op is no pattern of several nodes, so the rule has a finder anchored on LSTM; its
-outputs are the op's present ones (`present` records which).
+outputs are the op's present ones (`present` records which). With one direction, the
+Unsqueeze of the initial states and the Squeeze of the outputs around it (PyTorch's export)
+fold in, so the session runs it as one kernel call with no onnxruntime island.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import onnx
 from fusion.catalog import Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
+from patterns.rnn_steps import fold_native, shaped_outputs
 
 INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P")
 FUSED_INPUTS = ("X", "initial_h", "initial_c", "W", "R", "B")
 ONNX_TO_IFGO = [0, 2, 3, 1]  # ONNX's gate blocks i, o, f, c -> the kernel's i, f, g, o
 DEFAULT_ACTIVATIONS = ["Sigmoid", "Tanh", "Tanh"]
+STATES = ("initial_h", "initial_c")
 
 
 def refusal(view: GraphView, node: onnx.NodeProto) -> str | None:
@@ -65,15 +69,30 @@ def find(view: GraphView, index: int) -> list[Match] | str:
     inputs = dict(zip(INPUTS, node.input, strict=False))
     values = {name: inputs.get(name, "") for name in FUSED_INPUTS}
     values["outputs"] = [v for v in node.output if v]
-    return [Match.of(view, values, {"lstm": index}, [index])]
+    plain = Match.of(view, values, {"lstm": index}, [index])
+    if view.attributes(node).get("direction") == "bidirectional":
+        return [plain]
+    folded = fold_native(view, index, values, STATES, (1, 0, 0))
+    return (
+        [plain]
+        if folded is None
+        else [Match.of(view, folded[0], {"lstm": index}, folded[1]), plain]
+    )
 
 
 def attributes(m: Match) -> dict:
+    """direction; present: which of Y, Y_h, Y_c exist; squeezed: which of them are the Squeeze
+    after them and unsqueezed: which initial states the Unsqueeze before them (fold_native)."""
     attrs = m.attrs("lstm")
     node = m.node("lstm")
+    outputs = [v for v in node.output if v]
     return {
         "direction": attrs.get("direction", "forward"),
         "present": [int(bool(v)) for v in (list(node.output) + ["", "", ""])[:3]],
+        "squeezed": [int(v not in outputs) for v in m["outputs"]],
+        "unsqueezed": [
+            int(bool(m[k]) and m[k] not in node.input) for k in ("initial_h", "initial_c")
+        ],
     }
 
 
@@ -94,9 +113,12 @@ def make_kernel(attrs: dict, constants: list):
     hidden, dirs = r.shape[-1], r.shape[0]
     plans = [prepare_lstm(*onnx_weights(w, r, b, d, hidden)) for d in range(dirs)]
     reverse = attrs["direction"] == "reverse"
-    wanted = attrs["present"]
+    wanted, squeezed = attrs["present"], attrs.get("squeezed", [0, 0, 0])
+    unsqueezed = attrs.get("unsqueezed", [0, 0])
 
     def run(x, h0=None, c0=None, *_weights):
+        h0 = h0[None] if h0 is not None and unsqueezed[0] else h0
+        c0 = c0[None] if c0 is not None and unsqueezed[1] else c0
         zeros = np.zeros((x.shape[1], hidden), np.float32)
         ys, hn, cn = [], [], []
         for d, plan in enumerate(plans):
@@ -108,8 +130,7 @@ def make_kernel(attrs: dict, constants: list):
             ys.append(hs[::-1] if backward else hs)
             hn.append(hs[-1] if len(hs) else (zeros if h0 is None else h0[d]))
             cn.append(cs[-1] if len(cs) else (zeros if c0 is None else c0[d]))
-        y, yh, yc = np.stack(ys, axis=1), np.stack(hn), np.stack(cn)  # [T, D, B, H], [D, B, H]
-        return tuple(v for v, keep in zip((y, yh, yc), wanted, strict=True) if keep)
+        return shaped_outputs(ys, [hn, cn], wanted, squeezed)
 
     return run
 

@@ -126,3 +126,50 @@ class StandardNodes:
 
     def unsqueeze(self, value: str) -> str:
         return self.op("Unsqueeze", [value, self.const(np.array([0]), "axes")])
+
+
+def _axes_are(view: GraphView, node: onnx.NodeProto, axis: int) -> bool:
+    axes = view.constant(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    axes = view.attributes(node).get("axes") if axes is None else axes
+    return axes is not None and np.reshape(axes, -1).tolist() == [axis]
+
+
+def fold_native(view: GraphView, index: int, values: dict, states: tuple, axes: tuple):
+    """A one-direction native op (LSTM, GRU) with the Unsqueeze(s, axes=[0]) of its initial
+    `states` and the Squeeze of its outputs (`axes` per output: Y's direction axis 1, the final
+    states' 0), as PyTorch exports nn.LSTM and nn.GRU, folded in: (values, nodes) reading and
+    writing the squeezed values, or None when there is nothing to fold."""
+    node, values, nodes = view.nodes[index], dict(values), [index]
+    for name in states:
+        producer = view.producer.get(values[name]) if values[name] else None
+        before = view.nodes[producer[0]] if producer else None
+        if before is not None and before.op_type == "Unsqueeze" and _axes_are(view, before, 0):
+            values[name] = before.input[0]
+            nodes.append(producer[0])
+    outputs = []
+    for value, axis in zip(node.output, axes, strict=False):
+        users = view.consumers.get(value, []) if value else []
+        after = view.nodes[users[0]] if len(users) == 1 else None
+        fold = after is not None and after.op_type == "Squeeze" and _axes_are(view, after, axis)
+        if fold and not view.is_graph_output(value):
+            nodes.append(users[0])
+            value = after.output[0]
+        if value:
+            outputs.append(value)
+    values["outputs"] = outputs
+    return (values, sorted(nodes)) if len(nodes) > 1 else None
+
+
+def shaped_outputs(ys: list, finals: list, present: list, squeezed: list) -> tuple:
+    """A native op's present outputs from per-direction sequences ys ([T, B, H] each) and final
+    states (finals: per state, a list per direction): Y [T, D, B, H] and the states [D, B, H],
+    or, squeezed (one direction, fold_native), [T, B, H] and [B, H] without copies."""
+    if len(ys) == 1:
+        outs = [np.ascontiguousarray(ys[0])[:, None], *(f[0][None] for f in finals)]
+    else:
+        outs = [np.stack(ys, axis=1), *(np.stack(f) for f in finals)]
+    kept = [(k, v) for k, (v, keep) in enumerate(zip(outs, present, strict=True)) if keep]
+    return tuple(
+        (v[:, 0] if k == 0 else v[0]) if fold else v
+        for (k, v), fold in zip(kept, list(squeezed) + [0] * len(kept), strict=False)
+    )

@@ -9,6 +9,7 @@ from helpers import assert_all_close, fused_ops, near_miss, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
+from fusion.models import LSTMWeights, native_lstm
 from fusion.runtime import Session
 
 CATALOG = fusion.default_catalog()
@@ -79,6 +80,26 @@ def test_lstm_op_runs_on_the_kernel(direction, states):
 
 def test_only_the_present_outputs():
     check(lstm_model(4, 9, "bidirectional", outputs=2))
+
+
+@pytest.mark.parametrize("steps, batch", [(1, 1), (5, 3)])
+def test_unsqueeze_and_squeeze_around_one_direction_fold_in(steps, batch):
+    """fusion.models.native_lstm: Unsqueeze of h0, c0 before, Squeeze of Y, Y_h, Y_c after: one
+    kernel call, no island; with Y_h also read as it is, its Squeeze stays outside."""
+    w = LSTMWeights.random(6, 11, seed=steps)
+    model = native_lstm(w, steps, batch)
+    x = {"X": feeds(model, steps, batch)["X"]} | {
+        k: np.random.default_rng(1).standard_normal((batch, 11)).astype(np.float32)
+        for k in ("h0", "c0")
+    }
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert [s.kind for s in session.steps] == ["kernel"]
+    assert_all_close(session.run(None, x), run_ort(model, x), rtol=0, atol=ATOL)
+    y_h = next(n for n in model.graph.node if n.op_type == "LSTM").output[1]
+    model.graph.output.append(helper.make_tensor_value_info(y_h, TensorProto.FLOAT, [1, batch, 11]))
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert [s.kind for s in session.steps] == ["kernel", "island"]
+    assert_all_close(session.run(None, x), run_ort(model, x), rtol=0, atol=ATOL)
 
 
 def test_pytorch_nn_lstm_two_layers():
