@@ -10,8 +10,10 @@ Workload: input 128, hidden 256, T = 16 (options), 2 threads everywhere. Runners
                    graph (the portable output)
 
 Each runner lives in its own process (a spinning onnxruntime would steal the CPU from the next
-runner in a shared process). The parent runs rounds: in each, every runner in turn (the order
-rotated per round) times `repeat` calls back to back in its own process and reports seconds per
+runner in a shared process). The parent runs rounds: in each, every runner in turn (in a new
+random order each round: a runner that always followed the same spinning onnxruntime ran up to
+1.8x slower than its twin, bench/NOTES.md) times `repeat` calls back to back in its own process
+after N // 4 untimed ones, and reports seconds per
 call, after a short gap (--gap) in which the previous runner's spinning workers settle. It
 prints medians with min and max per runner and the ratios, after checking every
 runner's outputs against onnxruntime on the unrolled graph (1e-5). `--compile` instead times a
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -137,8 +140,10 @@ def bench(cell: str, batch: int, steps: int, rounds: int, runners, gap: float) -
                 assert err <= 1e-5, f"{name}: max abs error {err:.3g} vs onnxruntime"
         repeat = max(4, round(0.05 / _estimate(workers[0])))  # ~50 ms of calls per turn
         times = {w.name: [] for w in workers}
-        for r in range(rounds):
-            order = workers[r % len(workers) :] + workers[: r % len(workers)]
+        shuffle = random.Random(0).shuffle
+        for _ in range(rounds):
+            order = list(workers)
+            shuffle(order)  # each runner after a different one each round
             for w in order:
                 time.sleep(gap)  # the last runner's spinning workers settle (not timed)
                 times[w.name].append(float(w.ask(f"time {repeat}")))
@@ -178,7 +183,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
-    ap.add_argument("--gap", type=float, default=0.02, help="s between two runners' turns")
+    ap.add_argument("--gap", type=float, default=0.1, help="s between two runners' turns")
     ap.add_argument("--compile", action="store_true", help="time the kernels' compile instead")
     args = ap.parse_args()
     if args.worker:

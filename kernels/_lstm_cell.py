@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8
+from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8, sub8
 from .config import INLINE_GEMM, JIT_GEMM
 
 U = 8  # hidden units per block
@@ -94,12 +94,6 @@ def gru8(acc_zr, acc_n, gx, h, h_out, c_out):
     hn = add8(n, _mul8(z, sub8(load8(h, 0), n)))
     store8(h_out, 0, hn)
     store8(c_out, 0, hn)
-
-
-@numba.jit(**INLINE_GEMM)
-def sub8(a, b):
-    return (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3],
-            a[4] - b[4], a[5] - b[5], a[6] - b[6], a[7] - b[7])  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)

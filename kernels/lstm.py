@@ -1,5 +1,5 @@
-"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o; the GRU
-on the same blocks (prepare_gru, gru_sequence: gates z, r, n_x, n_h and its own cell).
+"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o (the GRU
+runs on the same blocks with its own cell: kernels/gru.py).
 
     G_t = x_t Wx + h_{t-1} Wh + b          [B, 4H]
     c_t = sig(G_f) * c_{t-1} + sig(G_i) * tanh(G_g),   h_t = sig(G_o) * tanh(c_t)
@@ -71,7 +71,8 @@ class LSTMPlan:
     hidden: int
     wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
     bu: np.ndarray  # [Hp, 4] the same unit's biases
-    gru: bool = False  # the GRU cell on the same blocks (prepare_gru)
+    gru: bool = False  # the GRU cell on the same blocks (kernels/gru.py)
+    reset_before: bool = False  # the GRU with linear_before_reset = 0 (kernels/gru.py)
 
 
 def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
@@ -96,30 +97,6 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None)
     b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
     wu, bu = _unit_panels(wx32, wh32, b32, hidden)
     return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu)
-
-
-def prepare_gru(wx: np.ndarray, wh: np.ndarray, bias_x=None, bias_h=None) -> LSTMPlan:
-    """Pack the GRU with wx [I, 3H], wh [H, 3H], biases [3H] in gate order z, r, n and the
-    reset gate applied after the recurrent product (linear_before_reset = 1, PyTorch's GRU):
-
-        z, r = sig(x Wz + h Rz + b), sig(x Wr + h Rr + b),  n = tanh(x Wn + bxn + r (h Rn + bhn))
-        h' = (1 - z) n + z h
-
-    as four blocks z, r, n_x, n_h where the LSTM has i, f, g, o (n_x's weights are zero on h,
-    n_h's zero on x, n_h's bias is bhn), so the LSTM's packing and loops run it; its cell is
-    gru8 / _gru_cols, and its state h is also kept where the LSTM keeps c.
-    """
-    size, hidden = wx.shape[0], wh.shape[0]
-    if wh.shape != (hidden, 3 * hidden) or wx.ndim != 2 or wx.shape[1] != 3 * hidden:
-        raise ValueError(f"weights [I, 3H] and [H, 3H] expected, got {wx.shape} and {wh.shape}")
-    bx = np.zeros(3 * hidden, np.float32) if bias_x is None else bias_x.reshape(3 * hidden)
-    bh = np.zeros(3 * hidden, np.float32) if bias_h is None else bias_h.reshape(3 * hidden)
-    w4, r4 = np.zeros((size, 4 * hidden), np.float32), np.zeros((hidden, 4 * hidden), np.float32)
-    w4[:, : 3 * hidden], r4[:, : 2 * hidden] = wx, wh[:, : 2 * hidden]
-    r4[:, 3 * hidden :] = wh[:, 2 * hidden :]
-    b4 = np.concatenate([bx[: 2 * hidden] + bh[: 2 * hidden], bx[2 * hidden :], bh[2 * hidden :]])
-    plan = prepare_lstm(w4, r4, b4)
-    return LSTMPlan(plan.wx, plan.wh, plan.bias, plan.input_size, hidden, plan.wu, plan.bu, True)
 
 
 def _unit_panels(wx, wh, bias, hidden):
@@ -421,16 +398,6 @@ def _setup(x, plan, units):
     floats, ints = _workspace(*_workspace_size(x, units))
     macs = x.shape[1] * 4 * plan.hidden * (plan.input_size + plan.hidden)
     return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
-
-
-def gru_sequence(x: np.ndarray, h0: np.ndarray, plan: LSTMPlan) -> np.ndarray:
-    """All steps of one GRU layer (plan from prepare_gru): x [T, B, I], h0 [B, H] -> h [T, B, H].
-
-    >>> hs = gru_sequence(x, h0, prepare_gru(wx, wh, bx, bh))
-    """
-    if not plan.gru:
-        raise ValueError("gru_sequence needs a plan from prepare_gru")
-    return lstm_sequence(x, h0, h0, plan)[0]
 
 
 def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):

@@ -3,11 +3,10 @@
     [z r h] blocks:  z, r = sig(.),  n = tanh(X_t Wh + Wbh + r (H_{t-1} Rh + Rbh)),
     H_t = (1 - z) n + z H_{t-1}            (linear_before_reset = 1, as PyTorch exports nn.GRU)
 
-One op on the sequence kernel (prepare_gru: the GRU on the LSTM kernel's blocks): forward,
-reverse and bidirectional, initial state given or zero. Refused with a reason:
-linear_before_reset=0 (the reset applied before the recurrent product, a second pass over R per
-step the kernel does not make), sequence_lens, clip, activations other than Sigmoid/Tanh,
-layout 1 (onnxruntime does not run it, so nothing could check the kernel against it).
+One op on the sequence kernels (kernels/gru.py), linear_before_reset 1 or 0 (n = tanh(X Wh +
+(r H) Rh + Wbh + Rbh)): forward, reverse and bidirectional, initial state given or zero.
+Refused with a reason: sequence_lens, clip, activations other than Sigmoid/Tanh, layout 1
+(onnxruntime does not run it, so nothing could check the kernel against it).
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ def refusal(view: GraphView, node: onnx.NodeProto) -> str | None:
     """Why the kernel cannot run this GRU node, if it cannot."""
     attrs = view.attributes(node)
     dirs = 2 if attrs.get("direction", "forward") == "bidirectional" else 1
-    if not attrs.get("linear_before_reset", 0):
-        return "linear_before_reset=0: the kernel applies the reset after the recurrent product"
     if len(node.input) > 4 and node.input[4]:
         return "sequence_lens given: the kernel runs every sequence to its full length"
     if attrs.get("clip") is not None:
@@ -72,6 +69,7 @@ def attributes(m: Match) -> dict:
     outputs = [v for v in node.output if v]
     return {
         "direction": m.attrs("gru").get("direction", "forward"),
+        "linear_before_reset": int(m.attrs("gru").get("linear_before_reset", 0)),
         "present": [int(bool(v)) for v in (list(node.output) + ["", ""])[:2]],
         "squeezed": [int(v not in outputs) for v in m["outputs"]],
         "unsqueezed": int(bool(m["initial_h"]) and m["initial_h"] not in node.input),
@@ -80,13 +78,14 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack each direction's weights once; the returned function runs the whole op."""
-    from kernels.lstm import gru_sequence, prepare_gru  # heavy (Numba): only when built
+    from kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
 
     w, r, b = (list(constants) + [None] * 5)[2:5]
     hidden, dirs = r.shape[-1], r.shape[0]
     bias = np.zeros((dirs, 6 * hidden), np.float32) if b is None else b
+    lbr = attrs.get("linear_before_reset", 1)
     plans = [
-        prepare_gru(w[d].T, r[d].T, bias[d, : 3 * hidden], bias[d, 3 * hidden :])
+        prepare_gru(w[d].T, r[d].T, bias[d, : 3 * hidden], bias[d, 3 * hidden :], lbr)
         for d in range(dirs)
     ]
     reverse, wanted = attrs["direction"] == "reverse", attrs["present"]
@@ -117,5 +116,5 @@ RULE = Rule(
     finder=find,
     anchor_ops=("GRU",),
     priority=10,
-    description="the ONNX GRU op (linear_before_reset=1, any direction) on the sequence kernel",
+    description="the ONNX GRU op (any direction, linear_before_reset 0 or 1) on its kernels",
 )

@@ -84,11 +84,11 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs all steps."""
-    from kernels.lstm import gru_sequence, prepare_gru  # heavy (Numba): only when built
+    from kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
 
     steps, folded = attrs["steps"], attrs["folded"]
     n_x = 1 if folded else steps
-    plan = prepare_gru(*cell_weights(attrs, constants[n_x + 1 :]))
+    plan = prepare_gru(*cell_weights(attrs, constants[n_x + 1 :]), attrs["linear_before_reset"])
 
     def run(*inputs):
         x = inputs[0] if folded else np.stack(inputs[:steps])
@@ -98,7 +98,7 @@ def make_kernel(attrs: dict, constants: list):
 
 
 def standard(view: GraphView, node: onnx.NodeProto):
-    """The fused chain as the ONNX GRU op (linear_before_reset=1, gates z, r, h)."""
+    """The fused chain as the ONNX GRU op (gates z, r, h; the cells' linear_before_reset)."""
     attrs = view.attributes(node)
     steps, folded = attrs["steps"], attrs["folded"]
     n_x = 1 if folded else steps
@@ -114,7 +114,8 @@ def standard(view: GraphView, node: onnx.NodeProto):
     weights = [g.const(wx.T[None], "W"), g.const(wh.T[None], "R")]
     weights.append(g.const(np.concatenate([bx, bh])[None], "B"))
     gru_in = [x, *weights, "", g.unsqueeze(inputs[n_x])]
-    y4, yh = g.op("GRU", gru_in, n_out=2, hidden_size=wh.shape[0], linear_before_reset=1)
+    lbr = attrs["linear_before_reset"]
+    y4, yh = g.op("GRU", gru_in, n_out=2, hidden_size=wh.shape[0], linear_before_reset=lbr)
     per_step = [t for t, h in enumerate(hs[:-1]) if h in read]
     if per_step or (ys and ys[0] in read):
         y = g.op("Squeeze", [y4, g.const(np.array([1]), "axes")], out=ys[0] if ys else None)

@@ -64,10 +64,11 @@ def check(name: str, fused: list[str], steps: list[str] | None = None):
         # Keras LSTM(unroll=True): Transpose, tf.unstack, MatMul + MatMul + bias, tf.stack
         ("keras_lstm.onnx", ["LSTMSequence"], None),
         ("keras_lstm_stacked.onnx", ["LSTMSequence"] * 2, None),
-        # nn.GRUCell(12, 12) loop; 6 -> 12 -> 10; Keras GRU(reset_after=True)
+        # nn.GRUCell(12, 12) loop; 6 -> 12 -> 10; Keras GRU, reset after and before h R
         ("grucell_equal.onnx", ["GRUSequence"], ["kernel"]),
         ("grucell_stacked.onnx", ["GRUSequence"] * 2, ["kernel"] * 2),
         ("keras_gru_reset_after.onnx", ["GRUSequence"], None),
+        ("keras_gru_reset_before.onnx", ["GRUSequence"], None),  # two stages per step
         # nn.LSTM / nn.GRU exported as the ONNX ops, two layers, one or both directions
         ("lstm_2layers.onnx", ["LSTMOp"] * 2, None),
         ("lstm_2layers_bidirectional.onnx", ["LSTMOp"] * 2, None),
