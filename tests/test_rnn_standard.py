@@ -28,14 +28,14 @@ def feeds(model, batch, steps=None, seed=0):
     return out
 
 
-def lowered(model, sequences: int):
-    """The standard-op rewrite: `sequences` LSTM ops, no fused node, no function left, the
-    original's outputs in onnxruntime at batch 1 and 3, and fusion.verify passes."""
+def lowered(model, sequences: int, op: str = "LSTM"):
+    """The standard-op rewrite: `sequences` LSTM (GRU) ops, no fused node, no function left,
+    the original's outputs in onnxruntime at batch 1 and 3, and fusion.verify passes."""
     result = fusion.rewrite(model, CATALOG, standard_ops=True)
     assert fused_ops(result.model) == [], result.explain()
-    assert [n.op_type for n in result.model.graph.node].count("LSTM") == sequences
+    assert [n.op_type for n in result.model.graph.node].count(op) == sequences
     assert not result.model.functions
-    assert result.counts() == {"LSTMSequence": sequences}
+    assert result.counts() == {f"{op}Sequence": sequences}
     onnx.checker.check_model(result.model, full_check=True)
     for batch in (1, 3):
         x = feeds(model, batch)
@@ -56,11 +56,18 @@ def test_unrolled_chains_become_the_lstm_op(cell, steps):
 
 
 @pytest.mark.parametrize(
-    "name, sequences",
-    [("lstmcell_stacked.onnx", 3), ("tf_lstmcell_equal.onnx", 1), ("keras_lstm_stacked.onnx", 2)],
+    "name, sequences, op",
+    [
+        ("lstmcell_stacked.onnx", 3, "LSTM"),
+        ("tf_lstmcell_equal.onnx", 1, "LSTM"),
+        ("keras_lstm_stacked.onnx", 2, "LSTM"),
+        ("grucell_stacked.onnx", 2, "GRU"),
+        ("keras_gru_reset_after.onnx", 1, "GRU"),
+        ("keras_gru_reset_before.onnx", 1, "GRU"),  # linear_before_reset=0
+    ],
 )
-def test_exported_models(name, sequences):
-    lowered(onnx.load(str(FIXTURES / name)), sequences)
+def test_exported_models(name, sequences, op):
+    lowered(onnx.load(str(FIXTURES / name)), sequences, op)
 
 
 def test_a_step_read_outside_comes_from_a_gather_of_y():
