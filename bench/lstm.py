@@ -124,7 +124,7 @@ def _estimate(worker: Worker) -> float:
     return float(worker.ask("time 8"))
 
 
-def bench(cell: str, batch: int, steps: int, rounds: int, runners, gap: float) -> None:
+def bench(cell, batch, steps, rounds, runners, gap: float, turn: float) -> None:
     workers = [Worker(cell, name, batch, steps) for name in runners]
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +138,7 @@ def bench(cell: str, batch: int, steps: int, rounds: int, runners, gap: float) -
             for g, ref in zip(got, want, strict=True):
                 err = float(np.abs(g - ref).max())
                 assert err <= 1e-5, f"{name}: max abs error {err:.3g} vs onnxruntime"
-        repeat = max(4, round(0.05 / _estimate(workers[0])))  # ~50 ms of calls per turn
+        repeat = max(4, round(turn / _estimate(workers[0])))  # `turn` s of calls per turn
         times = {w.name: [] for w in workers}
         shuffle = random.Random(0).shuffle
         for _ in range(rounds):
@@ -184,6 +184,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     ap.add_argument("--gap", type=float, default=0.1, help="s between two runners' turns")
+    ap.add_argument("--turn", type=float, default=0.2, help="s of timed calls per turn")
     ap.add_argument("--compile", action="store_true", help="time the kernels' compile instead")
     args = ap.parse_args()
     if args.worker:
@@ -196,7 +197,7 @@ def main():
             compile_time(cell)
             continue
         for batch in args.batch:
-            bench(cell, batch, args.steps, args.rounds, args.runners, args.gap)
+            bench(cell, batch, args.steps, args.rounds, args.runners, args.gap, args.turn)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
