@@ -198,6 +198,32 @@ def _gates16(a, z0, z1, k_len, bias):
 
 
 @numba.jit(**INLINE_GEMM)
+def _gates16_gru(a, z0, z1, i_len, k_len, bias):
+    """_gates16 for the GRU's blocks z, r, n_x, n_h: n_x's weights are zero on h and n_h's on
+    x, so the k loop runs in two ranges of three gates (a quarter fewer multiply-adds). The
+    counters are unsigned: a signed one from i_len would keep Numba's negative-index select."""
+    i0 = i1 = _splat(bias[0])
+    f0 = f1 = _splat(bias[1])
+    g0 = g1 = _splat(bias[2])
+    o0 = o1 = _splat(bias[3])
+    for k in range(np.uint64(i_len)):
+        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
+        q = 4 * k
+        wi, wf, wg = a[q], a[q + 1], a[q + 2]
+        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
+        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
+        g0, g1 = fma8(g0, wg, x0), fma8(g1, wg, x1)
+    for k in range(np.uint64(i_len), np.uint64(k_len)):
+        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
+        q = 4 * k
+        wi, wf, wo = a[q], a[q + 1], a[q + 3]
+        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
+        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
+        o0, o1 = fma8(o0, wo, x0), fma8(o1, wo, x1)
+    return i0, i1, f0, f1, g0, g1, o0, o1
+
+
+@numba.jit(**INLINE_GEMM)
 def _gates8(a, z0, k_len, bias):
     """_gates16 for a last panel of 8 columns."""
     i0, f0, g0, o0 = _splat(bias[0]), _splat(bias[1]), _splat(bias[2]), _splat(bias[3])
@@ -267,7 +293,11 @@ def step_cols(t, b, pair, w, bias, z, c, hidden, gru):
         a, bj = w[j], bias[j]
         h_at, c_at = 8 * (i_len + j), 8 * j
         if q1 != q0:
-            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
+            if gru:
+                gates = _gates16_gru(a, z[t, q0], z[t, q1], i_len, k_len, bj)
+            else:
+                gates = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
+            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = gates
             h1, c1 = _cell(gi1, gf1, gg1, go1, load8(c[t, q1, c_at:], 0), gru)
             store8(z[t + 1, q1, h_at:], 0, h1)
             store8(c[t + 1, q1, c_at:], 0, c1)
