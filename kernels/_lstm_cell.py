@@ -198,28 +198,29 @@ def _gates16(a, z0, z1, k_len, bias):
 
 
 @numba.jit(**INLINE_GEMM)
+def _three_gates(a, z0, z1, lo, hi, third, i0, i1, f0, f1, t0, t1):
+    """Gates i, f and gate `third` of one unit over k in [lo, hi) (unsigned counters: a signed
+    one from lo would keep Numba's negative-index select)."""
+    for k in range(np.uint64(lo), np.uint64(hi)):
+        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
+        q = 4 * k
+        wi, wf, wt = a[q], a[q + 1], a[q + third]
+        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
+        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
+        t0, t1 = fma8(t0, wt, x0), fma8(t1, wt, x1)
+    return i0, i1, f0, f1, t0, t1
+
+
+@numba.jit(**INLINE_GEMM)
 def _gates16_gru(a, z0, z1, i_len, k_len, bias):
     """_gates16 for the GRU's blocks z, r, n_x, n_h: n_x's weights are zero on h and n_h's on
-    x, so the k loop runs in two ranges of three gates (a quarter fewer multiply-adds). The
-    counters are unsigned: a signed one from i_len would keep Numba's negative-index select."""
+    x, so the k loop runs in two ranges of three gates (a quarter fewer multiply-adds)."""
     i0 = i1 = _splat(bias[0])
     f0 = f1 = _splat(bias[1])
     g0 = g1 = _splat(bias[2])
     o0 = o1 = _splat(bias[3])
-    for k in range(np.uint64(i_len)):
-        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
-        q = 4 * k
-        wi, wf, wg = a[q], a[q + 1], a[q + 2]
-        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
-        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
-        g0, g1 = fma8(g0, wg, x0), fma8(g1, wg, x1)
-    for k in range(np.uint64(i_len), np.uint64(k_len)):
-        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
-        q = 4 * k
-        wi, wf, wo = a[q], a[q + 1], a[q + 3]
-        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
-        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
-        o0, o1 = fma8(o0, wo, x0), fma8(o1, wo, x1)
+    i0, i1, f0, f1, g0, g1 = _three_gates(a, z0, z1, 0, i_len, 2, i0, i1, f0, f1, g0, g1)
+    i0, i1, f0, f1, o0, o1 = _three_gates(a, z0, z1, i_len, k_len, 3, i0, i1, f0, f1, o0, o1)
     return i0, i1, f0, f1, g0, g1, o0, o1
 
 
