@@ -81,6 +81,7 @@ class RewriteResult:
             "counts": self.counts(),
             "fused_nodes": [vars(f) for f in self.fusions],
             "near_misses": [vars(n) for n in self.near_misses],
+            "standard_ops": [f.node for f in self.standard],
         }
 
 

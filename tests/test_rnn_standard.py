@@ -2,6 +2,7 @@
 written as the ONNX LSTM op, which plain onnxruntime runs as one op; checked against the
 original with onnxruntime and fusion.verify."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -96,9 +97,12 @@ def test_a_middle_c_read_outside_stays_fused_and_says_why():
 def test_cli_flag_writes_and_verifies(capsys, tmp_path):
     src, out = tmp_path / "lstm.onnx", tmp_path / "out.onnx"
     save_model(unrolled_lstm(LSTMWeights.random(5, 7), 4, "N"), src)
-    code = main(["rewrite", str(src), "-o", str(out), "--rnn-as-standard-op", "--verify"])
+    report = tmp_path / "report.json"
+    argv = ["rewrite", src, "-o", out, "--rnn-as-standard-op", "--verify", "--report", report]
+    code = main([str(a) for a in argv])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
+    assert len(json.loads(report.read_text())["standard_ops"]) == 1
     assert "1 fusion (LSTMSequence: 1)" in stdout and "written as standard ONNX ops" in stdout
     assert "PASS" in stdout
     assert [n.op_type for n in onnx.load(str(out)).graph.node].count("LSTM") == 1
