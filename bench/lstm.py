@@ -1,141 +1,203 @@
-"""LSTM: fusion.Session on the unrolled graph vs onnxruntime, input 128, hidden 256, T = 16.
+"""Recurrent layers: fusion vs onnxruntime at its defaults, every runner in its own process.
 
-Per batch size, interleaved round by round after warm-up, 2 threads everywhere:
-  fused       fusion.Session (LSTMCell + LSTMSequence) on the unrolled PyTorch-style graph
-  ort-unroll  onnxruntime ORT_ENABLE_ALL on the same unrolled graph
-  ort-lstm    onnxruntime ORT_ENABLE_ALL on the native ONNX LSTM op with the same weights
-  sgemm       the machine's SGEMM on the same work as one product: numpy (OpenBLAS, 2 threads)
-              [T B, I + H] x [I + H, 4H], no recurrence in the way
-all in the same rounds (the order rotating from round to round), so load from other processes
-hits them alike; each runner's turn is a few calls back to back (20 at batch 1, 5 above).
+Workload: input 128, hidden 256, T = 16 (options), 2 threads everywhere. Runners:
+  fused            fusion.Session on the unrolled graph (as torch.onnx.export writes an
+                   nn.LSTMCell / nn.GRUCell loop): one LSTMSequence / GRUSequence kernel
+  ort-unrolled     onnxruntime (fusion.ort.DEFAULT: ORT_ENABLE_ALL, spinning workers) on it
+  ort-native       onnxruntime DEFAULT on the native ONNX op with the same weights
+  fused-native     fusion.Session on that native-op model (LSTMOp / GRUOp on the same kernel)
+  ort-standard     onnxruntime DEFAULT on `fusion rewrite --rnn-as-standard-op` of the unrolled
+                   graph (the portable output)
 
-Two regimes, each its own set of rounds:
-  busy        rounds back to back: the CPU stays busy, as in a loop serving requests.
-  after idle  a 0.25 s pause before every round (a process that is mostly idle gets slow CPUs
-              on these virtual machines: bench/NOTES.md, LSTM).
-OpenBLAS's idle workers would spin after each SGEMM and slow the next runner down; the
-OPENBLAS_THREAD_TIMEOUT below puts them to sleep at once. "sgemm warm" times the same product
-back to back in a child process with OpenBLAS's default thread timeout
-(fusion.bench.child.warm_sgemm): the speed the SGEMM reaches with its threads awake and the CPU
-busy, the yardstick for batch 16's target. It is measured before and after the rounds and the
-faster one kept (load from other processes disturbs single measurements). It prints medians
-(us), GFLOP/s (2 T B (I + H) 4H per run) and ratios, and checks that the outputs agree within
-1e-5. onnxruntime runs with fusion.ort.DEFAULT_NO_SPIN (ORT_ENABLE_ALL, workers that do
-not spin while the other runners take their turn).
+Each runner lives in its own process (a spinning onnxruntime would steal the CPU from the next
+runner in a shared process). The parent runs rounds: in each, every runner in turn (in a new
+random order each round: a runner that always followed the same spinning onnxruntime ran up to
+1.8x slower than its twin, bench/NOTES.md) times `repeat` calls back to back in its own process
+after N // 4 untimed ones, and reports seconds per
+call, after a short gap (--gap) in which the previous runner's spinning workers settle. It
+prints medians with min and max per runner and the ratios, after checking every
+runner's outputs against onnxruntime on the unrolled graph (1e-5). `--compile` instead times a
+Session build + first run with a fresh Numba cache, then again from that cache.
 
-    .venv/bin/python bench/lstm.py [--rounds 30] [--steps 16] [--batch 1 16] [--baseline DIR]
-
---baseline DIR adds "fused-base": the same Session with DIR's kernels/ package (for example a
-`git archive HEAD | tar -x -C DIR` of the last commit) standing in for kernels.lstm while the
-session is built, so an old and a new kernel are measured side by side in the same rounds.
+    python bench/lstm.py [--cell lstm gru] [--batch 1 16] [--rounds 30] [--steps 16]
+    python bench/lstm.py --compile
 """
 
+from __future__ import annotations
+
 import argparse
-import contextlib
-import importlib.util
+import json
 import os
+import random
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
-# Read by OpenBLAS when numpy loads it: idle workers sleep at once instead of spinning after
-# each call, so the interleaved SGEMM reference does not slow the other runners (as bench/run.py).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import fusion  # noqa: E402
-from fusion.bench.child import warm_sgemm  # noqa: E402
-from fusion.bench.timing import interleave  # noqa: E402
-from fusion.models import LSTMWeights, native_lstm, unrolled_lstm  # noqa: E402
-from fusion.numerics import compare_arrays  # noqa: E402
-from fusion.ort import DEFAULT_NO_SPIN, inference_session  # noqa: E402
-
+RUNNERS = ("fused", "ort-unrolled", "ort-native", "fused-native", "ort-standard")
 THREADS, INPUT, HIDDEN = 2, 128, 256
-IDLE_PAUSE = 0.25  # s before each round of the "after idle" regime
 
 
-@contextlib.contextmanager
-def baseline_kernels(directory):
-    """Import DIR/kernels as package "baseline_kernels" and let `kernels.lstm` name its lstm."""
-    name = "baseline_kernels"
-    if name not in sys.modules:
-        init = os.path.join(directory, "kernels", "__init__.py")
-        spec = importlib.util.spec_from_file_location(name, init)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    base = importlib.import_module(f"{name}.lstm")
-    current = sys.modules.get("kernels.lstm")
-    sys.modules["kernels.lstm"] = base
-    try:
-        yield
-    finally:
-        sys.modules["kernels.lstm"] = current
+def build(cell: str, runner: str, batch: int, steps: int):
+    """(run, feeds) of one runner: run() returns the outputs."""
+    import fusion
+    from fusion import models
+    from fusion.ort import DEFAULT, inference_session
 
-
-def bench_batch(batch, steps, rounds, weights, catalog, baseline=None):
-    unrolled = unrolled_lstm(weights, steps, batch)
+    if cell == "lstm":
+        weights = models.LSTMWeights.random(INPUT, HIDDEN, seed=0)
+        unrolled = models.unrolled_lstm(weights, steps, batch)
+        native = models.native_lstm(weights, steps, batch)
+    else:
+        weights = models.GRUWeights.random(INPUT, HIDDEN, seed=0)
+        unrolled = models.unrolled_gru(weights, steps, batch)
+        native = models.native_gru(weights, steps, batch)
     rng = np.random.default_rng(0)
     feeds = {
-        "X": rng.standard_normal((steps, batch, INPUT)).astype(np.float32),
-        "h0": rng.standard_normal((batch, HIDDEN)).astype(np.float32),
-        "c0": rng.standard_normal((batch, HIDDEN)).astype(np.float32),
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(
+            np.float32
+        )
+        for i in unrolled.graph.input
     }
-    fused = fusion.Session(unrolled, threads=THREADS, catalog=catalog)
-    assert [s.kind for s in fused.steps] == ["kernel"], fused.steps  # Gather/Concat folded
-    ort_unroll = inference_session(unrolled, DEFAULT_NO_SPIN, THREADS)
-    ort_lstm = inference_session(native_lstm(weights, steps, batch), DEFAULT_NO_SPIN, THREADS)
-    runs = {
-        "fused": lambda: fused.run(None, feeds),
-        "ort-unroll": lambda: ort_unroll.run(None, feeds),
-        "ort-lstm": lambda: ort_lstm.run(None, feeds),
-    }
-    if baseline:
-        with baseline_kernels(baseline):
-            base = fusion.Session(unrolled, threads=THREADS, catalog=catalog)
-        runs["fused-base"] = lambda: base.run(None, feeds)
-    rng_g = np.random.default_rng(1)
-    a = rng_g.standard_normal((steps * batch, INPUT + HIDDEN)).astype(np.float32)
-    b = rng_g.standard_normal((INPUT + HIDDEN, 4 * HIDDEN)).astype(np.float32)
-    want = ort_unroll.run(None, feeds)
-    for name in runs:
-        for k, (g, w) in enumerate(zip(runs[name](), want, strict=True)):
-            agree = compare_arrays(f"{name} output {k}", g, w, rtol=0, atol=1e-5)
-            assert agree.ok, f"{agree} vs onnxruntime"
-    runs["sgemm"] = lambda: a @ b
-    flops = 2 * steps * batch * (INPUT + HIDDEN) * 4 * HIDDEN
-    shape = (a.shape[0], a.shape[1], b.shape[1])
-    warm_before = warm_sgemm(shape, THREADS)
-    print(f"\nbatch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads")
-    repeat = 20 if batch == 1 else 5  # calls per turn
-    meds = {}
-    for regime, pause in (("busy", 0.0), ("after idle", IDLE_PAUSE)):
-        timing = interleave(runs, rounds, warmup=5, repeat=repeat, pause=pause, threads=THREADS)
-        meds[regime] = {name: timing.median(name) for name in runs}
-    warm_s = min(warm_before, warm_sgemm(shape, THREADS))
-    for regime, med in meds.items():
-        print(f"\n{regime + ':':<15} {'median us':>10} {'GFLOP/s':>8} {'x sgemm':>8}")
-        for name, t in med.items():
-            print(f"{name:<15} {t * 1e6:>10.1f} {flops / t / 1e9:>8.2f} {med['sgemm'] / t:>8.2f}")
-        print(f"fused at {warm_s / med['fused']:.0%} of warm SGEMM's speed")
-        print(f"fused vs ort-unroll: {med['ort-unroll'] / med['fused']:.2f}x faster")
-        print(f"fused vs ort-lstm:   {med['ort-lstm'] / med['fused']:.2f}x faster")
-        if baseline:
-            print(f"fused vs fused-base: {med['fused-base'] / med['fused']:.2f}x faster")
-    print(f"sgemm warm      {warm_s * 1e6:>10.1f} {flops / warm_s / 1e9:>8.2f}")
-    print("fused profile (us):\n" + str(fused.profile(feeds, repeat=50)))
+    if runner in ("fused", "fused-native"):
+        session = fusion.Session(unrolled if runner == "fused" else native, threads=THREADS)
+        return (lambda: session.run(None, feeds)), feeds
+    model = {"ort-unrolled": unrolled, "ort-native": native}.get(runner)
+    if runner == "ort-standard":
+        model = fusion.rewrite(unrolled, standard_ops=True).model
+    session = inference_session(model, DEFAULT, THREADS)
+    return (lambda: session.run(None, feeds)), feeds
+
+
+def worker(spec: str) -> None:
+    """A runner's process: build, warm up, then answer the parent's commands on stdin:
+    "time N" (seconds per call over N calls, after N // 4 untimed ones: a process that has
+    been idle runs slow at first on these virtual machines, bench/NOTES.md), "save PATH" (the
+    outputs), "quit"."""
+    cell, runner, batch, steps = json.loads(spec)
+    run, _ = build(cell, runner, batch, steps)
+    for _ in range(5):
+        run()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "time":
+            for _ in range(int(arg) // 4):
+                run()
+            start = time.perf_counter()
+            for _ in range(int(arg)):
+                run()
+            print((time.perf_counter() - start) / int(arg), flush=True)
+        elif cmd == "save":
+            np.savez(arg, *run())
+            print("saved", flush=True)
+        else:
+            return
+
+
+class Worker:
+    def __init__(self, cell, runner, batch, steps, env=None):
+        spec = json.dumps([cell, runner, batch, steps])
+        cmd = [sys.executable, __file__, "--worker", spec]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)  # fmt: skip
+        self.name = runner
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"runner {runner} failed to start: {line!r}")
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self):
+        self.ask("quit")
+        self.proc.wait(timeout=30)
+
+
+def _estimate(worker: Worker) -> float:
+    """Seconds per call of a runner, roughly."""
+    return float(worker.ask("time 8"))
+
+
+def bench(cell, batch, steps, rounds, runners, gap: float, turn: float) -> None:
+    workers = [Worker(cell, name, batch, steps) for name in runners]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = {}
+            for w in workers:
+                w.ask(f"save {tmp}/{w.name}.npz")
+                with np.load(f"{tmp}/{w.name}.npz") as f:
+                    outs[w.name] = [f[k] for k in sorted(f.files, key=lambda s: int(s[4:]))]
+        want = outs["ort-unrolled"]
+        for name, got in outs.items():
+            for g, ref in zip(got, want, strict=True):
+                err = float(np.abs(g - ref).max())
+                assert err <= 1e-5, f"{name}: max abs error {err:.3g} vs onnxruntime"
+        repeat = max(4, round(turn / _estimate(workers[0])))  # `turn` s of calls per turn
+        times = {w.name: [] for w in workers}
+        shuffle = random.Random(0).shuffle
+        for _ in range(rounds):
+            order = list(workers)
+            shuffle(order)  # each runner after a different one each round
+            for w in order:
+                time.sleep(gap)  # the last runner's spinning workers settle (not timed)
+                times[w.name].append(float(w.ask(f"time {repeat}")))
+    finally:
+        for w in workers:
+            w.close()
+    print(f"\n{cell} batch {batch}, T {steps}, input {INPUT}, hidden {HIDDEN}, {THREADS} threads,"
+          f" {rounds} rounds of {repeat} calls per runner, us per call")  # fmt: skip
+    print(f"{'runner':<14} {'median':>9} {'min':>9} {'max':>9}")
+    med = {}
+    for name, t in times.items():
+        med[name] = statistics.median(t)
+        print(f"{name:<14} {med[name] * 1e6:>9.1f} {min(t) * 1e6:>9.1f} {max(t) * 1e6:>9.1f}")
+    for a, b in (("fused", "ort-native"), ("fused", "ort-unrolled"), ("fused-native", "ort-native"),
+                 ("ort-standard", "ort-unrolled"), ("ort-standard", "ort-native")):  # fmt: skip
+        if a in med and b in med:
+            print(f"{a} vs {b}: {med[b] / med[a]:.2f}x faster")
+
+
+def compile_time(cell: str) -> None:
+    """Session build + first run of the unrolled model (batch 1 and 16), cold then cached."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for label in ("cold", "cached"):
+            start = time.perf_counter()
+            for batch in (1, 16):
+                Worker(cell, "fused", batch, 16, env=env).close()
+            print(f"{cell} compile, {label}: {time.perf_counter() - start:.1f} s "
+                  "(two processes: build, first run and 5 warm-up calls each)")  # fmt: skip
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cell", nargs="+", default=["lstm"], choices=["lstm", "gru"])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--baseline", help="a checkout whose kernels/ to compare against")
+    ap.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    ap.add_argument("--gap", type=float, default=0.1, help="s between two runners' turns")
+    ap.add_argument("--turn", type=float, default=0.2, help="s of timed calls per turn")
+    ap.add_argument("--compile", action="store_true", help="time the kernels' compile instead")
     args = ap.parse_args()
-    weights = LSTMWeights.random(INPUT, HIDDEN, seed=0)
-    catalog = fusion.default_catalog()
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    for batch in args.batch:
-        bench_batch(batch, args.steps, args.rounds, weights, catalog, args.baseline)
+    if args.worker:
+        return worker(args.worker)
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    print(f"CPU {cpu}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
+    for cell in args.cell:
+        if args.compile:
+            compile_time(cell)
+            continue
+        for batch in args.batch:
+            bench(cell, batch, args.steps, args.rounds, args.runners, args.gap, args.turn)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -75,6 +75,9 @@ class Rule:
     finder: Callable | None = None
     anchor_ops: Sequence[str] = ()  # with a finder: the op types it starts from
     stage: int = 0  # rules of a later stage see the graph that earlier stages rewrote
+    # The fused node written as standard ONNX ops instead (rewrite(standard_ops=True)):
+    # standard(view, node) -> (nodes, initializers), or a reason string when it cannot be.
+    standard: Callable | None = None
 
     def __post_init__(self):
         self.inputs, self.outputs = tuple(self.inputs), tuple(self.outputs)

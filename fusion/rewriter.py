@@ -45,16 +45,20 @@ class RewriteResult:
     fusions: list[Fusion] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
+    standard: list[Fusion] = field(default_factory=list)  # fused nodes written as standard ops
 
     def counts(self) -> dict[str, int]:
-        """Fused nodes per pattern in the rewritten model, in catalog priority order. A fusion
-        that a later stage absorbed (LSTMCell nodes into an LSTMSequence) is in `fusions` but
-        not counted here: these are the nodes the model runs."""
+        """Fused nodes per pattern in the rewritten model, in catalog priority order (those
+        written as standard ops included). A fusion that a later stage absorbed (LSTMCell
+        nodes into an LSTMSequence) is in `fusions` but not counted here: these are the nodes
+        the model runs."""
         made = {(f.rule, f.node) for f in self.fusions}  # not fused nodes the input had
         counts = dict.fromkeys(self.rules, 0)
         for node in self.model.graph.node:
             if node.domain == DOMAIN and (node.op_type, node.name) in made:
                 counts[node.op_type] += 1
+        for f in self.standard:
+            counts[f.rule] += 1
         return {rule: n for rule, n in counts.items() if n}
 
     def explain(self, pattern: str | None = None) -> str:
@@ -77,6 +81,7 @@ class RewriteResult:
             "counts": self.counts(),
             "fused_nodes": [vars(f) for f in self.fusions],
             "near_misses": [vars(n) for n in self.near_misses],
+            "standard_ops": [f.node for f in self.standard],
         }
 
 
@@ -86,6 +91,7 @@ def rewrite(
     only: tuple[str, ...] = (),
     exclude: tuple[str, ...] = (),
     skip: dict[str, str] | None = None,
+    standard_ops: bool = False,
 ) -> RewriteResult:
     """Fuse every safe match of the catalog's patterns; the input model is not modified.
 
@@ -94,6 +100,8 @@ def rewrite(
     {'ConvBiasRelu': 4}
 
     skip maps fused node names to a reason not to fuse them (a rollback after verification).
+    standard_ops: fused nodes whose rule has a standard form (an unrolled LSTM chain: the ONNX
+    LSTM op) are written in that form, so that plain onnxruntime runs them as one op too.
     """
     catalog = (catalog if catalog is not None else default_catalog()).select(only, exclude)
     out = onnx.ModelProto()
@@ -101,7 +109,59 @@ def rewrite(
     result = RewriteResult(out, rules=[r.name for r in catalog.ordered()])
     for stage in sorted({rule.stage for rule in catalog}):
         _rewrite_stage(result, [rule for rule in catalog if rule.stage == stage], skip or {})
+    if standard_ops:
+        write_standard(result, catalog)
     return result
+
+
+def write_standard(result: RewriteResult, catalog: Catalog) -> None:
+    """Replace each fused node of `result` whose rule has a standard form by that form's nodes
+    (rewrite(standard_ops=True); the CLI calls it after verifying the fused nodes)."""
+    view = GraphView(result.model)
+    made = {(f.rule, f.node): f for f in result.fusions}
+    nodes, inits = [], []
+    for node in view.nodes:
+        rule = catalog.get(node.op_type) if node.domain == DOMAIN else None
+        fusion = made.get((node.op_type, node.name))
+        if rule is None or rule.standard is None or fusion is None:
+            nodes.append(node)
+            continue
+        found = rule.standard(view, node)
+        if isinstance(found, str):
+            result.near_misses.append(
+                NearMiss(rule.name, node_label(node), f"{node_label(node)}: kept fused: {found}")
+            )
+            nodes.append(node)
+            continue
+        nodes.extend(found[0])
+        inits.extend(found[1])
+        result.standard.append(fusion)
+    if not result.standard:
+        return
+    graph = result.model.graph
+    del graph.node[:]
+    graph.node.extend(_sorted(nodes))
+    graph.initializer.extend(inits)
+    _drop_unread_values(graph)
+    called = {(n.domain, n.op_type, n.overload) for n in graph.node}
+    for i in reversed(range(len(result.model.functions))):
+        f = result.model.functions[i]
+        if (f.domain, f.name, f.overload) not in called:
+            del result.model.functions[i]
+
+
+def _drop_unread_values(graph: onnx.GraphProto) -> None:
+    """Value infos and initializers nothing reads any more (constants that only fused nodes'
+    bodies read now live inside those bodies). Deleted in place: re-adding a tensor over 2 GB
+    to a repeated field fails to encode."""
+    alive = {v for n in graph.node for v in (*n.input, *n.output, *implicit_inputs(n))}
+    alive |= {o.name for o in graph.output} | {i.name for i in graph.input}
+    kept = [vi for vi in graph.value_info if vi.name in alive]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    for i in reversed(range(len(graph.initializer))):
+        if graph.initializer[i].name not in alive:
+            del graph.initializer[i]
 
 
 def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None:
@@ -267,16 +327,7 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
     graph = model.graph
     del graph.node[:]
     graph.node.extend(_sorted(nodes))
-    alive = {v for n in graph.node for v in (*n.input, *n.output, *implicit_inputs(n))}
-    alive |= {o.name for o in graph.output} | {i.name for i in graph.input}
-    kept = [vi for vi in graph.value_info if vi.name in alive]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
-    # Constants that only the fused nodes' bodies read now live inside those bodies. Deleted in
-    # place: re-adding a tensor over 2 GB to a repeated field fails to encode.
-    for i in reversed(range(len(graph.initializer))):
-        if graph.initializer[i].name not in alive:
-            del graph.initializer[i]
+    _drop_unread_values(graph)
     known = {(f.domain, f.name, f.overload) for f in model.functions}
     model.functions.extend(f for f in functions if (f.domain, f.name, f.overload) not in known)
     if DOMAIN not in {o.domain for o in model.opset_import}:

@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8
+from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8, sub8
 from .config import INLINE_GEMM, JIT_GEMM
 
 U = 8  # hidden units per block
@@ -83,6 +83,20 @@ def cell8(acc_if, acc_go, gx, c, h_out, c_out):
 
 
 @numba.jit(**JIT_GEMM)
+def gru8(acc_zr, acc_n, gx, h, h_out, c_out):
+    """The GRU cell on the same blocks (gates z, r, n_x, n_h in the places of i, f, g, o; the
+    weights of n_x are zero on h and those of n_h zero on x, b_hn is n_h's bias):
+    z, r = sig(.), n = tanh(n_x + r n_h), h' = n + z (h - n), into h_out and c_out."""
+    z = _sigmoid8(add8(load8(acc_zr, 0), load8(gx, 0)))
+    r = _sigmoid8(add8(load8(acc_zr, 8), load8(gx, 8)))
+    nx = add8(load8(acc_n, 0), load8(gx, 16))
+    n = _tanh8(add8(nx, _mul8(r, add8(load8(acc_n, 8), load8(gx, 24)))))
+    hn = add8(n, _mul8(z, sub8(load8(h, 0), n)))
+    store8(h_out, 0, hn)
+    store8(c_out, 0, hn)
+
+
+@numba.jit(**JIT_GEMM)
 def gemv(h, w0, w1, k_len, out):
     """out[:16] = h @ panel w0, out[16:] = h @ w1 (one batch row: a weight is used once).
 
@@ -129,7 +143,7 @@ def project(xp, w, bias, rows, gx, tiles):
 
 
 @numba.jit(**INLINE_GEMM)
-def step(t, b, w, gx, hs, cs, acc):
+def step(t, b, w, gx, hs, cs, acc, gru):
     """Units of block b at step t for each of the R batch rows, from hs[t] (hs, cs are
     [T + 1, R, Hp] with row 0 the initial state; gx row t R + r is row r's projected input);
     acc is [BLOCK_COLS] scratch for the gate pre-activations. The block's weights (32 KB at
@@ -137,13 +151,17 @@ def step(t, b, w, gx, hs, cs, acc):
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
     per array argument, felt at batch 1. Its helpers stay calls: Numba inlines by
     copying IR, and nesting cell8's copies made compiles explode.
-    Batch > 1 runs step_cols (below).
+    Batch > 1 runs step_cols (below). gru: the GRU cell (gru8), whose state is h alone.
     """
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
         gemv(hs[t, r], w[0], w[1], w.shape[1] // NR, acc)
-        cell8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:],
-              cs[t + 1, r, j0:])  # fmt: skip
+        if gru:
+            gru8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], hs[t, r, j0:],
+                 hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
+        else:
+            cell8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:],
+                  hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
 
 
 # Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.
@@ -176,6 +194,33 @@ def _gates16(a, z0, z1, k_len, bias):
         f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
         g0, g1 = fma8(g0, wg, x0), fma8(g1, wg, x1)
         o0, o1 = fma8(o0, wo, x0), fma8(o1, wo, x1)
+    return i0, i1, f0, f1, g0, g1, o0, o1
+
+
+@numba.jit(**INLINE_GEMM)
+def _three_gates(a, z0, z1, lo, hi, third, i0, i1, f0, f1, t0, t1):
+    """Gates i, f and gate `third` of one unit over k in [lo, hi) (unsigned counters: a signed
+    one from lo would keep Numba's negative-index select)."""
+    for k in range(np.uint64(lo), np.uint64(hi)):
+        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
+        q = 4 * k
+        wi, wf, wt = a[q], a[q + 1], a[q + third]
+        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
+        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
+        t0, t1 = fma8(t0, wt, x0), fma8(t1, wt, x1)
+    return i0, i1, f0, f1, t0, t1
+
+
+@numba.jit(**INLINE_GEMM)
+def _gates16_gru(a, z0, z1, i_len, k_len, bias):
+    """_gates16 for the GRU's blocks z, r, n_x, n_h: n_x's weights are zero on h and n_h's on
+    x, so the k loop runs in two ranges of three gates (a quarter fewer multiply-adds)."""
+    i0 = i1 = _splat(bias[0])
+    f0 = f1 = _splat(bias[1])
+    g0 = g1 = _splat(bias[2])
+    o0 = o1 = _splat(bias[3])
+    i0, i1, f0, f1, g0, g1 = _three_gates(a, z0, z1, 0, i_len, 2, i0, i1, f0, f1, g0, g1)
+    i0, i1, f0, f1, o0, o1 = _three_gates(a, z0, z1, i_len, k_len, 3, i0, i1, f0, f1, o0, o1)
     return i0, i1, f0, f1, g0, g1, o0, o1
 
 
@@ -213,7 +258,24 @@ def _cell_cols(gi, gf, gg, go, c):
 
 
 @numba.jit(**JIT_GEMM)
-def step_cols(t, b, pair, w, bias, z, c, hidden):
+def _gru_cols(gz, gr, gnx, gnh, h):
+    """(h', h') of 8 batch columns of the GRU (gates z, r, n_x, n_h, see gru8); its state h
+    lives where the LSTM keeps c."""
+    zg, rg = _sigmoid8_call(gz), _sigmoid8_call(gr)
+    n = _tanh8_call(add8(gnx, _mul8(rg, gnh)))
+    hn = add8(n, _mul8(zg, sub8(h, n)))
+    return hn, hn
+
+
+@numba.jit(**INLINE_GEMM)
+def _cell(gi, gf, gg, go, c, gru):
+    if gru:
+        return _gru_cols(gi, gf, gg, go, c)
+    return _cell_cols(gi, gf, gg, go, c)
+
+
+@numba.jit(**JIT_GEMM)
+def step_cols(t, b, pair, w, bias, z, c, hidden, gru):
     """Units of block b at step t for batch panels 2 pair and 2 pair + 1 (if it exists).
 
     z[t, q] is the [K, 8] panel of batch columns 8q .. 8q + 7: x_t in rows < I, h_{t-1} below;
@@ -221,6 +283,7 @@ def step_cols(t, b, pair, w, bias, z, c, hidden):
     are unpacked from there once all steps are done, see lstm._unpack_step). Units past
     `hidden` (the last block's padding) are neither computed nor read: their zero weights
     would turn an infinite input into NaN (0 * inf), and the NaN would spread to every unit.
+    gru: the GRU cell (_gru_cols), its state h kept in c.
     """
     panels, i_len = z.shape[1], w.shape[1] // 4 - c.shape[2] // 8
     k_len = i_len + hidden
@@ -231,12 +294,16 @@ def step_cols(t, b, pair, w, bias, z, c, hidden):
         a, bj = w[j], bias[j]
         h_at, c_at = 8 * (i_len + j), 8 * j
         if q1 != q0:
-            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
-            h1, c1 = _cell_cols(gi1, gf1, gg1, go1, load8(c[t, q1, c_at:], 0))
+            if gru:
+                gates = _gates16_gru(a, z[t, q0], z[t, q1], i_len, k_len, bj)
+            else:
+                gates = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
+            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = gates
+            h1, c1 = _cell(gi1, gf1, gg1, go1, load8(c[t, q1, c_at:], 0), gru)
             store8(z[t + 1, q1, h_at:], 0, h1)
             store8(c[t + 1, q1, c_at:], 0, c1)
         else:
             gi0, gf0, gg0, go0 = _gates8(a, z[t, q0], k_len, bj)
-        h0, c0 = _cell_cols(gi0, gf0, gg0, go0, load8(c[t, q0, c_at:], 0))
+        h0, c0 = _cell(gi0, gf0, gg0, go0, load8(c[t, q0, c_at:], 0), gru)
         store8(z[t + 1, q0, h_at:], 0, h0)
         store8(c[t + 1, q0, c_at:], 0, c0)

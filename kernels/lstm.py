@@ -1,4 +1,5 @@
-"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o.
+"""LSTM cell and sequence kernels, float32, gates in the canonical order i, f, g, o (the GRU
+runs on the same blocks with its own cell: kernels/gru.py).
 
     G_t = x_t Wx + h_{t-1} Wh + b          [B, 4H]
     c_t = sig(G_f) * c_{t-1} + sig(G_i) * tanh(G_g),   h_t = sig(G_o) * tanh(c_t)
@@ -70,6 +71,8 @@ class LSTMPlan:
     hidden: int
     wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
     bu: np.ndarray  # [Hp, 4] the same unit's biases
+    gru: bool = False  # the GRU cell on the same blocks (kernels/gru.py)
+    reset_before: bool = False  # the GRU with linear_before_reset = 0 (kernels/gru.py)
 
 
 def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
@@ -123,19 +126,19 @@ def _nth(s, k, n, p, parts, items):
 
 
 @numba.jit(**INLINE_GEMM)
-def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc):
+def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru):
     """Item b of stage s (block b), then its flag DONE (release: its writes are visible to
     whoever sees the flag). A step item first makes sure its block's input projection exists."""
     if atomic_load(done, b) != DONE:
         project(xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
         atomic_store(done, b, DONE)
     if s > 0:
-        step(s - 1, b, wh[b], gx[b], hs, cs, acc)
+        step(s - 1, b, wh[b], gx[b], hs, cs, acc, gru)
         atomic_store(done, wh.shape[0] * s + b, DONE)
 
 
 @numba.jit(**JIT_GEMM)
-def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done):
+def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru):
     """Thread p's part of the whole sequence (any subset of parts may run, in any order).
     Stage 0 (the projection) is not waited for: a step item projects its block if need be."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
@@ -149,7 +152,7 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done):
                 if b < 0:
                     break
                 if atomic_load(done, first + b) != DONE:
-                    _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc)
+                    _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru)
 
 
 @numba.jit(**JIT_GEMM)
@@ -180,17 +183,17 @@ def _start_row(x, h0, c0, floats, ints, hs, cs):
 
 
 @numba.jit(**PARALLEL)
-def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads):
+def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
     """Row by row, all in one call from Python (as _sequence_cols): out[0], out[1] are hs, cs
     [T + 1, B, Hp] with row 0 the initial state."""
     parts = min(threads, wh.shape[0])
     hs, cs = out[0], out[1]
     xp, gx, done = _start_row(x, h0, c0, floats, ints, hs, cs)
     if parts == 1:
-        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, done)
+        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, done, gru)
     else:
         for p in prange(parts):
-            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done)
+            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru)
 
 
 @numba.jit(**JIT_GEMM)
@@ -232,7 +235,7 @@ def _unpack_step(t, z, c, hs, cs):
 
 
 @numba.jit(**INLINE_GEMM)
-def _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs):
+def _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru):
     """Item i of stage s: packing x_t (s = 0), step s - 1 for one block and pair of panels,
     or unpacking step t's outputs (s = T + 1)."""
     steps, pairs = x.shape[0], (z.shape[1] + 1) // 2
@@ -241,11 +244,11 @@ def _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs):
     elif s == steps + 1:
         _unpack_step(i, z, c, hs, cs)
     else:
-        step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2])
+        step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2], gru)
 
 
 @numba.jit(**JIT_GEMM)
-def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
+def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
     """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
     one block of units for 16 batch columns, see _lstm_cell.step_cols) and of stage T + 1
     (unpacking step t's outputs, item t). Runs and flags as in _run; every stage is waited
@@ -263,7 +266,7 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
                 if i < 0:
                     break
                 if parts == 1 or atomic_cas(done, first + i, OPEN, STARTED) == OPEN:
-                    _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
+                    _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
                     atomic_store(done, first + i, DONE)
                     count += 1
         if count > 0:
@@ -272,7 +275,7 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done):
         # compute them too (that thread may have been descheduled).
         for i in range(items if parts > 1 else 0):
             if not wait_done(done, first + i, DONE, 2 * span):
-                _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs)
+                _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
                 atomic_store(done, first + i, DONE)
 
 
@@ -293,7 +296,7 @@ def _carve(x, units, floats, ints):
 
 
 @numba.jit(**PARALLEL)
-def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads):
+def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads, gru):
     """Batch > 1, all of it in one call from Python (each call from Python costs tens of us
     once the kernel has flushed the interpreter's data from the caches): carve the scratch,
     then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
@@ -301,10 +304,10 @@ def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads):
     parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + 15) // 16))
     z, c, done = _carve(x, w.shape[0], floats, ints)
     if parts == 1:
-        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done)
+        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
     else:
         for p in prange(parts):
-            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], done)
+            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
 
 
 def _call(fn, *args):
@@ -371,7 +374,8 @@ def _sequence_row(x, h0, c0, plan):
     out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
         floats, ints, threads = _setup(x, plan, units)
-        _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads)
+        _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads,
+              plan.gru)  # fmt: skip
     if units != hidden:
         return tuple(np.ascontiguousarray(a[1:, :, :hidden]) for a in out)
     return out[0, 1:], out[1, 1:]
@@ -384,7 +388,7 @@ def _sequence_batch(x, h0, c0, plan):
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
     if steps > 0 and batch > 0:
         floats, ints, threads = _setup(x, plan, plan.bu.shape[0])
-        _call(_sequence_cols, x, h0, c0, plan.wu, plan.bu, floats, ints, out, threads)
+        _call(_sequence_cols, x, h0, c0, plan.wu, plan.bu, floats, ints, out, threads, plan.gru)
     return out[0], out[1]
 
 
@@ -432,11 +436,11 @@ def run_part(x, h0, c0, plan: LSTMPlan, part: int, parts: int, started=()):
     done[started] = STARTED
     if batch <= ROWS_MAX:
         xp, gx, hs, cs = scratch
-        _call(_run, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done)
+        _call(_run, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done, plan.gru)
         return hs[1:, :, :hidden], cs[1:, :, :hidden], done
     z, c = scratch
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    _call(_run_cols, part, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done)
+    _call(_run_cols, part, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done, plan.gru)
     return hs, cs, done
 
 

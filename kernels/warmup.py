@@ -92,6 +92,20 @@ def _lstm():
         lstm_cell(x[0], h, h.copy(), plan)
 
 
+def _gru():
+    """The GRU with the reset before the recurrent product (two stages per step); with it
+    after, the GRU runs the LSTM group's kernels."""
+    from .gru import gru_sequence, prepare_gru
+
+    rng = np.random.default_rng(0)
+    for batch, size, hidden in ((1, 12, 20), (1, 200, 64), (3, 12, 20)):
+        x = rng.standard_normal((4, batch, size), dtype=np.float32)
+        h = rng.standard_normal((batch, hidden), dtype=np.float32)
+        wx = rng.standard_normal((size, 3 * hidden), dtype=np.float32)
+        wh = rng.standard_normal((hidden, 3 * hidden), dtype=np.float32)
+        gru_sequence(x, h, prepare_gru(wx, wh, None, None, linear_before_reset=0))
+
+
 def _pool():
     from .pool import global_average_pool, maxpool2d, prepare_maxpool
 
@@ -133,6 +147,7 @@ GROUPS = {
     "winograd4": _winograd4,
     "depthwise": _depthwise,
     "lstm": _lstm,
+    "gru": _gru,
     "pool": _pool,
     "blocked_layout": _blocked_layout,
     "blocked_conv_f4": _blocked_conv(32),

@@ -1,8 +1,19 @@
 """The built-in catalog: one module per family, each defining its rules with the public API."""
 
-from patterns import conv, conv_concat, fire, lstm, lstm_sequence, pool
+from patterns import (
+    conv,
+    conv_concat,
+    fire,
+    gru,
+    gru_native,
+    gru_sequence,
+    lstm,
+    lstm_native,
+    lstm_sequence,
+    pool,
+)  # fmt: skip
 
 RULES = [
-    conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, conv_concat.RULE, pool.RULE,
-    pool.GAP_FLATTEN,
+    conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
+    gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
 ]  # fmt: skip

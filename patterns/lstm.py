@@ -1,11 +1,15 @@
 """LSTMCell:  [i f g o] = x W + h R + b,  c' = sig(f) c + sig(i) tanh(g),  h' = sig(o) tanh(c')
 
-Pre-activations as Gemm(x, W, b, transB=1) + Gemm(h, R, b2, transB=1) (PyTorch nn.LSTMCell),
-MatMul(x, W) + MatMul(h, R) + b in any association, or MatMul(Concat(x, h), W) + b (TF/Keras),
-optionally with a constant forget bias added before f's sigmoid. The four gates come from one
-Split or four Slices in any order: which is which follows from the structure (through Tanh: the
-candidate g; multiplied with c: f; multiplied with tanh(c'): o), and `gates` records the column
-block of each, so the kernel repacks the weights into the order i, f, g, o once.
+The pre-activations are written on the shared linear sub-pattern (patterns/linear.py):
+linear(x, W) + linear(h, R) (PyTorch nn.LSTMCell: Gemm + Gemm; MatMul + MatMul with the bias
+anywhere), product(x, W) + product(h, R) + b, or linear(Concat(x, h), W) (TF/Keras, tf2onnx's
+Gemm(Concat, W, b, transB=0)), optionally with a constant forget bias added before f's sigmoid.
+The four gates come from one Split or four Slices in any order: which is which follows from the
+structure (through Tanh: the candidate g; multiplied with c: f; multiplied with tanh(c'): o),
+and `gates` records the column block of each, so the kernel repacks the weights into the order
+i, f, g, o once. Which input is x and which h is not decided here (with equal sizes the cell
+cannot tell, and x W + h R does not care): a chain decides it from the data flow
+(patterns/lstm_sequence.py).
 """
 
 from __future__ import annotations
@@ -14,8 +18,19 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
+from patterns.linear import (
+    check_linear,
+    linear,
+    linear_attributes,
+    linear_inputs,
+    linear_params,
+    out_features,
+    product,
+)
 
 GATES = ("gi", "gf", "gg", "go")  # captures of the pre-activations of i, f, g, o
+X_LINEAR, H_LINEAR = linear_inputs("W", "x"), linear_inputs("R", "h")
+WEIGHTS = (*X_LINEAR, *H_LINEAR, "bias", "forget_bias")  # the fused node's inputs after x, h, c
 
 
 def last_axis(axis) -> str | None:
@@ -23,18 +38,12 @@ def last_axis(axis) -> str | None:
 
 
 def preactivation(x, h):
-    """x W + h R + b in the forms exporters write (captures W, R, B, B2; nodes gemm_x, gemm_h)."""
-    gemm = dict(transA=0, alpha=1.0, beta=1.0)
-    xg = op.Gemm(x, Const("W"), Opt(Const("B")), **gemm, _name="gemm_x")
-    hg = op.Gemm(h, Const("R"), Opt(Const("B2")), **gemm, _name="gemm_h")
-    xw, hr, b = op.MatMul(x, Const("W")), op.MatMul(h, Const("R")), Const("B")
-    cat = op.Concat(x, h, axis=last_axis, _name="concat")
+    """x W + h R + b in the forms exporters write (captures of patterns/linear.py, prefixes x
+    and h; `bias` when the bias is added after the sum; node `concat` in the concat form)."""
     return Alt(
-        op.Add(xg, hg),
-        op.Add(op.Add(xw, hr), b),
-        op.Add(op.Add(xw, b), hr),
-        op.Add(op.Add(hr, b), xw),
-        op.Add(op.MatMul(cat, Const("W")), b),
+        op.Add(linear(x, "W", "x"), linear(h, "R", "h")),
+        op.Add(op.Add(product(x, "W", "x"), product(h, "R", "h")), Const("bias")),
+        linear(op.Concat(x, h, axis=last_axis, _name="concat"), "W", "x"),
     )
 
 
@@ -97,13 +106,17 @@ def gate_blocks(m) -> list[int] | str:
 
 
 def hidden_size(m) -> int:
-    w = m.const("W")
-    transposed = "gemm_x" in m.node_index and m.attrs("gemm_x")["transB"]
-    return (w.shape[0] if transposed else w.shape[1]) // 4
+    return out_features(m, "W", "x") // 4
 
 
 def check(m) -> str | None:
+    concat = "concat" in m.node_index
+    reason = check_linear(m, "W", "x") or (None if concat else check_linear(m, "R", "h"))
+    if reason:
+        return reason
     hidden = hidden_size(m)
+    if out_features(m, "W", "x") % 4 or (not concat and out_features(m, "R", "h") != 4 * hidden):
+        return "the products do not give 4 equal gate blocks"
     split = m.attrs("split") if "split" in m.node_index else {}
     sizes = m.const("split_sizes") if m["split_sizes"] else split.get("split")
     if split and (len(m.node("split").output) != 4 or (sizes is not None and len(set(sizes)) > 1)):
@@ -111,7 +124,7 @@ def check(m) -> str | None:
     blocks = gate_blocks(m)
     if isinstance(blocks, str):
         return blocks
-    for name, size in (("B", 4 * hidden), ("B2", 4 * hidden), ("forget_bias", hidden)):
+    for name, size in (("bias", 4 * hidden), ("forget_bias", hidden)):
         value = m.const(name)
         if value is not None and value.size not in (1, size):
             return f"{name} of shape {list(value.shape)} is not a bias of {size} values"
@@ -122,25 +135,35 @@ def check(m) -> str | None:
 
 
 def attributes(m) -> dict:
-    form = (
-        "gemm" if "gemm_x" in m.node_index else "concat" if "concat" in m.node_index else "matmul"
-    )
-    trans = [int(m.attrs(n)["transB"]) for n in ("gemm_x", "gemm_h")] if form == "gemm" else [0, 0]
-    return {"form": form, "gates": gate_blocks(m), "transB": trans}
+    concat = "concat" in m.node_index
+    h_linear = {"h_linear": [0.0, 1.0, 1.0]} if concat else linear_attributes(m, "h")
+    return {
+        "form": "concat" if concat else "sum",
+        "gates": gate_blocks(m),
+        **linear_attributes(m, "x"),
+        **h_linear,
+    }
 
 
-def cell_weights(attrs: dict, constants: list):
-    """(Wx [I, 4H], Wh [H, 4H], bias [4H]) in gate order i, f, g, o from a cell's constants."""
-    _, _, _, w, r, b, b2, forget = (list(constants) + [None] * 8)[:8]
-    tx, th = attrs["transB"]
-    w, r = (w.T if tx else w), (None if r is None else r.T if th else r)
-    hidden = w.shape[1] // 4
+def cell_weights(attrs: dict, weights: list):
+    """(Wx [I, 4H], Wh [H, 4H], bias [4H]) in gate order i, f, g, o from a cell's constants
+    (in WEIGHTS order). attrs["swapped"] = 1: the node's x is the cell's h and its h the x."""
+    named = dict(zip(WEIGHTS, list(weights) + [None] * len(WEIGHTS), strict=False))
+    x_w, x_b = linear_params(attrs["x_linear"], *(named[k] for k in X_LINEAR))
+    swapped = bool(attrs.get("swapped", 0))
     if attrs["form"] == "concat":
-        w, r = w[: w.shape[0] - hidden], w[w.shape[0] - hidden :]
-    bias = np.zeros(4 * hidden, np.float32)
-    for value in (b, b2):
-        bias += 0 if value is None else np.broadcast_to(value.reshape(-1), bias.shape)
+        hidden = x_w.shape[1] // 4
+        size = x_w.shape[0] - hidden  # Concat(x, h): x's rows first (h's when swapped)
+        w, r = (x_w[hidden:], x_w[:hidden]) if swapped else (x_w[:size], x_w[size:])
+        bias = x_b
+    else:
+        r, h_b = linear_params(attrs["h_linear"], *(named[k] for k in H_LINEAR))
+        w, r = (r, x_w) if swapped else (x_w, r)
+        hidden, bias = w.shape[1] // 4, x_b + h_b
+    if named["bias"] is not None:
+        bias = bias + np.broadcast_to(named["bias"].reshape(-1), bias.shape)
     blocks = list(attrs["gates"])
+    forget = named["forget_bias"]
     if forget is not None:
         bias[blocks[1] * hidden : (blocks[1] + 1) * hidden] += forget.reshape(-1)
     cols = np.concatenate([np.arange(k * hidden, (k + 1) * hidden) for k in blocks])
@@ -151,7 +174,7 @@ def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs one step."""
     from kernels.lstm import lstm_cell, prepare_lstm  # heavy (Numba): only when a kernel is built
 
-    plan = prepare_lstm(*cell_weights(attrs, constants))
+    plan = prepare_lstm(*cell_weights(attrs, constants[3:]))
 
     def run(x, h, c, *_weights):
         return lstm_cell(x, h, c, plan)
@@ -162,12 +185,12 @@ def make_kernel(attrs: dict, constants: list):
 RULE = Rule(
     "LSTMCell",
     Alt(cell("split"), cell("slice")),
-    inputs=("x", "h", "c", "W", "R", "B", "B2", "forget_bias"),
+    inputs=("x", "h", "c", *WEIGHTS),
     outputs=("h_out", "c_out"),
     prepare=make_kernel,
     attributes=attributes,
     check=check,
     priority=10,
-    description="LSTM cell from Gemm/MatMul, Split/Slice gates, Sigmoid/Tanh, float32",
+    description="LSTM cell on linear(x) + linear(h) or linear(Concat(x, h)), Split/Slice gates",
     explain_after="Add",
 )

@@ -219,6 +219,23 @@ def naive_lstm(x, h, c, w):
     return np.array(hs), np.array(cs)
 
 
+def naive_gru(x, h, w, linear_before_reset=1):
+    """The GRU recurrence in float64 (w: fusion.models.GRUWeights, gates r, z, n): PyTorch's
+    (the reset after the recurrent product), or with it before (linear_before_reset=0)."""
+    hid = w.hidden
+    hs = []
+    for xt in x.astype(np.float64):
+        gx, gh = xt @ w.W.T + w.Wb, h @ w.R.T + w.Rb
+        r, z = (1 / (1 + np.exp(-gx[:, k] - gh[:, k])) for k in (np.s_[:hid], np.s_[hid : 2 * hid]))
+        if linear_before_reset:
+            n = np.tanh(gx[:, 2 * hid :] + r * gh[:, 2 * hid :])
+        else:
+            n = np.tanh(gx[:, 2 * hid :] + (r * h) @ w.R[2 * hid :].T + w.Rb[2 * hid :])
+        h = (1 - z) * n + z * h
+        hs.append(h)
+    return np.array(hs)
+
+
 # ---- fused models with a NumPy kernel ---------------------------------------------------------
 # A "ScaledRelu" node, relu(x * s), backed by a Mul + Relu function and run by a NumPy kernel
 # registered in a test catalog: fused models built by hand, for the runtime and verify.

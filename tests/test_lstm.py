@@ -91,13 +91,22 @@ def test_intermediate_used_outside_prevents_fusion():
     assert "is also a graph output" in _near_miss(model)
 
 
-def test_gemm_with_alpha_is_a_near_miss():
-    model = _edit(
-        cell_model(LSTMWeights.random(4, 5), 2),
-        "Gemm",
-        lambda n: n.attribute.append(onnx.helper.make_attribute("alpha", 0.5)),
-    )
-    assert "alpha=0.5, pattern needs 1.0" in _near_miss(model)
+def _gemm_attributes(**attrs):
+    def edit(node):
+        node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in attrs.items())
+
+    return edit
+
+
+def test_gemm_alpha_and_beta_fold_into_the_weights():
+    model = _edit(cell_model(LSTMWeights.random(4, 5), 2), "Gemm", _gemm_attributes(alpha=0.5))
+    model = _edit(model, "Gemm", _gemm_attributes(beta=-2.0))  # the same first Gemm
+    check_fused_cell(model, cell_feeds(2, 4, 5))
+
+
+def test_gemm_with_transposed_input_is_a_near_miss():
+    model = _edit(cell_model(LSTMWeights.random(4, 5), 2), "Gemm", _gemm_attributes(transA=1))
+    assert "transA=1, pattern needs 0" in _near_miss(model)
 
 
 def test_split_along_the_wrong_axis_is_a_near_miss():

@@ -151,3 +151,45 @@ def test_function_body_runs_in_onnxruntime():
     result = fusion.rewrite(model, CATALOG)
     feeds = seq_feeds(3, 2, 3, 4)
     assert_same(run_ort(result.model, feeds), run_ort(model, feeds))
+
+
+@pytest.mark.parametrize("form", ["gemm", "matmul", "concat", "concat_gemm"])
+@pytest.mark.parametrize("steps, batch", [(4, 1), (3, 3)])
+def test_equal_input_and_hidden_sizes_chain(form, steps, batch):
+    """I = H: the cell pattern cannot tell x from h by the weights' shapes; the chain takes
+    them from the data flow (h' of step t arrives as step t + 1's h)."""
+    size = hidden = 12
+    w = LSTMWeights.random(size, hidden, seed=4)
+    model = unrolled_lstm(w, steps, batch, form=form, order="igfo", forget_bias=1.0)
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert fused_ops(session.model) == ["LSTMSequence"]
+    feeds = seq_feeds(steps, batch, size, hidden)
+    assert_same(session.run(None, feeds), run_ort(model, feeds))
+
+
+def test_h_and_x_exchanged_in_every_cell_chain():
+    """Each cell adds h R before x W (so the pattern binds the step's x as h): still one chain,
+    and the numbers are right."""
+    steps, batch, hidden = 4, 2, 12
+    model = unrolled_lstm(LSTMWeights.random(hidden, hidden, seed=6), steps, batch)
+    for node in model.graph.node:
+        if node.op_type == "Add" and all(i.startswith("/Gemm") for i in node.input):
+            node.input[:] = node.input[::-1]
+    result = fusion.rewrite(model, CATALOG)
+    assert result.counts() == {"LSTMSequence": 1}
+    feeds = seq_feeds(steps, batch, hidden, hidden)
+    session = Session(model, threads=2, catalog=CATALOG)
+    assert_same(session.run(None, feeds), run_ort(model, feeds))
+
+
+def test_a_cell_reading_c_but_not_h_says_why_no_chain():
+    """Step 2 reads step 1's c' but h from the graph input: no sequence, and explain says why."""
+    model = unrolled_lstm(LSTMWeights.random(4, 6), 2, 2)
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    gemms[3].input[0] = "h0"  # step 2's h R reads h0 instead of h_1
+    near_miss(
+        model, "LSTMSequence", "reads c' of", "but not its h'", catalog=CATALOG,
+        fused=["LSTMCell", "LSTMCell"],
+    )  # fmt: skip
+    feeds = seq_feeds(2, 2, 4, 6)
+    assert_same(Session(model, threads=2, catalog=CATALOG).run(None, feeds), run_ort(model, feeds))

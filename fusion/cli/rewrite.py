@@ -18,7 +18,7 @@ from fusion.files import same_file, write_atomic
 from fusion.modelfile import read_model, require_valid, run_checker, save_model, write_model_bytes
 from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
-from fusion.rewriter import rewrite
+from fusion.rewriter import rewrite, write_standard
 from fusion.verify import verify
 
 NAME, HELP = "rewrite", "fuse the catalog's patterns in an ONNX file"
@@ -38,6 +38,12 @@ def add_arguments(p) -> None:
         action="store_true",
         help="check each fused node against onnxruntime and undo the ones that disagree",
     )
+    p.add_argument(
+        "--rnn-as-standard-op",
+        action="store_true",
+        help="write fused unrolled LSTM chains as the standard ONNX LSTM op, not as functions "
+        "(plain onnxruntime then runs them at its native op's speed)",
+    )
     add_input_argument(p, help="inputs for --verify (NAME=FILE.npy)")
 
 
@@ -53,6 +59,7 @@ def execute(args) -> int:
         verbose=args.verbose,
         verified=args.verify,
         inputs=args.input,
+        standard_ops=args.rnn_as_standard_op,
     )
 
 
@@ -67,6 +74,7 @@ def rewrite_file(
     verbose: bool = False,
     verified: bool = False,
     inputs: list[str] | None = None,
+    standard_ops: bool = False,
 ) -> int:
     """Rewrite the file `model` into `output` and print what was fused; the exit code."""
     src, dst = Path(model), Path(output)
@@ -83,6 +91,13 @@ def rewrite_file(
         result = rewrite(original, catalog)
         if verified and result.fusions:
             result = _rewrite_verified(original, result, catalog, input_files(inputs))
+        if standard_ops and result.fusions:
+            write_standard(result, catalog)
+            if verified and result.standard:
+                check = verify(original, result.model, inputs=input_files(inputs), catalog=catalog)
+                print(f"verified the standard ops against the original:\n{check}")
+                if not check.ok:
+                    return 1
     keep = () if in_place else data_files  # what the old output named and the input still reads
     if result.fusions:
         try:
@@ -155,6 +170,8 @@ def _print_rewrite(result, verbose: bool) -> None:
     total = sum(result.counts().values())
     counts = ", ".join(f"{name}: {n}" for name, n in result.counts().items())
     print(f"{total} fusion{'s' if total != 1 else ''}" + (f" ({counts})" if counts else ""))
+    if result.standard:
+        print(f"written as standard ONNX ops: {', '.join(f.node for f in result.standard)}")
     if verbose:
         for f in result.fusions:
             print(f"  {f.rule} {f.node} <- {', '.join(f.replaced)}")

@@ -9,7 +9,8 @@ Unsqueeze + Concat. Variants as parameters:
 
 - form: "gemm" (PyTorch: Gemm(x, W, b, transB=1) + Gemm(h, R, b2, transB=1)), "matmul"
   (MatMul(x, W^T) + MatMul(h, R^T) + b, `assoc` picks the association), "concat"
-  (TF/Keras: MatMul(Concat(x, h), [W^T; R^T]) + b);
+  (TF/Keras: MatMul(Concat(x, h), [W^T; R^T]) + b), "concat_gemm" (tf2onnx's
+  Gemm(Concat(x, h), [W^T; R^T], b, transB=0));
 - gates: "split_input" (opset 13+), "split_attribute" (opset 11), "num_outputs" (opset 18),
   "slice" (four Slices, written in a shuffled order);
 - order: the gate order of the pre-activation columns, a permutation of "ifgo"
@@ -62,7 +63,7 @@ class LSTMWeights:
         return LSTMWeights(self.W[idx], self.R[idx], self.Wb[idx], self.Rb[idx])
 
 
-class _Graph(GraphBuilder):
+class RNNGraph(GraphBuilder):
     def __init__(self, opset: int):
         super().__init__(opset)
         self.weights_key, self.weights = None, []  # one set of initializers per chain
@@ -78,7 +79,7 @@ class _Graph(GraphBuilder):
 
 
 def lstm_cell(
-    g: _Graph,
+    g: RNNGraph,
     x,
     h,
     c,
@@ -107,7 +108,7 @@ def lstm_cell(
                 g.named(ww.R.T.copy(), "R"),
                 g.named(ww.Wb + ww.Rb, "b"),
             ]
-        else:
+        else:  # concat, concat_gemm
             wcat = np.concatenate([ww.W.T, ww.R.T], axis=0)
             g.weights = [g.named(wcat, "W"), g.named(ww.Wb + ww.Rb, "b")]
     if form == "gemm":
@@ -124,9 +125,12 @@ def lstm_cell(
             pre = g.node("Add", [hr, g.node("Add", [b, xw])])
         else:
             pre = g.node("Add", [xw, g.node("Add", [hr, b])])
-    else:
+    elif form == "concat":
         wn, b = g.weights
         pre = g.node("Add", [g.node("MatMul", [g.node("Concat", [x, h], axis=1), wn]), b])
+    else:
+        wn, b = g.weights
+        pre = g.node("Gemm", [g.node("Concat", [x, h], axis=1), wn, b], transB=0)
     chunks = _split_gates(g, pre, hid, gates)
     gate = dict(zip(order, chunks, strict=True))
     f_pre = gate["f"]
@@ -139,7 +143,7 @@ def lstm_cell(
     return h_new, c_new
 
 
-def _split_gates(g: _Graph, pre: str, hid: int, gates: str) -> list[str]:
+def _split_gates(g: RNNGraph, pre: str, hid: int, gates: str) -> list[str]:
     if gates == "split_input":
         return g.node("Split", [pre, g.named(np.array([hid] * 4, np.int64), "split")], 4, axis=1)
     if gates == "split_attribute":
@@ -159,7 +163,7 @@ def unrolled_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", **cell) ->
 
     >>> model = unrolled_lstm(LSTMWeights.random(128, 256), steps=16, form="gemm")
     """
-    g = _Graph(OPSET[cell.get("gates", "split_input")])
+    g = RNNGraph(OPSET[cell.get("gates", "split_input")])
     hid, size = w.hidden, w.W.shape[1]
     h, c, ys = "h0", "c0", []
     for t in range(steps):
@@ -180,7 +184,7 @@ def cell_model(
 ) -> onnx.ModelProto:
     """One cell: x [B, I], h, c [B, H] -> h', c' (and `extra_output`, an intermediate, if named
     by its op type, e.g. "Tanh": the first node of that type becomes an output too)."""
-    g = _Graph(OPSET[cell.get("gates", "split_input")])
+    g = RNNGraph(OPSET[cell.get("gates", "split_input")])
     h, c = lstm_cell(g, "x", "h", "c", w, **cell)
     hid, size = w.hidden, w.W.shape[1]
     outputs = {h: [batch, hid], c: [batch, hid]}
@@ -191,7 +195,7 @@ def cell_model(
 
 def native_lstm(w: LSTMWeights, steps: int, batch: int | str = "N", forget_bias=0.0):
     """The same network as one ONNX LSTM node (gates i, o, f, c), same inputs and outputs."""
-    g = _Graph(17)
+    g = RNNGraph(17)
     ww = w.reorder("iofg")
     b = np.concatenate([ww.Wb, ww.Rb])
     b[2 * w.hidden : 3 * w.hidden] += np.float32(forget_bias)
