@@ -189,7 +189,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
     others = n * (cb if plan.depthwise else plan.group * ogg)
-    rb_len = min(oh, max(1, -(-4 * threads // others)))
+    rb_len = min(oh, max(1, -(-4 * threads // max(1, others))))  # others: 0 at batch 0
     rows = -(-oh // rb_len)
     if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2
         row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * BLOCK * 4 * sh
