@@ -1,7 +1,8 @@
 """Apply a catalog to a model: find safe, non-overlapping matches and replace each by one node.
 
 Order: rules in priority order (a rule that contains another goes first, so FireModule claims
-its convolutions before ConvBiasRelu sees them), and within a rule the graph's node order.
+its convolutions before ConvBiasRelu sees them), and within a rule the graph's node order (or
+its reverse, for a rule whose root may be any node of a chain: Rule.from_last).
 A match is fused only if no value it computes internally is read outside it or is a graph
 output, and it shares no node with an earlier match. Every rejection keeps its reason.
 """
@@ -170,7 +171,9 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
     replacements: list[tuple[int, onnx.NodeProto]] = []
     functions: dict[tuple[str, str], onnx.FunctionProto] = {}
     for rule in rules:
-        candidates = sorted(i for op_type in rule.anchors for i in view.by_op.get(op_type, ()))
+        anchored = (i for op_type in rule.anchors for i in view.by_op.get(op_type, ()))
+        candidates = sorted(anchored, reverse=rule.from_last)
+        misses: list[tuple[int, NearMiss]] = []  # reported in graph order
         for index in candidates:
             node = view.nodes[index]
             if index in claimed:
@@ -180,7 +183,7 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
             found = _match_at(view, rule, index, claimed, skip)
             if isinstance(found, Failure):
                 if _is_near_miss(rule, found):
-                    result.near_misses.append(NearMiss(rule.name, node_label(node), found.reason))
+                    misses.append((index, NearMiss(rule.name, node_label(node), found.reason)))
                 continue
             match, fused, func = found
             for i in match.nodes:
@@ -189,6 +192,12 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
             functions.setdefault((func.name, func.overload), func)
             replaced = [node_label(view.nodes[i]) for i in match.nodes]
             result.fusions.append(Fusion(rule.name, fused.name, replaced))
+        reasons = set()  # one entry per reason: a chain tried from each of its nodes fails once
+        for _, miss in sorted(misses, key=lambda m: m[0]):
+            short = miss.reason.removeprefix(f"{miss.at}: ")  # a check's reason names its root
+            if miss.reason not in reasons and short not in reasons:
+                reasons.update((miss.reason, short))
+                result.near_misses.append(miss)
     if replacements:
         _apply(result.model, view, claimed, replacements, list(functions.values()))
 
