@@ -15,11 +15,9 @@ import onnx
 from onnx import helper
 
 from fusion.catalog import DOMAIN, Catalog, Rule
-from fusion.errors import CatalogError
 from fusion.functions import BodyError, build_function
 from fusion.graph import GraphView, implicit_inputs, node_label, topological_order
 from fusion.matcher import FULL_MATCH, Failure, Match, Matcher, start_state
-from fusion.modelfile import as_model
 from fusion.pattern import Output
 from fusion.registry import default_catalog
 
@@ -353,30 +351,3 @@ def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     ]
     order = topological_order(deps, lambda i: node_label(nodes[i]))
     return [nodes[i] for i in order]
-
-
-class Explanation(list):
-    """Near-misses (NearMiss: rule, at, reason) as data; str() gives the printable text."""
-
-    def __init__(self, misses, text: str):
-        super().__init__(misses)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def explain(model, pattern: str | None = None, catalog: Catalog | None = None) -> Explanation:
-    """Why `pattern` (or every pattern) did not fire where it nearly did.
-
-    >>> print(fusion.explain("model.onnx", pattern="ConvBiasRelu"))
-    ConvBiasRelu: 3 fused, 1 not fused
-      Conv /conv7: dtype float16, kernels are float32-only
-    """
-    model = as_model(model)
-    catalog = catalog if catalog is not None else default_catalog()
-    if pattern is not None and pattern not in catalog:
-        raise CatalogError(f"no pattern named {pattern!r}")
-    result = rewrite(model, catalog)
-    misses = [n for n in result.near_misses if pattern is None or n.rule == pattern]
-    return Explanation(misses, result.explain(pattern))
