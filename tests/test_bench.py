@@ -154,6 +154,20 @@ def test_bench_models_summarises_each_model_and_batch(tmp_path, capsys, monkeypa
     assert "| c b2 | 2 | 2 |" in md and "conv FLOPs in kernels" in md and "Machine: " in md
 
 
+def test_cnn_coverage_checks_each_model(tmp_path, capsys, monkeypatch):
+    """bench/cnn_coverage.py on a file: the row (fused convs, islands, the kernels' outputs
+    against onnxruntime) and the JSON."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `import zoo`
+    script = load_script("cnn_coverage")
+    save_model(conv_stack(blocks=2, channels=4, size=6, batch="N"), tmp_path / "c.onnx")
+    out = tmp_path / "rows.json"
+    assert script.main([str(tmp_path / "c.onnx"), "--batch", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["convs"], row["fused_convs"], row["islands"]) == (2, 2, 0)
+    assert row["verify_ok"] and row["max_rel_to_scale"] < 1e-5
+    assert "| c.onnx | 2/2 | 0 | rel err" in capsys.readouterr().out
+
+
 def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
     stride-2 conv with nothing after it (a projection conv: fused too)."""
