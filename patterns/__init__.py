@@ -11,9 +11,11 @@ from patterns import (
     lstm_native,
     lstm_sequence,
     pool,
+    squeeze_excite,
 )  # fmt: skip
 
 RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
+    squeeze_excite.RULE,
 ]  # fmt: skip
