@@ -1,6 +1,7 @@
 """The built-in catalog: one module per family, each defining its rules with the public API."""
 
 from patterns import (
+    concat,
     conv,
     conv_concat,
     fire,
@@ -10,6 +11,7 @@ from patterns import (
     lstm,
     lstm_native,
     lstm_sequence,
+    norm,
     pool,
     squeeze_excite,
 )  # fmt: skip
@@ -17,5 +19,5 @@ from patterns import (
 RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
-    squeeze_excite.RULE,
+    squeeze_excite.RULE, norm.RULE, concat.RULE,
 ]  # fmt: skip

@@ -105,13 +105,14 @@ def check_conv(m, prefix: str = "") -> str | None:
     if rank == 3 and bias is not None and bias.ndim > 2 and bias.size > 1:
         return f"bias of shape {list(bias.shape)} does not broadcast along [N, C, L]'s channels"
     if prefix + "bn" in m.node_index:
-        reason = _check_bn(m, prefix, channels)
+        reason = check_bn(m, prefix, channels)
         if reason:
             return reason
     return check_relu6(m, prefix) or _check_residual(m, prefix)
 
 
-def _check_bn(m, prefix: str, channels: int) -> str | None:
+def check_bn(m, prefix: str, channels: int) -> str | None:
+    """Why a matched BatchNormalization cannot be folded, if it cannot."""
     bn = m.node(prefix + "bn")
     if m.attrs(prefix + "bn").get("training_mode", 0):
         return f"{bn.op_type} {bn.name}: training_mode=1 (statistics of the batch, not folded)"
@@ -149,6 +150,13 @@ def _check_residual(m, prefix: str) -> str | None:
 
 
 # ---- building the kernel ---------------------------------------------------------------------
+def bn_affine(scale, bias, mean, var, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """BatchNormalization as y = x s + t per channel, in float64:
+    s = scale / sqrt(var + eps), t = bias - mean s."""
+    s = np.reshape(scale, -1) / np.sqrt(np.reshape(var, -1).astype(np.float64) + eps)
+    return s, np.reshape(bias, -1) - np.reshape(mean, -1) * s
+
+
 def folded(attrs: dict, constants: list) -> tuple[np.ndarray, np.ndarray | None]:
     """(W [M, C/group, kh, kw], bias [M] or None) in float32 with the bias Add and the BatchNorm
     folded in (in float64, rounded once); a Conv1d's weight gets kh = 1."""
@@ -158,10 +166,9 @@ def folded(attrs: dict, constants: list) -> tuple[np.ndarray, np.ndarray | None]
     bias = np.sum(biases, axis=0, dtype=np.float64) if biases else None
     weight = np.asarray(w, np.float64)
     if scale is not None:
-        s = np.reshape(scale, -1) / np.sqrt(np.reshape(var, -1).astype(np.float64)
-                                            + attrs.get("epsilon", 1e-5))  # fmt: skip
+        s, t = bn_affine(scale, shift, mean, var, attrs.get("epsilon", 1e-5))
         weight = weight * s.reshape(-1, *([1] * (w.ndim - 1)))
-        bias = ((0.0 if bias is None else bias) - np.reshape(mean, -1)) * s + np.reshape(shift, -1)
+        bias = (0.0 if bias is None else bias) * s + t
     if weight.ndim == 3:
         weight = weight[:, :, None, :]
     return weight.astype(np.float32), None if bias is None else np.asarray(bias, np.float32)
