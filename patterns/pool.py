@@ -1,5 +1,6 @@
 """Pooling. MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding,
-dilation. GlobalAvgPoolFlatten:  y = Flatten(GlobalAveragePool(x), axis=1)   ([N, C]).
+dilation. GlobalAvgPoolFlatten:  y = mean_hw(x) as [N, C]: Flatten(GlobalAveragePool(x)), or
+ReduceMean over H, W then Reshape / Flatten, or with keepdims=0.
 
 A one-op rule. Between fused nodes a lone MaxPool (SqueezeNet's and GoogLeNet's, after a conv
 or a Fire module) would otherwise run as an onnxruntime island of its own: a session call, a
@@ -7,14 +8,15 @@ layout its conv-less island keeps NCHW, and the kernels' threads sleeping meanwh
 it runs in-process (kernels/pool.py). The Indices output, if something reads it, keeps the
 node out (the rewriter says which node reads it).
 
-GlobalAveragePool + Flatten is the head PyTorch exports for every torchvision classifier
-(adaptive_avg_pool2d to 1x1, then torch.flatten(x, 1)); fused, the model's tail needs no island.
+GlobalAveragePool + Flatten is the head PyTorch's TorchScript exporter writes for every
+torchvision classifier (adaptive_avg_pool2d to 1x1, then torch.flatten(x, 1)); the dynamo
+exporter writes ReduceMean + Reshape. Fused, the model's tail needs no island.
 """
 
 from __future__ import annotations
 
 from fusion.catalog import Rule
-from fusion.pattern import Var, op
+from fusion.pattern import Alt, Const, Opt, Var, op
 from kernels.windows import prepare_maxpool
 
 
@@ -88,23 +90,62 @@ RULE = Rule(
 def make_gap_kernel(attrs: dict, constants: list):
     from kernels.pool import global_average_pool  # heavy (Numba): only when a kernel is built
 
-    def run(x):
-        return (global_average_pool(x),)
+    shape = attrs.get("shape")
+
+    def run(x, *_constants):
+        y = global_average_pool(x)
+        return (y if shape is None else y.reshape(shape),)  # Reshape's rule when no 0 is in it
 
     return run
 
 
-def check_flatten(m) -> str | None:
-    axis = m.attrs("flat").get("axis", 1)
-    return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
+def gap_head():
+    """The plane means as [N, C] in each exporter's form: Flatten(GlobalAveragePool(x))
+    (TorchScript), ReduceMean over H, W then Reshape or Flatten, or with keepdims=0 (dynamo)."""
+    x = Var("x", dtype="float32", rank=4)
+    mean = op.ReduceMean(x, Opt(Const("axes")), _name="gap")
+    return Alt(
+        op.Flatten(op.GlobalAveragePool(x, _name="gap"), _name="flat"),
+        op.Flatten(mean, _name="flat"),
+        op.Reshape(mean, Const("shape"), _name="flat"),
+        mean,
+    )
 
 
-GAP_FLATTEN = Rule(
+def gap_attributes(m) -> dict:
+    return {} if m.const("shape") is None else {"shape": [int(d) for d in m.const("shape")]}
+
+
+def check_gap(m) -> str | None:
+    gap = m.node("gap")
+    if gap.op_type == "ReduceMean":
+        attrs = m.attrs("gap")
+        axes = attrs.get("axes") if m.const("axes") is None else m.const("axes").tolist()
+        if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            return f"ReduceMean {gap.name} over axes {axes}, not the spatial axes [2, 3]"
+        if "flat" not in m.node_index and attrs.get("keepdims", 1):
+            return f"ReduceMean {gap.name} keeps its dims ([N, C, 1, 1]); the head gives [N, C]"
+    if "flat" not in m.node_index:
+        return None
+    flat = m.node("flat")
+    if flat.op_type == "Flatten":
+        axis = m.attrs("flat").get("axis", 1)
+        return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
+    shape = m.const("shape").tolist()
+    if 0 in shape or len(shape) != 2:
+        return f"Reshape {flat.name} to {shape}; the head reshapes to two dims, none of them 0"
+    return None
+
+
+GAP_FLATTEN = Rule(  # the name is historical: files fused before bind their kernel by it
     "GlobalAvgPoolFlatten",
-    op.Flatten(op.GlobalAveragePool(Var("x", dtype="float32", rank=4), _name="gap"), _name="flat"),
+    gap_head(),
     inputs=("x",),
     prepare=make_gap_kernel,
-    check=check_flatten,
-    description="GlobalAveragePool + Flatten(axis=1), float32 NCHW -> [N, C] (classifier heads)",
+    attributes=gap_attributes,
+    check=check_gap,
+    description="the mean of each channel plane as [N, C] (GlobalAveragePool + Flatten, "
+    "ReduceMean + Reshape), float32 NCHW: classifier heads",
     explain_after="GlobalAveragePool",
+    from_last=True,  # Reshape/Flatten first, so that a ReduceMean is not tried alone before
 )

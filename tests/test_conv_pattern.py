@@ -137,6 +137,7 @@ def test_clip_with_run_time_bound_is_not_fused():
 
 
 def test_unrelated_relu_is_not_reported():
+    """(A 2-D MatMul + Relu on a graph input is no classifier head either: LinearAct is quiet.)"""
     g = GraphBuilder()
     y = g.node("Relu", [g.node("MatMul", ["x", g.weight(4, 4)])])
     text = near_miss(g.model({"x": [2, 4]}, [y]), None)
