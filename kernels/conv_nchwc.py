@@ -188,7 +188,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     per_block = kh * kw * bi * fb * BLOCK * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
-    others = n * (cb if plan.depthwise else plan.group * ogg)
+    others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows = -(-oh // rb_len)
     if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2

@@ -188,3 +188,10 @@ def test_refusals_say_why():
         conv_nchwc(to_blocked(np.ones((1, 8, 5, 5), np.float32)), plan)
     with pytest.raises(ValueError, match="empty"):
         conv_nchwc(to_blocked(np.ones((1, 16, 2, 2), np.float32)), plan)
+
+
+@pytest.mark.parametrize("group", [1, 8], ids=["direct", "depthwise"])
+def test_batch_0_gives_an_empty_output(group):
+    x, wt, b, attrs = case(1, 8, 8, 6, 6, 3, group=group, pads=(1, 1, 1, 1))
+    got = run_blocked(x[:0], wt, b, attrs, "relu")
+    assert got.shape == (0, 8, 6, 6)

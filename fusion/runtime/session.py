@@ -191,6 +191,9 @@ class Session:
             if unknown:
                 choices[i] = tactics[0]  # shapes unknown until a run: the kernel meanwhile
                 continue
+            if any(s is not None and 0 in s for s in ins):
+                choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
+                continue
             if self._cache is None:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
@@ -245,7 +248,8 @@ class Session:
             if isinstance(p, IslandPlan):
                 for value in p.inputs:
                     steps += convert(layouts, value, NCHW)
-                steps.append(IslandStep(p, view, island_settings(p), self.threads))
+                settings = island_settings(p, alone=not chosen)
+                steps.append(IslandStep(p, view, settings, self.threads))
                 for value in p.outputs:
                     layouts.made(value, NCHW)
                 continue
