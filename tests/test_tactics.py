@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 
 import fusion.runtime.tactics as tactics_module
 from fusion.catalog import Tactic
+from fusion.ort import DEFAULT
 from fusion.runtime import Session
 from fusion.runtime.tactics import ONNXRUNTIME, TimingCache, node_key, policy, preferred
 
@@ -60,7 +61,7 @@ def test_fastest_never_keeps_a_slower_tactic_and_caches_the_choice(monkeypatch, 
     files = list(tmp_path.glob("tactics-*.json"))
     assert len(files) == 1
     entries = json.loads(files[0].read_text())["entries"]
-    (times,) = [e["times"] for e in entries.values()]
+    (times,) = [e["times"] for k, e in entries.items() if not k.startswith("plan:")]
     assert set(times) == {"slow", "numpy", ONNXRUNTIME}
     assert times["slow"] > max(times["numpy"], times[ONNXRUNTIME])
 
@@ -72,9 +73,33 @@ def test_fastest_never_keeps_a_slower_tactic_and_caches_the_choice(monkeypatch, 
     monkeypatch.setattr("fusion.runtime.session.time_call", no_timing, raising=False)
     again = _session(tactics="fastest")
     assert again.choices == session.choices
+    assert again.race == session.race is not None  # the whole-plan race, also from the cache
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     (y,) = again.run(None, {"x": x})
     np.testing.assert_allclose(y, np.maximum(x * 0.5, 0), rtol=1e-6)
+
+
+def test_the_whole_plan_races_onnxruntime_alone(monkeypatch, tmp_path):
+    # A plan of kernels that are each faster than their bodies can still lose whole (layout
+    # conversions, islands cut in two): then the model runs in onnxruntime at its defaults.
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    node_times = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node
+    monkeypatch.setattr(Session, "_time", lambda self, *args: node_times)
+    slower = {"per-node": 2e-3, ONNXRUNTIME: 1e-3}
+    monkeypatch.setattr(Session, "_time_plan", lambda self, plan, values: slower[plan.race_name])
+    monkeypatch.setattr(
+        Session, "_plan", lambda self, c, _plan=Session._plan: _named(_plan(self, c), c)
+    )
+    session = _session(tactics="fastest")
+    assert session.race["chosen"] == ONNXRUNTIME
+    assert [s.kind for s in session.steps] == ["island"]
+    assert session.steps[0].settings == DEFAULT
+
+
+def _named(run_plan, choices):
+    kernels = any(t is not None for t in choices.values())
+    run_plan.race_name = "per-node" if kernels else ONNXRUNTIME
+    return run_plan
 
 
 def test_a_node_on_onnxruntime_merges_into_an_island(monkeypatch, tmp_path):
