@@ -205,20 +205,32 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
     )  # fmt: skip
 
 
-def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
-    """The conv packed for the blocked-layout kernel, or None when that kernel cannot run it."""
-    from kernels.conv_nchwc import prepare_conv_nchwc, supports  # heavy (Numba)
+def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> list:
+    """The conv packed for the blocked-layout kernel, once per register tile worth timing
+    (none when that kernel cannot run it)."""
+    from kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
 
     if supports(weight.shape, attrs["group"]) is not None:
-        return None
+        return []
+    return [
+        blocked_plan(attrs, weight, bias, t) for t in tile_options(weight.shape, attrs["group"])
+    ]
+
+
+def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile: int):
+    """The conv packed for the blocked-layout kernel with `tile` output blocks per tile, with
+    the whole epilogue."""
+    from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
+
     return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **epilogue_params(attrs),
-                              residual=attrs.get("residual"))  # fmt: skip
+                              residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
 class ConvKernel:
     """A fused conv's kernel. Called on NCHW (or [N, C, L]) inputs it runs kernels/conv2d, and
     kernels/pointwise for an epilogue beyond a clip; `tactics` offers the blocked-layout kernel
-    first when it runs the conv (2-D inputs), then that NCHW path."""
+    first when it runs the conv (2-D inputs; one tactic per register tile worth timing,
+    "blocked-f4" = 4 output blocks per tile), then that NCHW path."""
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None, rank: int):
         from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
@@ -241,21 +253,22 @@ class ConvKernel:
             return (y if x.ndim == 4 else y[:, :, 0, :],)
 
         self.run = run
-        self.tactics = [Tactic(f"nchw-{nchw.method}", run)]
-        blocked = blocked_plan(attrs, weight, bias) if rank == 4 else None
-        if blocked is not None:
-            residual = bool(attrs.get("residual"))
+        residual = bool(attrs.get("residual"))
 
+        def blocked_tactic(plan):
             def run_blocked(xb, *others):
                 r = others[RESIDUAL_SLOT - 1] if residual else None
-                return (conv_nchwc(xb, blocked, residual=r),)
+                return (conv_nchwc(xb, plan, residual=r),)
 
-            self.tactics.insert(0, Tactic(
-                "blocked", run_blocked,
+            return Tactic(
+                f"blocked-f{plan.fb}", run_blocked,
                 blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
-                in_blocks=(blocked.in_block, 8) if residual else (blocked.in_block,),
+                in_blocks=(plan.in_block, 8) if residual else (plan.in_block,),
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
-            ))  # fmt: skip
+            )  # fmt: skip
+
+        plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
+        self.tactics = [*map(blocked_tactic, plans), Tactic(f"nchw-{nchw.method}", run)]
 
     def __call__(self, x, *others):
         return self.run(x, *others)
