@@ -20,5 +20,5 @@ from patterns import (
 RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
-    squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE,
+    pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE,
 ]  # fmt: skip

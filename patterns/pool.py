@@ -15,6 +15,8 @@ exporter writes ReduceMean + Reshape. Fused, the model's tail needs no island.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
 from kernels.windows import prepare_maxpool
@@ -166,4 +168,52 @@ GAP_FLATTEN = Rule(  # the name is historical: files fused before bind their ker
     "ReduceMean + Reshape), float32 NCHW: classifier heads",
     explain_after="GlobalAveragePool",
     from_last=True,  # Reshape/Flatten first, so that a ReduceMean is not tried alone before
+)
+
+
+# AvgPool2D:  y[n, c, i, j] = mean of x over the window (i kh .. i kh + kh - 1, j kw ..)
+# DenseNet's transitions (2x2, stride 2): windows that tile the image, no padding, so the
+# mean is a reshape and a sum, exact on either layout. Other forms stay with onnxruntime.
+def check_avg(m) -> str | None:
+    attrs = attributes(m)
+    kernel, strides = attrs["kernel_shape"], attrs["strides"]
+    if len(kernel) != 2:
+        return f"a {len(kernel)}-D AveragePool, the kernel is 2-D"
+    tiles = "the kernel takes windows that tile the image without padding"
+    if strides != kernel or any(attrs["pads"]) or attrs["auto_pad"] not in ("NOTSET", "VALID"):
+        pads, auto = attrs["pads"], attrs["auto_pad"]
+        return f"windows {kernel}, strides {strides}, pads {pads} ({auto}): {tiles}"
+    if attrs["ceil_mode"] or any(d != 1 for d in attrs["dilations"]):
+        return f"ceil_mode or dilations: {tiles}"
+    return None
+
+
+def make_avg_kernel(attrs: dict, constants: list):
+    """The window means as a reshape: NCHW, and blocked ([N, CB, H, W, 8]) when the channel
+    count is known."""
+    kh, kw = attrs["kernel_shape"]
+
+    def avg(x):
+        n, c, h, w = x.shape[:4]
+        oh, ow = h // kh, w // kw  # floor: a remainder row or column is dropped, as ONNX does
+        t = x[:, :, : oh * kh, : ow * kw].reshape(n, c, oh, kh, ow, kw, *x.shape[4:])
+        return (np.ascontiguousarray(t.mean(axis=(3, 5), dtype=np.float32)),)
+
+    avg.tactics = [Tactic("nchw", avg)]
+    if attrs.get("channels"):
+        blocked = Tactic("blocked", avg, blocked_inputs=(0,), in_blocks=(8,),
+                         blocked_outputs=(0,), out_channels=(attrs["channels"],))  # fmt: skip
+        avg.tactics.insert(0, blocked)
+    return avg
+
+
+AVG_POOL = Rule(
+    "AvgPool2D",
+    op.AveragePool(Var("x", dtype="float32", rank=4), _name="pool"),
+    inputs=("x",),
+    prepare=make_avg_kernel,
+    attributes=attributes,
+    check=check_avg,
+    description="2-D AveragePool with windows that tile the image (DenseNet's transitions)",
+    explain_after="AveragePool",
 )
