@@ -118,6 +118,7 @@ def _pool():
 
 def _pointwise():
     from .blocked import to_blocked
+    from .dense import dense
     from .pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
     x = np.random.default_rng(0).standard_normal((1, 8, 3, 3), dtype=np.float32)
@@ -125,6 +126,7 @@ def _pointwise():
         plan = prepare_pointwise(8, activation="silu", residual=residual)
         pointwise(x, plan, residual=x if residual else None)
         pointwise_blocked(to_blocked(x), plan, residual=to_blocked(x) if residual else None)
+    dense(x.reshape(8, 9), x.reshape(8, 9))
 
 
 def _blocked_conv(fb_channels):

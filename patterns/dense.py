@@ -8,8 +8,8 @@ layers of the head); the products of transformers and recurrent cells are left t
 entries, and a product elsewhere is not a near-miss. Unfused, the head is the last
 onnxruntime island of a fused CNN.
 
-The kernel: the product in NumPy (its BLAS), the bias and activation in one pass of
-kernels/pointwise.py.
+The kernel: the product in kernels/dense.py (not NumPy's BLAS, whose spinning threads slow the
+kernels after it), the bias and activation in one pass of kernels/pointwise.py.
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.pointwise import pointwise, prepare_pointwise  # heavy (Numba)
+    from kernels.dense import dense  # heavy (Numba): only when a kernel is built
+    from kernels.pointwise import pointwise, prepare_pointwise
 
     w, b = linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4])
+    wt = np.ascontiguousarray(w.T)  # [M, K]: a dot product per output
     plan = prepare_pointwise(w.shape[1], shift=b, **epilogue_params(attrs))
 
     def run(x, *_constants):
-        y = np.matmul(x, w)
+        y = dense(x, wt)
         return (pointwise(y, plan, out=y),)
 
     return run

@@ -7,7 +7,7 @@ writes it), two 1x1 convs on the [N, C, 1, 1] means, each with the conv epilogue
 per image and channel. Unfused, the pool and the Mul are onnxruntime islands of their own
 between the fused convs around them, and each island boundary converts x's layout.
 
-The kernel: the plane means in float64, the two small products as NumPy GEMMs with their
+The kernel: the plane means in float64, the two small products in kernels/dense.py with their
 epilogues in kernels/pointwise.py, then one pass of kernels/pointwise.py multiplying x by the
 gate (scale = gate[n, c]); on blocked tensors (the layout of the convs around it) or NCHW.
 """
@@ -73,6 +73,7 @@ class SqueezeExciteKernel:
     NCHW. Both compute the gate the same way from the plane means."""
 
     def __init__(self, attrs: dict, constants: list):
+        from kernels.dense import dense
         from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
         self.layers = []
@@ -82,7 +83,7 @@ class SqueezeExciteKernel:
             plan = prepare_pointwise(w.shape[0], shift=b, **epilogue_params(conv))
             self.layers.append((np.ascontiguousarray(w[:, :, 0, 0]), plan))
         self.channels = self.layers[0][0].shape[1]
-        self._pointwise = pointwise
+        self._pointwise, self._dense = pointwise, dense
         gate_plan = prepare_pointwise(self.channels, gated=True)
 
         def run(x, *_constants):
@@ -106,7 +107,7 @@ class SqueezeExciteKernel:
         """[N, C] gate from [N, C] plane means: two 1x1 convs with their epilogues."""
         t = np.ascontiguousarray(means, np.float32)
         for w, plan in self.layers:
-            t = t @ w.T
+            t = self._dense(t, w)  # not NumPy's matmul: see kernels/dense.py
             t = self._pointwise(t, plan, out=t)
         return t
 
