@@ -282,9 +282,11 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
     return out
 
 
-def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None):
+def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None,
+              out_shape=None):  # fmt: skip
     """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; w_qkv [E, (H + 2 Hkv) D] (Q, K,
-    V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N].
+    V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N], or out_shape (the same
+    values; the residual broadcasts to it).
 
     >>> y = attention(x, w_qkv, b_qkv, 12, 12, 0.125, w_out, b_out, mask)
     """
@@ -303,6 +305,9 @@ def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, 
     bias_act(qkv, b_qkv, IDENTITY)
     o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask)
     y = np.matmul(o, w_out)
-    r = None if residual is None else np.broadcast_to(residual, (batch, seq, y.shape[1]))
-    bias_act(y, b_out, IDENTITY, None if r is None else r.reshape(batch * seq, -1))
-    return y.reshape(batch, seq, -1)
+    shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)
+    if int(np.prod(shape)) != y.size or shape[-1] != y.shape[1]:
+        raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {y.shape[1]}]")
+    r = None if residual is None else np.broadcast_to(residual, shape).reshape(y.shape)
+    bias_act(y, b_out, IDENTITY, r)
+    return y.reshape(shape)
