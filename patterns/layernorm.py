@@ -83,16 +83,24 @@ def attributes(m) -> dict:
     return {"epsilon": float(eps)}
 
 
-def make_kernel(rms: bool, skip: bool):
-    def prepare(attrs: dict, constants: list):
-        from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
+def make_kernel(attrs: dict, constants: list, rms: bool = False):
+    """LayerNorm (or RMSNorm) of x with g (and b)."""
+    from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
 
-        eps = attrs["epsilon"]
-        if skip:
-            return lambda x, r, g, b=None: norm(x, g, b, eps, residual=r, return_sum=True)
-        return lambda x, g, b=None: (norm(x, g, None if rms else b, eps, rms=rms),)
+    eps = attrs["epsilon"]
+    return lambda x, g, b=None: (norm(x, g, None if rms else b, eps, rms=rms),)
 
-    return prepare
+
+def make_rms_kernel(attrs: dict, constants: list):
+    return make_kernel(attrs, constants, rms=True)
+
+
+def make_skip_kernel(attrs: dict, constants: list):
+    """LayerNorm of x + r, and x + r."""
+    from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
+
+    eps = attrs["epsilon"]
+    return lambda x, r, g, b=None: norm(x, g, b, eps, residual=r, return_sum=True)
 
 
 x, r = Var("x", dtype="float32"), Var("residual", dtype="float32")
@@ -102,7 +110,7 @@ RULES = [
         Alt(layer_norm(op.Add(x, r, _name="skip")), name="ln_out"),
         inputs=("x", "residual", "gamma", "beta"),
         outputs=("ln_out", "skip"),
-        prepare=make_kernel(rms=False, skip=True),
+        prepare=make_skip_kernel,
         attributes=attributes,
         check=last_axis_only,
         priority=-12,
@@ -115,7 +123,7 @@ RULES = [
         "LayerNorm",
         layer_norm(x),
         inputs=("x", "gamma", "beta"),
-        prepare=make_kernel(rms=False, skip=False),
+        prepare=make_kernel,
         attributes=attributes,
         check=last_axis_only,
         priority=-13,
@@ -128,7 +136,7 @@ RULES = [
         "RMSNorm",
         rms_norm(x),
         inputs=("x", "gamma"),
-        prepare=make_kernel(rms=True, skip=False),
+        prepare=make_rms_kernel,
         attributes=attributes,
         check=last_axis_only,
         priority=-13,

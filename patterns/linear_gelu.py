@@ -14,6 +14,7 @@ for the same nodes (the README's MatMulBiasGelu) claims them first.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,10 +25,17 @@ from patterns.linear import check_linear, linear_attributes, linear_nd, linear_p
 LINEAR = ("W", "fc_c", "fc_b", "fc_flat", "fc_unflat")
 
 
-def near(value: float):
-    return lambda c: (
-        None if np.allclose(c, value, rtol=1e-3) else f"{c.ravel()[:1]} is not {value:g}"
-    )
+@dataclass(frozen=True)
+class near:  # noqa: N801 (used like a function: Const("half", where=near(0.5)))
+    """A constraint on a constant: None when it is `value` (within 0.1 %), else the reason.
+    A class, not a closure, so that a catalog pickles (the bench sends it to its workers)."""
+
+    value: float
+
+    def __call__(self, c: np.ndarray) -> str | None:
+        if c.size == 1 and np.allclose(c, self.value, rtol=1e-3):
+            return None
+        return f"{c.ravel()[:1]} is not {self.value:g}"
 
 
 def erf_gelu(t):
