@@ -115,7 +115,7 @@ RULES = [
         check=last_axis_only,
         priority=-12,
         description="Add + LayerNorm (the op or primitives) over the last axis; outputs y, x + r",
-        explain_after="Add",
+        explain_after="ReduceMean",
         rtol=1e-4,
         atol=1e-5,
     ),

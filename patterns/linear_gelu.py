@@ -145,7 +145,7 @@ RULES = [
         check=check,
         priority=-10,
         description="linear (MatMul or Gemm, bias, any rank) + GELU (Erf or tanh) + residual Add",
-        explain_after="Mul",
+        explain_after="Erf",
         rtol=1e-4,
         atol=1e-5,
     ),
