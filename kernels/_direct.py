@@ -61,6 +61,19 @@ def _clip1(v, lo, hi):
 
 
 @numba.jit(**INLINE_GEMM)
+def add8(a, b):
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5],
+            a[6] + b[6], a[7] + b[7])  # fmt: skip
+
+
+@numba.jit(**INLINE_GEMM)
+def clip8(r, lo, hi):
+    return (_clip1(r[0], lo, hi), _clip1(r[1], lo, hi), _clip1(r[2], lo, hi),
+            _clip1(r[3], lo, hi), _clip1(r[4], lo, hi), _clip1(r[5], lo, hi),
+            _clip1(r[6], lo, hi), _clip1(r[7], lo, hi))  # fmt: skip
+
+
+@numba.jit(**INLINE_GEMM)
 def _load12(acc, ao):
     return (load8(acc, ao), load8(acc, ao + u(8)), load8(acc, ao + u(16)), load8(acc, ao + u(24)),
             load8(acc, ao + u(32)), load8(acc, ao + u(40)), load8(acc, ao + u(48)),
@@ -159,15 +172,12 @@ def _finish(tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, simple, l
         if f >= nb:
             continue
         q = yo + u(p * B) + u(f) * ystride
-        v = load8(tbuf, u(k * B))
-        b = load8(bf, bo + u(f * B))
-        for c in range(B):
-            s = v[c] + b[c]
-            if residual == BEFORE:
-                s += res[q + u(c)]
-            if simple:
-                s = _clip1(s, lo, hi)
-            yf[q + u(c)] = s
+        v = add8(load8(tbuf, u(k * B)), load8(bf, bo + u(f * B)))
+        if residual == BEFORE:
+            v = add8(v, load8(res, q))
+        if simple:
+            v = clip8(v, lo, hi)
+        store8(yf, q, v)
 
 
 @numba.jit(**JIT_GEMM)

@@ -20,11 +20,13 @@ import math
 import numpy as np
 
 from . import _direct as d
+from . import _dwconv
 from .blocked import BLOCK, block_size
 from .config import get_threads, slp_vectorize
 from .epilogue import RESIDUALS, activation_params
 from .machine import cache_bytes
 from .windows import conv_output_shape, window_attributes
+from .workspace import per_thread
 
 # Relative speed of the three register tiles (3x4, 6x2, 12x1): the 12x1 tile loads a broadcast
 # per FMA and runs at about 3/4 of the others (bench/NOTES.md, "blocked conv tiles").
@@ -47,7 +49,8 @@ class ConvPlan:
     out_blocks_per_group: int  # MBG
     in_blocks_per_group: int  # CBG
     fb: int  # output blocks per register tile
-    packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*8] flat
+    depthwise: bool  # group == C == M: the depthwise kernel (_dwconv.py)
+    packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*8] flat; depthwise: [CB, KH, KW, 8]
     bias: np.ndarray  # [G * OGG * FB * 8]
     act: tuple  # (code, alpha, beta, lo, hi)
     residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
@@ -55,13 +58,21 @@ class ConvPlan:
 
     @property
     def out_blocks(self) -> int:
+        if self.depthwise:
+            return -(-self.out_channels // BLOCK)
         return self.group * self.out_blocks_per_group
 
 
-def supports(weight_shape, group: int, in_channels: int | None = None) -> str | None:
-    """Why the blocked direct kernel cannot run this conv, or None when it can."""
+def is_depthwise(weight_shape, group: int) -> bool:
+    """One filter per channel: group == C == M (MobileNet's 3x3 and 5x5 convs)."""
     m, cg, _, _ = weight_shape
-    if group == 1:
+    return group > 1 and cg == 1 and m == group
+
+
+def supports(weight_shape, group: int) -> str | None:
+    """Why the blocked kernels cannot run this conv, or None when they can."""
+    m, cg, _, _ = weight_shape
+    if group == 1 or is_depthwise(weight_shape, group):
         return None
     if cg % BLOCK or (m // group) % BLOCK:
         return (f"grouped conv with {cg} input and {m // group} output channels per group: the "
@@ -107,6 +118,26 @@ def prepare_conv_nchwc(
     if residual not in RESIDUALS:
         raise ValueError(f"residual must be one of {list(RESIDUALS)}, got {residual!r}")
     act = activation_params(activation, alpha, beta, clip_min, clip_max)
+    if bias is not None:
+        bias = np.asarray(bias)
+        if bias.dtype != np.float32 or bias.size != m:
+            raise ValueError(f"bias must be {m} float32 values, got {bias.dtype} {bias.shape}")
+    common = dict(
+        in_channels=cg * group, out_channels=m, group=group, kernel=(kh, kw), strides=strides,
+        dilations=dilations, pads=pads, auto_pad=auto_pad, act=act,
+        residual=RESIDUALS[residual],
+    )  # fmt: skip
+    if is_depthwise(weight.shape, group):
+        blocks = -(-m // BLOCK)
+        wp = np.zeros((blocks * BLOCK, kh, kw), np.float32)
+        wp[:m] = weight.reshape(m, kh, kw)
+        bp = np.zeros(blocks * BLOCK, np.float32)
+        bp[:m] = 0 if bias is None else bias.reshape(m)
+        packed = wp.reshape(blocks, BLOCK, kh, kw).transpose(0, 2, 3, 1)
+        return ConvPlan(
+            **common, in_block=BLOCK, out_blocks_per_group=1, in_blocks_per_group=1, fb=1,
+            depthwise=True, packed=np.ascontiguousarray(packed).ravel(), bias=bp,
+        )  # fmt: skip
     c = cg * group
     bi = block_size(c) if group == 1 else BLOCK
     mg = m // group
@@ -118,16 +149,10 @@ def prepare_conv_nchwc(
     wp = wp.reshape(group, ogg, fb * BLOCK, cbg, bi, kh, kw).transpose(0, 1, 3, 5, 6, 4, 2)
     bp = np.zeros((group, ogg * fb * BLOCK), np.float32)
     if bias is not None:
-        bias = np.asarray(bias)
-        if bias.dtype != np.float32 or bias.size != m:
-            raise ValueError(f"bias must be {m} float32 values, got {bias.dtype} {bias.shape}")
         bp[:, :mg] = bias.reshape(group, mg)
     return ConvPlan(
-        in_channels=c, out_channels=m, group=group, kernel=(kh, kw), strides=strides,
-        dilations=dilations, pads=pads, auto_pad=auto_pad, in_block=bi,
-        out_blocks_per_group=mbg, in_blocks_per_group=cbg, fb=fb,
-        packed=np.ascontiguousarray(wp).ravel(), bias=bp.ravel(), act=act,
-        residual=RESIDUALS[residual],
+        **common, in_block=bi, out_blocks_per_group=mbg, in_blocks_per_group=cbg, fb=fb,
+        depthwise=False, packed=np.ascontiguousarray(wp).ravel(), bias=bp.ravel(),
     )  # fmt: skip
 
 
@@ -153,7 +178,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     (_, _, oh, ow), (pt, pl, _, _) = conv_output_shape((n, plan.in_channels, h, w), plan)
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     fb = plan.fb
-    pw = d.ACC // fb
+    pw = _dwconv.TILE if plan.depthwise else d.ACC // fb
     ogg = -(-plan.out_blocks_per_group // fb)
     # Columns whose every tap is inside the row: ow >= a, ow < b.
     a = min(ow, -(-pl // sw))
@@ -163,9 +188,12 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     per_block = kh * kw * bi * fb * BLOCK * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
-    others = n * plan.group * ogg
+    others = n * (cb if plan.depthwise else plan.group * ogg)
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows = -(-oh // rb_len)
+    if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2
+        row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * BLOCK * 4 * sh
+        rows = max(1, min(rows, cache_bytes(2) // 4 // max(1, row_bytes)))
     g = np.zeros(d.N_GEO, np.int64)
     values = {
         d.N: n, d.CB: cb, d.BI: bi, d.H: h, d.W: w, d.KH: kh, d.KW: kw, d.SH: sh, d.SW: sw,
@@ -179,14 +207,24 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     return g
 
 
-def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
-    """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
+@dataclasses.dataclass
+class _Launch:
+    """What a call on one input shape needs, worked out on the first such call."""
 
-    residual: a blocked array of the output's shape when the plan adds one."""
+    shape: tuple  # the output's
+    geometry: np.ndarray
+    run: object  # the compiled entry point
+    scratch: int  # floats of per-thread scratch (depthwise), else 0
+    empty: bool  # batch 0: nothing to compute
+    warm: bool = False  # called once: compiled, so no need for the SLP switch
+
+
+def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
+    """Validate an input shape against the plan and work out its launch (ValueError if bad)."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
-    n, cb, h, w, bi = xb.shape
-    want_cb = plan.group * plan.in_blocks_per_group
+    n, cb, _, _, bi = xb.shape
+    want_cb = plan.out_blocks if plan.depthwise else plan.group * plan.in_blocks_per_group
     if bi != plan.in_block or cb != want_cb:
         raise ValueError(
             f"x has {cb} blocks of {bi} channels; the conv reads {plan.in_channels} channels "
@@ -195,26 +233,42 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     shape = output_shape(xb.shape, plan)
     if min(shape[2:]) < 1:
         raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
+    g = _geometry(plan, xb.shape, threads)
+    if plan.depthwise:
+        return _Launch(shape, g, _dwconv.dwconv_nchwc, _dwconv.scratch_size(g), n == 0)
+    return _Launch(shape, g, d.entry(plan.fb, plan.in_block), 0, n == 0)
+
+
+def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
+    """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
+
+    residual: a blocked array of the output's shape when the plan adds one. The per-shape work
+    (checks, geometry) is done on a shape's first call; a later call costs a dict look-up."""
+    key = (xb.shape, get_threads()) if isinstance(xb, np.ndarray) else None
+    launch = plan.geometry.get(key)
+    if launch is None or xb.dtype != np.float32:
+        launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1)
+    shape = launch.shape
     if out is None:
         out = np.empty(shape, np.float32)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
-    if n == 0:
+    if launch.empty:
         return out
-    xb = np.ascontiguousarray(xb)
-    threads = get_threads()
-    key = (xb.shape, threads)
-    g = plan.geometry.get(key)
-    if g is None:
-        g = plan.geometry[key] = _geometry(plan, xb.shape, threads)
+    xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)
     if plan.residual:
         if not isinstance(residual, np.ndarray) or residual.shape != shape:
             raise ValueError(f"the residual must be a blocked array of shape {shape}")
         res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
     else:
-        res = out.reshape(-1)  # not read
-    code, alpha, beta, lo, hi = plan.act
-    with slp_vectorize():  # only has an effect when the kernel is compiled
-        d.entry(plan.fb, plan.in_block)(xb.reshape(-1), plan.packed, plan.bias, out.reshape(-1),
-                                        res, g, alpha, beta, lo, hi, plan.in_block)  # fmt: skip
+        res = yf  # not read
+    _, alpha, beta, lo, hi = plan.act
+    g = launch.geometry
+    last = per_thread(launch.scratch) if launch.scratch else plan.in_block
+    if launch.warm:
+        launch.run(xf, plan.packed, plan.bias, yf, res, g, alpha, beta, lo, hi, last)
+        return out
+    with slp_vectorize():  # the first call may compile: with LLVM's SLP vectorizer
+        launch.run(xf, plan.packed, plan.bias, yf, res, g, alpha, beta, lo, hi, last)
+    launch.warm = True
     return out

@@ -161,6 +161,16 @@ def _attention():
         attention(x, w_qkv, b, 2, 2, 0.25, w_out, b[:16], m, x)
 
 
+def _blocked_depthwise():
+    from .blocked import to_blocked
+    from .conv_nchwc import conv_nchwc, prepare_conv_nchwc
+
+    rng = np.random.default_rng(0)
+    plan = prepare_conv_nchwc(rng.standard_normal((8, 1, 3, 3), dtype=np.float32), group=8,
+                              pads=(1, 1, 1, 1), activation="relu")  # fmt: skip
+    conv_nchwc(to_blocked(rng.standard_normal((1, 8, 6, 7), dtype=np.float32)), plan)
+
+
 def _blocked_layout():
     from .blocked import from_blocked, to_blocked
 
@@ -184,6 +194,7 @@ GROUPS = {
     "blocked_conv_f1": _blocked_conv(8),
     "transformer": _transformer,
     "attention": _attention,
+    "blocked_depthwise": _blocked_depthwise,
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 

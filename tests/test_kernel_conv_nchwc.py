@@ -119,6 +119,13 @@ SHAPES = [
     (1, 17, 9, 13, 7, (1, 3), {"pads": (0, 2, 0, 1)}),  # asymmetric pads, a 1x3 kernel
     (1, 12, 40, 1, 17, (1, 5), {"pads": (0, 2, 0, 2)}),  # a Conv1d written as H = 1
     (2, 100, 8, 17, 1, 3, {"pads": (1, 1, 1, 1)}),  # width 1
+    # depthwise (group == C == M): its own kernel
+    (1, 20, 20, 13, 13, 3, {"pads": (1, 1, 1, 1), "group": 20}),
+    (2, 32, 32, 17, 17, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1), "group": 32}),
+    (1, 5, 5, 7, 30, 5, {"pads": (2, 2, 2, 2), "group": 5}),
+    (1, 16, 16, 9, 9, 5, {"strides": (2, 2), "pads": (2, 1, 2, 3), "group": 16}),
+    (1, 8, 8, 10, 10, 3, {"pads": (2, 2, 2, 2), "dilations": (2, 2), "group": 8}),
+    (1, 24, 24, 1, 1, 3, {"pads": (1, 1, 1, 1), "group": 24}),
 ]
 
 
@@ -133,8 +140,10 @@ def test_against_onnxruntime(shape):
 
 @pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("residual", [None, "before", "after"])
-def test_every_epilogue(activation, residual):
-    x, wt, b, attrs = case(2, 12, 20, 9, 7, 3, seed=3, pads=(1, 1, 1, 1))
+@pytest.mark.parametrize("depthwise", [False, True], ids=["direct", "depthwise"])
+def test_every_epilogue(activation, residual, depthwise):
+    c, group = (20, 20) if depthwise else (12, 1)
+    x, wt, b, attrs = case(2, c, 20, 9, 7, 3, seed=3, group=group, pads=(1, 1, 1, 1))
     r = np.random.default_rng(4).standard_normal((2, 20, 9, 7), dtype=np.float32)
     got = run_blocked(x, wt, b, attrs, activation, residual, r)
     assert_close(got, reference(x, wt, b, attrs, activation, residual, r), RTOL, ATOL)
