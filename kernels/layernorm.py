@@ -5,9 +5,11 @@ and RMSNorm:
     LayerNorm: y = (s - mean(s)) / sqrt(var(s) + eps) * g + b     var: the biased variance
     RMSNorm:   y = s / sqrt(mean(s^2) + eps) * g
 
-Rows are independent: a parallel driver over rows, each row normalized in one serial pass
-sequence (sum, centred sum of squares, scale) while it is in L1. The centred second pass
-is what onnxruntime does too: var = E[s^2] - E[s]^2 in float32 loses digits when |mean| >> std.
+Rows are independent: a driver over rows, each row normalized in one serial pass sequence
+(sum, centred sum of squares, scale) while it is in L1; in parallel above SERIAL_MAX values
+(below, a parallel region's start costs more than the work: bench/NOTES.md, transformers).
+The centred second pass is what onnxruntime does too: var = E[s^2] - E[s]^2 in float32 loses
+digits when |mean| >> std.
 """
 
 import numba
@@ -65,6 +67,15 @@ def _layer_norm(x, r, has_r, s, has_s, g, b, has_b, eps, rms, y):
         norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y)
 
 
+@numba.jit(**JIT)
+def _layer_norm_serial(x, r, has_r, s, has_s, g, b, has_b, eps, rms, y):
+    for i in range(x.shape[0]):
+        norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y)
+
+
+SERIAL_MAX = 1 << 19  # values (512 rows of 1024); more run in parallel
+
+
 _EMPTY = np.zeros((1, 1), np.float32)
 
 
@@ -97,7 +108,7 @@ def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_s
         if has_b else g  # fmt: skip
     y = np.empty(x2.shape, np.float32)
     s = np.empty(x2.shape, np.float32) if return_sum else _EMPTY
-    _layer_norm(x2, r2, residual is not None, s, return_sum, g, b, has_b, np.float32(eps),
-                bool(rms), y)  # fmt: skip
+    run = _layer_norm if x2.size > SERIAL_MAX else _layer_norm_serial
+    run(x2, r2, residual is not None, s, return_sum, g, b, has_b, np.float32(eps), bool(rms), y)
     y = y.reshape(shape)
     return (y, s.reshape(shape)) if return_sum else y

@@ -5,9 +5,12 @@ act: IDENTITY; GELU_ERF  t (1 + erf(t / sqrt 2)) / 2;
 The residual r is optional (a transformer's skip connection).
 
 The product is one BLAS call (numpy's matmul; SciPy, which Numba's np.dot needs, is not a
-dependency); the epilogue is one parallel pass over the rows of the product, each row still in
-cache, with erf and tanh as rational approximations (Eigen's, clamped: max abs error 7e-8 and
-3e-8), which the loop vectorizer turns into vector code (libm's erf/tanh are scalar calls).
+dependency); the epilogue is one pass over the rows of the product, with erf and tanh as
+rational approximations (Eigen's, clamped: max abs error 7e-8 and 3e-8), which the loop
+vectorizer turns into vector code (libm's erf/tanh are scalar calls). The pass runs in the
+calling thread unless it is a GELU over more than SERIAL_GELU values: a parallel region started
+right after OpenBLAS's call waits for cores its idle workers still spin on, which cost more than
+a bias and residual add (bench/NOTES.md, transformers).
 """
 
 import numba
@@ -89,6 +92,15 @@ def _bias_act(y, b, r, has_residual, act):
         bias_act_row(y, i, b, r, has_residual, act)
 
 
+@numba.jit(**JIT)
+def _bias_act_serial(y, b, r, has_residual, act):
+    for i in range(y.shape[0]):
+        bias_act_row(y, i, b, r, has_residual, act)
+
+
+SERIAL_GELU = 1 << 15  # values; GELU over more runs in parallel
+
+
 _NO_RESIDUAL = np.zeros((1, 1), np.float32)
 
 
@@ -107,7 +119,9 @@ def bias_act(y, b, act=IDENTITY, residual=None):
     r = _NO_RESIDUAL
     if residual is not None:
         r = np.ascontiguousarray(np.broadcast_to(residual, y.shape), dtype=np.float32)
-    _bias_act(y, np.ascontiguousarray(b, np.float32), r, residual is not None, act)
+    parallel = act != IDENTITY and y.size > SERIAL_GELU
+    run = _bias_act if parallel else _bias_act_serial
+    run(y, np.ascontiguousarray(b, np.float32), r, residual is not None, act)
     return y
 
 

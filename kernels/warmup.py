@@ -134,8 +134,8 @@ def _blocked_conv(fb_channels):
 
 def _transformer():
     """Linear + GELU / residual epilogues, (skip) LayerNorm and RMSNorm."""
-    from .layernorm import layer_norm
-    from .linear_act import ACTIVATIONS, linear_act
+    from .layernorm import SERIAL_MAX, layer_norm
+    from .linear_act import ACTIVATIONS, GELU_ERF, SERIAL_GELU, linear_act
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 8), dtype=np.float32)
@@ -143,10 +143,14 @@ def _transformer():
     for act in set(ACTIVATIONS.values()):
         linear_act(x, w, b, act)
         linear_act(x, w, b, act, residual=np.ones((6, 16), np.float32))
+    wide = np.zeros((8, SERIAL_GELU // 6 + 1), np.float32)  # the parallel epilogue
+    linear_act(x, wide, wide[0], GELU_ERF)
     g = np.ones(8, np.float32)
     layer_norm(x, g, g, 1e-5)
     layer_norm(x, g, None, 1e-5, rms=True)
     layer_norm(x, g, g, 1e-5, residual=x, return_sum=True)
+    long = np.zeros((1, SERIAL_MAX + 1), np.float32)  # the parallel driver
+    layer_norm(long, long[0], long[0], 1e-5)
 
 
 def _attention():

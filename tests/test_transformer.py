@@ -11,8 +11,8 @@ from onnx import helper
 
 import fusion
 from kernels.attention import attention
-from kernels.layernorm import layer_norm
-from kernels.linear_act import GELU_ERF, GELU_TANH, IDENTITY, linear_act
+from kernels.layernorm import SERIAL_MAX, layer_norm
+from kernels.linear_act import GELU_ERF, GELU_TANH, IDENTITY, SERIAL_GELU, linear_act
 
 SHAPES = [(1, 7), (2, 33), (4, 64)]  # (batch, sequence)
 E, N = 24, 40
@@ -209,12 +209,13 @@ def test_attention_kernel_gives_nan_for_a_row_that_attends_to_nothing_as_softmax
 
 
 @pytest.mark.parametrize("act", [IDENTITY, GELU_ERF, GELU_TANH])
-def test_linear_act_kernel_against_naive(act):
+@pytest.mark.parametrize("n", [23, SERIAL_GELU // 37 + 1])  # the serial and parallel epilogue
+def test_linear_act_kernel_against_naive(act, n):
     rng = np.random.default_rng(act)
     x = (rng.standard_normal((37, 19)) * 3).astype(np.float32)
-    w = rng.standard_normal((19, 23)).astype(np.float32)
-    b = rng.standard_normal(23).astype(np.float32)
-    r = rng.standard_normal((37, 23)).astype(np.float32)
+    w = rng.standard_normal((19, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal((37, n)).astype(np.float32)
     t = x.astype(np.float64) @ w + b
     if act == GELU_ERF:
         t = 0.5 * t * (1 + np.vectorize(math.erf)(t / math.sqrt(2)))
@@ -225,10 +226,11 @@ def test_linear_act_kernel_against_naive(act):
     assert np.isnan(y).all()  # NaN passes through the clamps
 
 
-def test_layer_norm_kernel_against_naive():
+@pytest.mark.parametrize("n", [31, SERIAL_MAX // 30 + 1])  # the serial and parallel driver
+def test_layer_norm_kernel_against_naive(n):
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal((5, 6, 31)) + 100).astype(np.float32)  # |mean| >> std
-    g, b = rng.standard_normal(31).astype(np.float32), rng.standard_normal(31).astype(np.float32)
+    x = (rng.standard_normal((5, 6, n)) + 100).astype(np.float32)  # |mean| >> std
+    g, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     s = x.astype(np.float64) + 1
     want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-5) * g + b
     y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True)
