@@ -4,7 +4,7 @@ torch.onnx.export (TorchScript, opset 17) at a fixed sequence length with a dyna
 axis, and each also through onnxruntime's transformers optimizer (the second reference):
 
     HF_HUB_OFFLINE=1 /work/venvs/zoo/bin/python bench/zoo_transformers.py [--only NAMES] [--seq 128]
-    python bench/models.py ~/.cache/fusion/zoo/bert_base_layer.s128.onnx --batch 1
+    python bench/models.py ZOO/bert_base_layer.s128.onnx --batch 1 --native .ortopt.onnx
 
 Models (inputs input_ids, attention_mask [batch, seq]; output last_hidden_state):
   bert_base_layer   one BERT-base layer: hidden 768, 12 heads, intermediate 3072
@@ -13,8 +13,9 @@ Models (inputs input_ids, attention_mask [batch, seq]; output last_hidden_state)
   gpt2_small        4 layers, hidden 256, 4 heads
   llama_small       4 layers, hidden 256, 8 heads, 2 key/value heads
 Files go to $FUSION_ZOO or ~/.cache/fusion/zoo as NAME.sSEQ.onnx and NAME.sSEQ.ortopt.onnx
-(the latter by `python -m onnxruntime.transformers.optimizer --model_type bert|gpt2`, run in
-the project's venv, which has onnxruntime; bench/models.py times both).
+(the latter by `python -m onnxruntime.transformers.optimizer --model_type bert|gpt2`, run by
+--python, default this Python: the optimizer imports torch, so the zoo venv's, which has the
+same onnxruntime; bench/models.py --native .ortopt.onnx times both).
 The builder and exporter are tests/fixtures/export_transformers.py's (the tiny fixtures).
 """
 
@@ -45,7 +46,6 @@ MODELS = {
     "llama_small": ("llama", dict(SMALL, num_attention_heads=8, num_key_value_heads=2)),
 }  # fmt: skip
 OPTIMIZER_TYPES = {"bert": "bert", "distilbert": "bert", "gpt2": "gpt2", "llama": "bert"}
-PROJECT_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
 
 
 def heads_and_hidden(family: str, config: dict) -> tuple[int, int]:
