@@ -16,11 +16,13 @@ merge.
 
 Taps are listed per output row (the rows inside the image, every column) as pairs of offsets
 (input, packed weights); a tile is one loop over the list. Columns whose every tap is inside the
-row [COL_A, COL_B) run in whole tiles, reading the input in place; the few others (at a padded
-edge, and what is left of the interior after whole tiles) run one pixel at a time with that
-pixel's own taps, so no loop tests a bound and no pixel is computed twice. When a group's
-weights do not fit in half of L2, K is cut into chunks of input blocks, and a work item sweeps
-all its rows per chunk with the accumulators parked in a small buffer between chunks.
+row [COL_A, COL_B) run in whole tiles, reading the input in place (what is left of the interior
+after whole tiles runs as one more tile overlapping the last, recomputing a few pixels rather
+than taking them one at a time, on a chain of FB accumulators that waits on FMA latency); the
+others (at a padded edge, or in a row narrower than a tile) run one pixel at a time with that
+pixel's own taps, so no loop tests a bound. When a group's weights do not fit in half of L2, K
+is cut into chunks of input blocks, and a work item sweeps all its rows per chunk with the
+accumulators parked in a small buffer between chunks.
 
 Work items are (image, group, filter group of FB blocks, block of rows): disjoint outputs.
 The geometry comes in one int64 array (see conv_nchwc), one argument to unbox per call.
@@ -224,7 +226,11 @@ def _item(xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, alph
     oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
     col_a, col_b = g[COL_A], g[COL_B]
     n_whole = (col_b - col_a) // pw
-    tiled_end = col_a + n_whole * pw  # whole tiles cover [col_a, tiled_end)
+    # One pass over K (no chunks): the interior's remainder runs as one more tile ending at
+    # col_b, overlapping the one before it; its pixels are recomputed from x and stored again,
+    # not added twice. (With chunks, a parked accumulator would be added twice.)
+    extra = 1 if g[CHUNK] >= cbg and n_whole > 0 and col_a + n_whole * pw < col_b else 0
+    tiled_end = col_b if extra else col_a + n_whole * pw  # tiles cover [col_a, tiled_end)
     nb = min(fb, g[MBG] - og * fb)
     ob0 = grp * g[MBG] + og * fb
     ystride = u(oh_len * ow_len * B)
@@ -243,8 +249,8 @@ def _item(xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, alph
             n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, fb)
             yo = u((((n * g[MB] + ob0) * oh_len + oh) * ow_len) * B)
             ao_row = (oh - r0) * ow_len * fb * B  # carry buffer: [rows, OW, fb, 8]
-            for t in range(n_whole):
-                ow0 = col_a + t * pw
+            for t in range(n_whole + extra):
+                ow0 = col_a + t * pw if t < n_whole else col_b - pw
                 ao = u(ao_row + ow0 * fb * B)
                 a = _load12(acc, ao) if carry else zero
                 a = _tile(xf, ow0 * g[SW] * bi, xstep, wf, tx, tw, n_taps, bi, fb, a)

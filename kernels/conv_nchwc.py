@@ -28,9 +28,11 @@ from .machine import cache_bytes
 from .windows import conv_output_shape, window_attributes
 from .workspace import per_thread
 
-# Relative speed of the three register tiles (3x4, 6x2, 12x1): the 12x1 tile loads a broadcast
-# per FMA and runs at about 3/4 of the others (bench/NOTES.md, "blocked conv tiles").
-_TILE_SPEED = {4: 1.0, 2: 0.97, 1: 0.76}
+# Relative speed of the three register tiles (3x4, 6x2, 12x1) when none computes padding: per
+# 12 FMAs the 3x4 tile loads 3 broadcasts and 4 weight vectors, the 12x1 tile 12 broadcasts
+# and 1 vector. Only the order matters (which tile to try first); where another tile wastes
+# fewer slots, both are offered and timed (tile_options; bench/NOTES.md, "blocked conv tiles").
+_TILE_SPEED = {4: 1.0, 2: 0.6, 1: 0.4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,19 @@ def _pick_fb(mbg: int) -> int:
     return min((4, 2, 1), key=lambda fb: (-(-mbg // fb) * fb / _TILE_SPEED[fb], -fb))
 
 
+def tile_options(weight_shape, group: int = 1) -> tuple[int, ...]:
+    """Output blocks per register tile worth timing for a conv, likeliest first: the pick by
+    speed, and the tile that computes the fewest padding slots when that is another one (M =
+    24: 3x4 with a padded block, or 12x1 with none; which wins depends on the CPU)."""
+    m = weight_shape[0]
+    if is_depthwise(weight_shape, group):
+        return (1,)
+    mbg = -(-(m // group) // BLOCK)
+    first = _pick_fb(mbg)
+    tight = min((4, 2, 1), key=lambda fb: (-(-mbg // fb) * fb, -fb))
+    return (first,) if tight == first else (first, tight)
+
+
 def prepare_conv_nchwc(
     weight,
     bias=None,
@@ -100,11 +115,13 @@ def prepare_conv_nchwc(
     clip_min=-math.inf,
     clip_max=math.inf,
     residual=None,
+    tile=None,
 ):
     """Pack a Conv's weights [M, C/group, kh, kw] (float32) and bias for conv_nchwc.
 
     activation: None, "relu", "clip" or a name in kernels.epilogue.ACTIVATIONS; residual: None,
-    "before" (added before the activation) or "after"."""
+    "before" (added before the activation) or "after"; tile: output blocks per register tile
+    (4, 2 or 1; default the first of tile_options)."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -142,7 +159,9 @@ def prepare_conv_nchwc(
     bi = block_size(c) if group == 1 else BLOCK
     mg = m // group
     cbg, mbg = -(-cg // bi), -(-mg // BLOCK)
-    fb = _pick_fb(mbg)
+    fb = _pick_fb(mbg) if tile is None else int(tile)
+    if fb not in _TILE_SPEED:
+        raise ValueError(f"tile must be one of {sorted(_TILE_SPEED)} output blocks, got {tile!r}")
     ogg = -(-mbg // fb)
     wp = np.zeros((group, ogg * fb * BLOCK, cbg * bi, kh, kw), np.float32)
     wp[:, :mg, :cg] = weight.reshape(group, mg, cg, kh, kw)
@@ -188,7 +207,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     per_block = kh * kw * bi * fb * BLOCK * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
-    others = n * (cb if plan.depthwise else plan.group * ogg)
+    others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows = -(-oh // rb_len)
     if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2

@@ -26,7 +26,14 @@ from .conv2d import cached_launch
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
 
-__all__ = ["MaxPoolPlan", "global_average_pool", "maxpool2d", "output_shape", "prepare_maxpool"]
+__all__ = [
+    "MaxPoolPlan",
+    "global_average_pool",
+    "maxpool2d",
+    "maxpool_blocked",
+    "output_shape",
+    "prepare_maxpool",
+]
 
 # onnxruntime starts every window at the lowest float (a window with no tap inside the image,
 # possible with dilation, gives that, not -inf)
@@ -153,6 +160,72 @@ def maxpool2d(x, plan, out=None):
     elif not out.flags.writeable or np.may_share_memory(out, x):
         raise ValueError("out must be writeable and must not overlap x")
     maxpool_nchw(x, out, *args)
+    return out
+
+
+@numba.jit(**INLINE)
+def _max8(m, xf, q):
+    """Lane by lane max(m, x[q : q + 8]): one vmaxps over a blocked pixel's 8 channels."""
+    u = np.uint64
+    return (
+        _max(m[0], xf[q]), _max(m[1], xf[q + u(1)]), _max(m[2], xf[q + u(2)]),
+        _max(m[3], xf[q + u(3)]), _max(m[4], xf[q + u(4)]), _max(m[5], xf[q + u(5)]),
+        _max(m[6], xf[q + u(6)]), _max(m[7], xf[q + u(7)]),
+    )  # fmt: skip
+
+
+@numba.jit(**PARALLEL)
+def maxpool_nchwc(xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw, dh, dw, pt, pl):
+    """y[n, cb, oh, ow, :] = max over the taps inside the image of x[n, cb, ih, iw, :], on
+    flat blocked arrays ([N, CB, H, W, 8]): the 8 channels of a block are the vector lanes,
+    so a window is kh kw vector maxima, no column-wise pass needed. An item is one output row
+    of one block."""
+    u = np.uint64
+    lo = LOWEST
+    for item in numba.prange(n_len * cb_len * oh_len):
+        plane, oh = item // oh_len, item % oh_len
+        x0 = plane * h * w * 8
+        yo = u(((plane * oh_len) + oh) * ow_len * 8)
+        for ow in range(ow_len):
+            m = (lo, lo, lo, lo, lo, lo, lo, lo)
+            for i in range(kh):
+                ih = oh * sh - pt + i * dh
+                if ih < 0 or ih >= h:
+                    continue
+                for j in range(kw):
+                    iw = ow * sw - pl + j * dw
+                    if 0 <= iw < w:
+                        m = _max8(m, xf, u(x0 + (ih * w + iw) * 8))
+            q = yo + u(ow * 8)
+            yf[q], yf[q + u(1)], yf[q + u(2)], yf[q + u(3)] = m[0], m[1], m[2], m[3]
+            yf[q + u(4)], yf[q + u(5)], yf[q + u(6)], yf[q + u(7)] = m[4], m[5], m[6], m[7]
+
+
+def maxpool_blocked(xb, plan, out=None):
+    """MaxPool of a blocked float32 x [N, CB, H, W, 8] (kernels/blocked.py); returns the
+    blocked output [N, CB, OH, OW, 8] (`out` if given)."""
+    if (
+        not isinstance(xb, np.ndarray)
+        or xb.dtype != np.float32
+        or xb.ndim != 5
+        or (xb.shape[4] != 8)
+    ):
+        raise ValueError(f"x must be a blocked float32 [N, CB, H, W, 8] array, got "
+                         f"{getattr(xb, 'shape', xb)!r}")  # fmt: skip
+    n, cb, h, w, _ = xb.shape
+    (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * 8, h, w), plan)
+    if min(oh, ow) < 1:
+        raise ValueError(f"MaxPool output is empty for input {xb.shape}")
+    shape = (n, cb, oh, ow, 8)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
+        raise ValueError(f"out must be a float32 array of shape {shape}")
+    if n == 0:
+        return out
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    xf = np.ascontiguousarray(xb).reshape(-1)
+    maxpool_nchwc(xf, out.reshape(-1), n, cb, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
     return out
 
 

@@ -107,10 +107,12 @@ def _gru():
 
 
 def _pool():
-    from .pool import global_average_pool, maxpool2d, prepare_maxpool
+    from .blocked import to_blocked
+    from .pool import global_average_pool, maxpool2d, maxpool_blocked, prepare_maxpool
 
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 9), dtype=np.float32)
     maxpool2d(x, prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
+    maxpool_blocked(to_blocked(x, block=8), prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
     global_average_pool(x)
 
 

@@ -91,12 +91,22 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
     )
 
 
-def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
-    """The conv packed for the blocked-layout kernel, or None when that kernel cannot run it."""
-    from kernels.conv_nchwc import prepare_conv_nchwc, supports  # heavy (Numba)
+def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> list:
+    """The conv packed for the blocked-layout kernel, once per register tile worth timing
+    (none when that kernel cannot run it)."""
+    from kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
 
     if supports(weight.shape, attrs["group"]) is not None:
-        return None
+        return []
+    return [
+        blocked_plan(attrs, weight, bias, t) for t in tile_options(weight.shape, attrs["group"])
+    ]
+
+
+def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile: int):
+    """The conv packed for the blocked-layout kernel with `tile` output blocks per tile."""
+    from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
+
     return prepare_conv_nchwc(
         weight,
         bias,
@@ -108,34 +118,33 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
         activation=attrs["activation"],
         clip_min=attrs["clip_min"],
         clip_max=attrs["clip_max"],
+        tile=tile,
     )
 
 
 class ConvKernel:
     """A fused conv's kernel: called on an NCHW input it runs the NCHW kernel; `tactics` offers
-    the blocked-layout kernel first (when it supports the conv), then the NCHW one."""
+    the blocked-layout kernel first (when it supports the conv; one tactic per register tile
+    worth timing, "blocked-f4" = 4 output blocks per tile), then the NCHW one."""
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
         from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
         from kernels.conv_nchwc import conv_nchwc
 
         nchw = conv_plan(attrs, weight, bias)
-        blocked = blocked_plan(attrs, weight, bias)
         self.run = lambda x, *_constants: (conv2d_bias_act(x, nchw),)
-        self.tactics = [Tactic(f"nchw-{nchw.method}", self.run)]
-        if blocked is not None:
-            run_blocked = lambda xb, *_constants: (conv_nchwc(xb, blocked),)  # noqa: E731
-            self.tactics.insert(
-                0,
-                Tactic(
-                    "blocked",
-                    run_blocked,
-                    blocked_inputs=(0,),
-                    in_blocks=(blocked.in_block,),
-                    blocked_outputs=(0,),
-                    out_channels=(weight.shape[0],),
-                ),  # fmt: skip
+        self.tactics = [
+            Tactic(
+                f"blocked-f{plan.fb}",
+                lambda xb, *_constants, plan=plan: (conv_nchwc(xb, plan),),
+                blocked_inputs=(0,),
+                in_blocks=(plan.in_block,),
+                blocked_outputs=(0,),
+                out_channels=(weight.shape[0],),
             )
+            for plan in blocked_plans(attrs, weight, bias)
+        ]
+        self.tactics.append(Tactic(f"nchw-{nchw.method}", self.run))
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

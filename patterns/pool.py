@@ -13,14 +13,14 @@ GlobalAveragePool + Flatten is the head PyTorch exports for every torchvision cl
 
 from __future__ import annotations
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Var, op
 from kernels.windows import prepare_maxpool
 
 
 def attributes(m) -> dict:
     pool = m.attrs("pool")
-    return {
+    attrs = {
         "kernel_shape": list(pool["kernel_shape"]),
         "strides": list(pool["strides"]),
         "pads": list(pool["pads"]),
@@ -28,6 +28,10 @@ def attributes(m) -> dict:
         "ceil_mode": int(pool.get("ceil_mode", 0)),
         "auto_pad": pool.get("auto_pad", "NOTSET"),
     }
+    vt = m.type("x")
+    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
+        attrs["channels"] = vt.shape[1]  # known: the pool can also run on the blocked layout
+    return attrs
 
 
 def _plan(attrs: dict):
@@ -61,13 +65,27 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.pool import maxpool2d  # heavy (Numba): only when a kernel is built
+    """The NCHW kernel; with the channel count known, the blocked-layout one first as a tactic
+    (between blocked convs it saves two layout conversions)."""
+    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
+    from kernels.pool import maxpool2d, maxpool_blocked
 
     plan = _plan(attrs)
 
     def run(x):
         return (maxpool2d(x, plan),)
 
+    run.tactics = [Tactic("nchw", run)]
+    if attrs.get("channels"):
+        blocked = Tactic(
+            "blocked",
+            lambda xb: (maxpool_blocked(xb, plan),),
+            blocked_inputs=(0,),
+            in_blocks=(BLOCK,),
+            blocked_outputs=(0,),
+            out_channels=(attrs["channels"],),
+        )
+        run.tactics.insert(0, blocked)
     return run
 
 

@@ -118,8 +118,10 @@ def test_measure_verifies_and_times_every_runner():
     steps = result.profile["steps"]
     assert [s["seconds"] for s in steps] == sorted((s["seconds"] for s in steps), reverse=True)
     assert sum(s["share"] for s in steps) == pytest.approx(1.0)
-    assert {s["runs"] for s in steps if s["kind"] == "kernel"} == {"ConvBiasRelu (blocked)"}
-    assert [n["runs"] for n in result.nodes] == ["ConvBiasRelu (blocked)"] * 2
+    assert {s["runs"] for s in steps if s["kind"] == "kernel"} == {
+        "ConvBiasRelu (blocked-f1)"
+    }  # 8 channels: one block
+    assert [n["runs"] for n in result.nodes] == ["ConvBiasRelu (blocked-f1)"] * 2
     assert result.conv["convs"] == result.conv["convs_in_kernels"] == 2
     assert result.conv["share_in_kernels"] == 1.0
     head, (row,) = bench.summary_rows([result])

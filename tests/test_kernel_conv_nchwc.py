@@ -13,7 +13,13 @@ from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels.blocked import BLOCK, from_blocked, to_blocked
-from kernels.conv_nchwc import conv_nchwc, output_shape, prepare_conv_nchwc, supports
+from kernels.conv_nchwc import (
+    conv_nchwc,
+    output_shape,
+    prepare_conv_nchwc,
+    supports,
+    tile_options,
+)
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -75,12 +81,12 @@ def reference(x, w, b, attrs, activation=None, residual=None, r=None):
     return run_ort(model, feeds)[0]
 
 
-def run_blocked(x, w, b, attrs, activation=None, residual=None, r=None):
+def run_blocked(x, w, b, attrs, activation=None, residual=None, r=None, tile=None):
     group = attrs.get("group", 1)
     plan = prepare_conv_nchwc(
         w, b, strides=attrs.get("strides", (1, 1)), pads=attrs.get("pads", (0, 0, 0, 0)),
         dilations=attrs.get("dilations", (1, 1)), group=group, activation=activation,
-        residual=residual, **ACTS[activation][1],
+        residual=residual, tile=tile, **ACTS[activation][1],
     )  # fmt: skip
     xb = to_blocked(x, block=plan.in_block)
     rb = to_blocked(r, block=BLOCK) if residual else None
@@ -188,3 +194,37 @@ def test_refusals_say_why():
         conv_nchwc(to_blocked(np.ones((1, 8, 5, 5), np.float32)), plan)
     with pytest.raises(ValueError, match="empty"):
         conv_nchwc(to_blocked(np.ones((1, 16, 2, 2), np.float32)), plan)
+
+
+@pytest.mark.parametrize("group", [1, 8], ids=["direct", "depthwise"])
+def test_batch_0_gives_an_empty_output(group):
+    x, wt, b, attrs = case(1, 8, 8, 6, 6, 3, group=group, pads=(1, 1, 1, 1))
+    got = run_blocked(x[:0], wt, b, attrs, "relu")
+    assert got.shape == (0, 8, 6, 6)
+
+
+@pytest.mark.parametrize("tile", [4, 2, 1])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 12, 24, 5, 17, 3, {"pads": (1, 1, 1, 1)}),  # interior 15: whole tiles + an overlap
+        (2, 16, 40, 3, 30, 1, {}),  # 1x1: every column interior
+        (1, 8, 8, 4, 5, 3, {"pads": (1, 1, 1, 1)}),  # a row narrower than most tiles
+    ],
+    ids=lambda s: f"{s[:6]}" if isinstance(s, tuple) else str(s),
+)
+def test_every_register_tile(shape, tile):
+    n, c, m, h, w, k, attrs = shape
+    x, wt, b, attrs = case(n, c, m, h, w, k, seed=6, **attrs)
+    r = np.random.default_rng(7).standard_normal((n, m, h, w), dtype=np.float32)
+    got = run_blocked(x, wt, b, attrs, "sigmoid", "after", r, tile=tile)
+    assert_close(got, reference(x, wt, b, attrs, "sigmoid", "after", r), RTOL, ATOL)
+
+
+def test_tile_options():
+    assert tile_options((64, 64, 3, 3)) == (4,)  # 8 blocks: no tile computes padding
+    assert tile_options((24, 16, 1, 1)) == (4, 1)  # 3 blocks: 3x4 padded, or 12x1 tight
+    assert tile_options((8, 16, 1, 1)) == (1,)
+    assert tile_options((32, 1, 3, 3), group=32) == (1,)  # depthwise: its own kernel
+    with pytest.raises(ValueError, match="tile"):
+        prepare_conv_nchwc(np.ones((8, 8, 1, 1), np.float32), tile=3)

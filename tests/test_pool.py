@@ -9,7 +9,8 @@ from helpers import GraphBuilder, assert_close, fused_ops, near_miss, run_ort
 
 import fusion
 from fusion.runtime import Session
-from kernels.pool import maxpool2d, prepare_maxpool
+from kernels.blocked import from_blocked, to_blocked
+from kernels.pool import maxpool2d, maxpool_blocked, prepare_maxpool
 
 CATALOG = fusion.default_catalog()
 
@@ -44,15 +45,18 @@ def pool_model(shape, attrs, opset=18):
     return g.model({"x": list(shape)}, [y])
 
 
+@pytest.mark.parametrize("tactic", ["blocked", "nchw"])
 @pytest.mark.parametrize(("shape", "attrs"), CASES, ids=lambda c: str(c))
-def test_kernel_matches_onnxruntime_exactly(shape, attrs):
+def test_kernel_matches_onnxruntime_exactly(shape, attrs, tactic):
     model = pool_model(shape, attrs)
     result = fusion.rewrite(model, CATALOG)
     assert fused_ops(result.model) == ["MaxPool2D"], result.explain()
     onnx.checker.check_model(result.model, full_check=True)
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     (want,) = run_ort(model, {"x": x})
-    (got,) = Session(result.model, threads=2, fuse=False, catalog=CATALOG).run(None, {"x": x})
+    session = Session(result.model, threads=2, fuse=False, catalog=CATALOG, tactics=tactic)
+    assert list(session.choices.values()) == [tactic]
+    (got,) = session.run(None, {"x": x})
     assert got.shape == want.shape
     assert_close(got, want, rtol=0, atol=0)
     (body,) = run_ort(result.model, {"x": x})  # the fused node's function body, in onnxruntime
@@ -103,10 +107,14 @@ def test_random_configurations_match_onnxruntime_exactly():
         if want is None or want.size == 0:
             with pytest.raises(ValueError):
                 maxpool2d(x, plan)
+            with pytest.raises(ValueError):
+                maxpool_blocked(to_blocked(x, block=8), plan)
             continue
         got = maxpool2d(x, plan)
         assert got.shape == want.shape, (shape, attrs)
         assert_close(got, want, rtol=0, atol=0, what=str((shape, attrs)))
+        got = from_blocked(maxpool_blocked(to_blocked(x, block=8), plan), shape[1])
+        assert_close(got, want, rtol=0, atol=0, what=f"blocked {(shape, attrs)}")
         checked += 1
     assert checked > 100
 

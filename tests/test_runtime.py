@@ -20,9 +20,9 @@ from onnx import helper as h
 
 from fusion.catalog import DOMAIN, Catalog
 from fusion.errors import FusionError
-from fusion.ort import inference_session
+from fusion.ort import DEFAULT, inference_session
 from fusion.runtime import InvalidFeed, Session
-from fusion.runtime.plan import may_hold_a_conv
+from fusion.runtime.plan import IslandPlan, island_settings, may_hold_a_conv
 
 
 def chain_model(**attrs) -> onnx.ModelProto:
@@ -344,7 +344,7 @@ def test_kernel_gets_attributes_and_constants_once():
         (["Conv", "MaxPool"], ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
     ],
 )
-def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
+def test_island_settings_follow_what_runs_between_kernels(ops, level):
     # NCHWc pays for its border reorders only across convolutions (see plan.island_settings)
     nodes, value, inits = [], "x", []
     for k, op_type in enumerate(ops):
@@ -363,9 +363,13 @@ def test_islands_use_blocked_layouts_only_when_they_hold_a_conv(ops, level):
         inits,
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    island = IslandPlan("island0", list(graph.node), ["x"], [value])
+    settings = island_settings(island)
+    assert settings.optimization == level and not settings.spinning
+    # Nothing fused: the island is the whole model and runs as onnxruntime does by default.
     sess = Session(model, threads=1, catalog=Catalog())
     assert [s.kind for s in sess.steps] == ["island"]
-    assert sess.steps[0].settings.optimization == level
+    assert sess.steps[0].settings == DEFAULT
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype(np.float32)
     assert_same(sess.run(None, {"x": x}), reference(model, {"x": x}))
 

@@ -218,6 +218,7 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
     if opts.profile and fused is not None:
         say("profiling the fused run")
         result.profile = _profile(fused.ask("profile", max(3, min(10, timing.rounds))))
+        result.profile["race"] = fused.ask("race")
     if opts.nodes and fused is not None and counts:
         say("each fused node alone against its function body")
         result.nodes = _node_check(fused, mode, workload, opts, folder, say)

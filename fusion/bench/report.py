@@ -188,6 +188,9 @@ def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
     p, c = result.profile, result.conv
     if p:
         pairs.append(("kernels / islands", f"{p['kernels']} / {p['islands']}"))
+    if p.get("race"):
+        seconds = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in p["race"]["seconds"].items())
+        pairs.append(("whole plan chosen", f"{p['race']['chosen']} (ms: {seconds})"))
     if c.get("share_in_kernels") is not None:
         pairs.append(("conv FLOPs in fusion's kernels",
                       f"{c['share_in_kernels']:.0%} ({c['convs_in_kernels']} of {c['convs']} "

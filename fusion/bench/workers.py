@@ -139,6 +139,10 @@ class Host:
                      "seconds": prof.overhead})  # fmt: skip
         return rows
 
+    def do_race(self) -> dict | None:
+        """How fusion's session chose its plan for these feeds (Session.race_for)."""
+        return self.runner.session.race_for(self.feeds)
+
     def do_nodes(self) -> list[tuple]:
         """Each fused node's kernel, set up to be timed alone on the inputs it received in a
         real run; returns (step name, node, inputs, constant input names, kernel choice)."""

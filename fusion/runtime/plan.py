@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 from fusion.errors import KernelError, one_line
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label, topological_order
-from fusion.ort import ISLAND, ISLAND_WITHOUT_CONV, Settings, inference_session
+from fusion.ort import DEFAULT, ISLAND, ISLAND_WITHOUT_CONV, Settings, inference_session
 
 
 @dataclass
@@ -192,9 +192,15 @@ def may_hold_a_conv(node: onnx.NodeProto) -> bool:
     )
 
 
-def island_settings(island: IslandPlan) -> Settings:
-    """onnxruntime's blocked NCHWc layout pays for its border reorders only across convs: an
-    island without one (pools between conv kernels) is optimized short of it."""
+def island_settings(island: IslandPlan, alone: bool = False) -> Settings:
+    """How an island's onnxruntime session runs. `alone`: no kernel runs in the plan, so the
+    island is the whole model and runs as onnxruntime does by default (workers spinning): a
+    model with nothing fused then runs as fast as plain onnxruntime. Between kernels, idle
+    workers must not spin (they would take the cores from Numba's threads), and onnxruntime's
+    blocked NCHWc layout pays for its border reorders only across convs: an island without one
+    (pools between conv kernels) is optimized short of it."""
+    if alone:
+        return DEFAULT
     return ISLAND if any(may_hold_a_conv(n) for n in island.nodes) else ISLAND_WITHOUT_CONV
 
 

@@ -59,6 +59,7 @@ from fusion.runtime.tactics import (
     ONNXRUNTIME,
     TimingCache,
     node_key,
+    plan_key,
     policy,
     preferred,
     random_inputs,
@@ -140,9 +141,18 @@ class Session:
         )
         self._plans: dict[tuple, _RunPlan] = {}
         self._base = _known_values(view, self._output_names)
-        self._default = self._plan(self._choose(shapes))
+        self._shapes = shapes
+        self._unsettled = False  # the default plan waits for a first run's feeds to be raced
         if self._dynamic:
             self._default = self._plan(self._choose({}))  # kernels until shapes are known
+        elif self.tactics != "fastest" or not self._kernels:
+            self._default = self._plan(self._choose(shapes))
+        else:
+            feeds = self._random_feeds(shapes)
+            self._unsettled = feeds is None
+            self._default = (
+                self._plan(self._choose(shapes)) if feeds is None else self._settle(shapes, feeds)
+            )
 
     # ---- building ----------------------------------------------------------------------------
     def _build_kernels(self) -> dict[int, list[Tactic]]:
@@ -170,10 +180,11 @@ class Session:
             ]
         return kernels
 
-    def _choose(self, shapes: dict) -> dict[int, Tactic | None]:
+    def _choose(self, shapes: dict, nchw_only: bool = False) -> dict[int, Tactic | None]:
         """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
         by the session's policy, timing each candidate where the node's input shapes are known
-        (`shapes`: value -> shape) and the timing cache has no answer yet."""
+        (`shapes`: value -> shape) and the timing cache has no answer yet. nchw_only: among
+        the tactics that read and write plain NCHW arrays (no layout conversions)."""
         if self.tactics == ONNXRUNTIME:
             return dict.fromkeys(self._kernels)
         if self.tactics != "fastest":  # "kernel", or a tactic name
@@ -191,6 +202,9 @@ class Session:
             if unknown:
                 choices[i] = tactics[0]  # shapes unknown until a run: the kernel meanwhile
                 continue
+            if any(s is not None and 0 in s for s in ins):
+                choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
+                continue
             if self._cache is None:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
@@ -201,6 +215,9 @@ class Session:
                 entry = {"times": self._time(node, tactics, ins, consts)}
                 fresh[key] = entry
             times = entry["times"]
+            if nchw_only:
+                blocked = {t.name for t in tactics if t.blocked_inputs or t.blocked_outputs}
+                times = {k: v for k, v in times.items() if k not in blocked}
             best = min(times, key=times.get)
             choices[i] = next((t for t in tactics if t.name == best), None)
         if fresh:
@@ -233,6 +250,52 @@ class Session:
         times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
         return times
 
+    def _random_feeds(self, shapes: dict) -> dict | None:
+        """Standard-normal feeds of the declared shapes, if every input is a float32 tensor of
+        a fixed shape (else a plan is raced on a first run's own feeds)."""
+        if any(spec.dtype != np.float32 or spec.name not in shapes for spec in self._inputs):
+            return None
+        names = [spec.name for spec in self._inputs]
+        arrays = random_inputs([shapes[n] for n in names], [None] * len(names))
+        return dict(self._base) | dict(zip(names, arrays, strict=True))
+
+    def _settle(self, shapes: dict, values: dict) -> _RunPlan:
+        """The plan for these shapes, checked whole. Per-node timings miss what a node costs
+        its neighbours (layout conversions at the borders of a blocked region, an island cut
+        in two), so the plan of per-node choices races, on `values`, the same choices kept to
+        NCHW tactics and the model in onnxruntime alone (its defaults); the fastest is kept
+        and cached: a session never runs a whole plan slower than onnxruntime does."""
+        per_node = self._choose(shapes)
+        if all(t is None for t in per_node.values()):
+            return self._plan(per_node)
+        candidates = {"per-node": per_node, "nchw": self._choose(shapes, nchw_only=True)}
+        if candidates["nchw"] == per_node:
+            del candidates["nchw"]
+        candidates[ONNXRUNTIME] = dict.fromkeys(self._kernels)  # last: its workers spin after
+        signature = [np.shape(values[spec.name]) for spec in self._inputs]
+        skeleton = weightless_copy(self.model).SerializeToString()
+        key = plan_key(skeleton, signature, self.threads, source_version("kernels", "patterns"))
+        entry = self._cache.get(key) if self._cache is not None else None
+        plans = {name: self._plan(c) for name, c in candidates.items()}
+        if entry is None or not set(plans) <= set(entry["plans"]):
+            entry = {"plans": {name: self._time_plan(p, values) for name, p in plans.items()}}
+            if self._cache is not None:
+                self._cache.put({key: entry})
+        times = entry["plans"]
+        best = min(plans, key=lambda name: times[name])
+        chosen = plans[best]
+        chosen.race = {"chosen": best, "seconds": {name: times[name] for name in plans}}
+        return chosen
+
+    def _time_plan(self, run_plan: _RunPlan, values: dict) -> float:
+        """Median seconds of whole runs of a plan (inf if it fails: it is then never kept)."""
+        try:
+            full = self._base | values
+            return time_call(lambda: self._execute(run_plan, dict(full)), 5, 0.25)
+        except Exception as exc:  # noqa: BLE001 (any failure rules the plan out)
+            warnings.warn(f"fusion: a run plan failed while timed: {exc}", stacklevel=3)
+            return float("inf")
+
     def _plan(self, choices: dict[int, Tactic | None]) -> _RunPlan:
         """The run steps for these choices: islands, kernels, and layout conversions."""
         view = self.view
@@ -245,7 +308,8 @@ class Session:
             if isinstance(p, IslandPlan):
                 for value in p.inputs:
                     steps += convert(layouts, value, NCHW)
-                steps.append(IslandStep(p, view, island_settings(p), self.threads))
+                settings = island_settings(p, alone=not chosen)
+                steps.append(IslandStep(p, view, settings, self.threads))
                 for value in p.outputs:
                     layouts.made(value, NCHW)
                 continue
@@ -289,6 +353,11 @@ class Session:
         """The plan for these feeds' shapes: the default one, or (dynamic shapes, timed
         choices) the one made for this shape on its first run."""
         if not self._dynamic:
+            if self._unsettled:
+                with self._lock:
+                    if self._unsettled:
+                        self._default = self._settle(self._shapes, dict(feeds))
+                        self._unsettled = False
             return self._default
         signature = tuple(np.shape(feeds[spec.name]) for spec in self._inputs)
         found = self._plans.get(signature)
@@ -298,7 +367,7 @@ class Session:
             if signature not in self._plans and len(self._plans) < MAX_PLANS:
                 names = [spec.name for spec in self._inputs]
                 shapes = _concrete_shapes(self.model, dict(zip(names, signature, strict=True)))
-                self._plans[signature] = self._plan(self._choose(shapes))
+                self._plans[signature] = self._settle(shapes, dict(feeds))
             return self._plans.get(signature, self._default)
 
     @property
@@ -314,6 +383,13 @@ class Session:
     def choices(self) -> dict[str, str]:
         """Per fused node (its label), the tactic it runs in the default plan."""
         return dict(self._default.choices)
+
+    @property
+    def race(self) -> dict | None:
+        """How the default plan was chosen: {"chosen": "per-node" | "nchw" | "onnxruntime",
+        "seconds": median run time of each candidate}; None when not raced (tactics other
+        than "fastest", nothing to fuse, or no run yet on a model with non-float inputs)."""
+        return self._default.race
 
     def choices_for(self, feeds: Mapping) -> dict[str, str]:
         """Per fused node (its label), the tactic a run on these feeds uses."""
@@ -370,6 +446,10 @@ class Session:
         rows = [(s.kind, s.name, t / repeat) for s, t in zip(steps, step_times, strict=True)]
         return Profile(rows, wall / repeat)
 
+    def race_for(self, feeds: Mapping) -> dict | None:
+        """How the plan for these feeds' shapes was chosen (see `race`)."""
+        return self._plan_for(self._validated_feeds(feeds)).race
+
     def steps_for(self, feeds: Mapping) -> list:
         """The steps a run on these feeds takes (their shapes may have a plan of their own)."""
         return self._plan_for(self._validated_feeds(feeds)).steps
@@ -381,7 +461,10 @@ class Session:
         when given, gets each step's seconds."""
         values = dict(self._base)
         values.update(self._validated_feeds(feeds))
-        run_plan = self._plan_for(values)
+        return self._execute(self._plan_for(values), values, times, keep_all)
+
+    def _execute(self, run_plan: _RunPlan, values: dict, times: list | None = None,
+                 keep_all: bool = False) -> dict:  # fmt: skip
         if run_plan.uses_numba:
             ensure_threads(self.threads)  # Numba's thread count is per calling thread
         for step, release in zip(run_plan.steps, run_plan.releases, strict=True):
@@ -556,6 +639,7 @@ class _RunPlan:
     layouts: Layouts  # the blocked values and what they hold
     uses_numba: bool
     choices: dict  # fused node label -> tactic name
+    race: dict | None = None  # the whole-plan timings it won (Session._settle), if raced
 
 
 def _static_shape(vt: ValueType | None) -> tuple | None:

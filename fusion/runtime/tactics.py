@@ -73,14 +73,15 @@ def preferred(tactics: list[Tactic], name: str) -> Tactic:
 MIN_CALLS, MAX_CALLS, BUDGET_S = 3, 25, 0.05  # per candidate: at least 3 calls, ~50 ms
 
 
-def time_call(run: Callable[[], object]) -> float:
-    """Median seconds of run() after one warm-up call: MIN_CALLS to MAX_CALLS calls, stopping
-    once BUDGET_S has passed."""
+def time_call(run: Callable[[], object], min_calls: int = MIN_CALLS,
+              budget: float = BUDGET_S) -> float:  # fmt: skip
+    """Median seconds of run() after one warm-up call: min_calls to MAX_CALLS calls, stopping
+    once `budget` seconds have passed."""
     run()
     samples = []
     start = time.perf_counter()
     while len(samples) < MAX_CALLS and (
-        len(samples) < MIN_CALLS or time.perf_counter() - start < BUDGET_S
+        len(samples) < min_calls or time.perf_counter() - start < budget
     ):
         t0 = time.perf_counter()
         run()
@@ -199,6 +200,13 @@ class TimingCache:
                 self.entries = merged
         except OSError:
             pass
+
+
+def plan_key(skeleton: bytes, shapes: Sequence, threads: int, version: str) -> str:
+    """What a whole-plan timing depends on: the fused model without its weights' bytes (its
+    graph, fused nodes and islands), its input shapes, threads, the kernels' source."""
+    dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
+    return f"plan:{hashlib.sha1(skeleton).hexdigest()[:16]}|{dims}|t{threads}|{version}"
 
 
 def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:

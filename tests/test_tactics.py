@@ -1,0 +1,173 @@
+"""Tactic choice and its timing cache (fusion/runtime/tactics.py): the fastest of a kernel's
+tactics and onnxruntime on the node's body is kept, the choice is cached on disk per CPU, and a
+cache that is corrupt, from another CPU or written by two processes at once never gives a
+wrong answer."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import fused_model, scaled_relu, scaled_relu_catalog, tensor
+from onnx import helper, numpy_helper
+
+import fusion.runtime.tactics as tactics_module
+from fusion.catalog import Tactic
+from fusion.ort import DEFAULT
+from fusion.runtime import Session
+from fusion.runtime.tactics import ONNXRUNTIME, TimingCache, node_key, policy, preferred
+
+
+def _model():
+    s = np.full((1, 3), 0.5, np.float32)
+    return fused_model(
+        [scaled_relu("x", "s", "y", "sr")],
+        [tensor("x", (4, 3))],
+        [tensor("y", (4, 3))],
+        [numpy_helper.from_array(s, "s")],
+    )
+
+
+def _two_tactics(attrs, constants):
+    """A kernel offering a slow tactic (sleeps) and a NumPy one: the slow one must never win."""
+
+    def fast(x, s):
+        return (np.maximum(x * s, 0).astype(np.float32),)
+
+    def slow(x, s):
+        time.sleep(0.005)
+        return fast(x, s)
+
+    def run(x, s):
+        return slow(x, s)
+
+    run.tactics = [Tactic("slow", slow), Tactic("numpy", fast)]
+    return run
+
+
+def _session(**kw):
+    return Session(_model(), threads=1, catalog=scaled_relu_catalog(_two_tactics), **kw)
+
+
+def test_fastest_never_keeps_a_slower_tactic_and_caches_the_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    session = _session(tactics="fastest")
+    assert session.choices["ScaledRelu sr"] in ("numpy", ONNXRUNTIME)
+    files = list(tmp_path.glob("tactics-*.json"))
+    assert len(files) == 1
+    entries = json.loads(files[0].read_text())["entries"]
+    (times,) = [e["times"] for k, e in entries.items() if not k.startswith("plan:")]
+    assert set(times) == {"slow", "numpy", ONNXRUNTIME}
+    assert times["slow"] > max(times["numpy"], times[ONNXRUNTIME])
+
+    # A later session reads the choice and times nothing.
+    def no_timing(run):
+        raise AssertionError("timed although the cache had the answer")
+
+    monkeypatch.setattr(tactics_module, "time_call", no_timing)
+    monkeypatch.setattr("fusion.runtime.session.time_call", no_timing, raising=False)
+    again = _session(tactics="fastest")
+    assert again.choices == session.choices
+    assert again.race == session.race is not None  # the whole-plan race, also from the cache
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    (y,) = again.run(None, {"x": x})
+    np.testing.assert_allclose(y, np.maximum(x * 0.5, 0), rtol=1e-6)
+
+
+def test_the_whole_plan_races_onnxruntime_alone(monkeypatch, tmp_path):
+    # A plan of kernels that are each faster than their bodies can still lose whole (layout
+    # conversions, islands cut in two): then the model runs in onnxruntime at its defaults.
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    node_times = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node
+    monkeypatch.setattr(Session, "_time", lambda self, *args: node_times)
+    slower = {"per-node": 2e-3, ONNXRUNTIME: 1e-3}
+    monkeypatch.setattr(Session, "_time_plan", lambda self, plan, values: slower[plan.race_name])
+    monkeypatch.setattr(
+        Session, "_plan", lambda self, c, _plan=Session._plan: _named(_plan(self, c), c)
+    )
+    session = _session(tactics="fastest")
+    assert session.race["chosen"] == ONNXRUNTIME
+    assert [s.kind for s in session.steps] == ["island"]
+    assert session.steps[0].settings == DEFAULT
+
+
+def _named(run_plan, choices):
+    kernels = any(t is not None for t in choices.values())
+    run_plan.race_name = "per-node" if kernels else ONNXRUNTIME
+    return run_plan
+
+
+def test_a_node_on_onnxruntime_merges_into_an_island(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    session = _session(tactics=ONNXRUNTIME)
+    assert session.choices["ScaledRelu sr"] == ONNXRUNTIME
+    assert [s.kind for s in session.steps] == ["island"]
+
+
+def test_policy_and_preferred_tactic():
+    assert policy("kernel") == "kernel"
+    ts = [Tactic("blocked", None), Tactic("nchw-winograd", None)]
+    assert preferred(ts, "nchw").name == "nchw-winograd"
+    assert preferred(ts, "nothing-like-it").name == "blocked"
+    with pytest.raises(ValueError):
+        policy(3)
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_then_rewritten(tmp_path):
+    cache = TimingCache("cpu-a", tmp_path)
+    cache.path.write_text('{"format": 1, "entries": {"k": ')
+    with pytest.warns(UserWarning, match="corrupt"):
+        cache.load()
+    assert cache.get("k") is None
+    with pytest.warns(UserWarning, match="corrupt"):  # put merges with what is on disk
+        cache.put({"k": {"times": {"a": 1.0}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TimingCache("cpu-a", tmp_path).load().get("k") == {"times": {"a": 1.0}}
+
+
+def test_cache_from_another_cpu_is_ignored_with_a_warning(tmp_path):
+    TimingCache("cpu-a", tmp_path).put({"k": {"times": {"a": 1.0}}})
+    other = TimingCache("cpu-b", tmp_path)
+    # A cache copied from another machine under this CPU's file name.
+    other.path.write_text(TimingCache("cpu-a", tmp_path).path.read_text())
+    with pytest.warns(UserWarning, match="another CPU"):
+        other.load()
+    assert other.get("k") is None
+
+
+def _writer(folder: str, tag: str, n: int) -> None:
+    cache = TimingCache("cpu-a", Path(folder))
+    for k in range(n):
+        cache.put({f"{tag}{k}": {"times": {"x": float(k)}}})
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), tag, 40)) for tag in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entries = TimingCache("cpu-a", tmp_path).load().entries
+    assert set(entries) == {f"{t}{k}" for t in "ab" for k in range(40)}
+    assert not list(tmp_path.glob(".tactics-*"))  # no temporary file left behind
+
+
+def test_node_key_names_what_a_timing_depends_on():
+    node = helper.make_node("ConvBiasRelu", ["x"], ["y"], domain="fusion")
+    node.overload = "abc"
+    k1 = node_key(node, [(1, 8, 7, 7)], 2, "v1")
+    assert k1 != node_key(node, [(2, 8, 7, 7)], 2, "v1")  # shape
+    assert k1 != node_key(node, [(1, 8, 7, 7)], 1, "v1")  # threads
+    assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v2")  # kernels' source
+    node.overload = "abd"
+    assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v1")  # the body
