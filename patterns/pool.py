@@ -103,12 +103,32 @@ RULE = Rule(
 )
 
 
+def gap_attributes(m) -> dict:
+    vt = m.type("x")
+    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
+        return {"channels": vt.shape[1]}  # known: the head can also read the blocked layout
+    return {}
+
+
 def make_gap_kernel(attrs: dict, constants: list):
-    from kernels.pool import global_average_pool  # heavy (Numba): only when a kernel is built
+    """The NCHW kernel; with the channel count known, first a tactic reading the blocked
+    layout (after a blocked conv, no conversion before the head)."""
+    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
+    from kernels.pool import global_average_pool, global_average_pool_blocked
 
     def run(x):
         return (global_average_pool(x),)
 
+    run.tactics = [Tactic("nchw", run)]
+    channels = attrs.get("channels")
+    if channels:
+        blocked = Tactic(
+            "blocked",
+            lambda xb: (global_average_pool_blocked(xb, channels),),
+            blocked_inputs=(0,),
+            in_blocks=(BLOCK,),
+        )
+        run.tactics.insert(0, blocked)
     return run
 
 
@@ -122,6 +142,7 @@ GAP_FLATTEN = Rule(
     op.Flatten(op.GlobalAveragePool(Var("x", dtype="float32", rank=4), _name="gap"), _name="flat"),
     inputs=("x",),
     prepare=make_gap_kernel,
+    attributes=gap_attributes,
     check=check_flatten,
     description="GlobalAveragePool + Flatten(axis=1), float32 NCHW -> [N, C] (classifier heads)",
     explain_after="GlobalAveragePool",

@@ -291,7 +291,7 @@ class Session:
         """Median seconds of whole runs of a plan (inf if it fails: it is then never kept)."""
         try:
             full = self._base | values
-            return time_call(lambda: self._execute(run_plan, dict(full)), 5, 0.25)
+            return time_call(lambda: self._execute(run_plan, dict(full)), 3, 0.25)
         except Exception as exc:  # noqa: BLE001 (any failure rules the plan out)
             warnings.warn(f"fusion: a run plan failed while timed: {exc}", stacklevel=3)
             return float("inf")
