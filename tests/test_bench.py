@@ -179,6 +179,8 @@ def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
         ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, False)
     ]  # fmt: skip
     assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
+    # a fused conv's kernel is timed alone, in its own layout, and named
+    assert [r.get("kernel", "") for r in rows] == ["ConvBiasRelu (blocked-f1)"] * 2 + [""]
     classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
     assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
     assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 1
