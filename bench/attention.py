@@ -2,6 +2,7 @@
 unfused subgraph, cut from an exported transformer:
 
     python bench/attention.py ~/.cache/fusion/zoo/bert_base_layer.s512.onnx [--layer 0]
+                              [--seq N (a model with a symbolic sequence axis)] [--json FILE]
 
 The subgraph is the nodes the --layer-th fused Attention node replaces, as the exporter wrote
 them (Q, K, V linears, head reshapes and transposes, scaled QK^T, the additive mask, Softmax,
@@ -27,7 +28,7 @@ from onnx import helper
 from onnx.utils import Extractor
 
 from fusion import bench, rewrite
-from fusion.bench import FUSED, ORT_ALL, Options, Workload
+from fusion.bench import FUSED, ORT_ALL, PROCESSES, SAME_PROCESS, Options, Workload
 from fusion.modelfile import read_model
 from fusion.ort import REFERENCE, inference_session
 from patterns.attention import RULE as ATTENTION
@@ -67,7 +68,7 @@ def model_values(model: onnx.ModelProto, names: list[str], seq: int, seed: int) 
         if vi.name == "attention_mask":
             feeds[vi.name] = np.ones((1, seq), np.int64)
         else:
-            feeds[vi.name] = rng.integers(0, 100, (1, seq)).astype(np.int64)
+            feeds[vi.name] = rng.integers(0, 4, (1, seq)).astype(np.int64)  # as fusion.feeds
     session = inference_session(probe, REFERENCE, 1)
     return dict(zip(names, session.run(names, feeds), strict=True))
 
@@ -81,6 +82,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--budget", type=float, default=5.0, help="seconds of timing per workload")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seq", type=int, default=128, help="where the model's sequence is symbolic")
+    ap.add_argument("--node-rounds", type=int, default=3, help="rounds of the kernel alone")
+    ap.add_argument("--same-process", action="store_true", help="quick mode, one process")
+    ap.add_argument("--json", help="write the results as JSON to this file")
     args = ap.parse_args(argv)
     # The Session would time the node's kernel against its body on random float32 inputs,
     # which the shape inputs are not (int64, computed from the hidden states): run the kernel,
@@ -91,11 +96,13 @@ def main(argv=None) -> int:
         print(line)
     opts = Options(threads=args.threads or 2, rounds=args.rounds, min_rounds=min(5, args.rounds),
                    budget=args.budget, repeat=args.repeat, runners=(ORT_ALL, FUSED),
-                   memory=False, compile=False, sgemm=False)  # fmt: skip
+                   mode=SAME_PROCESS if args.same_process else PROCESSES,
+                   node_rounds=args.node_rounds, memory=False, compile=False,
+                   sgemm=False)  # fmt: skip
     results = []
     for path in args.models:
         model = read_model(path)[0]
-        seq = model.graph.input[0].type.tensor_type.shape.dim[1].dim_value
+        seq = model.graph.input[0].type.tensor_type.shape.dim[1].dim_value or args.seq
         cut, feeds = attention_cut(model, args.layer, seq, args.seed)
         name = f"{Path(path).name.removesuffix('.onnx')} attention {args.layer}"
         results.append(bench.measure(Workload(name, cut, feeds, batch=1), opts))
@@ -107,6 +114,8 @@ def main(argv=None) -> int:
         print(" | ".join(row))
     for line in bench.notes(results):
         print(line)
+    if args.json:
+        bench.write_json(results, args.json, info, command=info["command"])
     return 1 if any(r.refused for r in results) else 0
 
 
