@@ -205,6 +205,15 @@ class Session:
             if any(s is not None and 0 in s for s in ins):
                 choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
                 continue
+            if any(
+                c is None and not self._is_float(v)
+                for v, c in zip(node.input, consts, strict=True)
+                if v
+            ):
+                # integer or boolean inputs (shapes, ids, masks): random values would mean
+                # nothing (a shape of random numbers fails); the whole-plan race still checks
+                choices[i] = tactics[0]
+                continue
             if self._cache is None:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
@@ -249,6 +258,10 @@ class Session:
         body = inference_session(single, ISLAND, self.threads)
         times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
         return times
+
+    def _is_float(self, value: str) -> bool:
+        vt = self.view.type_of(value)
+        return vt is None or not vt.elem_type or vt.elem_type == onnx.TensorProto.FLOAT
 
     def _random_feeds(self, shapes: dict) -> dict | None:
         """Standard-normal feeds of the declared shapes, if every input is a float32 tensor of
