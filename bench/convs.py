@@ -4,7 +4,9 @@
 
 Each Conv (with the Relu or Clip that follows it, when it is the conv's only reader: the form
 exporters write) becomes a one-conv model on the same weights, attributes and input shape.
-fusion.Session runs its rewrite (the project's kernel), onnxruntime at its defaults
+fusion.Session runs its rewrite, and the fused node's kernel is timed alone on the inputs it
+received in that run, in its own layout (a blocked tactic's conversions happen at the borders
+of a blocked region, which bench/models.py counts), onnxruntime at its defaults
 (fusion.ort.DEFAULT, spinning) runs the model as exported, and onnxruntime without
 optimizations checks both first (fusion.numerics, the rule's tolerance): each in a worker
 process of its own (fusion.bench.workers), every conv added to the same three workers, the two
@@ -209,6 +211,11 @@ def _one(k, labels, cls, one, feeds, workers, catalog, folder, rounds, repeat, t
         if not c.ok:
             row[f"{name}_refused"] = str(c)
     calls = {name: Keyed(workers[name], k) for name in (FUSED, ORT_ALL)}
+    kernels = workers[FUSED].ask("nodes", k)
+    if len(kernels) == 1:  # the fused conv's kernel alone, on inputs in its own layout
+        (name, *_, choice), *_ = kernels
+        calls[FUSED] = Keyed(workers[FUSED], (k, name))
+        row["kernel"] = choice
     timing = interleave(calls, rounds, warmup=2, repeat=repeat, threads=threads, mode=PROCESSES,
                         warm=0.05)  # fmt: skip
     for name in (FUSED, ORT_ALL):
@@ -253,9 +260,10 @@ def _x(v) -> str:
 def markdown(model: str, results: dict, info: dict) -> str:
     out = [f"Machine: {cpu_line(info)}; onnxruntime {info['onnxruntime']}, numba "
            f"{info['numba']}, numpy {info['numpy']}.", f"Command: `{info['command']}`",
-           "Timing: each runner in its own process (fusion.Session on the rewritten one-conv "
-           "model; onnxruntime at its defaults on the exported one), round robin per conv, "
-           "medians over every call. Ratio: onnxruntime's time / the kernel's.", ""]  # fmt: skip
+           "Timing: each runner in its own process (the fused conv's kernel alone, in its own "
+           "layout, [tactic] after the conv; onnxruntime at its defaults on the exported "
+           "one-conv model), round robin per conv, medians over every call. Ratio: "
+           "onnxruntime's time / the kernel's.", ""]  # fmt: skip
     for batch, rows in results.items():
         out += [f"**{Path(model).name}, batch {batch}: by class**", "",
                 "| class | convs (distinct) | conv FLOPs | not fused | median | min | max |",
@@ -269,7 +277,8 @@ def markdown(model: str, results: dict, info: dict) -> str:
                 "ort GFLOP/s | ratio |",
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in sorted(rows, key=lambda r: (CLASSES.index(r["class"]), -r["gflop"])):
-            fused = "" if r["fused"] else " (not fused)"
+            fused = f" [{r['kernel']}]" if r.get("kernel") else ""
+            fused = fused if r["fused"] else " (not fused)"
             out.append(f"| {r['class']} | {r['conv']}{fused} | {r['count']} | {r['gflop']:.3f} | "
                        f"{r['fusion_ms']:.3f} | {r['ort-all_ms']:.3f} | "
                        f"{r['fusion_gflops']:.1f} | {r['ort-all_gflops']:.1f} | "

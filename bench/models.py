@@ -4,6 +4,7 @@
     python bench/models.py --zoo resnet18,googlenet --exporter dynamo18
     python bench/models.py FILE.onnx ... [--batch 1 8] [--rounds 10] [--json F] [--markdown F]
     python bench/models.py --builtin squeezenet1.1     # fusion/models' SqueezeNet, no file
+    python bench/models.py ZOO/bert_small.s128.onnx --native .ortopt.onnx --batch 1
 
 --zoo reads the files bench/zoo.py exported (torchvision's resnet18, resnet50, mobilenet_v2,
 googlenet, shufflenet_v2_x1_0, densenet121, squeezenet1_1 by default) from its cache folder;
@@ -19,6 +20,12 @@ fusion's own kernels run (the rest runs in onnxruntime: islands, or fused nodes 
 function bodies), the number of onnxruntime islands, and every fused node slower than
 onnxruntime running that node's own body (timed alone on the inputs it received). Every
 output names the machine and the command.
+
+--native SUFFIX times, as the ort-native runner, the file beside each model named with SUFFIX
+in place of ".onnx" (bench/zoo_transformers.py writes NAME.sSEQ.ortopt.onnx, onnxruntime's
+transformers optimizer's output: the "vs native" column is fusion against that). Its fused
+Attention reads attention_mask as lengths (right padding), not as the 0/1 mask the export
+computes with: `--ones attention_mask` feeds a batch without padding, where both agree.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 from zoo import BENCH, EXPORTERS, model_path, zoo_dir  # bench/zoo.py, beside this script
 
 from fusion import bench
@@ -41,19 +49,24 @@ BUILTIN = {"squeezenet1.1": lambda: squeezenet("1.1", size=224, batch="N"),
            "squeezenet1.0": lambda: squeezenet("1.0", size=224, batch="N")}  # fmt: skip
 
 
-def workload(name: str, model, batch: int, seed: int = 0) -> Workload:
-    """The model with its symbolic first axes set to `batch`, on seeded random inputs."""
+def workload(name: str, model, batch: int, seed: int = 0, native=None, ones=()) -> Workload:
+    """The model with its symbolic first axes set to `batch`, on seeded random inputs (those
+    named in `ones` all ones); native: an equivalent model (same inputs and outputs) timed as
+    ort-native."""
     dims = {}
     for vi in model.graph.input:
         shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
         if shape and shape[0].HasField("dim_param"):
             dims[shape[0].dim_param] = batch
     feeds, source = model_inputs(model, None, seed, dims)
+    for input_name in ones:
+        feeds[input_name] = np.ones_like(feeds[input_name])
+        source += f", {input_name} all ones"
     first = next(iter(feeds.values()))
     if first.ndim and first.shape[0] != batch:
         raise FusionError(f"{name}: its first input has batch {first.shape[0]}, not {batch}")
     return Workload(f"{name} b{batch}", model, feeds, description=f"inputs: {source}",
-                    batch=batch)  # fmt: skip
+                    batch=batch, native=native)  # fmt: skip
 
 
 def markdown(results, info) -> str:
@@ -85,6 +98,12 @@ def main(argv=None) -> int:
     ap.add_argument("--node-rounds", type=int, default=3, help="rounds of that comparison")
     ap.add_argument("--rtol", type=float, default=None, help="output check (default: the rules')")
     ap.add_argument("--atol", type=float, default=None, help="output check (default: the rules')")
+    ap.add_argument("--native", metavar="SUFFIX",
+                    help="time FILE, SUFFIX for .onnx, as ort-native")  # fmt: skip
+    ap.add_argument("--ones", nargs="+", default=[], metavar="INPUT",
+                    help="inputs fed as all ones (attention_mask: nothing padded)")  # fmt: skip
+    ap.add_argument("--runners", nargs="+", choices=sorted(bench.RUNNERS),
+                    help="which runners (default: all; ort-none always checks)")  # fmt: skip
     ap.add_argument("--json", help="write every result as JSON to this file")
     ap.add_argument("--markdown", help="write the summary and details as Markdown")
     args = ap.parse_args(argv)
@@ -115,22 +134,31 @@ def main(argv=None) -> int:
         node_rounds=args.node_rounds,
         rtol=args.rtol,
         atol=args.atol,
+        runners=tuple(args.runners) if args.runners else None,
         memory=False,
         compile=False,
     )
-    models = [(Path(p).name.removesuffix(".onnx"), lambda p=p: read_model(p)[0])
+    natives = {}
+    for p in files:
+        beside = Path(p.removesuffix(".onnx") + args.native) if args.native else None
+        if beside is not None and not beside.is_file():
+            ap.error(f"{beside}: no such file (--native {args.native})")
+        natives[p] = beside
+    models = [(Path(p).name.removesuffix(".onnx"), lambda p=p: read_model(p)[0], natives[p])
               for p in files]  # fmt: skip
-    models += [(name, BUILTIN[name]) for name in args.builtin]
+    models += [(name, BUILTIN[name], None) for name in args.builtin]
     results = []
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if console.is_terminal else None
-    for name, load in models:
+    for name, load, native_file in models:
         model = load()
+        native = read_model(native_file)[0] if native_file else None
         for batch in args.batch:
-            w = workload(name, model, batch)
+            w = workload(name, model, batch, native=native, ones=args.ones)
             results.append(bench.measure(w, opts, say))
             r = results[-1]
-            console.print(f"{r.workload}: fusion vs ort-all {r.speedup('ort-all') or 0:.2f}x",
-                          markup=False)  # fmt: skip
+            vs_native = f", vs ort-native {r.speedup('ort-native') or 0:.2f}x" if native else ""
+            console.print(f"{r.workload}: fusion vs ort-all {r.speedup('ort-all') or 0:.2f}x"
+                          f"{vs_native}", markup=False)  # fmt: skip
     head, body = bench.summary_rows(results)
     table = Table(title=f"fusion vs onnxruntime at its defaults; {results[0].timing.describe()}")
     for i, h in enumerate(head):

@@ -81,6 +81,10 @@ class Rule:
     # The fused node written as standard ONNX ops instead (rewrite(standard_ops=True)):
     # standard(view, node) -> (nodes, initializers), or a reason string when it cannot be.
     standard: Callable | None = None
+    # Shape computations that read values inside a match and feed only the match join it
+    # (fusion/shapes.py); the captured inputs they compute become absent inputs, what they read
+    # from outside trailing ones. For kernels that ignore shape inputs (TorchScript's Reshapes).
+    absorb_shapes: bool = False
 
     def __post_init__(self):
         self.inputs, self.outputs = tuple(self.inputs), tuple(self.outputs)

@@ -20,6 +20,7 @@ from fusion.graph import GraphView, implicit_inputs, node_label, topological_ord
 from fusion.matcher import FULL_MATCH, Failure, Match, Matcher, start_state
 from fusion.pattern import Output
 from fusion.registry import default_catalog
+from fusion.shapes import absorb_shapes
 
 FUNCTION_IR_VERSION = 10  # node.overload, which names a function's variant, needs IR 10
 
@@ -240,17 +241,21 @@ def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: 
 def _acceptable(view, rule: Rule, match: Match, root, outputs: list, claimed: dict, skip: dict):
     """(match, fused node, function) if the match may be fused, else the reason it may not."""
     label = node_label(root)
+    inputs = _flat(match[name] for name in rule.inputs)
+    if rule.absorb_shapes:
+        match.nodes, computed, reads = absorb_shapes(view, match.nodes, outputs)
+        inputs = [("" if value in computed else value) for value in inputs] + reads
     reason = (
         _overlap(view, match, claimed)
         or _escapes(view, match, outputs)
-        or _feeds_itself(view, rule, match)
+        or _feeds_itself(view, match, inputs)
     )
     if not reason and rule.check is not None:
         verdict = rule.check(match)
         reason = f"{label}: {verdict}" if verdict else None
     if not reason:
         try:
-            fused, func = _fused_node(view, rule, match, root, outputs)
+            fused, func = _fused_node(view, rule, match, root, inputs, outputs)
         except BodyError as exc:
             return f"{label}: {exc}"
         if fused.name not in skip:
@@ -299,11 +304,11 @@ def _escapes(view: GraphView, match: Match, outputs: list[str]) -> str | None:
     return None
 
 
-def _feeds_itself(view: GraphView, rule: Rule, match: Match) -> str | None:
+def _feeds_itself(view: GraphView, match: Match, inputs: list[str]) -> str | None:
     """Why the fused node would read a value only it computes, if it would (a finder's match
     whose parts feed each other, e.g. consecutive convs that are all concatenated)."""
     inside = set(match.nodes)
-    for value in _flat(match[name] for name in rule.inputs):
+    for value in inputs:
         producer = view.producer.get(value) if value else None
         if producer is not None and producer[0] in inside:
             node = node_label(view.nodes[producer[0]])
@@ -311,9 +316,9 @@ def _feeds_itself(view: GraphView, rule: Rule, match: Match) -> str | None:
     return None
 
 
-def _fused_node(view: GraphView, rule: Rule, match: Match, root: onnx.NodeProto, outputs):
+def _fused_node(view: GraphView, rule: Rule, match: Match, root: onnx.NodeProto, inputs, outputs):
     attrs = rule.attributes(match) if rule.attributes else {}
-    inputs = _flat(match[name] for name in rule.inputs)
+    inputs = list(inputs)
     func = build_function(view, rule.name, match.nodes, inputs, outputs, list(attrs))
     while inputs and not inputs[-1]:
         inputs.pop()

@@ -22,7 +22,7 @@ than taking them one at a time, on a chain of FB accumulators that waits on FMA 
 others (at a padded edge, or in a row narrower than a tile) run one pixel at a time with that
 pixel's own taps, so no loop tests a bound. When a group's weights do not fit in half of L2, K
 is cut into chunks of input blocks, and a work item sweeps all its rows per chunk with the
-accumulators parked in a small buffer between chunks.
+accumulators parked in a small buffer between chunks (the overlapping tile in slots of its own).
 
 Work items are (image, group, filter group of FB blocks, block of rows): disjoint outputs.
 The geometry comes in one int64 array (see conv_nchwc), one argument to unbox per call.
@@ -226,11 +226,13 @@ def _item(xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, alph
     oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
     col_a, col_b = g[COL_A], g[COL_B]
     n_whole = (col_b - col_a) // pw
-    # One pass over K (no chunks): the interior's remainder runs as one more tile ending at
-    # col_b, overlapping the one before it; its pixels are recomputed from x and stored again,
-    # not added twice. (With chunks, a parked accumulator would be added twice.)
-    extra = 1 if g[CHUNK] >= cbg and n_whole > 0 and col_a + n_whole * pw < col_b else 0
+    # The interior's remainder runs as one more tile ending at col_b, overlapping the one
+    # before it: the pixels both hold get the same whole sum twice, stored twice. With K in
+    # chunks its accumulators park in slots of their own past the row buffer (ACC vectors per
+    # row), so no parked sum is added to twice.
+    extra = 1 if n_whole > 0 and col_a + n_whole * pw < col_b else 0
     tiled_end = col_b if extra else col_a + n_whole * pw  # tiles cover [col_a, tiled_end)
+    extra_slots = g[ROWS] * ow_len * fb * B
     nb = min(fb, g[MBG] - og * fb)
     ob0 = grp * g[MBG] + og * fb
     ystride = u(oh_len * ow_len * B)
@@ -250,8 +252,12 @@ def _item(xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, alph
             yo = u((((n * g[MB] + ob0) * oh_len + oh) * ow_len) * B)
             ao_row = (oh - r0) * ow_len * fb * B  # carry buffer: [rows, OW, fb, 8]
             for t in range(n_whole + extra):
-                ow0 = col_a + t * pw if t < n_whole else col_b - pw
-                ao = u(ao_row + ow0 * fb * B)
+                if t < n_whole:
+                    ow0 = col_a + t * pw
+                    ao = u(ao_row + ow0 * fb * B)
+                else:
+                    ow0 = col_b - pw
+                    ao = u(extra_slots + (oh - r0) * ACC * B)
                 a = _load12(acc, ao) if carry else zero
                 a = _tile(xf, ow0 * g[SW] * bi, xstep, wf, tx, tw, n_taps, bi, fb, a)
                 _store12(a, acc if not last else tbuf, ao if not last else u(0))
@@ -303,7 +309,7 @@ def _drive(xf, wf, bf, yf, res, g, alpha, beta, lo, hi, fb, bi):
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
         r1 = min(g[OH], r0 + rows)
-        acc = np.empty(rows * g[OW] * fb * B if multi else 1, np.float32)
+        acc = np.empty(rows * (g[OW] * fb + ACC) * B if multi else 1, np.float32)
         tx = np.empty(chunk_taps, np.int64)
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)

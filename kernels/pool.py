@@ -29,6 +29,7 @@ from .windows import maxpool_output_shape as output_shape
 __all__ = [
     "MaxPoolPlan",
     "global_average_pool",
+    "global_average_pool_blocked",
     "maxpool2d",
     "maxpool_blocked",
     "output_shape",
@@ -248,4 +249,35 @@ def global_average_pool(x):
     x = np.ascontiguousarray(x)
     y = np.empty(x.shape[:2], np.float32)
     _plane_means(x.reshape(x.shape[0], x.shape[1], -1), y)
+    return y
+
+
+@numba.jit(**PARALLEL)
+def _block_means(x4, y):
+    """y[n, cb * 8 + l] = mean of x4[n, cb, :, l] for the channels y has, summed in float64."""
+    cb_len, p_len, c_len = x4.shape[1], x4.shape[2], y.shape[1]
+    for item in numba.prange(x4.shape[0] * cb_len):
+        n, cb = item // cb_len, item % cb_len
+        s = np.zeros(8, np.float64)
+        for p in range(p_len):
+            for lane in range(8):
+                s[lane] += x4[n, cb, p, lane]
+        for lane in range(min(8, c_len - cb * 8)):
+            y[n, cb * 8 + lane] = s[lane] / p_len
+
+
+def global_average_pool_blocked(xb, channels: int):
+    """GlobalAveragePool of a blocked float32 x [N, CB, H, W, 8] holding `channels` channels,
+    flattened: [N, channels], plain (a classifier's input)."""
+    if (
+        not isinstance(xb, np.ndarray)
+        or xb.dtype != np.float32
+        or xb.ndim != 5
+        or (xb.shape[4] != 8 or xb.shape[2] * xb.shape[3] == 0 or -(-channels // 8) != xb.shape[1])
+    ):
+        raise ValueError(f"x must be a non-empty blocked float32 [N, CB, H, W, 8] array of "
+                         f"{channels} channels, got {getattr(xb, 'shape', xb)!r}")  # fmt: skip
+    n, cb, h, w, _ = xb.shape
+    y = np.empty((n, channels), np.float32)
+    _block_means(np.ascontiguousarray(xb).reshape(n, cb, h * w, 8), y)
     return y

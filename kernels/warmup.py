@@ -147,6 +147,39 @@ def _blocked_conv(fb_channels):
     return compile_group
 
 
+def _transformer():
+    """Linear + GELU / residual epilogues, (skip) LayerNorm and RMSNorm."""
+    from .layernorm import SERIAL_MAX, layer_norm
+    from .linear_act import ACTIVATIONS, GELU_ERF, SERIAL_GELU, linear_act
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 8), dtype=np.float32)
+    w, b = rng.standard_normal((8, 16), dtype=np.float32), np.zeros(16, np.float32)
+    for act in set(ACTIVATIONS.values()):
+        linear_act(x, w, b, act)
+        linear_act(x, w, b, act, residual=np.ones((6, 16), np.float32))
+    wide = np.zeros((8, SERIAL_GELU // 6 + 1), np.float32)  # the parallel epilogue
+    linear_act(x, wide, wide[0], GELU_ERF)
+    g = np.ones(8, np.float32)
+    layer_norm(x, g, g, 1e-5)
+    layer_norm(x, g, None, 1e-5, rms=True)
+    layer_norm(x, g, g, 1e-5, residual=x, return_sum=True)
+    long = np.zeros((1, SERIAL_MAX + 1), np.float32)  # the parallel driver
+    layer_norm(long, long[0], long[0], 1e-5)
+
+
+def _attention():
+    from .attention import attention
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 16), dtype=np.float32)
+    w_qkv = rng.standard_normal((16, 48), dtype=np.float32)
+    w_out, b = rng.standard_normal((16, 16), dtype=np.float32), np.zeros(48, np.float32)
+    mask = np.zeros((2, 1, 1, 5), np.float32)
+    for m in (None, mask):
+        attention(x, w_qkv, b, 2, 2, 0.25, w_out, b[:16], m, x)
+
+
 def _blocked_depthwise():
     from .blocked import to_blocked
     from .conv_nchwc import conv_nchwc, prepare_conv_nchwc
@@ -179,6 +212,8 @@ GROUPS = {
     "blocked_conv_f4": _blocked_conv(32),
     "blocked_conv_f2": _blocked_conv(16),
     "blocked_conv_f1": _blocked_conv(8),
+    "transformer": _transformer,
+    "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }

@@ -1,6 +1,7 @@
 """The built-in catalog: one module per family, each defining its rules with the public API."""
 
 from patterns import (
+    attention,
     concat,
     conv,
     conv_concat,
@@ -9,6 +10,8 @@ from patterns import (
     gru,
     gru_native,
     gru_sequence,
+    layernorm,
+    linear_gelu,
     lstm,
     lstm_native,
     lstm_sequence,
@@ -20,5 +23,6 @@ from patterns import (
 RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
-    pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE,
+    pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE, attention.RULE,
+    *linear_gelu.RULES, *layernorm.RULES,
 ]  # fmt: skip

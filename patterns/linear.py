@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusion.pattern import Alt, Const, Opt, Pattern, op
+from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
 
 
 def product(x: Pattern, w: str, prefix: str, where=None) -> Pattern:
@@ -37,6 +37,29 @@ def linear(x: Pattern, w: str, prefix: str, where=None) -> Pattern:
     bias captured as `{prefix}_b`."""
     mm = product(x, w, prefix, where)
     return Alt(op.Add(mm, Const(f"{prefix}_b")), mm)
+
+
+def linear_nd(x: Pattern, w: str, prefix: str) -> Pattern:
+    """linear(x, W) on x [..., K] of any rank: as MatMul writes it, or flattened to [M, K] for
+    a Gemm and reshaped back, as PyTorch's exporters write nn.Linear on a 3-D input
+    (Reshape(Gemm(Reshape(x, `{prefix}_flat`)), `{prefix}_unflat`)), or only reshaped after
+    (x already 2-D). The fused kernel reshapes with the captured shapes (onnx_reshape), so
+    they are inputs of the fused node."""
+    flat = op.Reshape(x, Var(f"{prefix}_flat"), _name=f"{prefix}_flatten")
+
+    def unflat(y):
+        return op.Reshape(y, Var(f"{prefix}_unflat"), _name=f"{prefix}_unflatten")
+
+    return Alt(unflat(linear(flat, w, prefix)), unflat(linear(x, w, prefix)), linear(x, w, prefix))
+
+
+def onnx_reshape(a: np.ndarray, shape, allowzero: int = 0) -> np.ndarray:
+    """numpy's reshape with ONNX's rules: a 0 copies the input's size on that axis (unless
+    allowzero), -1 is inferred."""
+    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+    if not allowzero:
+        dims = [a.shape[k] if d == 0 and k < a.ndim else d for k, d in enumerate(dims)]
+    return a.reshape(dims)
 
 
 def linear_inputs(w: str, prefix: str) -> tuple[str, str, str]:

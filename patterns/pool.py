@@ -108,14 +108,29 @@ RULE = Rule(
 
 
 def make_gap_kernel(attrs: dict, constants: list):
-    from kernels.pool import global_average_pool  # heavy (Numba): only when a kernel is built
+    """The NCHW kernel; with the channel count known, first a tactic reading the blocked
+    layout (after a blocked conv, no conversion before the head)."""
+    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
+    from kernels.pool import global_average_pool, global_average_pool_blocked
 
     shape = attrs.get("shape")
 
-    def run(x, *_constants):
-        y = global_average_pool(x)
+    def shaped(y):
         return (y if shape is None else y.reshape(shape),)  # Reshape's rule when no 0 is in it
 
+    def run(x, *_constants):
+        return shaped(global_average_pool(x))
+
+    run.tactics = [Tactic("nchw", run)]
+    channels = attrs.get("channels")
+    if channels:
+        blocked = Tactic(
+            "blocked",
+            lambda xb, *_constants: shaped(global_average_pool_blocked(xb, channels)),
+            blocked_inputs=(0,),
+            in_blocks=(BLOCK,),
+        )
+        run.tactics.insert(0, blocked)
     return run
 
 
@@ -133,7 +148,13 @@ def gap_head():
 
 
 def gap_attributes(m) -> dict:
-    return {} if m.const("shape") is None else {"shape": [int(d) for d in m.const("shape")]}
+    """Reshape's shape, if the head has one; the channel count when the model gives it (the
+    head can then also read the blocked layout)."""
+    attrs = {} if m.const("shape") is None else {"shape": [int(d) for d in m.const("shape")]}
+    vt = m.type("x")
+    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
+        attrs["channels"] = vt.shape[1]
+    return attrs
 
 
 def check_gap(m) -> str | None:

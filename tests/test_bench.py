@@ -170,6 +170,39 @@ def test_cnn_coverage_checks_each_model(tmp_path, capsys, monkeypatch):
     assert "| c.onnx | 2/2 | 0 | rel err" in capsys.readouterr().out
 
 
+def test_bench_models_times_the_model_beside_as_native_on_the_inputs_given_as_ones(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `import zoo`
+    models = load_script("models")
+    model = conv_stack(blocks=2, channels=4, size=6, batch="N", form="tf")
+    save_model(model, tmp_path / "c.onnx")
+    save_model(model, tmp_path / "c.alt.onnx")  # an equivalent model, as the optimizer's is
+    out = tmp_path / "m.json"
+    argv = [str(tmp_path / "c.onnx"), "--batch", "1", "--threads", "1", "--rounds", "2"]
+    argv += ["--repeat", "1", "--budget", "0", "--same-process", "--no-nodes", "--ones", "input"]
+    argv += ["--native", ".alt.onnx", "--runners", "ort-all", "fusion", "ort-native"]
+    assert models.main([*argv, "--json", str(out)]) == 0
+    (w,) = json.loads(out.read_text())["workloads"]
+    assert set(w["runners"]) == {"ort-none", "ort-all", "fusion", "ort-native"}
+    assert w["fusion_speedup_over"]["ort-native"] > 0 and "input all ones" in w["description"]
+    with pytest.raises(SystemExit):
+        models.main([str(tmp_path / "c.onnx"), "--native", ".missing.onnx"])
+    assert ".missing.onnx: no such file" in capsys.readouterr().err
+
+
+def test_bench_attention_times_the_kernel_against_the_exporters_subgraph(tmp_path, capsys):
+    attention = load_script("attention")
+    fixture = Path(__file__).parent / "fixtures" / "bert_tiny.ts17.onnx"
+    out = tmp_path / "a.json"
+    argv = [str(fixture), "--layer", "1", "--seq", "16", "--threads", "1", "--rounds", "2"]
+    argv += ["--repeat", "1", "--budget", "0", "--same-process", "--node-rounds", "1"]
+    assert attention.main([*argv, "--json", str(out)]) == 0
+    (w,) = json.loads(out.read_text())["workloads"]
+    assert w["workload"] == "bert_tiny.ts17 attention 1" and w["fused_nodes"] == {"Attention": 1}
+    assert w["fusion_speedup_over"]["ort-all"] > 0
+
+
 def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
     stride-2 conv with nothing after it (a projection conv: fused too)."""
@@ -193,6 +226,11 @@ def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
         ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, True)
     ]  # fmt: skip
     assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
+    # a fused conv's kernel is timed alone, in its own layout, and named (the 1x1's 16 output
+    # channels are two blocks: its tile is f2)
+    assert [r.get("kernel", "") for r in rows] == ["ConvBiasRelu (blocked-f1)"] * 2 + [
+        "ConvBiasRelu (blocked-f2)"
+    ]
     classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
     assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
     assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 0

@@ -155,13 +155,15 @@ def test_every_epilogue(activation, residual, depthwise):
     assert_close(got, reference(x, wt, b, attrs, activation, residual, r), RTOL, ATOL)
 
 
-def test_k_cut_into_chunks_when_weights_pass_half_of_l2():
-    # 512 -> 512 3x3: 4.7 MB of packed weights per group of 32 output channels is past any L2,
-    # so K is cut into chunks and the accumulators wait in the per-item buffer.
-    x, wt, b, attrs = case(1, 512, 40, 5, 6, 3, seed=5, pads=(1, 1, 1, 1))
-    assert_close(
-        run_blocked(x, wt, b, attrs, "relu"), reference(x, wt, b, attrs, "relu"), RTOL, ATOL
-    )
+@pytest.mark.parametrize("width", [6, 7, 9])
+def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width):
+    # 512 input channels, 3x3: 590 KB of packed weights per group of 4 output blocks is past
+    # half of any L2 here, so K is cut into chunks and the accumulators wait in the per-item
+    # buffer; widths 6 and 7 leave an interior remainder (an overlapping tile), 9 none.
+    x, wt, b, attrs = case(1, 512, 40, 5, width, 3, seed=5, pads=(1, 1, 1, 1))
+    r = np.random.default_rng(8).standard_normal((1, 40, 5, width), dtype=np.float32)
+    got = run_blocked(x, wt, b, attrs, "silu", "before", r)
+    assert_close(got, reference(x, wt, b, attrs, "silu", "before", r), RTOL, ATOL)
 
 
 @pytest.mark.parametrize("c", [1, 3, 5, 8, 17, 100])

@@ -5,7 +5,7 @@ a classifier head. Near-misses of both are not fused and say why."""
 import numpy as np
 import onnx
 import pytest
-from helpers import GraphBuilder, assert_close, fused_ops, near_miss, run_ort
+from helpers import GraphBuilder, assert_close, conv_block, fused_ops, near_miss, run_ort
 
 import fusion
 from fusion.runtime import Session
@@ -203,15 +203,18 @@ def head_model(shape, axis=1):
     return g.model({"x": list(shape)}, [y])
 
 
-@pytest.mark.parametrize("shape", [(1, 1000, 13, 13), (3, 7, 5, 9), (2, 4, 1, 1)])
-def test_classifier_head_fuses_and_matches_onnxruntime(shape):
+@pytest.mark.parametrize("tactic", ["blocked", "nchw"])
+@pytest.mark.parametrize("shape", [(1, 1000, 13, 13), (3, 7, 5, 9), (2, 4, 1, 1), (1, 20, 7, 7)])
+def test_classifier_head_fuses_and_matches_onnxruntime(shape, tactic):
     model = head_model(shape)
     result = fusion.rewrite(model, CATALOG)
     assert fused_ops(result.model) == ["GlobalAvgPoolFlatten"], result.explain()
     onnx.checker.check_model(result.model, full_check=True)
     x = np.random.default_rng(4).standard_normal(shape).astype(np.float32) * 10
     (want,) = run_ort(model, {"x": x})
-    (got,) = Session(result.model, threads=2, fuse=False, catalog=CATALOG).run(None, {"x": x})
+    session = Session(result.model, threads=2, fuse=False, catalog=CATALOG, tactics=tactic)
+    assert list(session.choices.values()) == [tactic]
+    (got,) = session.run(None, {"x": x})
     assert got.shape == want.shape == shape[:2]
     assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -255,3 +258,20 @@ def test_overlapping_or_padded_average_pool_is_declined():
                name="/avg")  # fmt: skip
     reason = "windows [3, 3], strides [1, 1], pads [1, 1, 1, 1] (NOTSET): the kernel takes"
     near_miss(g.model({"x": [1, 4, 6, 6]}, [y]), "AvgPool2D", reason)
+
+
+def test_convs_pools_and_the_head_stay_blocked_between_kernels():
+    # conv -> MaxPool -> conv -> GlobalAveragePool + Flatten: one conversion in, none after
+    g = GraphBuilder()
+    y = conv_block(g, "x", 5, 20, pads=[1, 1, 1, 1])
+    y = g.node("MaxPool", [y], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+    y = conv_block(g, y, 20, 12, pads=[1, 1, 1, 1])
+    y = g.node("Flatten", [g.node("GlobalAveragePool", [y])], axis=1)
+    model = g.model({"x": [2, 5, 15, 15]}, [y])
+    session = Session(model, threads=2, catalog=CATALOG, tactics="kernel")
+    assert [s.kind for s in session.steps] == ["convert"] + ["kernel"] * 4
+    assert all(c.startswith("blocked") for c in session.choices.values()), session.choices
+    x = np.random.default_rng(5).standard_normal((2, 5, 15, 15)).astype(np.float32)
+    (want,) = run_ort(model, {"x": x})
+    (got,) = session.run(None, {"x": x})
+    assert_close(got, want, rtol=1e-4, atol=1e-5)

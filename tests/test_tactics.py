@@ -12,13 +12,17 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from helpers import fused_model, scaled_relu, scaled_relu_catalog, tensor
 from onnx import helper, numpy_helper
 
 import fusion.runtime.tactics as tactics_module
-from fusion.catalog import Tactic
+from fusion.catalog import Catalog, Rule, Tactic
+from fusion.cli.main import main
+from fusion.models import conv_stack
 from fusion.ort import DEFAULT
+from fusion.pattern import Var, op
 from fusion.runtime import Session
 from fusion.runtime.tactics import ONNXRUNTIME, TimingCache, node_key, policy, preferred
 
@@ -171,3 +175,44 @@ def test_node_key_names_what_a_timing_depends_on():
     assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v2")  # kernels' source
     node.overload = "abd"
     assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v1")  # the body
+
+
+def test_fusion_tune_fills_the_cache_and_says_what_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.onnx"
+    onnx.save(conv_stack(blocks=2, channels=8, size=10, batch="N"), path)
+    assert main(["tune", str(path), "--batch", "1", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1: " in out and "batch 2: " in out and out.count("tactics: ") == 2
+    entries = json.loads(next((tmp_path / "cache").glob("tactics-*.json")).read_text())["entries"]
+    timed = {k.split("|")[1].split(";")[0] for k in entries if not k.startswith("plan:")}
+    assert timed == {"1x8x10x10", "2x8x10x10"}  # each conv at both batch sizes
+    assert main(["tune", str(path), "--batch", "0"]) == 2
+    assert "--batch must be at least 1" in capsys.readouterr().err
+
+
+def test_a_node_with_integer_inputs_is_not_timed_on_random_floats(monkeypatch, tmp_path):
+    # A fused node reading a shape (int64) of fixed size: random float "shapes" would make its
+    # body fail in onnxruntime; such a node runs its kernel, and the whole plan is still raced.
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    rule = Rule(
+        "ReshapeRelu",
+        op.Relu(op.Reshape(Var("x", dtype="float32"), Var("shape"))),
+        inputs=("x", "shape"),
+        prepare=lambda attrs, consts: lambda x, s: (np.maximum(x.reshape(s), 0),),
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            helper.make_node("Relu", ["r"], ["y"]),
+        ],
+        "g",
+        [tensor("x", (2, 6)), tensor("shape", (2,), onnx.TensorProto.INT64)],
+        [tensor("y", (3, 4))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    session = Session(model, threads=1, catalog=Catalog([rule]), tactics="fastest")
+    x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+    (y,) = session.run(None, {"x": x, "shape": np.array([3, 4], np.int64)})
+    np.testing.assert_array_equal(y, np.maximum(x.reshape(3, 4), 0))
+    assert session.race_for({"x": x, "shape": np.array([3, 4], np.int64)}) is not None

@@ -143,13 +143,15 @@ class Host:
         """How fusion's session chose its plan for these feeds (Session.race_for)."""
         return self.runner.session.race_for(self.feeds)
 
-    def do_nodes(self) -> list[tuple]:
-        """Each fused node's kernel, set up to be timed alone on the inputs it received in a
-        real run; returns (step name, node, inputs, constant input names, kernel choice)."""
-        session = self.runner.session
-        values = session.run_with_intermediates(self.feeds)
+    def do_nodes(self, key=None) -> list[tuple]:
+        """Each fused node's kernel of model `key`, set up to be timed alone (call key: the
+        step's name, or (key, name) for an added model) on the inputs it received in a real
+        run; returns (step name, node, inputs, constant input names, kernel choice)."""
+        run = self.runners[key]
+        session, feeds = run.session, run.feeds
+        values = session.run_with_intermediates(feeds)
         out = []
-        for step in session.steps_for(self.feeds):
+        for step in session.steps_for(feeds):
             if step.kind != "kernel":
                 continue
             # the kernel on its own inputs (blocked where its tactic takes them so), the body
@@ -157,7 +159,8 @@ class Host:
             ins = [values[v] if v else None for v in step.inputs]
             args = [values[v] if v else None for v in step.node.input]
             constants = [v for v in step.node.input if v and session.view.constant(v) is not None]
-            self.calls[step.name] = lambda k=step.kernel, a=ins: k(*a)
+            call_key = step.name if key is None else (key, step.name)
+            self.calls[call_key] = lambda k=step.kernel, a=ins: k(*a)
             node = step.node.SerializeToString()
             out.append((step.name, node, args, constants, kernel_choice(step)))
         return out

@@ -17,7 +17,7 @@ from fusion.bench.report import (
 )
 from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
-from fusion.cli.inputs import add_input_argument, check_writes, input_files
+from fusion.cli.inputs import add_input_argument, batch_dims, check_writes, input_files
 from fusion.feeds import model_inputs
 from fusion.modelfile import read_model
 
@@ -55,12 +55,8 @@ def execute(args) -> int:
     model, data_files = read_model(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
-    batch_dims = {}
-    for vi in model.graph.input:
-        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
-        if dims and dims[0].HasField("dim_param"):
-            batch_dims[dims[0].dim_param] = args.batch
-    feeds, source = model_inputs(model, input_files(args.input), args.seed, batch_dims)
+    dims = batch_dims(model, args.batch)
+    feeds, source = model_inputs(model, input_files(args.input), args.seed, dims)
     opts = Options(
         threads=args.threads or os.cpu_count() or 1,
         rounds=args.rounds,

@@ -35,6 +35,16 @@ def input_files(items: list[str] | None):
     return feeds
 
 
+def batch_dims(model: onnx.ModelProto, batch: int) -> dict[str, int]:
+    """The symbolic first axes of the model's inputs, each set to `batch`."""
+    dims = {}
+    for vi in model.graph.input:
+        shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
+        if shape and shape[0].HasField("dim_param"):
+            dims[shape[0].dim_param] = batch
+    return dims
+
+
 def pattern_names(text: str) -> list[str]:
     """--only / --exclude: comma-separated pattern names."""
     return [n.strip() for n in text.split(",") if n.strip()]

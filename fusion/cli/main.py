@@ -11,13 +11,13 @@ import sys
 import threading
 import warnings
 
-from fusion.cli import bench, demo, match, patterns, rewrite, run, verify
+from fusion.cli import bench, demo, match, patterns, rewrite, run, tune, verify
 from fusion.errors import CatalogError, FusionError, FusionWarning, one_line
 from fusion.ort import is_ort_error, ort_error_line
 from fusion.registry import load_plugin
 
 # each has NAME, HELP, add_arguments, execute
-COMMANDS = (rewrite, match, run, verify, patterns, demo, bench)
+COMMANDS = (rewrite, match, run, tune, verify, patterns, demo, bench)
 
 
 class Terminated(BaseException):

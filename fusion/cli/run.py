@@ -32,7 +32,7 @@ def execute(args) -> int:
     model, data_files, checked = load_checked(args.model)
     check_writes({"the output": args.output}, args.model, data_files, args.input)
     with beyond_the_checker(args.model, checked):
-        session = _session(model, args.threads)
+        session = prepared_session(model, args.threads)
         feeds, source = model_inputs(session.model, input_files(args.input), args.seed, None)
         outputs = session.run(None, feeds)
     names = [o.name for o in session.get_outputs()]
@@ -46,7 +46,7 @@ def execute(args) -> int:
     return 0
 
 
-def _session(model, threads) -> Session:
+def prepared_session(model, threads, tactics=None) -> Session:
     """A fusion.Session, with a progress bar while kernels compile on first use."""
     from rich.console import Console  # heavy: only for a command that builds kernels
     from rich.progress import Progress
@@ -58,4 +58,4 @@ def _session(model, threads) -> Session:
         def progress(name, i, total):
             bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
 
-        return Session(model, threads=threads, progress=progress)
+        return Session(model, threads=threads, progress=progress, tactics=tactics)

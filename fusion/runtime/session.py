@@ -205,6 +205,15 @@ class Session:
             if any(s is not None and 0 in s for s in ins):
                 choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
                 continue
+            if any(
+                c is None and not self._is_float(v)
+                for v, c in zip(node.input, consts, strict=True)
+                if v
+            ):
+                # integer or boolean inputs (shapes, ids, masks): random values would mean
+                # nothing (a shape of random numbers fails); the whole-plan race still checks
+                choices[i] = tactics[0]
+                continue
             if self._cache is None:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
@@ -250,6 +259,10 @@ class Session:
         times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
         return times
 
+    def _is_float(self, value: str) -> bool:
+        vt = self.view.type_of(value)
+        return vt is None or not vt.elem_type or vt.elem_type == onnx.TensorProto.FLOAT
+
     def _random_feeds(self, shapes: dict) -> dict | None:
         """Standard-normal feeds of the declared shapes, if every input is a float32 tensor of
         a fixed shape (else a plan is raced on a first run's own feeds)."""
@@ -291,7 +304,7 @@ class Session:
         """Median seconds of whole runs of a plan (inf if it fails: it is then never kept)."""
         try:
             full = self._base | values
-            return time_call(lambda: self._execute(run_plan, dict(full)), 5, 0.25)
+            return time_call(lambda: self._execute(run_plan, dict(full)), 3, 0.25)
         except Exception as exc:  # noqa: BLE001 (any failure rules the plan out)
             warnings.warn(f"fusion: a run plan failed while timed: {exc}", stacklevel=3)
             return float("inf")

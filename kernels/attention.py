@@ -1,0 +1,313 @@
+"""Multi-head attention as one kernel, scores never materialized beyond one tile:
+
+    Q, K, V = x Wq + bq, x Wk + bk, x Wv + bv      (one GEMM on the concatenated weights)
+    O_h = softmax(scale Q_h K_g^T + M) V_g          g = h // (H / Hkv): grouped-query attention
+    y = concat_h(O_h) Wo + bo (+ r)
+
+x [B, S, E]; M an additive mask broadcastable to [B, H, S, S] (padding, causal, or both, as
+exporters build it: 0 where attended, a large negative value elsewhere); r the residual.
+
+The core is flash attention on the CPU: per (batch, head, block of BQ queries) a running row
+maximum m, row sum l and output accumulator, updated one block of BK keys at a time:
+    s = scale q k^T + M;  m' = max(m, max_j s);  p = exp(s - m')
+    l = l e^(m - m') + sum_j p;  acc = acc e^(m - m') + p V;   O = acc / l
+Both products run on the project's 4x16 register-blocked micro-kernel (_gemm.tile_sum): the
+packed queries against K^T (transposed once per call), the packed probabilities against V read
+in place. exp is a vectorizable Cody-Waite + polynomial (Cephes's expf) with the power of two
+built in an int32 buffer. A key block whose mask entries are all below -1e30 for every query
+of the block is skipped when every query row has some key above it (then exp underflows to
+exactly 0 there, as in onnxruntime's Softmax): a causal mask costs half the work.
+The driver is parallel over (batch, head, query block); each task has its own scratch.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+from ._gemm import tile_sum
+from .config import INLINE, INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, slp_vectorize
+from .linear_act import IDENTITY, bias_act
+
+__all__ = ["BK", "BQ", "attention", "attention_core"]
+
+BQ, BK = 32, 64  # queries and keys per tile
+MASKED = np.float32(-1e30)  # a mask value below this is "not attended"
+f32 = np.float32
+LOG2E, LN2_HI, LN2_LO = f32(1.44269504088896341), f32(0.693359375), f32(-2.12194440e-4)
+EXP_MIN = f32(-87.0)
+P0, P1, P2, P3, P4, P5 = (
+    f32(c) for c in (1.98756915e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                     1.6666665459e-1, 5.0000001201e-1)
+)  # fmt: skip
+HALF, ONE, ZERO = f32(0.5), f32(1.0), f32(0.0)
+NEG_INF = f32(-np.inf)
+
+
+@numba.jit(**INLINE_GEMM)
+def _add8(m, x, i, q, r):
+    """m[x, i, q : q + 8] += r."""
+    m[x, i, q] += r[0]
+    m[x, i, q + 1] += r[1]
+    m[x, i, q + 2] += r[2]
+    m[x, i, q + 3] += r[3]
+    m[x, i, q + 4] += r[4]
+    m[x, i, q + 5] += r[5]
+    m[x, i, q + 6] += r[6]
+    m[x, i, q + 7] += r[7]
+
+
+@numba.jit(**INLINE_GEMM)
+def _put8(m, x, i, q, r):
+    """m[x, i, q : q + 8] = r."""
+    m[x, i, q], m[x, i, q + 1], m[x, i, q + 2], m[x, i, q + 3] = r[0], r[1], r[2], r[3]
+    m[x, i, q + 4], m[x, i, q + 5], m[x, i, q + 6], m[x, i, q + 7] = r[4], r[5], r[6], r[7]
+
+
+@numba.jit(**JIT_GEMM)
+def scores_tile(qp, n_quads, kt, kr, k0, sp, d_len, n_tiles, s):
+    """s[0, 4 c + i, 16 t + j] = sum_d qp[c, 4 d + i] kt[kr, d sp + k0 + 16 t + j]: the scores
+    of n_quads packed query quads against n_tiles x 16 keys from k0."""
+    u = np.uint64
+    for c in range(n_quads):
+        for t in range(n_tiles):
+            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(qp, c, kt, kr, u(k0 + 16 * t), u(sp), d_len)
+            row, col = 4 * c, 16 * t
+            _put8(s, 0, row, col, r0)
+            _put8(s, 0, row, col + 8, s0)
+            _put8(s, 0, row + 1, col, r1)
+            _put8(s, 0, row + 1, col + 8, s1)
+            _put8(s, 0, row + 2, col, r2)
+            _put8(s, 0, row + 2, col + 8, s2)
+            _put8(s, 0, row + 3, col, r3)
+            _put8(s, 0, row + 3, col + 8, s3)
+
+
+@numba.jit(**JIT_GEMM)
+def pv_tile(pp, n_quads, flat, v0, w, k_len, n_dtiles, acc):
+    """acc[0, 4 c + i, 16 t + j] += sum_k pp[c, 4 k + i] V[k, 16 t + j], V[k, d] read in place
+    as flat[0, v0 + k w + d]."""
+    u = np.uint64
+    for c in range(n_quads):
+        for t in range(n_dtiles):
+            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(pp, c, flat, 0, u(v0 + 16 * t), u(w), k_len)
+            row, col = 4 * c, 16 * t
+            _add8(acc, 0, row, col, r0)
+            _add8(acc, 0, row, col + 8, s0)
+            _add8(acc, 0, row + 1, col, r1)
+            _add8(acc, 0, row + 1, col + 8, s1)
+            _add8(acc, 0, row + 2, col, r2)
+            _add8(acc, 0, row + 2, col + 8, s2)
+            _add8(acc, 0, row + 3, col, r3)
+            _add8(acc, 0, row + 3, col + 8, s3)
+
+
+@numba.jit(**INLINE)
+def _exp_k(x):
+    """round(x / ln 2), the power of two of exp(x)."""
+    return np.floor(x * LOG2E + HALF)
+
+
+@numba.jit(**JIT)
+def softmax_rows(s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m, lsum, acc, d_len,
+                 pp, ibuf):  # fmt: skip
+    """The online-softmax update of rows i < nq by keys k0 .. k0 + nk: adds the mask, moves the
+    running maximum, rescales l and acc, and packs p into pp (zeros for rows nq .. 4 ceil(nq/4))."""
+    fbuf = ibuf.view(np.float32)  # the same bytes: 2^k built as an int32 exponent field
+    for i in range(nq):
+        mq = mq0 + (q_base + i) * mq_step
+        rowmax = m[i]
+        if has_mask:
+            for j in range(nk):
+                v = s[0, i, j] + mask[mb, mh, mq, k0 + j]
+                s[0, i, j] = v
+                rowmax = v if v > rowmax else rowmax
+        else:
+            for j in range(nk):
+                v = s[0, i, j]
+                rowmax = v if v > rowmax else rowmax
+        c, ii = i // 4, i % 4
+        if rowmax == NEG_INF:  # every key so far is -inf: nothing to add yet
+            for j in range(nk):
+                pp[c, 4 * j + ii] = ZERO
+            continue
+        corr = np.float32(math.exp(m[i] - rowmax))
+        for j in range(nk):
+            ibuf[j] = (np.int32(_exp_k(s[0, i, j] - rowmax)) + 127) << 23
+        total = ZERO
+        for j in range(nk):
+            x = s[0, i, j] - rowmax
+            k = _exp_k(x)
+            r = x - k * LN2_HI - k * LN2_LO
+            p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
+            e = (p * r * r + r + ONE) * fbuf[j]
+            e = ZERO if x < EXP_MIN else e
+            s[0, i, j] = e
+            total += e
+        for j in range(nk):
+            pp[c, 4 * j + ii] = s[0, i, j]
+        lsum[i] = lsum[i] * corr + total
+        m[i] = rowmax
+        for d in range(d_len):
+            acc[0, i, d] *= corr
+    for i in range(nq, 4 * ((nq + 3) // 4)):
+        c, ii = i // 4, i % 4
+        for j in range(nk):
+            pp[c, 4 * j + ii] = ZERO
+
+
+@numba.jit(**JIT)
+def attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads, d_len,
+                 scale, qp, pp, s, acc, m, lsum, ibuf):  # fmt: skip
+    """Queries q0 .. q0 + BQ of head h, batch b, against every key: out's rows of them."""
+    w = qkv.shape[1]
+    g = h // (heads // kv_heads)
+    nq = min(BQ, s_len - q0)
+    n_quads = (nq + 3) // 4
+    row0 = b * s_len
+    for c in range(n_quads):
+        for d in range(d_len):
+            for ii in range(4):
+                i = 4 * c + ii
+                qp[c, 4 * d + ii] = qkv[row0 + q0 + i, h * d_len + d] * scale if i < nq else ZERO
+    for i in range(BQ):
+        m[i] = NEG_INF
+        lsum[i] = ZERO
+        for d in range(acc.shape[2]):
+            acc[0, i, d] = ZERO
+    mb = b if mask.shape[0] > 1 else 0
+    mh = h if mask.shape[1] > 1 else 0
+    mq_step = 1 if mask.shape[2] > 1 else 0
+    # Skipping a fully masked key block is exact only if every query row attends to some key.
+    skip = has_mask
+    if has_mask:
+        for i in range(nq):
+            seen = False
+            for j in range(s_len):
+                if mask[mb, mh, (q0 + i) * mq_step, j] >= MASKED:
+                    seen = True
+                    break
+            skip = skip and seen
+    v_col = (heads + kv_heads) * d_len + g * d_len
+    n_dtiles = (d_len + 15) // 16
+    for k0 in range(0, s_len, BK):
+        nk = min(BK, s_len - k0)
+        if skip:
+            masked = True
+            for i in range(nq):
+                for j in range(nk):
+                    if mask[mb, mh, (q0 + i) * mq_step, k0 + j] >= MASKED:
+                        masked = False
+                        break
+                if not masked:
+                    break
+            if masked:
+                continue
+        scores_tile(qp, n_quads, kt, b * kv_heads + g, k0, sp, d_len, (nk + 15) // 16, s)
+        softmax_rows(s, mask, has_mask, mb, mh, 0, mq_step, q0, k0, nq, nk, m, lsum, acc, d_len,
+                     pp, ibuf)  # fmt: skip
+        pv_tile(pp, n_quads, flat, (row0 + k0) * w + v_col, w, nk, n_dtiles, acc)
+    for i in range(nq):
+        inv = ONE / lsum[i]
+        for d in range(d_len):
+            out[row0 + q0 + i, h * d_len + d] = acc[0, i, d] * inv
+
+
+@numba.jit(**PARALLEL)
+def _attention(qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_heads, d_len,
+               scale):  # fmt: skip
+    k_col = heads * d_len
+    for t in numba.prange(batch * kv_heads):  # K^T, zero-padded to sp keys
+        b, g = t // kv_heads, t % kv_heads
+        for d in range(d_len):
+            base = d * sp
+            for j in range(s_len):
+                kt[t, base + j] = qkv[b * s_len + j, k_col + g * d_len + d]
+            for j in range(s_len, sp):
+                kt[t, base + j] = ZERO
+    n_qb = (s_len + BQ - 1) // BQ
+    dp = 16 * ((d_len + 15) // 16)
+    for t in numba.prange(batch * heads * n_qb):
+        b = t // (heads * n_qb)
+        h = (t // n_qb) % heads
+        q0 = (t % n_qb) * BQ
+        qp = np.empty((BQ // 4, 4 * d_len), np.float32)
+        pp = np.empty((BQ // 4, 4 * BK), np.float32)
+        s = np.empty((1, BQ, BK), np.float32)
+        acc = np.empty((1, BQ, dp), np.float32)
+        m = np.empty(BQ, np.float32)
+        lsum = np.empty(BQ, np.float32)
+        ibuf = np.empty(BK, np.int32)
+        attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
+                     d_len, scale, qp, pp, s, acc, m, lsum, ibuf)  # fmt: skip
+
+
+_NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
+
+
+def qkv_buffer(rows: int, width: int):
+    """(qkv [rows, width], flat [1, rows * width + 16]): the same memory; the padding lets the
+    last head's 16-wide V tiles read past a head dimension below 16."""
+    flat = np.empty((1, rows * width + 16), np.float32)
+    flat[0, rows * width :] = 0.0
+    return flat[0, : rows * width].reshape(rows, width), flat
+
+
+def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask=None):
+    """The attention of the projected qkv [batch * seq, (heads + 2 kv_heads) head_dim] (Q, then
+    K, then V columns, head by head; from qkv_buffer), with an additive mask broadcastable to
+    [batch, heads, seq, seq]: [batch * seq, heads * head_dim], heads merged."""
+    width = (heads + 2 * kv_heads) * head_dim
+    if qkv.shape != (batch * seq, width) or heads % kv_heads:
+        raise ValueError(f"qkv of shape {qkv.shape} is not [{batch * seq}, {width}] "
+                         f"({heads} heads, {kv_heads} key/value heads of {head_dim})")  # fmt: skip
+    m = _NO_MASK
+    if mask is not None:
+        mask = np.asarray(mask, np.float32)
+        if mask.ndim > 4:
+            raise ValueError(f"mask of shape {mask.shape} has more than 4 axes")
+        m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        try:
+            np.broadcast_shapes(m4.shape, (batch, heads, seq, seq))
+        except ValueError:
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to "
+                             f"[{batch}, {heads}, {seq}, {seq}]") from None  # fmt: skip
+        m = np.ascontiguousarray(np.broadcast_to(m4, (*m4.shape[:3], seq)))
+    sp = 16 * ((seq + 15) // 16)
+    kt = np.empty((batch * kv_heads, head_dim * sp), np.float32)
+    out = np.empty((batch * seq, heads * head_dim), np.float32)
+    with slp_vectorize():
+        _attention(qkv, flat, kt, m, mask is not None, out, batch, seq, sp, heads, kv_heads,
+                   head_dim, np.float32(scale))  # fmt: skip
+    return out
+
+
+def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None,
+              out_shape=None):  # fmt: skip
+    """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; w_qkv [E, (H + 2 Hkv) D] (Q, K,
+    V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N], or out_shape (the same
+    values; the residual broadcasts to it).
+
+    >>> y = attention(x, w_qkv, b_qkv, 12, 12, 0.125, w_out, b_out, mask)
+    """
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.ndim != 3:
+        raise ValueError(f"x must be [batch, sequence, embedding] float32, got {x.dtype} {x.shape}")
+    batch, seq, emb = x.shape
+    width = w_qkv.shape[1]
+    head_dim = width // (heads + 2 * kv_heads)
+    if w_qkv.shape[0] != emb or head_dim * (heads + 2 * kv_heads) != width:
+        raise ValueError(f"w_qkv of shape {w_qkv.shape} does not fit x {x.shape}")
+    if w_out.shape[0] != heads * head_dim:
+        raise ValueError(f"w_out of shape {w_out.shape} does not take {heads * head_dim} inputs")
+    qkv, flat = qkv_buffer(batch * seq, width)
+    np.matmul(np.ascontiguousarray(x).reshape(batch * seq, emb), w_qkv, out=qkv)
+    bias_act(qkv, b_qkv, IDENTITY)
+    o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask)
+    y = np.matmul(o, w_out)
+    shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)
+    if int(np.prod(shape)) != y.size or shape[-1] != y.shape[1]:
+        raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {y.shape[1]}]")
+    r = None if residual is None else np.broadcast_to(residual, shape).reshape(y.shape)
+    bias_act(y, b_out, IDENTITY, r)
+    return y.reshape(shape)

@@ -1,0 +1,251 @@
+"""Transformer blocks (issue 21): LinearGelu, LinearResidual, LayerNorm, SkipLayerNorm, RMSNorm
+on graphs built here, each fused node against onnxruntime on the unfused graph on several
+shapes, a near-miss per pattern with its reason, and the kernels against naive NumPy."""
+
+import math
+
+import numpy as np
+import pytest
+from helpers import GraphBuilder, assert_all_close, assert_close, fused_ops, near_miss, run_ort
+from onnx import helper
+
+import fusion
+from kernels.attention import attention
+from kernels.layernorm import SERIAL_MAX, layer_norm
+from kernels.linear_act import GELU_ERF, GELU_TANH, IDENTITY, SERIAL_GELU, linear_act
+
+SHAPES = [(1, 7), (2, 33), (4, 64)]  # (batch, sequence)
+E, N = 24, 40
+
+
+def model_of(g: GraphBuilder, y: str, e: int = E, outputs=None):
+    m = g.model({"x": ["B", "S", e]}, outputs or [y])
+    return m
+
+
+def check_shapes(model, ops, rtol=1e-4, atol=1e-5):
+    """Fuses into `ops`; fusion.Session agrees with onnxruntime on the unfused graph."""
+    result = fusion.rewrite(model)
+    assert fused_ops(result.model) == ops, result.explain()
+    for batch, seq in SHAPES:
+        rng = np.random.default_rng(batch * 100 + seq)
+        feeds = {"x": rng.standard_normal((batch, seq, E)).astype(np.float32)}
+        got = fusion.Session(result.model).run(None, feeds)
+        assert_all_close(got, run_ort(model, feeds), rtol, atol)
+    return result
+
+
+def gelu(g, t, form):
+    if form == "erf":
+        e = g.node("Erf", [g.node("Div", [t, g.const(np.float32(math.sqrt(2)))])])
+        e1 = g.node("Add", [e, g.const(np.float32(1.0))])
+        return g.node("Mul", [g.node("Mul", [t, e1]), g.const(np.float32(0.5))])
+    cube = g.node(
+        "Mul", [g.node("Pow", [t, g.const(np.float32(3.0))]), g.const(np.float32(0.044715))]
+    )
+    inner = g.node("Mul", [g.node("Add", [t, cube]), g.const(np.float32(math.sqrt(2 / math.pi)))])
+    th = g.node("Add", [g.node("Tanh", [inner]), g.const(np.float32(1.0))])
+    return g.node("Mul", [g.node("Mul", [t, g.const(np.float32(0.5))]), th])
+
+
+def linear3d(g, x, k, n, form):
+    """nn.Linear on [B, S, k]: MatMul + Add, or (the dynamo form) Reshape + Gemm + Reshape."""
+    w, b = g.weight(k, n), g.weight(n, scale=0.1)
+    if form == "matmul":
+        return g.node("Add", [g.node("MatMul", [x, w]), b])
+    flat = g.node("Reshape", [x, g.const(np.array([-1, k], np.int64))])
+    y = g.node("Gemm", [flat, w, b])
+    shape = g.node(
+        "Concat", [g.node("Shape", [x], start=0, end=2), g.const(np.array([n], np.int64))], axis=0
+    )
+    return g.node("Reshape", [y, shape])
+
+
+@pytest.mark.parametrize("act", ["erf", "tanh"])
+@pytest.mark.parametrize("form", ["matmul", "gemm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_linear_gelu_matches_onnxruntime(act, form, residual):
+    g = GraphBuilder(seed=3)
+    y = gelu(g, linear3d(g, "x", E, N, form), act)
+    if residual:
+        y = g.node("Add", [y, g.node("Sigmoid", [g.node("MatMul", ["x", g.weight(E, N)])])])
+    result = check_shapes(model_of(g, y), ["LinearGelu"])
+    (node,) = [n for n in result.model.graph.node if n.op_type == "LinearGelu"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["activation"] == (b"gelu" if act == "erf" else b"gelu_tanh")
+    assert (len(node.input) == 7 and node.input[6] != "") == residual  # the 7th input
+
+
+@pytest.mark.parametrize("form", ["matmul", "gemm"])
+def test_linear_residual_matches_onnxruntime(form):
+    g = GraphBuilder(seed=4)
+    h = g.node("Tanh", ["x"])
+    y = g.node("Add", [linear3d(g, h, E, E, form), "x"])
+    check_shapes(model_of(g, y), ["LinearResidual"])
+
+
+def layer_norm_graph(g, x, form, axis=-1):
+    gamma, beta = g.weight(E, scale=1.0), g.weight(E, scale=0.1)
+    if form == "op":
+        return g.node("LayerNormalization", [x, gamma, beta], axis=axis, epsilon=1e-5)
+    mean = g.node("ReduceMean", [x], axes=[axis])
+    d = g.node("Sub", [x, mean])
+    var = g.node("ReduceMean", [g.node("Pow", [d, g.const(np.float32(2.0))])], axes=[axis])
+    std = g.node("Sqrt", [g.node("Add", [var, g.const(np.float32(1e-6))])])
+    return g.node("Add", [g.node("Mul", [g.node("Div", [d, std]), gamma]), beta])
+
+
+@pytest.mark.parametrize("form", ["op", "primitive"])
+def test_layer_norm_and_skip_layer_norm_match_onnxruntime(form):
+    g = GraphBuilder(seed=5)
+    y = layer_norm_graph(g, g.node("Tanh", ["x"]), form)
+    check_shapes(model_of(g, y), ["LayerNorm"])
+    g = GraphBuilder(seed=6)
+    s = g.node("Add", [g.node("Tanh", ["x"]), g.node("Sigmoid", ["x"])])
+    y = layer_norm_graph(g, s, form)
+    check_shapes(model_of(g, y, outputs=[y, s]), ["SkipLayerNorm"])  # the sum is read too
+
+
+def rms_graph(g, x, form, axes=(-1,)):
+    sq = g.node("Pow", [x, g.const(np.float32(2.0))])
+    std = g.node("Sqrt", [g.node("Add", [g.node("ReduceMean", [sq], axes=list(axes)),
+                                         g.const(np.float32(1e-6))])])  # fmt: skip
+    if form == "div":
+        norm = g.node("Div", [x, std])
+    elif form == "reciprocal":
+        norm = g.node("Mul", [x, g.node("Reciprocal", [std])])
+    else:  # Llama's TorchScript export
+        norm = g.node("Mul", [x, g.node("Div", [g.const(np.float32(1.0)), std])])
+    return g.node("Mul", [g.weight(E, scale=1.0), norm])
+
+
+@pytest.mark.parametrize("form", ["div", "reciprocal", "one_over"])
+def test_rms_norm_matches_onnxruntime(form):
+    g = GraphBuilder(seed=7)
+    check_shapes(model_of(g, rms_graph(g, g.node("Tanh", ["x"]), form)), ["RMSNorm"])
+
+
+# ---- near-misses -----------------------------------------------------------------------------
+def test_near_miss_gelu_with_a_wrong_constant():
+    g = GraphBuilder(seed=8)
+    t = linear3d(g, "x", E, N, "matmul")
+    e = g.node("Erf", [g.node("Div", [t, g.const(np.float32(1.5))])])
+    y = g.node("Mul", [g.node("Mul", [t, g.node("Add", [e, g.const(np.float32(1.0))])]),
+                       g.const(np.float32(0.5))])  # fmt: skip
+    near_miss(model_of(g, y), "LinearGelu", "is not 1.41421", fused=[])
+
+
+def test_near_miss_residual_linear_needs_rank_3():
+    g = GraphBuilder(seed=9)
+    x2 = g.node("Reshape", ["x", g.const(np.array([-1, E], np.int64))])
+    y = g.node("Add", [g.node("Add", [g.node("MatMul", [x2, g.weight(E, E)]), g.weight(E)]), x2])
+    near_miss(model_of(g, y), "LinearResidual", "needs x of rank 3", fused=[])
+
+
+def test_near_miss_layer_norm_on_another_axis():
+    g = GraphBuilder(seed=10)
+    x = g.node("Tanh", ["x"])
+    y = g.node("LayerNormalization", [x, g.weight(E, scale=1.0), g.weight(E)], axis=1)
+    y = g.node("Reshape", [y, g.const(np.array([0, 0, E], np.int64))])
+    text = near_miss(model_of(g, y), "LayerNorm", "axis=1: kernels normalize the last axis only")
+    assert "LayerNorm: 0 fused" in text
+    g = GraphBuilder(seed=11)
+    s = g.node("Add", [g.node("Tanh", ["x"]), "x"])
+    y = layer_norm_graph(g, s, "primitive", axis=1)
+    near_miss(model_of(g, y), "SkipLayerNorm", "ReduceMean over axes [1]", fused=[])
+
+
+def test_near_miss_rms_norm_over_two_axes():
+    g = GraphBuilder(seed=12)
+    y = rms_graph(g, g.node("Tanh", ["x"]), "div", axes=(1, 2))
+    near_miss(model_of(g, y), "RMSNorm", "ReduceMean over axes [1, 2]", fused=[])
+
+
+# ---- kernels against naive NumPy -------------------------------------------------------------
+def naive_attention(x, w_qkv, b_qkv, h, hkv, scale, w_out, b_out, mask):
+    b, s, _ = x.shape
+    d = w_qkv.shape[1] // (h + 2 * hkv)
+    qkv = x.reshape(b * s, -1).astype(np.float64) @ w_qkv + b_qkv
+    q, k, v = np.split(qkv, [h * d, (h + hkv) * d], axis=1)
+    q = q.reshape(b, s, h, d).transpose(0, 2, 1, 3)
+    k, v = (np.repeat(t.reshape(b, s, hkv, d).transpose(0, 2, 1, 3), h // hkv, 1) for t in (k, v))
+    scores = q @ k.transpose(0, 1, 3, 2) * scale + (0 if mask is None else mask)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    o = (p / p.sum(-1, keepdims=True)) @ v
+    return (o.transpose(0, 2, 1, 3).reshape(b * s, h * d) @ w_out + b_out).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize(
+    "b,s,heads,kv_heads,d", [(1, 7, 2, 2, 8), (2, 70, 4, 2, 16), (1, 130, 3, 1, 20)]
+)
+def test_attention_kernel_against_naive(b, s, heads, kv_heads, d):
+    rng = np.random.default_rng(s)
+    e = 24
+    x = rng.standard_normal((b, s, e)).astype(np.float32)
+    w_qkv = (rng.standard_normal((e, (heads + 2 * kv_heads) * d)) * 0.2).astype(np.float32)
+    b_qkv = (rng.standard_normal(w_qkv.shape[1]) * 0.1).astype(np.float32)
+    w_out = (rng.standard_normal((heads * d, e)) * 0.2).astype(np.float32)
+    b_out = np.zeros(e, np.float32)
+    lowest = np.finfo(np.float32).min
+    padding = np.zeros((b, 1, 1, s), np.float32)
+    padding[-1, ..., s - s // 3 :] = lowest  # the last row padded at the end
+    causal = np.where(np.tril(np.ones((s, s), bool)), 0, lowest).astype(np.float32)
+    both = np.where((padding < 0) | (causal < 0), lowest, 0).astype(np.float32)  # HF's: 0 or lowest
+    for mask in (None, padding, causal, both):
+        got = attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
+        want = naive_attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
+        assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
+
+
+def test_attention_kernel_gives_nan_for_a_row_that_attends_to_nothing_as_softmax_does():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 5, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 24)).astype(np.float32)
+    mask = np.zeros((1, 1, 5, 5), np.float32)
+    mask[0, 0, 2] = -np.inf
+    y = attention(x, w, np.zeros(24, np.float32), 1, 1, 0.3, np.eye(8, dtype=np.float32),
+                  np.zeros(8, np.float32), mask)  # fmt: skip
+    assert np.isnan(y[0, 2]).all() and not np.isnan(np.delete(y[0], 2, axis=0)).any()
+
+
+@pytest.mark.parametrize("act", [IDENTITY, GELU_ERF, GELU_TANH])
+@pytest.mark.parametrize("n", [23, SERIAL_GELU // 37 + 1])  # the serial and parallel epilogue
+def test_linear_act_kernel_against_naive(act, n):
+    rng = np.random.default_rng(act)
+    x = (rng.standard_normal((37, 19)) * 3).astype(np.float32)
+    w = rng.standard_normal((19, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal((37, n)).astype(np.float32)
+    t = x.astype(np.float64) @ w + b
+    if act == GELU_ERF:
+        t = 0.5 * t * (1 + np.vectorize(math.erf)(t / math.sqrt(2)))
+    elif act == GELU_TANH:
+        t = 0.5 * t * (1 + np.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
+    assert_close(linear_act(x, w, b, act, r), t + r, 1e-4, 1e-4, check_dtype=False)
+    y = linear_act(np.full((2, 19), np.nan, np.float32), w, b, act)
+    assert np.isnan(y).all()  # NaN passes through the clamps
+
+
+@pytest.mark.parametrize("n", [31, SERIAL_MAX // 30 + 1])  # the serial and parallel driver
+def test_layer_norm_kernel_against_naive(n):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((5, 6, n)) + 100).astype(np.float32)  # |mean| >> std
+    g, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    s = x.astype(np.float64) + 1
+    want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-5) * g + b
+    y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True)
+    assert_close(y, want, 1e-4, 1e-4, check_dtype=False)
+    assert_close(total, s, 1e-6, 0, check_dtype=False)
+    rms = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * g
+    assert_close(layer_norm(x, g, None, 1e-6, rms=True), rms, 1e-4, 1e-5, check_dtype=False)
+
+
+def test_kernels_refuse_bad_shapes():
+    with pytest.raises(ValueError, match="cannot multiply"):
+        linear_act(np.ones((2, 3), np.float32), np.ones((4, 5), np.float32), np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attention(np.ones((1, 4, 8), np.float32), np.ones((8, 24), np.float32),
+                  np.zeros(24, np.float32), 1, 1, 1.0, np.ones((8, 8), np.float32),
+                  np.zeros(8, np.float32), np.zeros((1, 1, 3, 4), np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match="float32"):
+        layer_norm(np.ones((2, 3)), np.ones(3))
