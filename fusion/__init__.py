@@ -11,12 +11,13 @@ kernel) nor the benchmark harness, and changes no environment variable.
 
 from fusion.catalog import DOMAIN, Catalog, Rule
 from fusion.check import CheckReport, check_pattern
+from fusion.coverage import Coverage, Explanation, coverage, explain
 from fusion.errors import CatalogError, FusionError, FusionWarning, KernelError
 from fusion.matcher import Match
 from fusion.modelfile import load_model, save_model
 from fusion.pattern import Alt, Const, Op, Opt, Var, op
 from fusion.registry import default_catalog, load_plugin, register_pattern
-from fusion.rewriter import Explanation, NearMiss, RewriteResult, explain, rewrite
+from fusion.rewriter import NearMiss, RewriteResult, rewrite
 from fusion.runtime import Session
 from fusion.verify import VerifyReport, verify
 
@@ -26,6 +27,7 @@ __all__ = [
     "Catalog",
     "CatalogError",
     "CheckReport",
+    "Coverage",
     "Const",
     "FusionError",
     "FusionWarning",
@@ -42,6 +44,7 @@ __all__ = [
     "Var",
     "check_pattern",
     "compare",
+    "coverage",
     "default_catalog",
     "explain",
     "load_model",

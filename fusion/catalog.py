@@ -75,6 +75,9 @@ class Rule:
     finder: Callable | None = None
     anchor_ops: Sequence[str] = ()  # with a finder: the op types it starts from
     stage: int = 0  # rules of a later stage see the graph that earlier stages rewrote
+    # Try roots from the graph's end backwards: for a pattern whose root may be any node of a
+    # chain (a Conv with an optional epilogue), the longest chain is claimed first.
+    from_last: bool = False
     # The fused node written as standard ONNX ops instead (rewrite(standard_ops=True)):
     # standard(view, node) -> (nodes, initializers), or a reason string when it cannot be.
     standard: Callable | None = None

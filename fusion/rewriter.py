@@ -1,7 +1,8 @@
 """Apply a catalog to a model: find safe, non-overlapping matches and replace each by one node.
 
 Order: rules in priority order (a rule that contains another goes first, so FireModule claims
-its convolutions before ConvBiasRelu sees them), and within a rule the graph's node order.
+its convolutions before ConvBiasRelu sees them), and within a rule the graph's node order (or
+its reverse, for a rule whose root may be any node of a chain: Rule.from_last).
 A match is fused only if no value it computes internally is read outside it or is a graph
 output, and it shares no node with an earlier match. Every rejection keeps its reason.
 """
@@ -14,11 +15,9 @@ import onnx
 from onnx import helper
 
 from fusion.catalog import DOMAIN, Catalog, Rule
-from fusion.errors import CatalogError
 from fusion.functions import BodyError, build_function
 from fusion.graph import GraphView, implicit_inputs, node_label, topological_order
 from fusion.matcher import FULL_MATCH, Failure, Match, Matcher, start_state
-from fusion.modelfile import as_model
 from fusion.pattern import Output
 from fusion.registry import default_catalog
 from fusion.shapes import absorb_shapes
@@ -171,7 +170,9 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
     replacements: list[tuple[int, onnx.NodeProto]] = []
     functions: dict[tuple[str, str], onnx.FunctionProto] = {}
     for rule in rules:
-        candidates = sorted(i for op_type in rule.anchors for i in view.by_op.get(op_type, ()))
+        anchored = (i for op_type in rule.anchors for i in view.by_op.get(op_type, ()))
+        candidates = sorted(anchored, reverse=rule.from_last)
+        misses: list[tuple[int, NearMiss]] = []  # reported in graph order
         for index in candidates:
             node = view.nodes[index]
             if index in claimed:
@@ -181,7 +182,7 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
             found = _match_at(view, rule, index, claimed, skip)
             if isinstance(found, Failure):
                 if _is_near_miss(rule, found):
-                    result.near_misses.append(NearMiss(rule.name, node_label(node), found.reason))
+                    misses.append((index, NearMiss(rule.name, node_label(node), found.reason)))
                 continue
             match, fused, func = found
             for i in match.nodes:
@@ -190,6 +191,12 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
             functions.setdefault((func.name, func.overload), func)
             replaced = [node_label(view.nodes[i]) for i in match.nodes]
             result.fusions.append(Fusion(rule.name, fused.name, replaced))
+        reasons = set()  # one entry per reason: a chain tried from each of its nodes fails once
+        for _, miss in sorted(misses, key=lambda m: m[0]):
+            short = miss.reason.removeprefix(f"{miss.at}: ")  # a check's reason names its root
+            if miss.reason not in reasons and short not in reasons:
+                reasons.update((miss.reason, short))
+                result.near_misses.append(miss)
     if replacements:
         _apply(result.model, view, claimed, replacements, list(functions.values()))
 
@@ -349,30 +356,3 @@ def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     ]
     order = topological_order(deps, lambda i: node_label(nodes[i]))
     return [nodes[i] for i in order]
-
-
-class Explanation(list):
-    """Near-misses (NearMiss: rule, at, reason) as data; str() gives the printable text."""
-
-    def __init__(self, misses, text: str):
-        super().__init__(misses)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def explain(model, pattern: str | None = None, catalog: Catalog | None = None) -> Explanation:
-    """Why `pattern` (or every pattern) did not fire where it nearly did.
-
-    >>> print(fusion.explain("model.onnx", pattern="ConvBiasRelu"))
-    ConvBiasRelu: 3 fused, 1 not fused
-      Conv /conv7: dtype float16, kernels are float32-only
-    """
-    model = as_model(model)
-    catalog = catalog if catalog is not None else default_catalog()
-    if pattern is not None and pattern not in catalog:
-        raise CatalogError(f"no pattern named {pattern!r}")
-    result = rewrite(model, catalog)
-    misses = [n for n in result.near_misses if pattern is None or n.rule == pattern]
-    return Explanation(misses, result.explain(pattern))

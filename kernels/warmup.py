@@ -116,6 +116,19 @@ def _pool():
     global_average_pool(x)
 
 
+def _pointwise():
+    from .blocked import to_blocked
+    from .dense import dense
+    from .pointwise import pointwise, pointwise_blocked, prepare_pointwise
+
+    x = np.random.default_rng(0).standard_normal((1, 8, 3, 3), dtype=np.float32)
+    for residual in (None, "before", "after"):  # each a specialization of the loop
+        plan = prepare_pointwise(8, activation="silu", residual=residual)
+        pointwise(x, plan, residual=x if residual else None)
+        pointwise_blocked(to_blocked(x), plan, residual=to_blocked(x) if residual else None)
+    dense(x.reshape(8, 9), x.reshape(8, 9))
+
+
 def _blocked_conv(fb_channels):
     """The blocked direct conv with fb output blocks per tile (fb_channels: output channels
     that pick that tile), from a blocked input (8 per block) and from a 3-channel one."""
@@ -194,6 +207,7 @@ GROUPS = {
     "lstm": _lstm,
     "gru": _gru,
     "pool": _pool,
+    "pointwise": _pointwise,
     "blocked_layout": _blocked_layout,
     "blocked_conv_f4": _blocked_conv(32),
     "blocked_conv_f2": _blocked_conv(16),

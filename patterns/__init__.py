@@ -2,8 +2,10 @@
 
 from patterns import (
     attention,
+    concat,
     conv,
     conv_concat,
+    dense,
     fire,
     gru,
     gru_native,
@@ -13,11 +15,14 @@ from patterns import (
     lstm,
     lstm_native,
     lstm_sequence,
+    norm,
     pool,
+    squeeze_excite,
 )  # fmt: skip
 
 RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
-    attention.RULE, *linear_gelu.RULES, *layernorm.RULES,
+    pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE, attention.RULE,
+    *linear_gelu.RULES, *layernorm.RULES,
 ]  # fmt: skip

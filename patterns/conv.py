@@ -1,9 +1,21 @@
-"""ConvBiasRelu:  y = act(conv2d(x, W) + b),  act(t) = max(t, 0) or min(max(t, lo), hi).
+"""ConvBiasRelu:  y = epilogue(conv(x, W)), a Conv and everything exporters write after it.
 
-Exporters write the bias as Conv's third input (PyTorch), as a separate Add of a per-channel
-constant shaped [C,1,1] or [1,C,1,1] (TensorFlow converters), or both: the kernel folds them
-into one vector when the session is built. A [C]-shaped Add is not a channel bias: against
-NCHW it broadcasts along the width axis, so it is declined with that reason.
+    t = conv(x, W) + B                 B: Conv's input, a per-channel Add, both, or none
+    t = (t - mean) s / sqrt(var + eps) + b        an unfolded BatchNormalization
+    t = t + r                          a residual added before the activation (ResNet)
+    t = act(t)                         patterns/activation.py, or none (projection convs)
+    y = t + r                          or after it (MobileNetV2's inverted residuals)
+
+x is [N, C, H, W], or [N, C, L] (Conv1d, run as H = 1). Exporters write the bias as Conv's
+input (PyTorch), an Add of a constant shaped [C,1,1] or [1,C,1,1] (TensorFlow converters), or
+both; a [C]-shaped Add broadcasts along the width, not the channels, and is declined with that
+reason. The BatchNorm folds into the weights when the kernel is built: W' = W s', b' = (B -
+mean) s' + b with s' = s / sqrt(var + eps). The residual r is any tensor of the output's shape,
+the fused node's last input; the blocked kernel takes it blocked.
+
+The name is historical (the rule began as Conv + bias + Relu) and kept so that files fused
+before still bind their kernel. FireModule and ConvConcat build on the same sub-pattern with a
+clip-only epilogue (`conv_epilogue(kinds=CLIPPING, residual=False)`), what kernels/conv2d runs.
 """
 
 from __future__ import annotations
@@ -12,6 +24,17 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
+from patterns.activation import (
+    CLIPPING,
+    KINDS,
+    activation,
+    activation_attributes,
+    check_relu6,
+    epilogue_params,
+)
+
+INPUTS = ("x", "W", "B", "bias_add", "bn_scale", "bn_bias", "bn_mean", "bn_var", "res")
+RESIDUAL_SLOT = INPUTS.index("res")
 
 
 def per_channel(bias: np.ndarray) -> str | None:
@@ -24,71 +47,162 @@ def per_channel(bias: np.ndarray) -> str | None:
     return None
 
 
-def conv_bias_relu(x: Pattern | None = None, prefix: str = "") -> Pattern:
-    """Conv (+ bias Add) + Relu/Clip, on input `x`; captures are named with `prefix`."""
-    x = x if x is not None else Var(prefix + "x", dtype="float32", rank=4)
+def conv_epilogue(x: Pattern | None = None, prefix: str = "", kinds=KINDS,
+                  residual: bool = True, norm: bool = True) -> Pattern:  # fmt: skip
+    """Conv (+ bias) (+ BatchNorm) (+ residual) (+ act) (+ residual) on input `x`; captures
+    named with `prefix`. kinds: the activations allowed; residual: whether Adds of another
+    tensor may join (the residual captured as `{prefix}res`, its Add as res_before or
+    res_after); norm: whether a BatchNormalization may."""
+    x = x if x is not None else Var(prefix + "x", dtype="float32")
     conv = op.Conv(x, Const(prefix + "W"), Opt(Const(prefix + "B")), _name=prefix + "conv")
-    biased = Alt(op.Add(conv, Const(prefix + "bias_add", where=per_channel)), conv)
-    bounds = Opt(Const(prefix + "clip_min")), Opt(Const(prefix + "clip_max"))
-    return Alt(
-        op.Relu(biased, _name=prefix + "act"),
-        op.Clip(biased, *bounds, _name=prefix + "act"),
-    )
+    t = Alt(op.Add(conv, Const(prefix + "bias_add", where=per_channel)), conv)
+    if norm:
+        bn = [Const(prefix + name) for name in ("bn_scale", "bn_bias", "bn_mean", "bn_var")]
+        t = Alt(op.BatchNormalization(t, *bn, _name=prefix + "bn"), t)
+    if not residual:
+        return Alt(activation(t, prefix, kinds), t)
+    pre = Alt(op.Add(t, Var(prefix + "res", dtype="float32"), _name=prefix + "res_before"), t)
+    y = Alt(activation(pre, prefix, kinds), t)  # no activation: a residual is added after
+    return Alt(op.Add(y, Var(prefix + "res", dtype="float32"), _name=prefix + "res_after"), y)
 
 
 def conv_attributes(m, prefix: str = "") -> dict:
-    """What the kernel needs to know about one Conv + activation of a match."""
+    """What the kernel needs to know about one Conv and its epilogue."""
     conv = m.attrs(prefix + "conv")
-    act = m.node(prefix + "act")
-    lo, hi = -np.inf, np.inf
-    if act.op_type == "Clip":
-        clip = m.attrs(prefix + "act")
-        lo, hi = clip.get("min", lo), clip.get("max", hi)  # opset < 11: attributes
-        if m.const(prefix + "clip_min") is not None:
-            lo = m.const(prefix + "clip_min")
-        if m.const(prefix + "clip_max") is not None:
-            hi = m.const(prefix + "clip_max")
-    return {
+    attrs = {
         "strides": list(conv["strides"]),
         "pads": list(conv["pads"]),
         "dilations": list(conv["dilations"]),
         "group": int(conv["group"]),
         "auto_pad": conv["auto_pad"],
-        "activation": "relu" if act.op_type == "Relu" else "clip",
-        "clip_min": float(lo),
-        "clip_max": float(hi),
+        **activation_attributes(m, prefix),
     }
+    if prefix + "bn" in m.node_index:
+        attrs["epsilon"] = float(m.attrs(prefix + "bn").get("epsilon", 1e-5))
+    for where in ("before", "after"):
+        if f"{prefix}res_{where}" in m.node_index:
+            attrs["residual"] = where
+    return attrs
 
 
-def check_bias(m, prefix: str = "") -> str | None:
+def check_conv(m, prefix: str = "") -> str | None:
+    """Why the structure matched is not one the kernels run, if it is not."""
+    w = m.const(prefix + "W")
+    rank = w.ndim
+    if prefix + "x" in m:  # the match's own input (not an inner conv of a larger pattern)
+        vt = m.type(prefix + "x")
+        if vt is None or vt.rank is None:
+            return f"rank of {m[prefix + 'x']} is unknown"
+        rank = vt.rank
+        if rank not in (3, 4):
+            return f"{m[prefix + 'x']} has rank {rank}: the kernels run 1-D and 2-D convs"
+        if w.ndim != rank:
+            return f"weight of rank {w.ndim} for an input of rank {rank}"
+    channels = w.shape[0]
     bias = m.const(prefix + "bias_add")
-    channels = m.const(prefix + "W").shape[0]
     if bias is not None and bias.size not in (1, channels):
         return f"bias of shape {list(bias.shape)} does not match {channels} output channels"
+    if rank == 3 and bias is not None and bias.ndim > 2 and bias.size > 1:
+        return f"bias of shape {list(bias.shape)} does not broadcast along [N, C, L]'s channels"
+    if prefix + "bn" in m.node_index:
+        reason = check_bn(m, prefix, channels)
+        if reason:
+            return reason
+    return check_relu6(m, prefix) or _check_residual(m, prefix)
+
+
+def check_bn(m, prefix: str, channels: int) -> str | None:
+    """Why a matched BatchNormalization cannot be folded, if it cannot."""
+    bn = m.node(prefix + "bn")
+    if m.attrs(prefix + "bn").get("training_mode", 0):
+        return f"{bn.op_type} {bn.name}: training_mode=1 (statistics of the batch, not folded)"
+    for name in ("bn_scale", "bn_bias", "bn_mean", "bn_var"):
+        value = m.const(prefix + name)
+        if value.size != channels:
+            return (
+                f"BatchNormalization {name[3:]} of shape {list(value.shape)}, {channels} channels"
+            )
     return None
 
 
-def folded_bias(channels: int, *biases: np.ndarray | None) -> np.ndarray | None:
-    """The sum of Conv's bias and the Add's constant, as one vector of `channels` values."""
-    present = [np.broadcast_to(b.reshape(-1), (channels,)) for b in biases if b is not None]
-    return np.sum(present, axis=0, dtype=np.float32) if present else None
+def _check_residual(m, prefix: str) -> str | None:
+    """The residual is a run-time tensor of the output's shape (a constant is a bias that did not
+    fit; a smaller tensor would broadcast, which the kernel does not)."""
+    adds = [f"{prefix}res_{w}" for w in ("before", "after") if f"{prefix}res_{w}" in m.node_index]
+    if not adds:
+        return None
+    if len(adds) == 2:
+        return "a residual Add both before and after the activation; the kernel adds one"
+    node = m.node(adds[0])
+    value = m[prefix + "res"]
+    if m.const(prefix + "res") is not None:
+        return f"Add of shape {list(m.const(prefix + 'res').shape)} is not a per-channel bias"
+    have, want = m.type(prefix + "res"), m.view.type_of(node.output[0])
+    if have is None or want is None or have.shape is None or want.shape is None:
+        return f"Add {node.name}: the shape of {value} is unknown (a residual has the output's)"
+    if len(have.shape) != len(want.shape) or any(
+        a != b or not isinstance(a, (int, str)) or a in ("", None)
+        for a, b in zip(have.shape, want.shape, strict=False)
+    ):
+        return (f"Add {node.name}: {value} of shape {list(have.shape)} broadcasts to "
+                f"{list(want.shape)}; the kernel adds a tensor of the output's shape")  # fmt: skip
+    return None
+
+
+# ---- building the kernel ---------------------------------------------------------------------
+def bn_affine(scale, bias, mean, var, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """BatchNormalization as y = x s + t per channel, in float64:
+    s = scale / sqrt(var + eps), t = bias - mean s."""
+    s = np.reshape(scale, -1) / np.sqrt(np.reshape(var, -1).astype(np.float64) + eps)
+    return s, np.reshape(bias, -1) - np.reshape(mean, -1) * s
+
+
+def folded(attrs: dict, constants: list) -> tuple[np.ndarray, np.ndarray | None]:
+    """(W [M, C/group, kh, kw], bias [M] or None) in float32 with the bias Add and the BatchNorm
+    folded in (in float64, rounded once); a Conv1d's weight gets kh = 1."""
+    _, w, b, bias_add, scale, shift, mean, var = (list(constants) + [None] * 8)[:8]
+    m = w.shape[0]
+    biases = [np.broadcast_to(np.reshape(v, -1), (m,)) for v in (b, bias_add) if v is not None]
+    bias = np.sum(biases, axis=0, dtype=np.float64) if biases else None
+    weight = np.asarray(w, np.float64)
+    if scale is not None:
+        s, t = bn_affine(scale, shift, mean, var, attrs.get("epsilon", 1e-5))
+        weight = weight * s.reshape(-1, *([1] * (w.ndim - 1)))
+        bias = (0.0 if bias is None else bias) * s + t
+    if weight.ndim == 3:
+        weight = weight[:, :, None, :]
+    return weight.astype(np.float32), None if bias is None else np.asarray(bias, np.float32)
+
+
+def geometry(attrs: dict, rank: int) -> dict:
+    """strides, pads (top, left, bottom, right), dilations of the 2-D conv that runs it: a 1-D
+    conv's own with a height-1 axis in front."""
+    strides, pads, dilations = attrs["strides"], attrs["pads"], attrs["dilations"]
+    if rank == 3:
+        strides, dilations = [1, *strides], [1, *dilations]
+        pads = [0, pads[0], 0, pads[1]]
+    return {"strides": tuple(strides), "pads": tuple(pads), "dilations": tuple(dilations),
+            "group": attrs["group"], "auto_pad": attrs["auto_pad"]}  # fmt: skip
+
+
+def clips_only(attrs: dict) -> bool:
+    """Whether kernels/conv2d's own epilogue (bias, clip) is the whole epilogue."""
+    return attrs.get("activation", "identity") in (*CLIPPING, "identity") and not attrs.get(
+        "residual"
+    )
 
 
 def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
+    """kernels/conv2d's plan with the clip of the epilogue (the rest: see ConvKernel)."""
     from kernels.conv2d import prepare_conv2d  # heavy (Numba): only when a kernel is built
 
+    ep = epilogue_params(attrs)
+    simple = clips_only(attrs)
     return prepare_conv2d(
-        weight,
-        bias,
-        strides=tuple(attrs["strides"]),
-        pads=tuple(attrs["pads"]),
-        dilations=tuple(attrs["dilations"]),
-        group=attrs["group"],
-        auto_pad=attrs["auto_pad"],
-        activation=attrs["activation"],
-        clip_min=attrs["clip_min"],
-        clip_max=attrs["clip_max"],
-    )
+        weight, bias, **geometry(attrs, 4),
+        activation=ep["activation"] if simple else None,
+        clip_min=ep["clip_min"], clip_max=ep["clip_max"],
+    )  # fmt: skip
 
 
 def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> list:
@@ -104,66 +218,82 @@ def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> l
 
 
 def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile: int):
-    """The conv packed for the blocked-layout kernel with `tile` output blocks per tile."""
+    """The conv packed for the blocked-layout kernel with `tile` output blocks per tile, with
+    the whole epilogue."""
     from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
 
-    return prepare_conv_nchwc(
-        weight,
-        bias,
-        strides=tuple(attrs["strides"]),
-        pads=tuple(attrs["pads"]),
-        dilations=tuple(attrs["dilations"]),
-        group=attrs["group"],
-        auto_pad=attrs["auto_pad"],
-        activation=attrs["activation"],
-        clip_min=attrs["clip_min"],
-        clip_max=attrs["clip_max"],
-        tile=tile,
-    )
+    return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **epilogue_params(attrs),
+                              residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
 class ConvKernel:
-    """A fused conv's kernel: called on an NCHW input it runs the NCHW kernel; `tactics` offers
-    the blocked-layout kernel first (when it supports the conv; one tactic per register tile
-    worth timing, "blocked-f4" = 4 output blocks per tile), then the NCHW one."""
+    """A fused conv's kernel. Called on NCHW (or [N, C, L]) inputs it runs kernels/conv2d, and
+    kernels/pointwise for an epilogue beyond a clip; `tactics` offers the blocked-layout kernel
+    first when it runs the conv (2-D inputs; one tactic per register tile worth timing,
+    "blocked-f4" = 4 output blocks per tile), then that NCHW path."""
 
-    def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
+    def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None, rank: int):
         from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
         from kernels.conv_nchwc import conv_nchwc
+        from kernels.pointwise import pointwise, prepare_pointwise
 
+        attrs = {**attrs, **geometry(attrs, rank)}
         nchw = conv_plan(attrs, weight, bias)
-        self.run = lambda x, *_constants: (conv2d_bias_act(x, nchw),)
-        self.tactics = [
-            Tactic(
-                f"blocked-f{plan.fb}",
-                lambda xb, *_constants, plan=plan: (conv_nchwc(xb, plan),),
-                blocked_inputs=(0,),
-                in_blocks=(plan.in_block,),
-                blocked_outputs=(0,),
-                out_channels=(weight.shape[0],),
-            )
-            for plan in blocked_plans(attrs, weight, bias)
-        ]
-        self.tactics.append(Tactic(f"nchw-{nchw.method}", self.run))
+        rest = None
+        if not clips_only(attrs):
+            rest = prepare_pointwise(weight.shape[0], **epilogue_params(attrs),
+                                     residual=attrs.get("residual"))  # fmt: skip
 
-    def __call__(self, x, *constants):
-        return self.run(x, *constants)
+        def run(x, *others):
+            r = others[RESIDUAL_SLOT - 1] if len(others) >= RESIDUAL_SLOT else None
+            x4 = x if x.ndim == 4 else x[:, :, None, :]
+            y = conv2d_bias_act(x4, nchw)
+            if rest is not None:
+                pointwise(y, rest, residual=None if r is None else r.reshape(y.shape), out=y)
+            return (y if x.ndim == 4 else y[:, :, 0, :],)
+
+        self.run = run
+        residual = bool(attrs.get("residual"))
+
+        def blocked_tactic(plan):
+            def run_blocked(xb, *others):
+                r = others[RESIDUAL_SLOT - 1] if residual else None
+                return (conv_nchwc(xb, plan, residual=r),)
+
+            return Tactic(
+                f"blocked-f{plan.fb}", run_blocked,
+                blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
+                in_blocks=(plan.in_block, 8) if residual else (plan.in_block,),
+                blocked_outputs=(0,), out_channels=(weight.shape[0],),
+            )  # fmt: skip
+
+        plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
+        self.tactics = [*map(blocked_tactic, plans), Tactic(f"nchw-{nchw.method}", run)]
+
+    def __call__(self, x, *others):
+        return self.run(x, *others)
 
 
 def make_kernel(attrs: dict, constants: list):
-    """Prepare the weights once (for every tactic); the kernel runs the fused convolution."""
-    _, weight, bias, bias_add = (list(constants) + [None] * 4)[:4]
-    return ConvKernel(attrs, weight, folded_bias(weight.shape[0], bias, bias_add))
+    """Fold the bias and BatchNorm into the weights once (for every tactic); the kernel runs
+    the fused convolution and its epilogue."""
+    weight, bias = folded(attrs, constants)
+    return ConvKernel(attrs, weight, bias, constants[1].ndim)
+
+
+def check(m) -> str | None:
+    return check_conv(m)
 
 
 RULE = Rule(
     "ConvBiasRelu",
-    conv_bias_relu(),
-    inputs=("x", "W", "B", "bias_add"),
+    conv_epilogue(),
+    inputs=INPUTS,
     prepare=make_kernel,
     attributes=conv_attributes,
-    check=check_bias,
+    check=check,
     priority=10,
-    description="2-D Conv + bias (Conv input or Add) + Relu or Clip, float32 NCHW",
+    description="1-D/2-D Conv + bias + BatchNorm + activation + residual Add, float32",
     explain_after="Conv",
+    from_last=True,  # the root may be any node of the chain: the longest chain claims first
 )

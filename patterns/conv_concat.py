@@ -1,12 +1,14 @@
 """ConvConcat:  y = concat_1(cbr_1(x_1), ..., cbr_B(x_B))   for B >= 2 branches
 
-cbr_k is a ConvBiasRelu node (stage 0's fused Conv + bias + Relu/Clip) whose output only the
-Concat reads. This is the general form of SqueezeNet's Fire module that TensorRT calls concat
-elision: the last convolution of each branch of an Inception block (GoogLeNet's 1x1, 3x3, 5x5
-and pool-projection branches) writes its epilogue straight into its channel range of y, so the
-Concat copy disappears. The branches may read different inputs (Inception's 3x3 branch reads a
-1x1 reduction, its pool branch a MaxPool) and have any kernel, stride or padding, as long as
-their outputs agree in batch and size (checked when the kernel runs).
+cbr_k is a ConvBiasRelu node (stage 0's fused Conv + epilogue) whose output only the Concat
+reads, with the epilogue kernels/conv2d runs: bias, Relu, Clip or none (no BatchNorm, residual or
+other activation: such a branch is named in the reason). This is the general form of
+SqueezeNet's Fire module that TensorRT calls concat elision: the last convolution of each branch
+of an Inception block (GoogLeNet's 1x1, 3x3, 5x5 and pool-projection branches) writes its
+epilogue straight into its channel range of y, so the Concat copy disappears. The branches may
+read different inputs (Inception's 3x3 branch reads a 1x1 reduction, its pool branch a MaxPool)
+and have any kernel, stride or padding, as long as their outputs agree in batch and size
+(checked when the kernel runs).
 
 A Concat has any number of inputs, which a pattern cannot state, so this rule has a finder
 anchored on Concat, at stage 1 (it reads the ConvBiasRelu nodes stage 0 made). A Fire module,
@@ -18,10 +20,10 @@ from __future__ import annotations
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.conv import conv_plan, folded_bias
+from patterns.conv import clips_only, conv_plan, folded
 from patterns.fire import CHANNEL_AXES
 
-CONV_INPUTS = 4  # a ConvBiasRelu node's inputs: x, W, B, bias_add ("" when absent)
+CONV_INPUTS = 4  # a branch's inputs: a ConvBiasRelu node's x, W, B, bias_add ("" when absent)
 
 
 def _branch(view: GraphView, value: str) -> int | None:
@@ -43,6 +45,10 @@ def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
     for k, (value, b) in enumerate(zip(concat.input, branches, strict=True)):
         if b is None:
             return f"input {k} ({value}) is not the output of a ConvBiasRelu"
+    for k, b in enumerate(branches):
+        reason = _nchw_branch(view, b)
+        if reason:
+            return f"branch {k} ({view.nodes[b].name}): {reason}"
     if len(set(branches)) != len(branches):
         return "the same ConvBiasRelu output is concatenated more than once"
     outputs = {view.nodes[b].output[0]: k for k, b in enumerate(branches)}
@@ -55,11 +61,24 @@ def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
         return f"Concat on axis {axis}, not on the channels (axis 1)"
     parts = []
     for b in branches:
-        inputs = list(view.nodes[b].input)
+        inputs = list(view.nodes[b].input)[:CONV_INPUTS]
         parts += inputs + [""] * (CONV_INPUTS - len(inputs))
     names = {f"b{k}": b for k, b in enumerate(branches)}
     values = {"parts": parts, "y": concat.output[0]}
     return [Match.of(view, values, {"concat": index, **names}, [*branches, index])]
+
+
+def _nchw_branch(view: GraphView, index: int) -> str | None:
+    """Why the concat kernel (kernels/conv2d per branch) cannot run this ConvBiasRelu node."""
+    node = view.nodes[index]
+    attrs = view.attributes(node)
+    if any(node.input[CONV_INPUTS:]):
+        return "a BatchNorm or residual in its epilogue; the concat kernel runs bias and clip only"
+    if view.constant(node.input[1]).ndim != 4:
+        return "a 1-D conv; the concat kernel runs 2-D ones"
+    if not clips_only(attrs):
+        return f"a {attrs.get('activation')} epilogue; the concat kernel runs bias and clip only"
+    return None
 
 
 def attributes(m: Match) -> dict:
@@ -79,9 +98,9 @@ def make_kernel(attrs: dict, constants: list):
     constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]
     plans = []
     for k in range(count):
-        _, w, b, bias_add = constants[k * CONV_INPUTS : (k + 1) * CONV_INPUTS]
         conv = {key[len(f"b{k}_") :]: v for key, v in attrs.items() if key.startswith(f"b{k}_")}
-        plans.append(conv_plan(conv, w, folded_bias(w.shape[0], b, bias_add)))
+        w, bias = folded(conv, constants[k * CONV_INPUTS : (k + 1) * CONV_INPUTS])
+        plans.append(conv_plan(conv, w, bias))
 
     def run(*inputs):
         return (conv_concat(list(inputs[::CONV_INPUTS]), plans),)

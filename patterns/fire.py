@@ -1,16 +1,18 @@
 """FireModule (SqueezeNet):  s = cbr_squeeze(x);  y = concat_1(cbr_1x1(s), cbr_3x3(s))
 
-cbr is ConvBiasRelu: act(conv2d(t, W) + b), in every form that rule accepts (bias as Conv's
-input or an Add, Relu or Clip). Both expand branches read the same squeeze output, and the
-Concat may list them in either order. The kernel computes s once and writes each branch's
-epilogue (bias, activation) straight into its channel range of y, so no Concat copy is left.
+cbr is act(conv2d(t, W) + b), the conv sub-pattern of ConvBiasRelu (patterns/conv.py) with the
+epilogue kernels/conv2d runs: the bias as Conv's input or an Add, Relu, Clip or none. Both
+expand branches read the same squeeze output, and the Concat may list them in either order.
+The kernel computes s once and writes each branch's epilogue (bias, activation) straight into
+its channel range of y, so no Concat copy is left.
 """
 
 from __future__ import annotations
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Pattern, op
-from patterns.conv import check_bias, conv_attributes, conv_bias_relu, conv_plan, folded_bias
+from patterns.activation import CLIPPING
+from patterns.conv import check_conv, conv_attributes, conv_epilogue, conv_plan, folded
 
 SQUEEZE, EXPAND1, EXPAND3 = "squeeze_", "expand1x1_", "expand3x3_"
 BRANCHES = {SQUEEZE: (1, 1), EXPAND1: (1, 1), EXPAND3: (3, 3)}  # capture prefix -> kernel
@@ -18,10 +20,15 @@ ORDERS = {"1x1,3x3": 1, "3x3,1x1": -1}  # branch_order attribute -> step over (e
 CHANNEL_AXES = (1, -3)  # axis 1 of an NCHW tensor, however it is written
 
 
+def cbr(x: Pattern | None, prefix: str) -> Pattern:
+    """One conv of the module: bias, then Relu, Clip or nothing (no BatchNorm, no residual)."""
+    return conv_epilogue(x, prefix, kinds=CLIPPING, residual=False, norm=False)
+
+
 def fire_module(x: Pattern | None = None) -> Pattern:
     """Squeeze conv, then a 1x1 and a 3x3 expand conv of its output, concatenated."""
-    squeeze = conv_bias_relu(x, SQUEEZE)
-    e1, e3 = conv_bias_relu(squeeze, EXPAND1), conv_bias_relu(squeeze, EXPAND3)
+    squeeze = cbr(x, SQUEEZE)
+    e1, e3 = cbr(squeeze, EXPAND1), cbr(squeeze, EXPAND3)
     # The order is an alternative; `check` tells the branches apart by their kernels.
     return Alt(*(op.Concat(a, b, _name="concat") for a, b in ((e1, e3), (e3, e1))))
 
@@ -31,7 +38,7 @@ def check_fire(m) -> str | None:
     if axis not in CHANNEL_AXES:
         return f"Concat on axis {axis}; a Fire module concatenates channels (axis 1)"
     for prefix, kernel in BRANCHES.items():
-        reason = check_bias(m, prefix)
+        reason = check_conv(m, prefix)
         if reason:
             return f"{prefix[:-1]}: {reason}"
         have = tuple(m.const(prefix + "W").shape[2:])
@@ -59,9 +66,8 @@ def fire_plan(attrs: dict, constants: list):
     given = dict(zip(INPUTS, constants, strict=True))
     plans = {}
     for prefix in BRANCHES:
-        w = given[prefix + "W"]
-        bias = folded_bias(w.shape[0], given[prefix + "B"], given[prefix + "bias_add"])
         conv = {k[len(prefix) :]: v for k, v in attrs.items() if k.startswith(prefix)}
+        w, bias = folded(conv, [None, *(given[prefix + k] for k in ("W", "B", "bias_add"))])
         plans[prefix] = conv_plan(conv, w, bias)
     expands = [plans[EXPAND1], plans[EXPAND3]]
     return prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))

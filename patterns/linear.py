@@ -21,19 +21,21 @@ import numpy as np
 from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
 
 
-def product(x: Pattern, w: str, prefix: str) -> Pattern:
-    """x W without a separate bias Add: MatMul, or Gemm (its C captured as `{prefix}_c`)."""
+def product(x: Pattern, w: str, prefix: str, where=None) -> Pattern:
+    """x W without a separate bias Add: MatMul, or Gemm (its C captured as `{prefix}_c`).
+    where(m, node): a constraint on the product node (the op's `_where`)."""
     weight = Const(w)
+    options = {"_name": f"{prefix}_mm", **({"_where": where} if where else {})}
     return Alt(
-        op.MatMul(x, weight, _name=f"{prefix}_mm"),
-        op.Gemm(x, weight, Opt(Const(f"{prefix}_c")), transA=0, _name=f"{prefix}_mm"),
+        op.MatMul(x, weight, **options),
+        op.Gemm(x, weight, Opt(Const(f"{prefix}_c")), transA=0, **options),
     )
 
 
-def linear(x: Pattern, w: str, prefix: str) -> Pattern:
+def linear(x: Pattern, w: str, prefix: str, where=None) -> Pattern:
     """x W + b in every exporter form: product(x, W), optionally followed by Add of a constant
     bias captured as `{prefix}_b`."""
-    mm = product(x, w, prefix)
+    mm = product(x, w, prefix, where)
     return Alt(op.Add(mm, Const(f"{prefix}_b")), mm)
 
 

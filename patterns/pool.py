@@ -1,5 +1,6 @@
 """Pooling. MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding,
-dilation. GlobalAvgPoolFlatten:  y = Flatten(GlobalAveragePool(x), axis=1)   ([N, C]).
+dilation. GlobalAvgPoolFlatten:  y = mean_hw(x) as [N, C]: Flatten(GlobalAveragePool(x)), or
+ReduceMean over H, W then Reshape / Flatten, or with keepdims=0.
 
 A one-op rule. Between fused nodes a lone MaxPool (SqueezeNet's and GoogLeNet's, after a conv
 or a Fire module) would otherwise run as an onnxruntime island of its own: a session call, a
@@ -7,14 +8,17 @@ layout its conv-less island keeps NCHW, and the kernels' threads sleeping meanwh
 it runs in-process (kernels/pool.py). The Indices output, if something reads it, keeps the
 node out (the rewriter says which node reads it).
 
-GlobalAveragePool + Flatten is the head PyTorch exports for every torchvision classifier
-(adaptive_avg_pool2d to 1x1, then torch.flatten(x, 1)); fused, the model's tail needs no island.
+GlobalAveragePool + Flatten is the head PyTorch's TorchScript exporter writes for every
+torchvision classifier (adaptive_avg_pool2d to 1x1, then torch.flatten(x, 1)); the dynamo
+exporter writes ReduceMean + Reshape. Fused, the model's tail needs no island.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from fusion.catalog import Rule, Tactic
-from fusion.pattern import Var, op
+from fusion.pattern import Alt, Const, Opt, Var, op
 from kernels.windows import prepare_maxpool
 
 
@@ -103,28 +107,26 @@ RULE = Rule(
 )
 
 
-def gap_attributes(m) -> dict:
-    vt = m.type("x")
-    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
-        return {"channels": vt.shape[1]}  # known: the head can also read the blocked layout
-    return {}
-
-
 def make_gap_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, first a tactic reading the blocked
     layout (after a blocked conv, no conversion before the head)."""
     from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
     from kernels.pool import global_average_pool, global_average_pool_blocked
 
-    def run(x):
-        return (global_average_pool(x),)
+    shape = attrs.get("shape")
+
+    def shaped(y):
+        return (y if shape is None else y.reshape(shape),)  # Reshape's rule when no 0 is in it
+
+    def run(x, *_constants):
+        return shaped(global_average_pool(x))
 
     run.tactics = [Tactic("nchw", run)]
     channels = attrs.get("channels")
     if channels:
         blocked = Tactic(
             "blocked",
-            lambda xb: (global_average_pool_blocked(xb, channels),),
+            lambda xb, *_constants: shaped(global_average_pool_blocked(xb, channels)),
             blocked_inputs=(0,),
             in_blocks=(BLOCK,),
         )
@@ -132,18 +134,107 @@ def make_gap_kernel(attrs: dict, constants: list):
     return run
 
 
-def check_flatten(m) -> str | None:
-    axis = m.attrs("flat").get("axis", 1)
-    return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
+def gap_head():
+    """The plane means as [N, C] in each exporter's form: Flatten(GlobalAveragePool(x))
+    (TorchScript), ReduceMean over H, W then Reshape or Flatten, or with keepdims=0 (dynamo)."""
+    x = Var("x", dtype="float32", rank=4)
+    mean = op.ReduceMean(x, Opt(Const("axes")), _name="gap")
+    return Alt(
+        op.Flatten(op.GlobalAveragePool(x, _name="gap"), _name="flat"),
+        op.Flatten(mean, _name="flat"),
+        op.Reshape(mean, Const("shape"), _name="flat"),
+        mean,
+    )
 
 
-GAP_FLATTEN = Rule(
+def gap_attributes(m) -> dict:
+    """Reshape's shape, if the head has one; the channel count when the model gives it (the
+    head can then also read the blocked layout)."""
+    attrs = {} if m.const("shape") is None else {"shape": [int(d) for d in m.const("shape")]}
+    vt = m.type("x")
+    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
+        attrs["channels"] = vt.shape[1]
+    return attrs
+
+
+def check_gap(m) -> str | None:
+    gap = m.node("gap")
+    if gap.op_type == "ReduceMean":
+        attrs = m.attrs("gap")
+        axes = attrs.get("axes") if m.const("axes") is None else m.const("axes").tolist()
+        if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            return f"ReduceMean {gap.name} over axes {axes}, not the spatial axes [2, 3]"
+        if "flat" not in m.node_index and attrs.get("keepdims", 1):
+            return f"ReduceMean {gap.name} keeps its dims ([N, C, 1, 1]); the head gives [N, C]"
+    if "flat" not in m.node_index:
+        return None
+    flat = m.node("flat")
+    if flat.op_type == "Flatten":
+        axis = m.attrs("flat").get("axis", 1)
+        return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
+    shape = m.const("shape").tolist()
+    if 0 in shape or len(shape) != 2:
+        return f"Reshape {flat.name} to {shape}; the head reshapes to two dims, none of them 0"
+    return None
+
+
+GAP_FLATTEN = Rule(  # the name is historical: files fused before bind their kernel by it
     "GlobalAvgPoolFlatten",
-    op.Flatten(op.GlobalAveragePool(Var("x", dtype="float32", rank=4), _name="gap"), _name="flat"),
+    gap_head(),
     inputs=("x",),
     prepare=make_gap_kernel,
     attributes=gap_attributes,
-    check=check_flatten,
-    description="GlobalAveragePool + Flatten(axis=1), float32 NCHW -> [N, C] (classifier heads)",
+    check=check_gap,
+    description="the mean of each channel plane as [N, C] (GlobalAveragePool + Flatten, "
+    "ReduceMean + Reshape), float32 NCHW: classifier heads",
     explain_after="GlobalAveragePool",
+    from_last=True,  # Reshape/Flatten first, so that a ReduceMean is not tried alone before
+)
+
+
+# AvgPool2D:  y[n, c, i, j] = mean of x over the window (i kh .. i kh + kh - 1, j kw ..)
+# DenseNet's transitions (2x2, stride 2): windows that tile the image, no padding, so the
+# mean is a reshape and a sum, exact on either layout. Other forms stay with onnxruntime.
+def check_avg(m) -> str | None:
+    attrs = attributes(m)
+    kernel, strides = attrs["kernel_shape"], attrs["strides"]
+    if len(kernel) != 2:
+        return f"a {len(kernel)}-D AveragePool, the kernel is 2-D"
+    tiles = "the kernel takes windows that tile the image without padding"
+    if strides != kernel or any(attrs["pads"]) or attrs["auto_pad"] not in ("NOTSET", "VALID"):
+        pads, auto = attrs["pads"], attrs["auto_pad"]
+        return f"windows {kernel}, strides {strides}, pads {pads} ({auto}): {tiles}"
+    if attrs["ceil_mode"] or any(d != 1 for d in attrs["dilations"]):
+        return f"ceil_mode or dilations: {tiles}"
+    return None
+
+
+def make_avg_kernel(attrs: dict, constants: list):
+    """The window means as a reshape: NCHW, and blocked ([N, CB, H, W, 8]) when the channel
+    count is known."""
+    kh, kw = attrs["kernel_shape"]
+
+    def avg(x):
+        n, c, h, w = x.shape[:4]
+        oh, ow = h // kh, w // kw  # floor: a remainder row or column is dropped, as ONNX does
+        t = x[:, :, : oh * kh, : ow * kw].reshape(n, c, oh, kh, ow, kw, *x.shape[4:])
+        return (np.ascontiguousarray(t.mean(axis=(3, 5), dtype=np.float32)),)
+
+    avg.tactics = [Tactic("nchw", avg)]
+    if attrs.get("channels"):
+        blocked = Tactic("blocked", avg, blocked_inputs=(0,), in_blocks=(8,),
+                         blocked_outputs=(0,), out_channels=(attrs["channels"],))  # fmt: skip
+        avg.tactics.insert(0, blocked)
+    return avg
+
+
+AVG_POOL = Rule(
+    "AvgPool2D",
+    op.AveragePool(Var("x", dtype="float32", rank=4), _name="pool"),
+    inputs=("x",),
+    prepare=make_avg_kernel,
+    attributes=attributes,
+    check=check_avg,
+    description="2-D AveragePool with windows that tile the image (DenseNet's transitions)",
+    explain_after="AveragePool",
 )

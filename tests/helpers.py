@@ -312,7 +312,7 @@ def _branch(name: str, x: str, cout: int, seed: int, outer: str | None = None):
 def control_flow_model() -> onnx.ModelProto:
     """Patterns inside If (both branches), Loop and Scan bodies, and in the main graph one
     block that fuses and one whose Conv output is also read inside the If (an escape the
-    subgraph hides), so it must not fuse."""
+    subgraph hides), so only its Conv fuses, without the bias Add and Relu."""
     g = GraphBuilder(seed=1)
     h = conv_block(g, "x", 4, 4, pads=PADS)  # fuses
     before = len(g.nodes)

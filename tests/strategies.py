@@ -37,19 +37,18 @@ class Block:
 
 # ---- ConvBiasRelu ----------------------------------------------------------------------------
 CONV_NEAR_MISSES = (
-    "graph_output",  # a value inside the match is also a graph output
-    "side_use",  # ... or is read by a node outside it
-    "width_bias",  # Add of a [W] constant: broadcasts along the width, not a channel bias
-    "no_activation",
-    "leaky",  # LeakyRelu: not an activation the kernel has
-    "weight_input",  # the weight is a graph input, not a constant
-    "clip_input",  # Clip's upper bound is a graph input
-    "float16",  # the block computes in float16 between two Casts
+    "graph_output",  # a value inside the chain is also a graph output: the chain up to it fuses
+    "side_use",  # ... or is read by a node outside it: the same
+    "width_bias",  # Add of a [W] constant (broadcasts along the width): the Conv fuses alone
+    "weight_input",  # the weight is a graph input, not a constant: nothing fuses
+    "clip_input",  # Clip's upper bound is a graph input: the chain before the Clip fuses
+    "float16",  # the block computes in float16 between two Casts: nothing fuses
 )
+VARIANTS = ("no_activation", "leaky")  # a projection conv; LeakyRelu: both fuse whole
 
 
 def conv_bias_relu(draw, g: GraphBuilder, x: Tensor) -> Block:
-    kind = draw(st.sampled_from(("clean",) * 4 + CONV_NEAR_MISSES))
+    kind = draw(st.sampled_from(("clean",) * 4 + VARIANTS + CONV_NEAR_MISSES))
     cout = draw(st.sampled_from([1, 2, 3, 4]))
     k = draw(st.sampled_from([1, 3] + ([5] if x.size >= 5 else [])))
     attrs: dict = {}
@@ -90,23 +89,33 @@ def conv_bias_relu(draw, g: GraphBuilder, x: Tensor) -> Block:
     )
     nodes = g.nodes[before:]
     conv, inner = nodes[0], [n.output[0] for n in nodes[:-1]]
+    root = nodes[-1]  # the last node of the chain that fuses (None: nothing does)
     if kind == "float16":
         for node in nodes:  # every constant the block reads becomes float16
             for name in node.input[1:]:
                 to_float16(g, name)
         y = g.node("Cast", [y], to=TensorProto.FLOAT)
+        root = None
     elif kind == "leaky":
         y = g.node("LeakyRelu", [y], alpha=0.1)
+        root = g.nodes[-1]
     elif kind == "weight_input":
         block.inputs[conv.input[1]] = drop_initializer(g, conv.input[1])
+        root = None
     elif kind == "clip_input":
         block.inputs[nodes[-1].input[2]] = drop_initializer(g, nodes[-1].input[2])
-    elif kind == "graph_output" and inner:
-        block.outputs.append(draw(st.sampled_from(inner)))
-    elif kind == "side_use" and inner:
-        block.outputs.append(g.node("Sigmoid", [draw(st.sampled_from(inner))]))
-    elif kind == "clean" and act != "none":
-        block.fused, block.rule = nodes[-1].name, "ConvBiasRelu"
+        root = nodes[-2]
+    elif kind == "width_bias":
+        root = conv
+    elif kind in ("graph_output", "side_use") and inner:
+        value = draw(st.sampled_from(inner))
+        root = next(n for n in nodes if n.output[0] == value)
+        if kind == "graph_output":
+            block.outputs.append(value)
+        else:
+            block.outputs.append(g.node("Sigmoid", [value]))
+    if root is not None:
+        block.fused, block.rule = root.name, "ConvBiasRelu"
     block.out.name = y
     return block
 
@@ -141,10 +150,11 @@ def drop_initializer(g: GraphBuilder, name: str) -> tuple:
 
 # ---- other nodes between blocks --------------------------------------------------------------
 def plain(draw, g: GraphBuilder, x: Tensor) -> Block:
-    """Nodes no rule fuses: the graph around the patterns."""
-    if draw(st.sampled_from(["sigmoid", "residual"])) == "sigmoid":
-        return Block(Tensor(g.node("Sigmoid", [x.name]), x.channels, x.size))
-    return Block(Tensor(g.node("Add", [x.name, g.node("Tanh", [x.name])]), x.channels, x.size))
+    """Nodes no rule fuses: the graph around the patterns (no activation an epilogue takes, no
+    Add a residual could be: its other input reads x, inside the chain)."""
+    if draw(st.sampled_from(["softsign", "residual"])) == "softsign":
+        return Block(Tensor(g.node("Softsign", [x.name]), x.channels, x.size))
+    return Block(Tensor(g.node("Add", [x.name, g.node("Abs", [x.name])]), x.channels, x.size))
 
 
 def max_pool(draw, g: GraphBuilder, x: Tensor) -> Block:

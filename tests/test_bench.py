@@ -156,6 +156,20 @@ def test_bench_models_summarises_each_model_and_batch(tmp_path, capsys, monkeypa
     assert "| c b2 | 2 | 2 |" in md and "conv FLOPs in kernels" in md and "Machine: " in md
 
 
+def test_cnn_coverage_checks_each_model(tmp_path, capsys, monkeypatch):
+    """bench/cnn_coverage.py on a file: the row (fused convs, islands, the kernels' outputs
+    against onnxruntime) and the JSON."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `import zoo`
+    script = load_script("cnn_coverage")
+    save_model(conv_stack(blocks=2, channels=4, size=6, batch="N"), tmp_path / "c.onnx")
+    out = tmp_path / "rows.json"
+    assert script.main([str(tmp_path / "c.onnx"), "--batch", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["convs"], row["fused_convs"], row["islands"]) == (2, 2, 0)
+    assert row["verify_ok"] and row["max_rel_to_scale"] < 1e-5
+    assert "| c.onnx | 2/2 | 0 | rel err" in capsys.readouterr().out
+
+
 def test_bench_models_times_the_model_beside_as_native_on_the_inputs_given_as_ones(
     tmp_path, capsys, monkeypatch
 ):
@@ -191,7 +205,7 @@ def test_bench_attention_times_the_kernel_against_the_exporters_subgraph(tmp_pat
 
 def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
-    stride-2 conv with nothing after it (not fused)."""
+    stride-2 conv with nothing after it (a projection conv: fused too)."""
     convs = load_script("convs")
     g = GraphBuilder()
     rng = np.random.default_rng(0)
@@ -209,14 +223,17 @@ def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     assert doc["machine"]["cpu"] and doc["machine"]["command"]
     rows = doc["batches"]["1"]["convs"]
     assert [(r["class"], r["count"], bool(r["fused"])) for r in rows] == [
-        ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, False)
+        ("stem kxk C<=4", 1, True), ("3x3 s1", 2, True), ("1x1 s2", 1, True)
     ]  # fmt: skip
     assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
-    # a fused conv's kernel is timed alone, in its own layout, and named
-    assert [r.get("kernel", "") for r in rows] == ["ConvBiasRelu (blocked-f1)"] * 2 + [""]
+    # a fused conv's kernel is timed alone, in its own layout, and named (the 1x1's 16 output
+    # channels are two blocks: its tile is f2)
+    assert [r.get("kernel", "") for r in rows] == ["ConvBiasRelu (blocked-f1)"] * 2 + [
+        "ConvBiasRelu (blocked-f2)"
+    ]
     classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
     assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
-    assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 1
+    assert classes["3x3 s1"]["median_ratio"] > 0 and classes["1x1 s2"]["not_fused"] == 0
     assert "| 3x3 s1 | 2 (1) |" in capsys.readouterr().out
 
 

@@ -34,7 +34,7 @@ def test_match_lists_matches_and_near_misses_and_writes_nothing(capsys, model_fi
     assert main(["match", str(model_file)]) == 0
     out = capsys.readouterr().out
     assert snapshot(tmp_path) == before  # the input untouched, no file created
-    assert "ConvBiasRelu: 1 match, 1 near-miss" in out
+    assert "ConvBiasRelu: 2 matches, 1 near-miss" in out  # the graph output's Conv alone
     assert "match /relu1/Relu: Conv /conv1/Conv, Add /add1/Add, Relu /relu1/Relu" in out
     assert "near-miss at Relu /relu0/Relu:" in out and "graph output" in out
     assert "FireModule: no match" in out
@@ -50,5 +50,5 @@ def test_match_json_is_the_rewrite_report(capsys, model_file, tmp_path, monkeypa
     assert main(["rewrite", str(model_file), "-o", str(tmp_path / "out.onnx"),
                  "--report", str(report)]) == 0  # fmt: skip
     assert matched == json.loads(report.read_text())
-    assert matched["counts"] == {"ConvBiasRelu": 1} and len(matched["near_misses"]) == 1
+    assert matched["counts"] == {"ConvBiasRelu": 2} and len(matched["near_misses"]) == 1
     assert os.path.exists(tmp_path / "out.onnx")  # rewrite writes; match did not

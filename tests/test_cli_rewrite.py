@@ -82,7 +82,8 @@ def test_explain_and_report(capsys, tmp_path):
     assert code == 0
     assert "Conv /conv3: its output /conv3_out is also a graph output" in stdout
     data = json.loads(report.read_text())
-    assert data["fusions"] == 0 and data["near_misses"][0]["rule"] == "ConvBiasRelu"
+    assert data["fusions"] == 1 and data["near_misses"][0]["rule"] == "ConvBiasRelu"
+    assert "convs: 1 of 1 fused; onnxruntime islands: 1" in stdout  # the Relu's island
 
 
 def test_only_and_exclude(capsys, model_file, tmp_path):

@@ -10,7 +10,7 @@ import fusion
 from fusion import Alt, Catalog, CatalogError, Const, Opt, Rule, Var, op
 from fusion.models import conv_stack
 from patterns.conv import RULE as CONV_RULE
-from patterns.conv import conv_bias_relu
+from patterns.conv import conv_epilogue
 
 
 def rewrite_checked(model, rules):
@@ -84,8 +84,8 @@ def test_pattern_with_two_outputs_keeps_order_valid():
 def test_composition_and_shared_sub_pattern():
     """Two Conv+Bias+Relu branches from one squeeze, concatenated: the catalog's own
     conv_bias_relu pattern, composed three times, with the squeeze shared by both branches."""
-    squeeze = conv_bias_relu(prefix="s_")
-    left, right = conv_bias_relu(squeeze, "l_"), conv_bias_relu(squeeze, "r_")
+    squeeze = conv_epilogue(prefix="s_")
+    left, right = conv_epilogue(squeeze, "l_"), conv_epilogue(squeeze, "r_")
     rule = Rule("MiniFire", op.Concat(left, right, axis=1), inputs=("s_x",), priority=20)
     g = GraphBuilder()
     s = g.node("Relu", [g.node("Conv", ["x", g.weight(4, 3, 1, 1)])])
@@ -99,7 +99,7 @@ def test_composition_and_shared_sub_pattern():
 
 
 def test_larger_rule_leaves_a_reason_for_the_smaller():
-    pool = Rule("ConvReluPool", op.MaxPool(conv_bias_relu()), inputs=("x", "W"), priority=20)
+    pool = Rule("ConvReluPool", op.MaxPool(conv_epilogue()), inputs=("x", "W"), priority=20)
     g = GraphBuilder()
     y = g.node(
         "MaxPool",

@@ -234,6 +234,32 @@ def test_pooled_value_used_elsewhere_is_not_fused():
     near_miss(model, "GlobalAvgPoolFlatten", reason, catalog=CATALOG)
 
 
+# ---- AvgPool2D -------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [2, 3])
+def test_tiling_average_pool_fuses_and_runs(k):
+    """DenseNet's transition pool (2x2 stride 2) and a 3x3 one; odd sizes drop the remainder."""
+    for shape in [(1, 16, 8, 8), (2, 12, 7, 11)]:
+        g = GraphBuilder()
+        t = g.node("Relu", [g.node("Conv", ["x", g.weight(shape[1], shape[1], 1, 1)])])
+        y = g.node("AveragePool", [t], kernel_shape=[k, k], strides=[k, k])
+        model = g.model({"x": ["N", *shape[1:]]}, [y])
+        result = fusion.rewrite(model)
+        assert fused_ops(result.model) == ["ConvBiasRelu", "AvgPool2D"], result.explain()
+        feeds = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        (want,) = run_ort(model, feeds)
+        for tactic in ("blocked", "nchw"):
+            got = Session(result.model, threads=2, fuse=False, tactics=tactic).run(None, feeds)
+            assert_close(got[0], want, 1e-6, 1e-6, what=f"{tactic} {shape}")
+
+
+def test_overlapping_or_padded_average_pool_is_declined():
+    g = GraphBuilder()
+    y = g.node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1],
+               name="/avg")  # fmt: skip
+    reason = "windows [3, 3], strides [1, 1], pads [1, 1, 1, 1] (NOTSET): the kernel takes"
+    near_miss(g.model({"x": [1, 4, 6, 6]}, [y]), "AvgPool2D", reason)
+
+
 def test_convs_pools_and_the_head_stay_blocked_between_kernels():
     # conv -> MaxPool -> conv -> GlobalAveragePool + Flatten: one conversion in, none after
     g = GraphBuilder()

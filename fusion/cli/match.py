@@ -1,11 +1,14 @@
 """`fusion match MODEL [--json]`: what a rewrite would fuse, and why the near-misses are not
-fused, per pattern; nothing is written. The JSON has the shape of `rewrite --report`."""
+fused, per pattern; then every conv left unfused with its first reason, and the summary (fused
+convs of all, onnxruntime islands); nothing is written. The JSON has the shape of `rewrite
+--report`."""
 
 from __future__ import annotations
 
 import json
 
 from fusion.cli.inputs import load_checked, pattern_names
+from fusion.coverage import coverage
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 
@@ -23,8 +26,9 @@ def execute(args) -> int:
     model = load_checked(args.model)[0]
     catalog = default_catalog().select(args.only or (), args.exclude or ())
     result = rewrite(model, catalog)  # in memory: the rewritten model is dropped
+    cover = coverage(model, catalog, result)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "coverage": cover.to_dict()}, indent=2))
         return 0
     print(f"{args.model}: {len(model.graph.node)} nodes")
     for rule in result.rules:
@@ -39,4 +43,5 @@ def execute(args) -> int:
             print(f"  match {f.node}: {', '.join(f.replaced)}")
         for n in misses:
             print(f"  near-miss at {n.at}: {n.reason}")
+    print(cover)
     return 0

@@ -13,6 +13,7 @@ from fusion.cli.inputs import (
     input_files,
     pattern_names,
 )
+from fusion.coverage import coverage
 from fusion.errors import FusionError, one_line
 from fusion.files import same_file, write_atomic
 from fusion.modelfile import read_model, require_valid, run_checker, save_model, write_model_bytes
@@ -111,10 +112,13 @@ def rewrite_file(
     elif not same_file(dst, src):  # nothing to fuse: the output is the input, byte for byte
         write_model_bytes(dst, src.read_bytes(), keep=keep)
     _print_rewrite(result, verbose)
+    cover = coverage(original, catalog, result) if explain or report else None
     if explain:
         print(result.explain())
+        print(cover)
     if report:
-        write_atomic(report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+        data = {**result.to_dict(), "coverage": cover.to_dict()}
+        write_atomic(report, (json.dumps(data, indent=2) + "\n").encode())
     return 0
 
 

@@ -1,0 +1,182 @@
+"""Per-channel elementwise ops with the fused epilogue, on blocked or NCHW tensors.
+
+    y[n, c, p] = epilogue(x[n, c, p] * scale[c] * gate[n, c] + shift[c])
+
+with the epilogue of kernels/epilogue.py (a tensor r of x's shape added before or after the
+activation, the activation, the clip). One kernel serves:
+- BatchNormalization (+ activation): scale = s / sqrt(var + eps), shift = b - mean scale;
+- a residual Add (+ activation): scale 1, shift 0, r the other tensor;
+- the multiply by a per-image channel gate (squeeze-excitation): gate [N, C];
+- the rest of a conv's epilogue after a kernel that only clips (kernels/conv2d).
+
+Blocked tensors ([N, CB, H, W, 8], kernels/blocked.py) run 8 channels per pixel side by side;
+NCHW ones a channel plane at a time. Work items are (image, channel block) or (image, channel):
+disjoint outputs. The loops index arrays in place (no per-row views, see kernels/_gemm.py).
+
+    >>> plan = prepare_pointwise(64, scale=s, shift=t, activation="relu")
+    >>> yb = pointwise_blocked(xb, plan)          # blocked in and out; pointwise(x, plan): NCHW
+"""
+
+import dataclasses
+import math
+
+import numba
+import numpy as np
+
+from .blocked import BLOCK
+from .config import INLINE, PARALLEL
+from .epilogue import AFTER, BEFORE, IDENTITY, RESIDUALS, act1, activation_params
+
+_NONE = np.zeros(1, np.float32)  # an absent operand (the kernel does not read it)
+
+
+@dataclasses.dataclass(frozen=True)
+class PointwisePlan:
+    channels: int
+    scale: np.ndarray  # [C padded to whole blocks] float32 (zeros past C)
+    shift: np.ndarray
+    act: tuple  # (code, alpha, beta, lo, hi)
+    residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
+    gated: bool  # multiplied by a per-image channel gate [N, C]
+
+
+def _padded(v, channels, name, default):
+    """v (1 or C values, or None: `default`) as float32 padded with zeros to whole blocks."""
+    v = np.asarray(default if v is None else v, np.float32).reshape(-1)
+    if v.size not in (1, channels):
+        raise ValueError(f"{name} must have 1 or {channels} values, got {v.size}")
+    out = np.zeros(-(-channels // BLOCK) * BLOCK, np.float32)
+    out[:channels] = np.broadcast_to(v, channels)
+    return out
+
+
+def prepare_pointwise(channels, scale=None, shift=None, *, activation=None, alpha=None,
+                      beta=None, clip_min=-math.inf, clip_max=math.inf, residual=None,
+                      gated=False):  # fmt: skip
+    """The plan of one fused elementwise node on tensors of `channels` channels. scale,
+    shift: per-channel float32 vectors (1 or C values) or None; activation etc.: as
+    kernels.epilogue.activation_params; residual: None, "before" or "after"."""
+    channels = int(channels)
+    if channels < 1:
+        raise ValueError(f"channels must be >= 1, got {channels}")
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual must be one of {list(RESIDUALS)}, got {residual!r}")
+    return PointwisePlan(
+        channels, _padded(scale, channels, "scale", 1.0), _padded(shift, channels, "shift", 0.0),
+        activation_params(activation, alpha, beta, clip_min, clip_max), RESIDUALS[residual],
+        bool(gated),
+    )  # fmt: skip
+
+
+@numba.jit(**INLINE)
+def _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, simple, code, alpha, beta,
+          lo, hi):  # fmt: skip
+    """p_len pixels of `lanes` channels from flat offset `base`: y = epilogue(x sc + sh), the
+    channel scales from sc[s0...], shifts from sh[c0...]. Called with literal lanes, residual
+    and simple, so each call site compiles to one branch-free loop."""
+    u = np.uint64
+    for p in range(p_len):
+        q = base + u(p * lanes)
+        for k in range(lanes):
+            v = xf[q + u(k)] * sc[s0 + u(k)] + sh[c0 + u(k)]
+            if residual == BEFORE:
+                v += rf[q + u(k)]
+            if simple:
+                v = lo if v < lo else v  # compares, not min/max: a NaN passes through
+                v = hi if v > hi else v
+            else:
+                v = act1(v, code, alpha, beta, lo, hi)
+            if residual == AFTER:
+                v += rf[q + u(k)]
+            yf[q + u(k)] = v
+
+
+@numba.jit(**INLINE)
+def _item(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, code, alpha, beta, lo, hi):
+    """One work item, dispatched once to the loop for its epilogue: identity, Relu and Clip
+    (the bulk of a CNN's) vectorize; other activations call act1 per value."""
+    if code == IDENTITY:
+        if residual == BEFORE:
+            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, BEFORE, True, code, alpha,
+                  beta, lo, hi)  # fmt: skip
+        elif residual == AFTER:
+            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, AFTER, True, code, alpha,
+                  beta, lo, hi)  # fmt: skip
+        else:
+            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, 0, True, code, alpha, beta,
+                  lo, hi)  # fmt: skip
+    else:
+        _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, False, code, alpha,
+              beta, lo, hi)  # fmt: skip
+
+
+@numba.jit(**PARALLEL)
+def _pointwise(xf, yf, rf, sc, s_stride, sh, n_len, c_len, p_len, lanes, residual, code, alpha,
+               beta, lo, hi):  # fmt: skip
+    """y = epilogue(x sc + sh) over every (image, channel block) of a flat x: [N, C/lanes, P,
+    lanes] (blocked: lanes = 8, a pixel's 8 channels side by side; NCHW: lanes = 1). Image n's
+    channel scales start at sc[n s_stride] (0: shared; C: a gated scale per image)."""
+    u = np.uint64
+    cb_len = c_len // lanes
+    for item in numba.prange(n_len * cb_len):
+        n, cb = item // cb_len, item % cb_len
+        c0 = u(cb * lanes)
+        s0 = u(n * s_stride) + c0
+        if lanes == BLOCK:
+            _item(xf, yf, rf, u(item * p_len * BLOCK), sc, s0, sh, c0, p_len, BLOCK, residual,
+                  code, alpha, beta, lo, hi)  # fmt: skip
+        else:
+            _item(xf, yf, rf, u(item * p_len), sc, s0, sh, c0, p_len, 1, residual, code, alpha,
+                  beta, lo, hi)  # fmt: skip
+
+
+def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
+    """Validate, allocate and run one layout's kernel; x is [N, CB, ..., 8] or [N, C, ...]."""
+    want = -(-plan.channels // BLOCK) if blocked else plan.channels
+    if x.shape[1] != want:
+        raise ValueError(f"x has {x.shape[1]} channel {'blocks' if blocked else 'planes'}, "
+                         f"the plan is for {plan.channels} channels")  # fmt: skip
+    x = np.ascontiguousarray(x)
+    if out is None:
+        out = np.empty_like(x)
+    elif out.shape != x.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {x.shape}")
+    lanes = BLOCK if blocked else 1
+    n = x.shape[0]
+
+    res = _NONE
+    if plan.residual:
+        if not isinstance(residual, np.ndarray) or residual.shape != x.shape:
+            raise ValueError(f"the residual must be an array of shape {x.shape}")
+        res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
+    c_len = want * lanes
+    sc, s_stride = plan.scale, 0
+    if plan.gated:  # the per-image channel scale: scale times gate (zero past C)
+        g = np.asarray(gate, np.float32)
+        if g.size != n * plan.channels:
+            raise ValueError(f"the gate must be [{n}, {plan.channels}], got {g.shape}")
+        sc = np.zeros((n, c_len), np.float32)
+        sc[:, : plan.channels] = plan.scale[: plan.channels] * g.reshape(n, plan.channels)
+        sc, s_stride = sc.reshape(-1), c_len
+    if x.size:
+        _pointwise(x.reshape(-1), out.reshape(-1), res, sc, s_stride, plan.shift, n, c_len,
+                   x.size // (n * c_len), lanes, plan.residual, *plan.act)  # fmt: skip
+    return out
+
+
+def pointwise_blocked(xb, plan: PointwisePlan, residual=None, gate=None, out=None):
+    """The op on a blocked float32 x [N, CB, H, W, 8]; returns the blocked result. residual:
+    blocked, x's shape, when the plan adds one; gate: [N, C] when the plan is gated."""
+    if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
+        raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
+    if xb.shape[-1] != BLOCK:
+        raise ValueError(f"x has blocks of {xb.shape[-1]} channels, the kernel reads {BLOCK}")
+    return _run(xb, plan, residual, gate, out, True)
+
+
+def pointwise(x, plan: PointwisePlan, residual=None, gate=None, out=None):
+    """The op on a float32 x [N, C, ...] (NCHW, or [N, C, L]); returns the same layout.
+    out may be x itself (in place)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim < 2:
+        raise ValueError(f"x must be a float32 [N, C, ...] array, got {getattr(x, 'shape', x)!r}")
+    return _run(x, plan, residual, gate, out, False)

@@ -1,0 +1,82 @@
+"""ChannelConcat:  y = Concat(x_1, ..., x_k, axis=1)   float32 [N, C_i, ...]
+
+The Concat that ConvConcat leaves: DenseNet's feature concatenation before each layer (its
+inputs a pool, earlier layers' convs), ShuffleNet's branch merge. Unfused, each is an
+onnxruntime island of one copy between kernels. As a kernel the copy stays in process, and in
+the blocked layout ([N, C/8, H, W, 8]) it is a concatenation of channel blocks when every input
+but the last has whole blocks (a multiple of 8 channels, known from the model's shapes);
+otherwise it runs NCHW.
+
+A Concat has any number of inputs, which a pattern cannot state: a finder anchored on Concat,
+at stage 1 after ConvConcat (which removes the copy altogether when every input is a conv's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fusion.catalog import Rule, Tactic
+from fusion.graph import GraphView
+from fusion.matcher import Match
+
+BLOCK = 8  # kernels/blocked.BLOCK (not imported: Numba loads only when a kernel is built)
+
+
+def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
+    concat = view.nodes[index]
+    axis = view.attributes(concat).get("axis")
+    types = [view.type_of(v) for v in concat.input]
+    if any(t is None or t.rank is None for t in types):
+        return "the rank of an input is unknown"
+    rank = types[0].rank
+    if axis % rank != 1:
+        return f"Concat on axis {axis}, not on the channels (axis 1)"
+    for value, t in zip(concat.input, types, strict=True):
+        if t.dtype_name != "float32":
+            return f"input {value} is {t.dtype_name}, the kernel copies float32"
+    values = {"parts": list(concat.input), "y": concat.output[0]}
+    return [Match.of(view, values, {"concat": index}, [index])]
+
+
+def attributes(m: Match) -> dict:
+    """The rank and each input's channel count (-1 where the model does not say)."""
+    types = [m.view.type_of(v) for v in m["parts"]]
+    channels = [t.shape[1] if isinstance(t.shape[1], int) else -1 for t in types]
+    return {"rank": types[0].rank, "channels": channels}
+
+
+def concat(*parts):
+    return (np.concatenate(parts, axis=1),)
+
+
+class ConcatKernel:
+    """Tactics: blocked when every input but the last fills whole blocks, then NCHW. The same
+    copy serves both: blocked, the channel blocks of each input follow one another."""
+
+    def __init__(self, attrs: dict, constants: list):
+        channels = list(attrs["channels"])
+        self.tactics = [Tactic("nchw", concat)]
+        whole = all(c > 0 for c in channels) and all(c % BLOCK == 0 for c in channels[:-1])
+        if attrs["rank"] == 4 and whole:
+            k = len(channels)
+            self.tactics.insert(0, Tactic("blocked", concat, blocked_inputs=tuple(range(k)),
+                                          in_blocks=(BLOCK,) * k, blocked_outputs=(0,),
+                                          out_channels=(sum(channels),)))  # fmt: skip
+
+    def __call__(self, *parts):
+        return concat(*parts)
+
+
+RULE = Rule(
+    "ChannelConcat",
+    None,
+    inputs=("parts",),
+    outputs=("y",),
+    prepare=ConcatKernel,
+    attributes=attributes,
+    finder=find_concat,
+    anchor_ops=("Concat",),
+    stage=1,
+    priority=5,  # after ConvConcat
+    description="Concat on channels, float32, in process (blocked when the channels allow)",
+)

@@ -1,0 +1,84 @@
+"""LinearAct:  y = act(x W + b)   x float32 [N, K], W [K, M] constant
+
+The classifier of a CNN (torchvision's fc, MobileNetV3's Gemm + HardSwish + Gemm), in every
+form patterns/linear.py knows (MatMul + Add, Gemm with transB/alpha/beta and its C), with any
+activation of patterns/activation.py or none. Only a head: x is 2-D and comes from a pooled
+feature map (GlobalAveragePool or ReduceMean, through Flatten, Reshape, Dropout and earlier
+layers of the head); the products of transformers and recurrent cells are left to their own
+entries, and a product elsewhere is not a near-miss. Unfused, the head is the last
+onnxruntime island of a fused CNN.
+
+The kernel: the product in kernels/dense.py (not NumPy's BLAS, whose spinning threads slow the
+kernels after it), the bias and activation in one pass of kernels/pointwise.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fusion.catalog import Rule
+from fusion.pattern import Alt, Var
+from patterns.activation import activation, activation_attributes, check_relu6, epilogue_params
+from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
+
+POOLS = {"GlobalAveragePool", "ReduceMean", "GlobalAvgPoolFlatten"}
+THROUGH = {"Flatten", "Reshape", "Dropout", "Identity", "Gemm", "MatMul", "Add", "Relu", "Clip",
+           "HardSwish", "Sigmoid", "Mul", "Tanh", "LeakyRelu", "HardSigmoid", "Gelu"}  # fmt: skip
+
+
+def after_pool(m, node) -> str | None:
+    """None when the product's x comes from a pooled feature map within a few nodes."""
+    value = node.input[0]
+    for _ in range(12):
+        producer = m.view.producer.get(value)
+        if producer is None:
+            break
+        prev = m.view.nodes[producer[0]]
+        if prev.op_type in POOLS:
+            return None
+        if prev.op_type not in THROUGH or not prev.input:
+            break
+        value = prev.input[0]
+    return f"{node.input[0]} is not a pooled feature map (the rule takes classifier heads)"
+
+
+def linear_act():
+    fc = linear(Var("x", dtype="float32", rank=2), "W", "fc", where=after_pool)
+    return Alt(activation(fc), fc)
+
+
+def attributes(m) -> dict:
+    return {**linear_attributes(m, "fc"), **activation_attributes(m)}
+
+
+def check(m) -> str | None:
+    return check_linear(m, "W", "fc") or check_relu6(m)
+
+
+def make_kernel(attrs: dict, constants: list):
+    from kernels.dense import dense  # heavy (Numba): only when a kernel is built
+    from kernels.pointwise import pointwise, prepare_pointwise
+
+    w, b = linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4])
+    wt = np.ascontiguousarray(w.T)  # [M, K]: a dot product per output
+    plan = prepare_pointwise(w.shape[1], shift=b, **epilogue_params(attrs))
+
+    def run(x, *_constants):
+        y = dense(x, wt)
+        return (pointwise(y, plan, out=y),)
+
+    return run
+
+
+RULE = Rule(
+    "LinearAct",
+    linear_act(),
+    inputs=("x", *linear_inputs("W", "fc")),
+    prepare=make_kernel,
+    attributes=attributes,
+    check=check,
+    priority=1,  # after every rule built on the linear sub-pattern (LSTM and GRU cells)
+    description="2-D MatMul/Gemm + bias + optional activation, float32 (classifier heads)",
+    explain_after="Gemm",
+    from_last=True,
+)

@@ -1,0 +1,132 @@
+"""SqueezeExcite:  y = x * gate(x),  gate(x) = act2(conv2(act1(conv1(mean_hw(x)))))
+
+The squeeze-excitation block of EfficientNet, MobileNetV3 and RegNetY: the mean of each channel
+plane (GlobalAveragePool, or ReduceMean over H and W with keepdims, as the dynamo exporter
+writes it), two 1x1 convs on the [N, C, 1, 1] means, each with the conv epilogue sub-pattern
+(bias, activation: SiLU or Relu, then Sigmoid or HardSigmoid), and the gate multiplied into x
+per image and channel. Unfused, the pool and the Mul are onnxruntime islands of their own
+between the fused convs around them, and each island boundary converts x's layout.
+
+The kernel: the plane means in float64, the two small products in kernels/dense.py with their
+epilogues in kernels/pointwise.py, then one pass of kernels/pointwise.py multiplying x by the
+gate (scale = gate[n, c]); on blocked tensors (the layout of the convs around it) or NCHW.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fusion.catalog import Rule, Tactic
+from fusion.pattern import Alt, Const, Opt, Var, op
+from patterns.activation import epilogue_params
+from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded
+
+PREFIXES = ("fc1_", "fc2_")
+CONV_INPUTS = ("W", "B", "bias_add")
+INPUTS = ("x", *(p + name for p in PREFIXES for name in CONV_INPUTS))
+
+
+def squeeze_excite():
+    x = Var("x", dtype="float32", rank=4)
+    pooled = Alt(op.GlobalAveragePool(x, _name="pool"),
+                 op.ReduceMean(x, Opt(Const("axes")), _name="pool"))  # fmt: skip
+    hidden = conv_epilogue(pooled, "fc1_", residual=False, norm=False)
+    gate = conv_epilogue(hidden, "fc2_", residual=False, norm=False)
+    return op.Mul(x, gate, _name="scale")
+
+
+def attributes(m) -> dict:
+    return {f"{p}{k}": v for p in PREFIXES for k, v in conv_attributes(m, p).items()}
+
+
+def check(m) -> str | None:
+    pool = m.node("pool")
+    if pool.op_type == "ReduceMean":
+        attrs = m.attrs("pool")
+        axes = m.const("axes")
+        axes = attrs.get("axes") if axes is None else axes.tolist()
+        if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            return f"ReduceMean {pool.name} over axes {axes}, not the spatial axes [2, 3]"
+        if not attrs.get("keepdims", 1):
+            return f"ReduceMean {pool.name} with keepdims=0: the convs need [N, C, 1, 1]"
+    channels = m.type("x").shape[1] if m.type("x") and m.type("x").shape else None
+    for p in PREFIXES:
+        w = m.const(p + "W")
+        attrs = m.attrs(p + "conv")
+        if w.ndim != 4 or w.shape[2:] != (1, 1) or int(attrs["group"]) != 1:
+            return f"{p[:-1]}: a {list(w.shape)} conv of group {attrs['group']}, not a 1x1 one"
+        if any(attrs["pads"]):
+            return f"{p[:-1]}: pads {list(attrs['pads'])} on a 1x1 image"
+        reason = check_conv(m, p)
+        if reason:
+            return f"{p[:-1]}: {reason}"
+    w1, w2 = m.const("fc1_W"), m.const("fc2_W")
+    if w1.shape[0] != w2.shape[1] or w2.shape[0] != w1.shape[1]:
+        return f"conv weights {list(w1.shape)} and {list(w2.shape)} do not chain C -> M -> C"
+    if channels not in (None, w1.shape[1]) and isinstance(channels, int):
+        return f"x has {channels} channels, the gate {w2.shape[0]}"
+    return None
+
+
+class SqueezeExciteKernel:
+    """Tactics: the blocked layout (x and y blocked, as the convs around it leave them), then
+    NCHW. Both compute the gate the same way from the plane means."""
+
+    def __init__(self, attrs: dict, constants: list):
+        from kernels.dense import dense
+        from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
+
+        self.layers = []
+        for k, p in enumerate(PREFIXES):  # (W [M, C] float32, its bias + activation plan)
+            conv = {key[len(p) :]: v for key, v in attrs.items() if key.startswith(p)}
+            w, b = folded(conv, [None, *constants[1 + 3 * k : 4 + 3 * k]])
+            plan = prepare_pointwise(w.shape[0], shift=b, **epilogue_params(conv))
+            self.layers.append((np.ascontiguousarray(w[:, :, 0, 0]), plan))
+        self.channels = self.layers[0][0].shape[1]
+        self._pointwise, self._dense = pointwise, dense
+        gate_plan = prepare_pointwise(self.channels, gated=True)
+
+        def run(x, *_constants):
+            means = x.reshape(*x.shape[:2], -1).mean(axis=2, dtype=np.float64)
+            return (pointwise(x, gate_plan, gate=self.gate(means)),)
+
+        def run_blocked(xb, *_constants):
+            n, cb = xb.shape[:2]
+            means = xb.reshape(n, cb, -1, xb.shape[-1]).mean(axis=2, dtype=np.float64)
+            gate = self.gate(means.reshape(n, -1)[:, : self.channels])
+            return (pointwise_blocked(xb, gate_plan, gate=gate),)
+
+        self.run = run
+        self.tactics = [
+            Tactic("blocked", run_blocked, blocked_inputs=(0,), in_blocks=(8,),
+                   blocked_outputs=(0,), out_channels=(self.channels,)),
+            Tactic("nchw", run),
+        ]  # fmt: skip
+
+    def gate(self, means: np.ndarray) -> np.ndarray:
+        """[N, C] gate from [N, C] plane means: two 1x1 convs with their epilogues."""
+        t = np.ascontiguousarray(means, np.float32)
+        for w, plan in self.layers:
+            t = self._dense(t, w)  # not NumPy's matmul: see kernels/dense.py
+            t = self._pointwise(t, plan, out=t)
+        return t
+
+    def __call__(self, x, *constants):
+        return self.run(x, *constants)
+
+
+def make_kernel(attrs: dict, constants: list):
+    return SqueezeExciteKernel(attrs, constants)
+
+
+RULE = Rule(
+    "SqueezeExcite",
+    squeeze_excite(),
+    inputs=INPUTS,
+    prepare=make_kernel,
+    attributes=attributes,
+    check=check,
+    priority=15,  # before ConvBiasRelu takes its two convs
+    description="squeeze-excitation: x * act(conv(act(conv(mean_hw(x))))), float32 NCHW",
+    explain_after="Conv",
+)

@@ -1,0 +1,106 @@
+"""BatchNormAct and ChannelConcat: DenseNet's pre-activation BN + Relu and its feature Concat
+fuse, and their kernels (blocked and NCHW tactics) give onnxruntime's outputs on the original;
+each near-miss says why."""
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
+
+import fusion
+from patterns.concat import ConcatKernel
+
+
+def batch_norm(g, x, channels, name="/bn"):
+    rng = g.rng
+    scale, bias, mean = (rng.standard_normal(channels).astype(np.float32) for _ in range(3))
+    var = rng.uniform(0.5, 2.0, channels).astype(np.float32)
+    return g.node("BatchNormalization", [x, *(g.const(v) for v in (scale, bias, mean, var))],
+                  epsilon=1e-3, name=name)  # fmt: skip
+
+
+def check_tactics(model, shapes, tactics=("blocked", "nchw")):
+    result = fusion.rewrite(model)
+    for shape in shapes:
+        feeds = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        want = run_ort(model, feeds)
+        for tactic in tactics:
+            session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
+            for k, (got, w) in enumerate(zip(session.run(None, feeds), want, strict=True)):
+                assert_close(got, w, 1e-4, 1e-5, what=f"{tactic} {shape} output {k}")
+
+
+@pytest.mark.parametrize("act", ["Relu", "none", "Sigmoid"])
+def test_batchnorm_with_and_without_activation(act):
+    g = GraphBuilder()
+    y = batch_norm(g, "x", 12)
+    y = y if act == "none" else g.node(act, [y])
+    model = g.model({"x": ["N", 12, 5, 7]}, [y])
+    assert_fuses(model, ["BatchNormAct"], rtol=1e-5, atol=1e-5)
+    check_tactics(model, [(1, 12, 5, 7), (3, 12, 5, 7)])
+
+
+@pytest.mark.parametrize("shape", [(2, 6), (2, 6, 9)])
+def test_batchnorm_of_rank_2_and_3_runs_nchw(shape):
+    g = GraphBuilder()
+    model = g.model({"x": ["N", *shape[1:]]}, [g.node("Relu", [batch_norm(g, "x", 6)])])
+    assert_fuses(model, ["BatchNormAct"], rtol=1e-5, atol=1e-5)
+    check_tactics(model, [shape], tactics=("nchw",))
+
+
+def dense_block(g, x, channels=16, growth=8, layers=3):
+    """DenseNet: each layer BN + Relu, a 3x3 conv; its output concatenated to the features."""
+    features = [x]
+    for k in range(layers):
+        cat = g.node("Concat", features, axis=1) if len(features) > 1 else x
+        t = g.node("Relu", [batch_norm(g, cat, channels + k * growth, name=f"/bn{k}")])
+        conv = g.node("Conv", [t, g.weight(growth, channels + k * growth, 3, 3)], pads=[1] * 4)
+        features.append(conv)
+    return g.node("Concat", features, axis=1)
+
+
+def test_dense_block_fuses_whole():
+    g = GraphBuilder()
+    model = g.model({"x": ["N", 16, "H", "W"]}, [dense_block(g, "x")])
+    result = assert_fuses(model, None, rtol=1e-4, atol=1e-5)
+    assert sorted(result.counts().items()) == [
+        ("BatchNormAct", 3), ("ChannelConcat", 3), ("ConvBiasRelu", 3)
+    ]  # fmt: skip
+    assert fusion.coverage(model, result=result).islands == 0
+    check_tactics(model, [(1, 16, 6, 6), (2, 16, 9, 5)])
+
+
+def test_concat_blocked_only_with_whole_blocks():
+    names = lambda channels: [t.name for t in ConcatKernel({"rank": 4, "channels": channels}, [])  # noqa: E731
+                              .tactics]  # fmt: skip
+    assert names([16, 8, 3]) == ["blocked", "nchw"]  # the last input may fill part of a block
+    assert names([4, 8]) == ["nchw"]
+    assert names([8, -1]) == ["nchw"]  # a channel count the model does not give
+
+
+def test_concat_of_odd_channels_runs():
+    g = GraphBuilder()
+    a = g.node("Relu", [g.node("Conv", ["x", g.weight(5, 4, 1, 1)])])
+    b = g.node("Relu", [g.node("Conv", ["x", g.weight(3, 4, 3, 3)], pads=[1] * 4)])
+    y = g.node("Sigmoid", [g.node("Concat", [a, g.node("Relu", ["x"])], axis=1)])
+    model = g.model({"x": ["N", 4, 5, 5]}, [y, b])
+    assert fusion.rewrite(model).counts()["ChannelConcat"] == 1
+    check_tactics(model, [(2, 4, 5, 5)])
+
+
+def test_concat_on_another_axis_is_declined():
+    g = GraphBuilder()
+    a = g.node("Relu", ["x"])
+    y = g.node("Concat", [a, g.node("Sigmoid", ["x"])], axis=2, name="/cat")
+    near_miss(g.model({"x": [1, 4, 5, 5]}, [y]), "ChannelConcat",
+              "Concat on axis 2, not on the channels (axis 1)")  # fmt: skip
+
+
+def test_batchnorm_in_training_mode_is_declined():
+    g = GraphBuilder(opset=15)
+    y = g.node("Relu", [batch_norm(g, "x", 4)])
+    bn = g.nodes[-2]
+    bn.attribute.append(onnx.helper.make_attribute("training_mode", 1))
+    bn.output.extend(["/bn_mean", "/bn_var"])
+    near_miss(g.model({"x": [1, 4, 5, 5]}, [y]), "BatchNormAct",
+              "BatchNormalization /bn: training_mode=1")  # fmt: skip

@@ -1,0 +1,86 @@
+"""SqueezeExcite: the gate block as each exporter writes it fuses into one node whose kernel
+(blocked and NCHW tactics) gives onnxruntime's outputs on the original at two shapes; each
+near-miss says why."""
+
+import numpy as np
+import pytest
+from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
+
+import fusion
+
+SHAPES = [(1, 16, 7, 7), (3, 16, 5, 9)]
+
+
+def squeeze_excite(g, x, channels, hidden=4, pool="gap", act1="silu", act2="sigmoid", k=1):
+    """y = x * act2(conv2(act1(conv1(mean_hw(x))))), names as the TorchScript exporter's."""
+    if pool == "gap":
+        m = g.node("GlobalAveragePool", [x], name="/se/avgpool")
+    elif pool == "reduce_input":  # opset 18: axes as an input (dynamo)
+        m = g.node("ReduceMean", [x, g.const(np.array([-1, -2]))], keepdims=1, name="/se/mean")
+    else:  # opset < 18: axes as an attribute; "axes:..." and "keepdims=0" for near-misses
+        axes = [1] if pool == "axes:1" else [2, 3]
+        keep = 0 if pool == "keepdims=0" else 1
+        m = g.node("ReduceMean", [x], axes=axes, keepdims=keep, name="/se/mean")
+    pads = [k // 2] * 4
+    h = g.node("Conv", [m, g.weight(hidden, channels, k, k), g.weight(hidden)], pads=pads,
+               name="/se/fc1")  # fmt: skip
+    h = g.node("Mul", [h, g.node("Sigmoid", [h])]) if act1 == "silu" else g.node("Relu", [h])
+    s = g.node("Conv", [h, g.weight(channels, hidden, 1, 1), g.weight(channels)], name="/se/fc2")
+    if act2 == "sigmoid":
+        s = g.node("Sigmoid", [s])
+    else:
+        s = g.node("HardSigmoid", [s], alpha=1 / 6, beta=0.5)
+    return g.node("Mul", [s, x], name="/se/mul")
+
+
+def block(g, pool="gap", **se):
+    """A conv, the gate on its output, a projection conv: the gate between two fused convs."""
+    t = g.node("Relu", [g.node("Conv", ["x", g.weight(16, 16, 3, 3)], pads=[1, 1, 1, 1])])
+    y = squeeze_excite(g, t, 16, pool=pool, **se)
+    return g.node("Conv", [y, g.weight(8, 16, 1, 1)])
+
+
+@pytest.mark.parametrize(
+    "opset,pool,act1,act2",
+    [(17, "gap", "silu", "sigmoid"), (18, "reduce_input", "relu", "hard_sigmoid"),
+     (13, "reduce_attr", "relu", "sigmoid")],
+)  # fmt: skip
+def test_fuses_and_runs_both_tactics(opset, pool, act1, act2):
+    for shape in SHAPES:
+        g = GraphBuilder(opset=opset)
+        model = g.model({"x": ["N", *shape[1:]]}, [block(g, pool, act1=act1, act2=act2)])
+        result = assert_fuses(model, ["ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])
+        feeds = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        (want,) = run_ort(model, feeds)
+        for tactic in ("blocked", "nchw"):
+            session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
+            assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=f"{tactic} {shape}")
+    assert fusion.coverage(model, result=result).summary() == (
+        "convs: 4 of 4 fused; onnxruntime islands: 0"
+    )
+
+
+def test_reducemean_over_channels_is_not_a_squeeze():
+    g = GraphBuilder(opset=13)
+    model = g.model({"x": [1, 16, 5, 5]}, [block(g, "axes:1")])
+    near_miss(model, "SqueezeExcite", "ReduceMean /se/mean over axes [1], not the spatial axes")
+
+
+def test_reducemean_without_keepdims_is_not_a_squeeze():
+    """(onnxruntime would reject the conv on its [N, C] output: checked without a run)"""
+    g = GraphBuilder(opset=13)
+    x = g.node("Relu", ["x"])
+    m = g.node("ReduceMean", [x], axes=[2, 3], keepdims=0, name="/se/mean")
+    r = g.node("Reshape", [m, g.const(np.array([1, 16, 1, 1]))])
+    h = g.node("Relu", [g.node("Conv", [r, g.weight(4, 16, 1, 1)])])
+    s = g.node("Sigmoid", [g.node("Conv", [h, g.weight(16, 4, 1, 1)])])
+    y = g.node("Mul", [x, s])
+    text = near_miss(g.model({"x": [1, 16, 5, 5]}, [y]), "SqueezeExcite")  # the convs fuse
+    assert "pattern needs ReduceMean" in text or "pattern needs GlobalAveragePool" in text, text
+
+
+def test_a_3x3_conv_in_the_gate_is_declined():
+    g = GraphBuilder(opset=17)
+    model = g.model({"x": [1, 16, 5, 5]}, [block(g, k=3)])
+    near_miss(model, "SqueezeExcite", "fc1: a [4, 16, 3, 3] conv of group 1, not a 1x1 one",
+              fused=["ConvBiasRelu"] * 4)  # fmt: skip
