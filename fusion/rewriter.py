@@ -62,17 +62,23 @@ class RewriteResult:
         return {rule: n for rule, n in counts.items() if n}
 
     def explain(self, pattern: str | None = None) -> str:
-        """Per pattern: how many fused, and each near-miss with its reason."""
-        lines, kept = [], self.counts()
+        """Per pattern: how many fused, and each near-miss with its reason; the patterns with
+        neither share one last line (a pattern asked for by name always gets its own)."""
+        lines, quiet, kept = [], [], self.counts()
         for rule in self.rules:
             if pattern is not None and rule != pattern:
                 continue
             misses = [n for n in self.near_misses if n.rule == rule]
             fused = sum(f.rule == rule for f in self.fusions)
+            if not fused and not misses and pattern is None:
+                quiet.append(rule)
+                continue
             inside = fused - kept.get(rule, 0)
             within = f" ({inside} of them inside later fusions)" if inside else ""
             lines.append(f"{rule}: {fused} fused{within}, {len(misses)} not fused")
             lines += [f"  {n.reason}" for n in misses]
+        if quiet:
+            lines.append(f"no match and no near-miss: {', '.join(quiet)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

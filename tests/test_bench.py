@@ -422,3 +422,12 @@ def test_child_processes_measure_memory_and_compile_time(tmp_path, monkeypatch):
         assert result.runners[name].peak_mb > 0, result.notes
     assert result.compile["cold_s"] > 0 and result.compile["cached_s"] > 0, result.compile
     assert list(cache) == ["NegRelu"]  # measured once per set of fused ops
+
+
+def test_a_run_with_every_node_on_onnxruntime_has_no_node_rows(monkeypatch):
+    # What the session's whole-plan race does when onnxruntime alone wins: no kernel to time.
+    monkeypatch.setenv("FUSION_TACTICS", "onnxruntime")
+    model, feeds = tiny_conv()
+    result = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
+    assert result.refused == [] and result.nodes == []
+    assert result.profile["kernels"] == 0 and result.conv["share_in_kernels"] == 0.0
