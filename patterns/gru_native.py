@@ -17,7 +17,7 @@ import onnx
 from fusion.catalog import Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.rnn_steps import fold_native, shaped_outputs
+from patterns.rnn_steps import native_matches, shaped_outputs
 
 INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h")
 
@@ -47,20 +47,10 @@ def refusal(view: GraphView, node: onnx.NodeProto) -> str | None:
 
 
 def find(view: GraphView, index: int) -> list[Match] | str:
-    node = view.nodes[index]
-    reason = refusal(view, node)
-    if reason:
-        return reason
-    inputs = dict(zip(INPUTS, node.input, strict=False))
-    values = {name: inputs.get(name, "") for name in ("X", "initial_h", "W", "R", "B")}
-    values["outputs"] = [v for v in node.output if v]
-    plain = Match.of(view, values, {"gru": index}, [index])
-    if view.attributes(node).get("direction") == "bidirectional":
-        return [plain]
-    folded = fold_native(view, index, values, ("initial_h",), (1, 0))
-    if folded is None:
-        return [plain]
-    return [Match.of(view, folded[0], {"gru": index}, folded[1]), plain]
+    fused = ("X", "initial_h", "W", "R", "B")
+    return refusal(view, view.nodes[index]) or native_matches(
+        view, index, "gru", INPUTS, fused, ("initial_h",), (1, 0)
+    )
 
 
 def attributes(m: Match) -> dict:

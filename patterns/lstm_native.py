@@ -22,7 +22,7 @@ import onnx
 from fusion.catalog import Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.rnn_steps import fold_native, shaped_outputs
+from patterns.rnn_steps import native_matches, shaped_outputs
 
 INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P")
 FUSED_INPUTS = ("X", "initial_h", "initial_c", "W", "R", "B")
@@ -62,21 +62,8 @@ def refusal(view: GraphView, node: onnx.NodeProto) -> str | None:
 
 
 def find(view: GraphView, index: int) -> list[Match] | str:
-    node = view.nodes[index]
-    reason = refusal(view, node)
-    if reason:
-        return reason
-    inputs = dict(zip(INPUTS, node.input, strict=False))
-    values = {name: inputs.get(name, "") for name in FUSED_INPUTS}
-    values["outputs"] = [v for v in node.output if v]
-    plain = Match.of(view, values, {"lstm": index}, [index])
-    if view.attributes(node).get("direction") == "bidirectional":
-        return [plain]
-    folded = fold_native(view, index, values, STATES, (1, 0, 0))
-    return (
-        [plain]
-        if folded is None
-        else [Match.of(view, folded[0], {"lstm": index}, folded[1]), plain]
+    return refusal(view, view.nodes[index]) or native_matches(
+        view, index, "lstm", INPUTS, FUSED_INPUTS, STATES, (1, 0, 0)
     )
 
 

@@ -13,6 +13,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from fusion.graph import GraphView
+from fusion.matcher import Match
 
 
 def fold_steps(view: GraphView, values: dict):
@@ -132,6 +133,24 @@ def _axes_are(view: GraphView, node: onnx.NodeProto, axis: int) -> bool:
     axes = view.constant(node.input[1]) if len(node.input) > 1 and node.input[1] else None
     axes = view.attributes(node).get("axes") if axes is None else axes
     return axes is not None and np.reshape(axes, -1).tolist() == [axis]
+
+
+def native_matches(view: GraphView, index: int, key: str, names: tuple, fused: tuple,
+                   states: tuple, axes: tuple) -> list[Match]:  # fmt: skip
+    """The native op (LSTM, GRU) at `index` as a match of its own, named `key`, reading the
+    `fused` ones of its inputs (`names`: the op's input order) and writing its outputs; for one
+    direction, first the same with its Unsqueeze/Squeeze folded in (fold_native)."""
+    node = view.nodes[index]
+    inputs = dict(zip(names, node.input, strict=False))
+    values = {name: inputs.get(name, "") for name in fused}
+    values["outputs"] = [v for v in node.output if v]
+    plain = Match.of(view, values, {key: index}, [index])
+    if view.attributes(node).get("direction") == "bidirectional":
+        return [plain]
+    folded = fold_native(view, index, values, states, axes)
+    if folded is None:
+        return [plain]
+    return [Match.of(view, folded[0], {key: index}, folded[1]), plain]
 
 
 def fold_native(view: GraphView, index: int, values: dict, states: tuple, axes: tuple):
