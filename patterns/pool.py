@@ -22,6 +22,29 @@ from fusion.pattern import Alt, Const, Opt, Var, op
 from kernels.windows import prepare_maxpool
 
 
+def known_channels(m) -> dict:
+    """{"channels": C} when the model gives x's channel count (a pool or head can then also
+    run on the blocked layout, whose blocks do not say how many channels they hold), else {}."""
+    vt = m.type("x")
+    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
+        return {"channels": vt.shape[1]}
+    return {}
+
+
+def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True):
+    """`run` (NCHW) with its tactics: first `blocked_run` on the blocked layout (output blocked
+    too when `keeps_layout`) if the channel count is known, then `run` itself."""
+    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
+
+    run.tactics = [Tactic("nchw", run)]
+    channels = attrs.get("channels")
+    if channels:
+        out = dict(blocked_outputs=(0,), out_channels=(channels,)) if keeps_layout else {}
+        run.tactics.insert(0, Tactic("blocked", blocked_run, blocked_inputs=(0,),
+                                     in_blocks=(BLOCK,), **out))  # fmt: skip
+    return run
+
+
 def attributes(m) -> dict:
     pool = m.attrs("pool")
     attrs = {
@@ -32,10 +55,7 @@ def attributes(m) -> dict:
         "ceil_mode": int(pool.get("ceil_mode", 0)),
         "auto_pad": pool.get("auto_pad", "NOTSET"),
     }
-    vt = m.type("x")
-    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
-        attrs["channels"] = vt.shape[1]  # known: the pool can also run on the blocked layout
-    return attrs
+    return attrs | known_channels(m)
 
 
 def _plan(attrs: dict):
@@ -71,26 +91,14 @@ def check(m) -> str | None:
 def make_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, the blocked-layout one first as a tactic
     (between blocked convs it saves two layout conversions)."""
-    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
-    from kernels.pool import maxpool2d, maxpool_blocked
+    from kernels.pool import maxpool2d, maxpool_blocked  # heavy (Numba): only when built
 
     plan = _plan(attrs)
 
     def run(x):
         return (maxpool2d(x, plan),)
 
-    run.tactics = [Tactic("nchw", run)]
-    if attrs.get("channels"):
-        blocked = Tactic(
-            "blocked",
-            lambda xb: (maxpool_blocked(xb, plan),),
-            blocked_inputs=(0,),
-            in_blocks=(BLOCK,),
-            blocked_outputs=(0,),
-            out_channels=(attrs["channels"],),
-        )
-        run.tactics.insert(0, blocked)
-    return run
+    return with_blocked(run, lambda xb: (maxpool_blocked(xb, plan),), attrs)
 
 
 RULE = Rule(
@@ -110,8 +118,7 @@ RULE = Rule(
 def make_gap_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, first a tactic reading the blocked
     layout (after a blocked conv, no conversion before the head)."""
-    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
-    from kernels.pool import global_average_pool, global_average_pool_blocked
+    from kernels.pool import global_average_pool, global_average_pool_blocked  # heavy
 
     shape = attrs.get("shape")
 
@@ -121,17 +128,10 @@ def make_gap_kernel(attrs: dict, constants: list):
     def run(x, *_constants):
         return shaped(global_average_pool(x))
 
-    run.tactics = [Tactic("nchw", run)]
-    channels = attrs.get("channels")
-    if channels:
-        blocked = Tactic(
-            "blocked",
-            lambda xb, *_constants: shaped(global_average_pool_blocked(xb, channels)),
-            blocked_inputs=(0,),
-            in_blocks=(BLOCK,),
-        )
-        run.tactics.insert(0, blocked)
-    return run
+    def run_blocked(xb, *_constants):
+        return shaped(global_average_pool_blocked(xb, attrs["channels"]))
+
+    return with_blocked(run, run_blocked, attrs, keeps_layout=False)
 
 
 def gap_head():
@@ -151,10 +151,7 @@ def gap_attributes(m) -> dict:
     """Reshape's shape, if the head has one; the channel count when the model gives it (the
     head can then also read the blocked layout)."""
     attrs = {} if m.const("shape") is None else {"shape": [int(d) for d in m.const("shape")]}
-    vt = m.type("x")
-    if vt is not None and vt.shape and len(vt.shape) == 4 and isinstance(vt.shape[1], int):
-        attrs["channels"] = vt.shape[1]
-    return attrs
+    return attrs | known_channels(m)
 
 
 def check_gap(m) -> str | None:
@@ -220,12 +217,7 @@ def make_avg_kernel(attrs: dict, constants: list):
         t = x[:, :, : oh * kh, : ow * kw].reshape(n, c, oh, kh, ow, kw, *x.shape[4:])
         return (np.ascontiguousarray(t.mean(axis=(3, 5), dtype=np.float32)),)
 
-    avg.tactics = [Tactic("nchw", avg)]
-    if attrs.get("channels"):
-        blocked = Tactic("blocked", avg, blocked_inputs=(0,), in_blocks=(8,),
-                         blocked_outputs=(0,), out_channels=(attrs["channels"],))  # fmt: skip
-        avg.tactics.insert(0, blocked)
-    return avg
+    return with_blocked(avg, avg, attrs)
 
 
 AVG_POOL = Rule(
