@@ -202,11 +202,12 @@ class TimingCache:
             pass
 
 
-def plan_key(skeleton: bytes, shapes: Sequence, threads: int, version: str) -> str:
-    """What a whole-plan timing depends on: the fused model without its weights' bytes (its
-    graph, fused nodes and islands), its input shapes, threads, the kernels' source."""
+def plan_key(model_digest: str, shapes: Sequence, threads: int, version: str) -> str:
+    """What a whole-plan timing depends on: the fused model without its weights' bytes (a
+    digest of its graph, fused nodes and islands), its input shapes, threads, the kernels'
+    source."""
     dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
-    return f"plan:{hashlib.sha1(skeleton).hexdigest()[:16]}|{dims}|t{threads}|{version}"
+    return f"plan:{model_digest}|{dims}|t{threads}|{version}"
 
 
 def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:
