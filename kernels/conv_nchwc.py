@@ -31,7 +31,8 @@ from .workspace import per_thread
 # Relative speed of the three register tiles (3x4, 6x2, 12x1) when none computes padding: per
 # 12 FMAs the 3x4 tile loads 3 broadcasts and 4 weight vectors, the 12x1 tile 12 broadcasts
 # and 1 vector. Only the order matters (which tile to try first); where another tile wastes
-# fewer slots, both are offered and timed (tile_options; bench/NOTES.md, "blocked conv tiles").
+# fewer slots, both are offered and timed (tile_options; bench/NOTES.md, "Blocked layout and
+# tactics").
 _TILE_SPEED = {4: 1.0, 2: 0.6, 1: 0.4}
 
 
@@ -185,9 +186,9 @@ def output_shape(x_shape, plan: ConvPlan):
 @functools.lru_cache(maxsize=8)
 def _budgets():
     """(bytes of packed weights below which K is not cut, bytes of one chunk when it is): a
-    filter group's weights are read once per tile, so they must stay in L2 (from L3 a tile
-    stalls on them; keeping them in L1 instead costs more in parked accumulators than it saves:
-    bench/NOTES.md, "blocked conv")."""
+    filter group's weights are read once per tile, so they should stay in L2 (from L3 a tile
+    would wait on them); a smaller budget (L1) would mean more chunks, each parking and
+    reloading every tile's accumulators."""
     l2 = cache_bytes(2)
     return l2 // 2, l2 // 4
 
