@@ -213,7 +213,7 @@ def _one(k, labels, cls, one, feeds, workers, catalog, folder, rounds, repeat, t
     calls = {name: Keyed(workers[name], k) for name in (FUSED, ORT_ALL)}
     kernels = workers[FUSED].ask("nodes", k)
     if len(kernels) == 1:  # the fused conv's kernel alone, on inputs in its own layout
-        (name, *_, choice), *_ = kernels
+        ((name, *_, choice),) = kernels
         calls[FUSED] = Keyed(workers[FUSED], (k, name))
         row["kernel"] = choice
     timing = interleave(calls, rounds, warmup=2, repeat=repeat, threads=threads, mode=PROCESSES,
