@@ -769,6 +769,26 @@ def test_batch_0_gives_empty_outputs_like_onnxruntime(capsys, tmp_path, tactics)
     assert code == 0 and "float32 [0, 4, 6, 6]" in out, err
 
 
+def test_a_signalling_nan_in_the_weights_runs_like_onnxruntime_without_a_warning(capsys, tmp_path):
+    # A corrupted file's weight bytes can spell a signalling NaN (0x7f800001): widening it to
+    # float64 while the kernel is built raised "invalid value encountered in cast" (CI fuzz).
+    model = conv_stack(blocks=2, channels=4, size=6)
+    weight = model.graph.initializer[0]
+    values = numpy_helper.to_array(weight).copy()
+    values.reshape(-1).view(np.uint32)[:3] = 0x7F800001
+    weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+    x = np.random.default_rng(0).standard_normal((2, 4, 6, 6)).astype(np.float32)
+    want = run_ort(model, {"input": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fusion.Session(model, threads=1).run(None, {"input": x})
+    assert np.isnan(want[0]).any()
+    assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    save_model(model, tmp_path / "m.onnx")
+    code, _, err = cli(capsys, "run", tmp_path / "m.onnx", "-o", tmp_path / "o.npz")
+    assert code == 0 and not err.strip(), err
+
+
 # ---- fused nodes a kernel must not run, kernels that misbehave ---------------------------------
 def rewritten() -> onnx.ModelProto:
     return fusion.rewrite(small_model()).model

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -106,7 +107,10 @@ def build_kernel(rule: Rule | None, node: onnx.NodeProto, view: GraphView) -> Ke
     prepare_kernel_cache()
     constants = [view.constant(v) if v else None for v in node.input]
     try:
-        return rule.prepare(node_attributes(node), constants)
+        # NaN/Inf in weights (a signalling NaN widened to float64, an overflow when a BatchNorm
+        # is folded) are computed with as onnxruntime computes with them, not warned about.
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return rule.prepare(node_attributes(node), constants)
     except Exception as exc:  # the factory validates what the pattern did not (a corrupt file)
         label = node_label(node)
         raise KernelError(
