@@ -5,11 +5,21 @@ ones, at the same time: most of a 14-minute cold run). kernels.warmup compiles e
 kernel paths in its own process into the on-disk cache, where the workers then find them; on a
 warm cache it only loads them (about 9 s). Only for parallel runs (`-n`): a single-process run
 compiles just what its tests use. FUSION_NO_WARMUP=1 skips it.
+
+Property tests (hypothesis) draw the same examples on every run, so that the suite passes or
+fails the same way on every machine and a failure reproduces; FUSION_FUZZ_RANDOM=1 draws new
+ones (with FUSION_FUZZ_EXAMPLES / FUSION_FUZZ_CORRUPTIONS for long hunts, see test_fuzz.py).
 """
 
 import os
 import tempfile
 import warnings
+
+from hypothesis import settings
+
+settings.register_profile("fixed", derandomize=True, database=None)
+settings.register_profile("random")
+settings.load_profile("random" if os.environ.get("FUSION_FUZZ_RANDOM") == "1" else "fixed")
 
 # Sessions run their kernels' first tactic, untimed: a test of a kernel must run that kernel,
 # whatever the machine's timings say (tests of the choice itself ask for "fastest"), and no

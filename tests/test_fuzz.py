@@ -3,9 +3,10 @@
 
 For every model: the rewrite passes the full ONNX checker, exactly the clean blocks are fused
 (near-misses never), onnxruntime gives the same outputs on the rewritten and the original model,
-and so does fusion.Session (kernels included). The default run is 200 examples; a longer one:
+and so does fusion.Session (kernels included). The default run is the same 200 examples every
+time (tests/conftest.py); a longer hunt on new ones:
 
-    FUSION_FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz.py
+    FUSION_FUZZ_RANDOM=1 FUSION_FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz.py
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def test_rewrite_keeps_meaning_and_fuses_exactly_the_clean_blocks(case, seed):
 # ---- corrupted files -------------------------------------------------------------------------
 # One bit flipped, or one byte replaced, anywhere in a small conv model's file: `fusion rewrite`
 # and `fusion run` refuse it with exit 2 and one line, or work (exit 0, and a rewrite means what
-# the damaged file means in onnxruntime). Longer: FUSION_FUZZ_CORRUPTIONS=20000 (every bit of
-# the 2 KB file about once).
+# the damaged file means in onnxruntime). Longer, on new draws: FUSION_FUZZ_RANDOM=1
+# FUSION_FUZZ_CORRUPTIONS=20000 (every bit of the 2 KB file about once).
 CORRUPTIONS = int(os.environ.get("FUSION_FUZZ_CORRUPTIONS", "150"))
 MODEL_FILE = conv_stack(blocks=2, channels=4, size=6).SerializeToString(deterministic=True)
 
