@@ -266,10 +266,17 @@ def test_a_worker_turn_ends_once_its_threads_stop_spinning():
         while time.perf_counter() < end:
             pass
 
-    thread = threading.Thread(target=spin, args=(0.15,))
-    thread.start()
-    assert 0.15 <= settle(limit=2.0) < 1.0
-    thread.join()
+    # On a loaded machine the spinning thread can be descheduled for settle's whole quiet spell
+    # (30 ms): a wait cut short that way is tried again, at most three times.
+    waits = []
+    for _ in range(3):
+        thread = threading.Thread(target=spin, args=(0.15,))
+        thread.start()
+        waits.append(settle(limit=2.0))
+        thread.join()
+        if 0.15 <= waits[-1] < 1.0:
+            break
+    assert 0.15 <= waits[-1] < 1.0, waits
     assert settle(limit=2.0) < 0.15
 
 
