@@ -20,11 +20,11 @@ torch is not a dependency of the project. Export from a separate virtual environ
 large; keep the project's .venv as CI installs it). On x86_64 Linux with Python 3.11:
 
     python3 -m venv ~/venvs/zoo
-    ~/venvs/zoo/bin/pip install torch==2.14.1 torchvision==0.29.1 onnx onnxruntime onnxscript numpy
+    ~/venvs/zoo/bin/pip install torch==2.14.1 torchvision==0.29.1 onnxscript -e .
     ~/venvs/zoo/bin/python bench/zoo.py [--only resnet18,googlenet] [--exporters ts17,dynamo18]
                                         [--out DIR] [--force] [--threads 2] [--json FILE]
 
-or, into a venv of its own, the project with its optional extra: pip install -e ".[zoo]".
+(the same as `pip install -e ".[zoo]"`: the project itself provides the onnxruntime session).
 Pin torch and torchvision as above: a plain `pip install torch` may pull a multi-GB CUDA build
 from the network (see env's machine notes; this machine has the pinned wheels on disk).
 onnxscript is what the dynamo exporter translates with.
@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+
+from fusion.ort import DEFAULT, inference_session
 
 # torchvision constructor -> keyword arguments beyond weights=None. GoogLeNet: no auxiliary
 # classifiers (they only run in training), and its own initialisation asked for explicitly
@@ -174,9 +176,7 @@ def check(result: Result, model, path: Path, threads: int) -> None:
         result.nodes, result.convs, result.ops = len(proto.graph.node), ops["Conv"], dict(ops)
         result.opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
         stage = "onnxruntime"
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = inference_session(path, DEFAULT, threads=threads)
         for batch in BATCHES:
             stage = "onnxruntime"
             x = example(batch)
