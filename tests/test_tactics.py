@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import time
 import warnings
 from pathlib import Path
@@ -184,6 +185,10 @@ def test_fusion_tune_fills_the_cache_and_says_what_runs(capsys, monkeypatch, tmp
     assert main(["tune", str(path), "--batch", "1", "2", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "batch 1: " in out and "batch 2: " in out and out.count("tactics: ") == 2
+    said = re.compile(
+        r"batch \d: (runs .+ \(.*onnxruntime alone [\d.]+ ms\)|no race \(no fused .+\))$"
+    )
+    assert all(said.match(line) for line in out.splitlines() if line.startswith("batch ")), out
     entries = json.loads(next((tmp_path / "cache").glob("tactics-*.json")).read_text())["entries"]
     timed = {k.split("|")[1].split(";")[0] for k in entries if not k.startswith("plan:")}
     assert timed == {"1x8x10x10", "2x8x10x10"}  # each conv at both batch sizes

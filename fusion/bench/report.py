@@ -15,6 +15,7 @@ import numpy as np
 from fusion.bench.machine import cpu_line, machine, machine_lines
 from fusion.bench.result import BenchResult
 from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, RUNNERS
+from fusion.runtime import describe_race
 
 TOP_STEPS = 8  # profile rows shown in a terminal or Markdown (the JSON has them all)
 WIDE = 160  # columns from which the terminal also gets the one-row-per-workload summary
@@ -189,8 +190,7 @@ def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
     if p:
         pairs.append(("kernels / islands", f"{p['kernels']} / {p['islands']}"))
     if p.get("race"):
-        seconds = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in p["race"]["seconds"].items())
-        pairs.append(("whole plan chosen", f"{p['race']['chosen']} (ms: {seconds})"))
+        pairs.append(("whole plan", describe_race(p["race"])))
     if c.get("share_in_kernels") is not None:
         pairs.append(("conv FLOPs in fusion's kernels",
                       f"{c['share_in_kernels']:.0%} ({c['convs_in_kernels']} of {c['convs']} "

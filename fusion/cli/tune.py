@@ -15,6 +15,7 @@ from fusion.cli.inputs import batch_dims, beyond_the_checker, load_checked
 from fusion.cli.run import prepared_session
 from fusion.errors import FusionError
 from fusion.feeds import model_inputs
+from fusion.runtime import describe_race
 from fusion.runtime.tactics import cache_dir
 
 NAME, HELP = "tune", "time every fused node's kernels once, for later sessions on this CPU"
@@ -36,19 +37,9 @@ def execute(args) -> int:
         for batch in args.batch:
             feeds, _ = model_inputs(session.model, None, 0, batch_dims(session.model, batch))
             session.run(None, feeds)
-            print(f"batch {batch}: {describe(session.race_for(feeds))}")
+            print(f"batch {batch}: {describe_race(session.race_for(feeds))}")
             tactics = Counter(session.choices_for(feeds).values())
             print("  tactics: " + (", ".join(f"{n} x{k}" for n, k in tactics.most_common())
                                    or "none (nothing fused)"))  # fmt: skip
     print(f"timing cache: {cache_dir()}")
     return 0
-
-
-def describe(race: dict | None) -> str:
-    """One line for a whole-plan race (Session.race)."""
-    if race is None:
-        return "no race (no fused node runs a kernel)"
-    names = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
-             "onnxruntime": "onnxruntime alone"}  # fmt: skip
-    times = ", ".join(f"{names.get(k, k)} {v * 1e3:.2f} ms" for k, v in race["seconds"].items())
-    return f"runs {names.get(race['chosen'], race['chosen'])} ({times})"

@@ -92,6 +92,20 @@ def is_fused(model: onnx.ModelProto) -> bool:
     return any(node.domain == DOMAIN for node in model.graph.node)
 
 
+# What each whole-plan candidate (Session._settle) is, for people.
+PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
+              ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
+
+
+def describe_race(race: dict | None) -> str:
+    """One line for a whole-plan race (Session.race): the plan run and every candidate's time."""
+    if race is None:
+        return "no race (no fused node runs a kernel)"
+    name = PLAN_NAMES.get
+    times = ", ".join(f"{name(k, k)} {v * 1e3:.2f} ms" for k, v in race["seconds"].items())
+    return f"runs {name(race['chosen'], race['chosen'])} ({times})"
+
+
 class Session:
     """An InferenceSession look-alike that runs fused nodes with their kernels.
 
