@@ -23,15 +23,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from zoo import EXPORTERS, MODELS, model_path, zoo_dir  # bench/zoo.py, beside this script
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import EXPORTERS, MODELS, model_path, zoo_dir  # noqa: E402 (bench/zoo.py, beside this)
-
-import fusion  # noqa: E402
-from fusion.coverage import coverage  # noqa: E402
-from fusion.feeds import model_inputs  # noqa: E402
-from fusion.modelfile import read_model  # noqa: E402
-from fusion.ort import REFERENCE, inference_session  # noqa: E402
+import fusion
+from fusion.coverage import coverage
+from fusion.feeds import model_inputs
+from fusion.modelfile import read_model
+from fusion.ort import REFERENCE, inference_session
 
 
 def check(name: str, model, batch: int, why: bool) -> dict:

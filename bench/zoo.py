@@ -48,6 +48,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from fusion.models.pytorch import EXPORTERS, torch_export
 from fusion.ort import DEFAULT, inference_session
 
 # torchvision constructor -> keyword arguments beyond weights=None. GoogLeNet: no auxiliary
@@ -71,7 +72,6 @@ COVERAGE = {
     "resnext50_32x4d": {},
 }
 MODELS = {**BENCH, **COVERAGE}
-EXPORTERS = {"ts17": (False, 17), "dynamo18": (True, 18)}  # name -> (dynamo, opset)
 INPUT_SHAPE = (3, 224, 224)
 BATCHES = (1, 8)  # checked against torch; the export itself traces batch 2 (see export)
 SEED = 0
@@ -144,10 +144,10 @@ def example(batch: int):
 
 
 def export(model, path: Path, exporter: str) -> None:
-    """Write `model` to `path` (via a temporary file, renamed when complete)."""
+    """Write `model` to `path` (replaced whole when complete), the batch axis dynamic."""
     import torch
 
-    dynamo, opset = EXPORTERS[exporter]
+    dynamo = EXPORTERS[exporter][0]
     # Traced at batch 2: torch.export specialises a dimension it sees as 1.
     args = (example(2),)
     names = {"input_names": ["input"], "output_names": ["logits"]}
@@ -155,13 +155,7 @@ def export(model, path: Path, exporter: str) -> None:
         axes = {"dynamic_shapes": ({0: torch.export.Dim("batch", min=1, max=1024)},)}
     else:
         axes = {"dynamic_axes": {"input": {0: "batch"}, "logits": {0: "batch"}}}
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.onnx.export(model, args, str(tmp), dynamo=dynamo, opset_version=opset,
-                          external_data=False, **names, **axes)  # fmt: skip
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    torch_export(model, args, path, exporter, **names, **axes)
 
 
 def check(result: Result, model, path: Path, threads: int) -> None:

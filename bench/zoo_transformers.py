@@ -22,16 +22,12 @@ The builder and exporter are tests/fixtures/export_transformers.py's (the tiny f
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "fixtures"))
+from zoo import zoo_dir  # bench/zoo.py, beside this script: the cache folder
 
-from export_transformers import build, export  # noqa: E402 (the fixtures' builder)
-from zoo import zoo_dir  # noqa: E402 (bench/zoo.py: the cache folder)
+from fusion.models.pytorch import build, export
 
 SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              vocab_size=1000, max_position_embeddings=512)  # fmt: skip

@@ -5,6 +5,8 @@ used by `fusion demo`, the tests and the benchmarks.
   lstm         LSTM cells unrolled as PyTorch exports nn.LSTMCell in a loop; the native twin
   gru          GRU cells unrolled as PyTorch / tf2onnx write them; the native twin
   squeezenet   SqueezeNet 1.0 and 1.1 as torch.onnx.export writes torchvision's models
+  pytorch      real exports by PyTorch's exporters (torch, transformers: the `zoo` extra; not
+               imported here)
 """
 
 from fusion.models.conv_stack import conv_stack, conv_stack_flops
