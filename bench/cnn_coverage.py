@@ -29,7 +29,10 @@ import fusion
 from fusion.coverage import coverage
 from fusion.feeds import model_inputs
 from fusion.modelfile import read_model
+from fusion.numerics import compare_arrays
 from fusion.ort import REFERENCE, inference_session
+
+SCALE_RTOL = 1e-4  # the largest error allowed, relative to the output's largest magnitude
 
 
 def check(name: str, model, batch: int, why: bool) -> dict:
@@ -44,10 +47,14 @@ def check(name: str, model, batch: int, why: bool) -> dict:
         session = fusion.Session(result.model, fuse=False, tactics="kernel")
         got = session.run(None, feeds)
         want = inference_session(model, REFERENCE).run(None, feeds)
-        rel = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30))
-                  for g, w in zip(got, want, strict=True))  # fmt: skip
+        # Errors against each output's largest value (a deep CNN's logits drift past an
+        # elementwise tolerance even between onnxruntime's own optimization levels).
+        scales = [max(float(np.max(np.abs(w), initial=0.0)), 1e-30) for w in want]
+        checks = [compare_arrays(f"output {k}", g, w, 0.0, SCALE_RTOL * s)
+                  for k, (g, w, s) in enumerate(zip(got, want, scales, strict=True))]  # fmt: skip
+        rel = max(c.max_abs / s for c, s in zip(checks, scales, strict=True))
         report = fusion.verify(model, result.model, inputs=feeds)
-        row.update(max_rel_to_scale=rel, verify_ok=report.ok,
+        row.update(max_rel_to_scale=rel, scale_ok=all(c.ok for c in checks), verify_ok=report.ok,
                    verify_max_rel=max(c.max_rel for c in report.outputs))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 (a failing model is a row, not the end of the run)
         row.update(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -62,7 +69,7 @@ def line(row: dict) -> str:
         out = f"ERROR {row['error']}"
     else:
         out = (f"rel err {row['max_rel_to_scale']:.1e} "
-               f"({'ok' if row['max_rel_to_scale'] <= 1e-4 else 'OVER 1e-4'}), "
+               f"({'ok' if row['scale_ok'] else f'OVER {SCALE_RTOL:g}'}), "
                f"verify {'ok' if row['verify_ok'] else 'FAIL'}")  # fmt: skip
     return (f"| {row['model']} | {row['fused_convs']}/{row['convs']} | {row['islands']} | {out} | "
             f"{', '.join(f'{k} {v}' for k, v in row['rules'].items())} |")  # fmt: skip

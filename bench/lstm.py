@@ -16,7 +16,8 @@ random order each round: a runner that always followed the same spinning onnxrun
 after N // 4 untimed ones, and reports seconds per
 call, after a short gap (--gap) in which the previous runner's spinning workers settle. It
 prints medians with min and max per runner and the ratios, after checking every
-runner's outputs against onnxruntime on the unrolled graph (1e-5). `--compile` instead times a
+runner's outputs against onnxruntime on the unrolled graph (fusion.numerics' default
+tolerance). `--compile` instead times a
 Session build + first run with a fresh Numba cache, then again from that cache.
 
     python bench/lstm.py [--cell lstm gru] [--batch 1 16] [--rounds 30] [--steps 16]
@@ -36,6 +37,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, compare_arrays
 
 RUNNERS = ("fused", "ort-unrolled", "ort-native", "fused-native", "ort-standard")
 THREADS, INPUT, HIDDEN = 2, 128, 256
@@ -135,9 +138,9 @@ def bench(cell, batch, steps, rounds, runners, gap: float, turn: float) -> None:
                     outs[w.name] = [f[k] for k in sorted(f.files, key=lambda s: int(s[4:]))]
         want = outs["ort-unrolled"]
         for name, got in outs.items():
-            for g, ref in zip(got, want, strict=True):
-                err = float(np.abs(g - ref).max())
-                assert err <= 1e-5, f"{name}: max abs error {err:.3g} vs onnxruntime"
+            for k, (g, ref) in enumerate(zip(got, want, strict=True)):
+                same = compare_arrays(f"{name} output {k}", g, ref, DEFAULT_RTOL, DEFAULT_ATOL)
+                assert same.ok, f"{same} against ort-unrolled"
         repeat = max(4, round(turn / _estimate(workers[0])))  # `turn` s of calls per turn
         times = {w.name: [] for w in workers}
         shuffle = random.Random(0).shuffle

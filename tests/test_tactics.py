@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import fused_model, scaled_relu, scaled_relu_catalog, tensor
+from helpers import assert_close, fused_model, scaled_relu, scaled_relu_catalog, tensor
 from onnx import helper, numpy_helper
 
 import fusion.runtime.tactics as tactics_module
@@ -81,7 +81,7 @@ def test_fastest_never_keeps_a_slower_tactic_and_caches_the_choice(monkeypatch, 
     assert again.race == session.race is not None  # the whole-plan race, also from the cache
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     (y,) = again.run(None, {"x": x})
-    np.testing.assert_allclose(y, np.maximum(x * 0.5, 0), rtol=1e-6)
+    assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
 
 
 def test_the_whole_plan_races_onnxruntime_alone(monkeypatch, tmp_path):
