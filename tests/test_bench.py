@@ -352,6 +352,11 @@ def test_cli_writes_json_markdown_and_plot(tmp_path, monkeypatch):
     assert len(tables) == 2  # times and details
     header = next(ln for ln in lines if ln.startswith("| workload |"))
     assert all(ln.count("|") == header.count("|") for ln in tables[:1])
+    assert "| runner | median | min-max | p90 | p99 | items/s | vs ort-all |" in lines
+    assert sum(ln.startswith(f"| {name} | ") for ln in lines for name in w["runners"]) >= 4
+    # Same-process mode: onnxruntime's ORT_ENABLE_ALL runners do not spin, and say so.
+    assert "workers not spinning (same-process mode)" in w["runners"][ORT_ALL]["label"]
+    assert "spinning)" not in md.replace("not spinning (same-process mode)", "")
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -14,7 +14,15 @@ import numpy as np
 
 from fusion.bench.machine import cpu_line, machine, machine_lines
 from fusion.bench.result import BenchResult
-from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, RUNNERS
+from fusion.bench.runners import (
+    FUSED,
+    NATIVE,
+    ORT_ALL,
+    ORT_FUSED,
+    ORT_NONE,
+    RUNNERS,
+    runner_label,
+)
 from fusion.runtime import describe_race
 
 TOP_STEPS = 8  # profile rows shown in a terminal or Markdown (the JSON has them all)
@@ -244,8 +252,8 @@ def rich_tables(results: list[BenchResult], width: int = 80):
     return out
 
 
-def legend() -> list[str]:
-    lines = [f"- `{n}`: {label}" for n, label in RUNNERS.items()]
+def legend(mode: str) -> list[str]:
+    lines = [f"- `{n}`: {runner_label(n, mode)}" for n in RUNNERS]
     lines += [
         "- `vs X`: median of X / median of fusion (above 1: fusion is faster)",
         "- medians, min and max over every timed call; p90, p99: percentiles of them; items/s: "
@@ -299,13 +307,16 @@ def markdown(results: list[BenchResult], info: dict | None = None, command: str 
     out += ["", f"**{TIMES_TITLE}**", "", *_md_table(*time_rows(results))]
     out += ["", f"**{DETAILS_TITLE}**", "", *_md_table(*detail_rows(results)), ""]
     for r in results:
+        out += [f"**{r.workload}: each runner, ms per run (items/s: the batch over the median)**",
+                "", *_md_table(*runner_rows(r), left=1), ""]  # fmt: skip
         if r.profile.get("steps"):
             out += [f"**{r.workload}: fusion's run by step, slowest first**", "",
                     *_md_table(*step_rows(r), left=2), ""]  # fmt: skip
         if r.slower_nodes:
             out += [f"**{r.workload}: fused nodes slower than onnxruntime on their own body**",
                     "", *_md_table(*node_rows(r, top=0), left=2), ""]  # fmt: skip
-    out += legend()
+    for mode in sorted({r.mode for r in results}):
+        out += legend(mode)
     out += [f"- {line}" for line in notes(results)]
     return "\n".join(out) + "\n"
 
@@ -345,7 +356,8 @@ def write_plot(results: list[BenchResult], path, title: str = "", info: dict | N
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(results))]
         ys = [r.speedup(ORT_ALL, of=name) or 0.0 for r in results]
         if any(ys):
-            ax.bar(xs, ys, width, label=RUNNERS[name], color=colors[name])
+            label = "; ".join(sorted({runner_label(name, r.mode) for r in results}))
+            ax.bar(xs, ys, width, label=label, color=colors[name])
     for i, r in enumerate(results):
         for name in r.refused:  # where its bar would be
             x = i + (names.index(name) - (len(names) - 1) / 2) * width if name in names else i
@@ -356,7 +368,7 @@ def write_plot(results: list[BenchResult], path, title: str = "", info: dict | N
     ax.set_ylabel("speedup over ort-all, onnxruntime ORT_ENABLE_ALL (median)")
     ax.set_title(title or "fusion benchmark", fontsize=9)
     ax.legend(fontsize=7)
-    caption = [cpu_line(info), modes(results)] + ([info["command"]] if info.get("command") else [])
+    caption = [*machine_lines(info), modes(results)]
     fig.text(0.01, 0.01, "\n".join(caption), fontsize=6, va="bottom", ha="left")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)

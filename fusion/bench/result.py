@@ -5,7 +5,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from fusion.bench.runners import FUSED, NATIVE, ORT_ALL, ORT_FUSED, ORT_NONE, RUNNERS, RunnerInfo
+from fusion.bench.runners import (
+    FUSED,
+    NATIVE,
+    ORT_ALL,
+    ORT_FUSED,
+    ORT_NONE,
+    RunnerInfo,
+    runner_label,
+)
 from fusion.bench.timing import Timing
 
 
@@ -70,7 +78,7 @@ class BenchResult:
         runners = {}
         for name, info in self.runners.items():
             samples = self.timing.times.get(name) or []
-            row = {"label": RUNNERS[name], **vars(info)}
+            row = {"label": runner_label(name, self.mode), **vars(info)}
             row.pop("name")
             if samples:
                 row.update(

@@ -40,13 +40,22 @@ ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE = (
     "ort-fused",
     "ort-native",
 )
-RUNNERS = {  # in the quick same-process mode the ORT_ENABLE_ALL runners do not spin
+_AT_DEFAULTS = "at its defaults (ORT_ENABLE_ALL, spinning)"
+_NOT_SPINNING = "ORT_ENABLE_ALL, workers not spinning (same-process mode)"
+RUNNERS = {
     ORT_NONE: "onnxruntime ORT_DISABLE_ALL, original model",
-    ORT_ALL: "onnxruntime at its defaults (ORT_ENABLE_ALL, spinning), original model",
+    ORT_ALL: f"onnxruntime {_AT_DEFAULTS}, original model",
     FUSED: "fusion.Session, rewritten model",
-    ORT_FUSED: "onnxruntime at its defaults, rewritten model (function bodies)",
-    NATIVE: "onnxruntime at its defaults, native-op model",
+    ORT_FUSED: f"onnxruntime {_AT_DEFAULTS}, rewritten model (function bodies)",
+    NATIVE: f"onnxruntime {_AT_DEFAULTS}, native-op model",
 }
+
+
+def runner_label(name: str, mode: str) -> str:
+    """What runner `name` is, in timing mode `mode`: in the quick same-process mode the
+    ORT_ENABLE_ALL runners do not spin (DEFAULT_NO_SPIN), and their label says so."""
+    label = RUNNERS[name]
+    return label.replace(_AT_DEFAULTS, _NOT_SPINNING) if mode == SAME_PROCESS else label
 
 
 def make_runner(
