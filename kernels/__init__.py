@@ -1,8 +1,11 @@
 """Numba CPU kernels for fused ONNX ops. This package knows nothing about ONNX graphs.
 
-One family per module, each with its validating wrapper(s); every family's wrapper is exported
-here. The exports load on first use: a family module compiles (or loads from the cache) Numba
-code, which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
+One family per module, each with its validating wrapper(s), all exported here by name. The
+exports load on first use: a family module compiles (or loads from the cache) Numba code,
+which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
+A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense, pointwise,
+linear_act) is reached through the module, `kernels.fire.fire`: exporting it by name would
+shadow the module (`import kernels.fire as m` would then give the function).
 
     from kernels import conv2d_bias_act, prepare_conv2d, set_threads
 """
@@ -11,10 +14,23 @@ import importlib
 
 _EXPORTS = {
     "conv2d": ("Conv2DPlan", "conv2d_bias_act", "output_shape", "prepare_conv2d"),
-    "fire": ("FirePlan", "fire", "prepare_fire"),
-    "conv_concat": ("conv_concat",),
-    "pool": ("MaxPoolPlan", "global_average_pool", "maxpool2d", "prepare_maxpool"),
+    "fire": ("FirePlan", "prepare_fire"),
+    "conv_nchwc": ("ConvPlan", "prepare_conv_nchwc", "tile_options"),
+    "blocked": ("block_size", "blocked_shape", "from_blocked", "to_blocked"),
+    "pool": (
+        "MaxPoolPlan",
+        "global_average_pool",
+        "global_average_pool_blocked",
+        "maxpool2d",
+        "maxpool_blocked",
+        "prepare_maxpool",
+    ),  # fmt: skip
+    "pointwise": ("PointwisePlan", "pointwise_blocked", "prepare_pointwise"),
+    "linear_act": ("bias_act",),
+    "attention": ("attention_core",),
+    "layernorm": ("layer_norm",),
     "lstm": ("LSTMPlan", "lstm_cell", "lstm_sequence", "prepare_lstm"),
+    "gru": ("gru_sequence", "prepare_gru"),
     "config": ("apply_thread_settings", "get_threads", "set_threads"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -152,3 +152,28 @@ def test_the_runtime_applies_the_thread_settings_before_numba_starts():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["PASSIVE", "7"]
+
+
+def test_kernels_export_every_family_without_shadowing_a_module():
+    """Every wrapper kernels/__init__ names exists; each public family module has its exports
+    there (or is one whose wrapper shares its name); no export hides a module."""
+    code = textwrap.dedent("""
+        import importlib, pkgutil, types
+        import kernels
+        names = {n: getattr(kernels, n) for n in kernels.__all__}
+        assert all(callable(v) for v in names.values())
+        helpers = {"config", "epilogue", "machine", "warmup", "windows", "workspace"}
+        for info in pkgutil.iter_modules(kernels.__path__):
+            if info.name.startswith("_") or info.name in helpers:
+                continue
+            module = importlib.import_module(f"kernels.{info.name}")
+            home = {n for n, v in names.items() if getattr(v, "__module__", "") == module.__name__}
+            assert home or callable(getattr(module, info.name, None)), info.name
+            assert isinstance(getattr(kernels, info.name), types.ModuleType), info.name
+        import kernels.fire as fire_module
+        assert isinstance(fire_module, types.ModuleType)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+    assert done.stdout.strip() == "ok", done.stderr
