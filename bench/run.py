@@ -16,6 +16,8 @@ runners and verification, workers.py for the processes, report.py for the column
                native LSTM op on the same weights (ort-native)
   no-pattern   an MLP (MatMul, Add, Tanh, Softmax) the catalog has nothing for: the fused run
                must cost nothing there
+  --zoo NAMES  real CNNs that bench/zoo.py exported (torchvision, random weights), e.g.
+               resnet18,mobilenet_v2: in the same run, so one command gives the whole table
 
 CNNs at batch 1 and 8, LSTM at batch 1 and 16. Exit code 1 when any runner's numbers were
 refused.
@@ -36,9 +38,12 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from models import workload as file_workload  # noqa: E402 (bench/models.py, beside this)
+from zoo import EXPORTERS, model_path, zoo_dir  # noqa: E402 (bench/zoo.py)
 
 from fusion import bench  # noqa: E402
 from fusion.bench import FUSED, ORT_ALL, PROCESSES, SAME_PROCESS, Options, Workload  # noqa: E402
+from fusion.modelfile import read_model  # noqa: E402
 from fusion.models import LSTMWeights, conv_stack, native_lstm, squeezenet, unrolled_lstm  # noqa: E402
 from fusion.models.builder import GraphBuilder  # noqa: E402
 
@@ -48,6 +53,7 @@ LSTM_RULES = ("patterns.lstm", "patterns.lstm_sequence")
 # runs first, as its kernels (ConvBiasRelu and FireModule) include the conv stack's and the
 # Fire module's.
 FAMILY = {"conv-stack": "cnn", "squeezenet1.1": "cnn", "squeezenet1.0": "cnn", "fire": "cnn"}
+CNN_BATCHES = (1, 8)
 COST_NOTHING = 1.05  # a fused run of a model with no match may be at most 5 % slower
 
 
@@ -126,9 +132,22 @@ def no_pattern(batch: int = 64, size: int = 512, hidden: int = 1024, classes: in
     )
 
 
+def zoo_workloads(names: list[str], exporter: str, batches) -> list[tuple[str, object]]:
+    """(name, builder) of each exported CNN at each batch; a file not exported yet stops here."""
+    out = []
+    for name in names:
+        path = model_path(zoo_dir(), name, exporter)
+        if not path.is_file():
+            raise SystemExit(f"{path}: not exported yet (run bench/zoo.py in its venv)")
+        for b in batches:
+            out.append((f"{name} b{b}", lambda p=path, n=name, b=b: file_workload(
+                n, read_model(p)[0], b)))  # fmt: skip
+    return out
+
+
 def suite(quick: bool) -> list[tuple[str, object]]:
     """(name, builder) in run order; quick: batch 1 only."""
-    cnn, rnn = ((1,), (1,)) if quick else ((1, 8), (1, 16))
+    cnn, rnn = CNN_BATCHES[:1] if quick else CNN_BATCHES, (1,) if quick else (1, 16)
     out = [(f"squeezenet{v} b{b}", lambda v=v, b=b: squeezenet_workload(v, b))
            for v in ("1.1", "1.0") for b in cnn]  # fmt: skip
     out += [(f"conv-stack b{b}", lambda b=b: conv_stack_workload(b)) for b in cnn]
@@ -148,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="at most this many timed rounds")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timing per workload")
     ap.add_argument("--only", help="comma-separated substrings of workload names to run")
+    ap.add_argument("--zoo", default="", help="comma-separated bench/zoo.py exports to add")
+    ap.add_argument("--exporter", default="ts17", choices=sorted(EXPORTERS),
+                    help="which of bench/zoo.py's exports (--zoo)")  # fmt: skip
     ap.add_argument("--no-memory", action="store_true", help="skip peak memory (child process)")
     ap.add_argument("--no-compile", action="store_true", help="skip Numba compile time")
     ap.add_argument("--json", help="write the results as JSON to this file")
@@ -177,6 +199,8 @@ def main(argv=None) -> int:
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
         todo = [(n, b) for n, b in todo if any(k in n for k in keys)]
+    zoo_names = [n.strip() for n in args.zoo.split(",") if n.strip()]
+    todo += zoo_workloads(zoo_names, args.exporter, CNN_BATCHES[:1] if quick else CNN_BATCHES)
     console = Console(highlight=False)
     if argv is not None:
         info["command"] = bench.command_line(["bench/run.py", *argv])
