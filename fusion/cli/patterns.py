@@ -32,8 +32,12 @@ def execute(args) -> int:
     from rich.table import Table
 
     table = Table(title="fusion catalog (priority order)")
-    for column in ("name", "priority", "matches", "kernel"):
-        table.add_column(column)
+    # Long words fold onto the next line rather than end in "…": a kernel's dotted name
+    # must read whole at 80 columns.
+    table.add_column("name", overflow="fold")
+    table.add_column("priority", justify="right")
+    table.add_column("matches", overflow="fold")
+    table.add_column("kernel", overflow="fold")
     for row in rows:
         table.add_row(row["name"], str(row["priority"]), row["matches"], row["kernel"] or "-")
     Console().print(table)
