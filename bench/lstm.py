@@ -11,7 +11,7 @@ Workload: input 128, hidden 256, T = 16 (options), 2 threads everywhere. Runners
 
 On fusion.bench's harness (fusion/bench/workers.py, timing.py), as `fusion bench` times: each
 runner a worker process of its own, its outputs checked against ort-unrolled first
-(fusion.numerics' default tolerance), then rounds of one turn per runner, the order rotated
+(fusion.numerics' default tolerance), then rounds of one turn per runner, in a new order
 each round (a runner that always followed the same spinning onnxruntime ran up to 1.8x slower
 than its twin, bench/NOTES.md), a turn being --warm seconds of untimed calls and then the
 calls of about --turn seconds, each timed; after its turn a worker waits until its threads

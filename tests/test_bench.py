@@ -443,3 +443,31 @@ def test_a_run_with_every_node_on_onnxruntime_has_no_node_rows(monkeypatch):
     result = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
     assert result.refused == [] and result.nodes == []
     assert result.profile["kernels"] == 0 and result.conv["share_in_kernels"] == 0.0
+
+
+def test_interleave_gives_every_runner_several_predecessors_and_each_its_turns():
+    """Rounds in a new order each (a fixed seed): no runner always follows the same one, as a
+    rotation would make it; every runner gets one turn per round."""
+    from fusion.bench.timing import interleave
+
+    turns = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        def turn(self, calls, warm=0.0):
+            turns.append(self.name)
+            return [0.001] * calls
+
+    names = ["a", "b", "c", "d"]
+    timing = interleave({n: Runner(n) for n in names}, rounds=12, warmup=0, repeat=2)
+    assert timing.rounds == 12 and all(len(timing.times[n]) == 24 for n in names)
+    rounds = [turns[i : i + 4] for i in range(0, len(turns), 4)]
+    assert all(sorted(r) == names for r in rounds)
+    before = {n: {r[r.index(n) - 1] for r in rounds if r.index(n) > 0} for n in names}
+    assert all(len(p) >= 2 for p in before.values()), before
+    first = list(turns)
+    turns.clear()
+    interleave({n: Runner(n) for n in names}, rounds=12, warmup=0, repeat=2)
+    assert turns == first  # the same orders every run

@@ -3,7 +3,7 @@
 A light front on fusion.bench.measure: the same runners as `fusion bench` (`threads` for
 onnxruntime and Numba alike), each in a process of its own by default, outputs compared with
 the unfused run first (no speed is reported for wrong numbers), then warm-up and rounds of a
-burst of calls per runner, the order rotated each round, so that a noisy, shared machine slows
+burst of calls per runner, in a new order each round, so that a noisy, shared machine slows
 all of them alike; the figures are medians over every timed call. No FLOPs, profile, memory or
 compile time: `fusion bench MODEL.onnx` measures those. same_process=True is the quick mode
 (one process, onnxruntime's workers not spinning), and the table says so.

@@ -3,7 +3,7 @@ profile and (in child processes) peak memory and compile time.
 
 By default every runner lives in a long-lived process of its own (fusion.bench.workers), built
 from the model files, so onnxruntime keeps its defaults; the parent asks each in turn for a
-burst of calls, round robin, the order rotated per round, after warm-up. Options(mode=
+burst of calls, round robin, in a new order each round, after warm-up. Options(mode=
 SAME_PROCESS) is the quick mode: all runners take turns in this process (onnxruntime's workers
 then must not spin, fusion.ort.DEFAULT_NO_SPIN), and every output says so.
 

@@ -4,19 +4,22 @@
     timing.median("fusion"), timing.stats("fusion")["p90_ms"], timing.table()
 
 Every benchmark here and in bench/ times through `interleave`: warm-up first, then rounds of
-one turn per runner with the order rotated each round, so that load from other processes (a
-shared, noisy machine) slows all of them alike. A turn is a burst of calls back to back, each
-timed on its own, after `warm` seconds of untimed calls: a process that idled while the others
-took their turns gets slow CPUs on these virtual machines for its first tens of milliseconds
-(bench/NOTES.md, the bench harness), and every runner gets the same allowance. A runner is
-either a plain callable, timed here (`burst`), or an object with `turn(calls, warm) -> seconds
-per call` that times its burst where it lives (a runner in a process of its own,
-fusion.bench.workers, which times with the same `burst`).
+one turn per runner, in a new order each round, so that load from other processes (a shared,
+noisy machine) slows all of them alike and no runner always follows the same one (whatever a
+runner leaves behind, spinning threads or a flushed cache, would always fall on one
+neighbour: bench/NOTES.md, recurrent nets). The orders are drawn from a fixed seed. A turn
+is a burst of calls back to back, each timed on its own, after `warm` seconds of untimed
+calls: a process that idled while the others took their turns gets slow CPUs on these virtual
+machines for its first tens of milliseconds (bench/NOTES.md, the bench harness), and every
+runner gets the same allowance. A runner is either a plain callable, timed here (`burst`), or
+an object with `turn(calls, warm) -> seconds per call` that times its burst where it lives (a
+runner in a process of its own, fusion.bench.workers, which times with the same `burst`).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -92,7 +95,7 @@ class Timing:
         threads = f", {self.threads} threads" if self.threads else ""
         warm = f" after {self.warm * 1e3:.0f} ms of untimed calls" if self.warm else ""
         return (
-            f"{where}{threads}; {self.rounds} rounds round robin, order rotated, "
+            f"{where}{threads}; {self.rounds} rounds round robin, order shuffled, "
             f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}"
         )
 
@@ -136,7 +139,7 @@ def interleave(
     mode: str = SAME_PROCESS,
     warm: float = 0.0,
 ) -> Timing:
-    """Each runner `warmup` calls, then rounds of one turn per runner, the order rotated.
+    """Each runner `warmup` calls, then rounds of one turn per runner in a new order each.
 
     calls: name -> a callable (timed here) or an object with turn(n, warm) -> seconds per call
     (timed where it runs). A turn is `repeat` calls back to back, each timed, after `warm`
@@ -153,6 +156,7 @@ def interleave(
         return burst(call, n, before, warm)
 
     names = list(calls)
+    shuffle = random.Random(0).shuffle
     if warmup:
         for name in names:
             turn(name, warmup, 0.0)
@@ -164,8 +168,9 @@ def interleave(
     ):
         if pause:
             time.sleep(pause)
-        k = timing.rounds % len(names)
-        for name in names[k:] + names[:k]:
+        order = list(names)
+        shuffle(order)
+        for name in order:
             timing.times[name] += turn(name, repeat, warm)
         timing.rounds += 1
     return timing
