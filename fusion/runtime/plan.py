@@ -253,14 +253,17 @@ class OutputCheck:
     """What a kernel output must be, from the node's declared or inferred type: its dtype and,
     when known, its rank; and its fixed sizes where an island reads it (the island's session
     declares them and would refuse another size, naming the island instead of the kernel).
-    Elsewhere sizes are not enforced, as onnxruntime does not enforce a graph output's declared
-    shape: onnx's shape inference and onnxruntime disagree on some pooling sizes.
-    A dtype and ndim comparison per output and call."""
+    Elsewhere (graph outputs, values between kernels) the declared sizes are `claimed`: onnx's
+    shape inference and onnxruntime disagree on some pooling sizes, and onnxruntime does not
+    enforce a graph output's declared shape, so a size that differs is checked against the
+    node's function body in onnxruntime before it is called wrong (KernelStep).
+    A dtype, ndim and shape comparison per output and call."""
 
     name: str
     dtype: np.dtype | None
     rank: int | None
     fixed: tuple[tuple[int, int], ...]  # (axis, size) for every axis of declared size
+    claimed: tuple[tuple[int, int], ...] = ()  # declared sizes a second opinion must confirm
 
     @staticmethod
     def of(name: str, vt: ValueType | None, sizes: bool = True) -> OutputCheck:
@@ -269,7 +272,12 @@ class OutputCheck:
         dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
         shape = vt.shape
         fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
-        return OutputCheck(name, dtype, None if shape is None else len(shape), fixed * sizes)
+        rank = None if shape is None else len(shape)
+        return OutputCheck(name, dtype, rank, fixed * sizes, () if sizes else fixed)
+
+    def size_mismatch(self, value: np.ndarray) -> str | None:
+        """Why `value`'s sizes are not the claimed ones (None: they are)."""
+        return _sizes_differ(value.shape, self.claimed)
 
     def mismatch(self, value) -> str | None:
         """Why `value` is not what the node declares (None: it fits)."""
@@ -279,12 +287,15 @@ class OutputCheck:
             return f"dtype {value.dtype} where the node declares {self.dtype}"
         if self.rank is not None and value.ndim != self.rank:
             return f"shape {list(value.shape)} where the node declares rank {self.rank}"
-        for axis, size in self.fixed:
-            if value.shape[axis] != size:
-                return (
-                    f"shape {list(value.shape)} where the node declares size {size} on axis {axis}"
-                )
-        return None
+        return _sizes_differ(value.shape, self.fixed)
+
+
+def _sizes_differ(shape: tuple, sizes) -> str | None:
+    """Which of the (axis, size) pairs `shape` does not have, in words (None: it has them)."""
+    for axis, size in sizes:
+        if shape[axis] != size:
+            return f"shape {list(shape)} where the node declares size {size} on axis {axis}"
+    return None
 
 
 class KernelStep:
@@ -322,6 +333,7 @@ class KernelStep:
         )
         self.kernel_name = kernel_name or "the kernel"
         self.live: tuple[int, ...] | None = None  # None: every output
+        self._body_agreed: set = set()  # input shapes whose body gave the kernel's output sizes
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         args = [values[name] if name else None for name in self.inputs]
@@ -351,7 +363,22 @@ class KernelStep:
                 reason = check.mismatch(value)
                 if reason is not None:
                     raise self._error(f"returned {reason} for {self.outputs[i]}")
+            if check.claimed and check.size_mismatch(value) is not None:
+                self._confirm_sizes(args, i, value)
             values[self.outputs[i]] = value
+
+    def _confirm_sizes(self, args: list, i: int, value: np.ndarray) -> None:
+        """Output i's sizes differ from the declared ones: right only if the node's function
+        body gives the same sizes on these inputs (asked once per input shapes). Without a
+        body to ask (a tactic reading the blocked layout), as onnxruntime, not enforced."""
+        key = (i, *(None if a is None else a.shape for a in args))
+        if self.body is None or key in self._body_agreed:
+            return
+        want = self.body(args)[i].shape
+        if want != value.shape:
+            raise self._error(f"returned shape {list(value.shape)} for {self.outputs[i]} where "
+                              f"the node's function body gives {list(want)}")  # fmt: skip
+        self._body_agreed.add(key)
 
     def _error(self, what: str) -> KernelError:
         return KernelError(
