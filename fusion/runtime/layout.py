@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fusion.errors import FusionError, one_line
+
 NCHW = "nchw"
 OUT_BLOCK = 8  # what every blocked kernel writes: kernels.blocked.BLOCK channels per block
 
@@ -41,7 +43,10 @@ class ConvertStep:
         )
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
-        values[self.outputs[0]] = self._convert(values[self.inputs[0]])
+        try:
+            values[self.outputs[0]] = self._convert(values[self.inputs[0]])
+        except ValueError as exc:  # a value of another shape than the model declares for it
+            raise FusionError(f"{self.name}: {one_line(exc)}") from None
 
 
 @dataclass
