@@ -5,7 +5,11 @@
     assert report.ok, report.first_bad_node
 
 The original runs in onnxruntime (no graph optimizations: the model as written), the fused model
-in fusion.Session, both on the same inputs. With per_node, every fused node's kernel is also
+in fusion.Session with every fused node on its kernel (tactics="kernel": never the onnxruntime
+fallback a timed session may choose, which would check nothing), both on the same inputs. A
+kernel offering several tactics (blocked layout, NCHW Winograd, ...) is checked with each, as
+the runtime may choose any of them on another machine or shape: one more run per further
+tactic name, its outputs in `report.tactics`. With per_node, every fused node's kernel is also
 checked on the inputs it actually received against onnxruntime running that node's function
 body, which names the node at fault instead of just the output that drifted.
 
@@ -39,13 +43,15 @@ from fusion.runtime.plan import run_body
 class VerifyReport:
     outputs: list[Comparison]
     nodes: list[Comparison] = field(default_factory=list)  # per_node comparisons, in run order
+    tactics: list[Comparison] = field(default_factory=list)  # outputs with the other tactics
+    complete: bool = True  # False: a kernel stopped a run, so what came after it went unchecked
     rtol: float = DEFAULT_RTOL
     atol: float = DEFAULT_ATOL
     inputs: str = ""  # where the inputs came from
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.outputs) and all(c.ok for c in self.nodes)
+        return all(c.ok for c in [*self.outputs, *self.nodes, *self.tactics])
 
     @property
     def first_bad_node(self) -> str | None:
@@ -59,12 +65,16 @@ class VerifyReport:
             "inputs": self.inputs,
             "outputs": [c.to_dict() for c in self.outputs],
             "nodes": [c.to_dict() for c in self.nodes],
+            "tactics": [c.to_dict() for c in self.tactics],
             "first_bad_node": self.first_bad_node,
+            "complete": self.complete,
         }
 
     def __str__(self) -> str:
         lines = [f"inputs: {self.inputs}; tolerance rtol={self.rtol:g} atol={self.atol:g}"]
         lines += _table("output", self.outputs)
+        if self.tactics:
+            lines += _table("output [other tactic]", self.tactics)
         if self.nodes:
             lines += _table("fused node", self.nodes)
         verdict = "PASS" if self.ok else "FAIL"
@@ -113,30 +123,41 @@ def verify(
 
     feeds, source = model_inputs(original, inputs, seed, dims)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
-    try:
-        fused_session = Session(fused, threads=None, fuse=False, catalog=catalog)
-        values = fused_session.run_with_intermediates(feeds)  # first: its feed errors are one line
-    except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
-        report.nodes.append(
-            Comparison(exc.name, np.inf, np.inf, False, note=str(exc), node=exc.node)
-        )
-        return report
-    expected = inference_session(original, REFERENCE).run(None, feeds)
-    for out, want in zip(original.graph.output, expected, strict=True):
-        if out.name not in values:
-            report.outputs.append(Comparison(out.name, np.inf, np.inf, False, note="not produced"))
+    expected, tactics, k = None, ["kernel"], 0
+    while k < len(tactics):
+        tactic, k = tactics[k], k + 1
+        try:  # the kernels' first tactics, then each other tactic wherever a kernel offers it
+            session = Session(fused, threads=None, fuse=False, catalog=catalog, tactics=tactic)
+            values = session.run_with_intermediates(feeds)  # first: its feed errors, one line
+        except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
+            note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"
+            report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note,
+                                           node=exc.node))  # fmt: skip
+            report.complete = False
+            return report
+        if expected is None:
+            expected = inference_session(original, REFERENCE).run(None, feeds)
+            for offered in session.offered.values():  # every other tactic, once
+                tactics += [t for t in offered[1:] if t not in tactics]
+        into = report.outputs if tactic == "kernel" else report.tactics
+        suffix = "" if tactic == "kernel" else f" [{tactic}]"
+        for out, want in zip(original.graph.output, expected, strict=True):
+            name = out.name + suffix
+            if out.name not in values:
+                into.append(Comparison(name, np.inf, np.inf, False, note="not produced"))
+                continue
+            into.append(compare_arrays(name, values[out.name], want, out_rtol, out_atol))
+        if not per_node:
             continue
-        report.outputs.append(compare_arrays(out.name, values[out.name], want, out_rtol, out_atol))
-    if not per_node:
-        return report
-    for step in fused_session.steps_for(feeds):
-        if step.kind != "kernel":
-            continue
-        rule = catalog.get(step.node.op_type)
-        args = [values[v] if v else None for v in step.node.input]  # NCHW, whatever the tactic
-        got = [values[v] for v in step.node.output if v]
-        node_rtol, node_atol = tolerance([rule], rtol, atol)
-        report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol)
+        for step in session.steps_for(feeds):
+            if step.kind != "kernel" or (tactic != "kernel" and step.choice != tactic):
+                continue  # each (node, tactic) once
+            rule = catalog.get(step.node.op_type)
+            args = [values[v] if v else None for v in step.node.input]  # NCHW, any tactic
+            got = [values[v] for v in step.node.output if v]
+            node_rtol, node_atol = tolerance([rule], rtol, atol)
+            report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
+                                               suffix=f" [{step.choice}]")  # fmt: skip
     return report
 
 
@@ -177,9 +198,9 @@ def verify_node(
     )
 
 
-def _compare_with_body(model, node, args, got, rtol, atol) -> list[Comparison]:
+def _compare_with_body(model, node, args, got, rtol, atol, suffix="") -> list[Comparison]:
     want = run_function_body(model, node, args)
-    names = [v for v in node.output if v]
+    names = [v + suffix for v in node.output if v]
     label = node_label(node)
     if len(got) != len(want):
         note = f"the kernel returned {len(got)} outputs, the function {len(want)}"

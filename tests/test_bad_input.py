@@ -727,6 +727,13 @@ def test_session_run_with_an_input_that_is_none():
         session.run(None, {"x": x_value(), "b": None})
 
 
+@pytest.mark.parametrize("value", ["abc", [[1.0, 2.0], [3.0]]])
+def test_session_run_with_an_input_that_is_no_array(value):
+    session = fusion.Session(two_input_model(), threads=1)
+    with pytest.raises(InvalidFeed, match=r"^Input b is a (str|list) that is no array of float32"):
+        session.run(None, {"x": x_value(), "b": value})
+
+
 @pytest.mark.parametrize("layout", ["Fortran order", "strided view", "Fortran order, from a file"])
 def test_feeds_in_any_memory_layout_are_accepted(capsys, tmp_path, layout):
     """onnxruntime accepts any layout; so does Session, making one C-ordered copy."""
@@ -918,6 +925,7 @@ def test_a_kernel_that_misbehaves_is_named(capsys, tmp_path, swish, mode, messag
     assert f"fusion_plugin_swish_{mode.replace(' ', '_')}.swish of Swish" in result[2]
 
 
+@pytest.mark.parametrize("tactics", ["kernel", "fastest"])
 @pytest.mark.parametrize(
     "mode, reason",
     [
@@ -926,7 +934,12 @@ def test_a_kernel_that_misbehaves_is_named(capsys, tmp_path, swish, mode, messag
         ("float64", "returned dtype float64 where the node declares float32"),
     ],
 )
-def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(capsys, tmp_path, swish, mode, reason):
+def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(
+    capsys, tmp_path, monkeypatch, swish, mode, reason, tactics
+):
+    # At the default tactics a timed session may leave the node to onnxruntime (a kernel that
+    # raises is ruled out): verify still runs every kernel, so it checks something.
+    monkeypatch.setenv("FUSION_TACTICS", tactics)
     model, plugin = swish
     out = tmp_path / "out.onnx"
     argv = ["rewrite", model, "-o", out, "--verify", "--plugin", plugin(mode)]
@@ -936,6 +949,57 @@ def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(capsys, tmp_path, sw
     assert "0 fusions" in stdout and fused_ops(onnx.load(out)) == []
     code, stdout, _ = cli(capsys, "verify", model, "--plugin", plugin(mode))
     assert code == 1 and "FAIL" in stdout and reason in stdout, stdout
+
+
+def test_a_kernel_output_that_is_a_graph_output_has_the_bodys_sizes(
+    capsys, tmp_path, monkeypatch, swish
+):
+    """A graph output's declared sizes are not enforced (onnxruntime does not either), but a
+    kernel's output sizes that differ from them must be what the function body gives."""
+    _, plugin = swish
+    g = GraphBuilder()
+    y = g.node("Mul", ["x", g.node("Sigmoid", ["x"])])
+    model = g.model({"x": ["N", 3]}, [y])
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 5  # onnxruntime gives 3
+    save_model(model, tmp_path / "m.onnx")
+    argv = ["run", tmp_path / "m.onnx", "--input", f"x={tmp_path / 'x.npy'}"]
+    code, out, err = cli(capsys, *argv, "--plugin", plugin("right"))
+    assert code == 0 and f"{y}: float32 [2, 3]" in out, err
+    monkeypatch.setattr("fusion.registry.USER", fusion.Catalog())  # a second plugin's Swish
+    transposed = plugin("transposed")
+    before = state(tmp_path)
+    result = cli(capsys, *argv, "--plugin", transposed, "-o", tmp_path / "o.npz")
+    message = f"returned shape [3, 2] for {y} where the node's function body gives [2, 3]"
+    assert_refused(result, message, tmp_path, before)
+
+
+def test_a_fused_model_whose_input_rank_breaks_its_kernels_is_refused_in_one_line(capsys, tmp_path):
+    # The input declared [1, 6, 6] where the conv needs NCHW: onnxruntime does not load it.
+    model = fusion.rewrite(conv_stack(blocks=2, channels=8, size=6)).model
+    del model.graph.input[0].type.tensor_type.shape.dim[1]
+    save_model(model, tmp_path / "rank3.onnx")
+    for command in ("run", "verify"):
+        code, _, err = cli(capsys, command, tmp_path / "rank3.onnx")
+        lines = [ln for ln in err.splitlines() if ln and not ln.startswith("fusion: warning: ")]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("fusion: error: "), err
+
+
+def test_timing_failures_are_one_line_warnings_and_the_cache_knows_the_plugin(
+    capsys, tmp_path, monkeypatch, swish
+):
+    """At the default tactics a kernel that raises is timed out with a "fusion: warning:"
+    line; the cached timing names the plugin's source, so another plugin is timed anew."""
+    model, plugin = swish
+    monkeypatch.setenv("FUSION_TACTICS", "fastest")
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["run", model, "--input", f"x={tmp_path / 'x.npy'}"]
+    code, _, err = cli(capsys, *argv, "--plugin", plugin("raises"))
+    assert code == 0 and "tactic kernel failed: a bug in the plugin" in err, err
+    assert all(ln.startswith("fusion: warning: ") for ln in err.splitlines() if ln), err
+    monkeypatch.setattr("fusion.registry.USER", fusion.Catalog())  # a second plugin's Swish
+    cli(capsys, *argv, "--plugin", plugin("right"))
+    entries = json.loads(next((tmp_path / "cache").glob("tactics-*.json")).read_text())["entries"]
+    assert len({k for k in entries if k.startswith("fusion.Swish")}) == 2  # one per plugin
 
 
 # ---- the kernel cache ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from onnx import helper, numpy_helper
 import fusion.runtime.tactics as tactics_module
 from fusion.catalog import Catalog, Rule, Tactic
 from fusion.cli.main import main
+from fusion.errors import FusionWarning
 from fusion.models import conv_stack
 from fusion.ort import DEFAULT
 from fusion.pattern import Var, op
@@ -126,10 +127,10 @@ def test_policy_and_preferred_tactic():
 def test_corrupt_cache_is_ignored_with_a_warning_then_rewritten(tmp_path):
     cache = TimingCache("cpu-a", tmp_path)
     cache.path.write_text('{"format": 1, "entries": {"k": ')
-    with pytest.warns(UserWarning, match="corrupt"):
+    with pytest.warns(FusionWarning, match="corrupt"):
         cache.load()
     assert cache.get("k") is None
-    with pytest.warns(UserWarning, match="corrupt"):  # put merges with what is on disk
+    with pytest.warns(FusionWarning, match="corrupt"):  # put merges with what is on disk
         cache.put({"k": {"times": {"a": 1.0}}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -141,7 +142,7 @@ def test_cache_from_another_cpu_is_ignored_with_a_warning(tmp_path):
     other = TimingCache("cpu-b", tmp_path)
     # A cache copied from another machine under this CPU's file name.
     other.path.write_text(TimingCache("cpu-a", tmp_path).path.read_text())
-    with pytest.warns(UserWarning, match="another CPU"):
+    with pytest.warns(FusionWarning, match="another CPU"):
         other.load()
     assert other.get("k") is None
 

@@ -14,7 +14,8 @@ from onnx import helper as h
 
 import fusion
 from fusion.errors import FusionError
-from fusion.models import LSTMWeights, unrolled_lstm
+from fusion.models import LSTMWeights, conv_stack, unrolled_lstm
+from fusion.runtime import Session
 from fusion.verify import verify, verify_node
 
 
@@ -132,3 +133,19 @@ def test_verify_node_for_the_rewriters_rollback():
     assert not ok and max_abs == pytest.approx(0.5)
     with pytest.raises(FusionError, match="Add add is not a fused node"):
         verify_node(model, model.graph.node[0], [x, x], catalog())
+
+
+def test_verify_checks_every_tactic_a_kernel_offers():
+    """A conv kernel offers the blocked layout (each register tile worth timing) and NCHW: the
+    runtime may choose any of them on another machine, so verify runs each once."""
+    model = conv_stack(blocks=2, channels=16, size=12)
+    offered = Session(model, threads=1, tactics="kernel").offered
+    names = {t for tactics in offered.values() for t in tactics}
+    assert len(names) >= 2 and any(t.startswith("nchw") for t in names)
+    report = verify(model, per_node=True)
+    assert report.ok, str(report)
+    others = names - {tactics[0] for tactics in offered.values()}
+    assert {c.name.rsplit(" [", 1)[1].rstrip("]") for c in report.tactics} == others
+    checked = {c.name.rsplit(" [", 1)[1].rstrip("]") for c in report.nodes}
+    assert checked == names  # every (node, tactic) compared with the node's body
+    assert "output [other tactic]" in str(report)

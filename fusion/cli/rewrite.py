@@ -156,7 +156,7 @@ def _rewrite_verified(model, result, catalog, inputs):
         skip.update(bad)
         if bad:
             result = rewrite(model, catalog, skip=skip)
-        if not bad or report.outputs:  # every node ran and was compared
+        if not bad or report.complete:  # every node ran and was compared
             break
     print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
     return result

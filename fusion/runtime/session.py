@@ -30,7 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from fusion.catalog import DOMAIN, Catalog, Tactic
-from fusion.errors import FusionError
+from fusion.errors import FusionError, FusionWarning, one_line
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.modelfile import as_model, weightless_copy
@@ -234,7 +234,7 @@ class Session:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
                 self._cache = TimingCache(cpu_key()).load()
-            key = node_key(node, ins, self.threads, source_version("kernels", "patterns"))
+            key = node_key(node, ins, self.threads, self._source_version)
             entry = self._cache.get(key)
             if entry is None:
                 entry = {"times": self._time(node, tactics, ins, consts)}
@@ -259,13 +259,13 @@ class Session:
         times = {}
         for tactic in tactics:
             args = list(inputs)
-            for k, pos in enumerate(tactic.blocked_inputs):
-                args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
             try:
+                for k, pos in enumerate(tactic.blocked_inputs):
+                    args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
                 times[tactic.name] = time_call(lambda t=tactic, a=args: t.run(*a))
             except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)
-                warnings.warn(f"fusion: {node_label(node)}: tactic {tactic.name} failed: {exc}",
-                              stacklevel=2)  # fmt: skip
+                warnings.warn(f"{node_label(node)}: tactic {tactic.name} failed: {exc}",
+                              FusionWarning, stacklevel=2)  # fmt: skip
                 times[tactic.name] = float("inf")
         # The body with the node's constants as initializers, as onnxruntime would run it inside
         # an island (weights pre-packed), on the same inputs.
@@ -302,7 +302,7 @@ class Session:
             del candidates["nchw"]
         candidates[ONNXRUNTIME] = dict.fromkeys(self._kernels)  # last: its workers spin after
         signature = [np.shape(values[spec.name]) for spec in self._inputs]
-        version = source_version("kernels", "patterns")
+        version = self._source_version
         key = plan_key(self._skeleton_digest, signature, self.threads, version)
         entry = self._cache.get(key) if self._cache is not None else None
         if entry is None or not set(candidates) <= set(entry["plans"]):
@@ -319,6 +319,14 @@ class Session:
         return chosen
 
     @functools.cached_property
+    def _source_version(self) -> str:
+        """What cached timings depend on in code: the kernels, the built-in patterns, and the
+        module of every other rule's kernel here (a plugin's), hashed once."""
+        modules = {self.catalog.get(self.view.nodes[i].op_type).prepare.__module__
+                   for i in self._kernels}  # fmt: skip
+        return source_version("kernels", "patterns", *sorted(modules - {"kernels", "patterns"}))
+
+    @functools.cached_property
     def _skeleton_digest(self) -> str:
         """What a whole-plan timing depends on in the model: its graph, fused nodes and
         islands without the weights' bytes (hashed once per session)."""
@@ -330,7 +338,7 @@ class Session:
             full = self._base | values
             return time_call(lambda: self._execute(run_plan, dict(full)), 3, 0.25)
         except Exception as exc:  # noqa: BLE001 (any failure rules the plan out)
-            warnings.warn(f"fusion: a run plan failed while timed: {exc}", stacklevel=3)
+            warnings.warn(f"a run plan failed while timed: {exc}", FusionWarning, stacklevel=3)
             return float("inf")
 
     def _plan(self, choices: dict[int, Tactic | None]) -> _RunPlan:
@@ -420,6 +428,13 @@ class Session:
     def choices(self) -> dict[str, str]:
         """Per fused node (its label), the tactic it runs in the default plan."""
         return dict(self._default.choices)
+
+    @property
+    def offered(self) -> dict[str, list[str]]:
+        """Per fused node that a kernel runs (its label), the names of its kernel's tactics,
+        first the one tactics="kernel" takes."""
+        return {node_label(self.view.nodes[i]): [t.name for t in tactics]
+                for i, tactics in self._kernels.items()}  # fmt: skip
 
     @property
     def race(self) -> dict | None:
@@ -600,7 +615,13 @@ class _InputSpec:
 
     def validated(self, value) -> np.ndarray:
         if type(value) is not np.ndarray:
-            value = np.asarray(value, dtype=self.dtype)  # onnxruntime also accepts lists
+            try:
+                value = np.asarray(value, dtype=self.dtype)  # onnxruntime also accepts lists
+            except (TypeError, ValueError) as exc:  # a string, a ragged list
+                raise InvalidFeed(
+                    f"Input {self.name} is a {type(value).__name__} that is no array of "
+                    f"{self.dtype}: {one_line(exc)}"
+                ) from None
         if self.dtype is not None and value.dtype != self.dtype:
             raise InvalidFeed(
                 f"Unexpected input data type for input: {self.name}. "

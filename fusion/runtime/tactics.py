@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 
 from fusion.catalog import Tactic
+from fusion.errors import FusionWarning
 
 ONNXRUNTIME = "onnxruntime"  # the tactic every node has: its function body in onnxruntime
 POLICIES = ("fastest", "kernel", ONNXRUNTIME)
@@ -118,19 +119,21 @@ def cache_dir() -> Path:
 
 @functools.cache
 def source_version(*modules: str) -> str:
-    """A hash of the source files of the given packages or modules: a kernel change makes every
-    cached timing of it stale."""
+    """A hash of the source files of the given packages or modules (a plugin's too): a kernel
+    change makes every cached timing of it stale."""
     digest = hashlib.sha1()
+    paths = []
     for name in modules:
         module = sys.modules.get(name)
         if module is None:
             continue
-        files = [module.__file__] if module.__file__ else []
         if getattr(module, "__path__", None):
-            files = [str(p) for d in module.__path__ for p in sorted(Path(d).glob("*.py"))]
-        for path in files:
-            with contextlib.suppress(OSError):
-                digest.update(Path(path).read_bytes())
+            paths += [str(p) for d in module.__path__ for p in sorted(Path(d).glob("*.py"))]
+        elif module.__file__:
+            paths.append(module.__file__)
+    for path in paths:
+        with contextlib.suppress(OSError):
+            digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -159,7 +162,7 @@ class TimingCache:
             return None
         except OSError as exc:
             warnings.warn(
-                f"fusion: timing cache {self.path} unreadable ({exc}); ignored", stacklevel=3
+                f"timing cache {self.path} unreadable ({exc}); ignored", FusionWarning, stacklevel=3
             )
             return None
         try:
@@ -168,13 +171,14 @@ class TimingCache:
                 raise ValueError("unknown format")
         except (ValueError, AttributeError) as exc:
             warnings.warn(
-                f"fusion: timing cache {self.path} is corrupt ({exc}); ignored", stacklevel=3
+                f"timing cache {self.path} is corrupt ({exc}); ignored", FusionWarning, stacklevel=3
             )
             return None
         if data.get("cpu") != self.cpu:
             warnings.warn(
-                f"fusion: timing cache {self.path} was written on another CPU "
+                f"timing cache {self.path} was written on another CPU "
                 f"({data.get('cpu')!r}); ignored",
+                FusionWarning,
                 stacklevel=3,
             )
             return None
