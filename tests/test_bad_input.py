@@ -122,6 +122,11 @@ BAD_FILES = {
     "a NodeProto": (helper.make_node("Relu", ["x"], ["y"]), "not an ONNX model"),
     "checker: undefined input": (modified(undefined_input), "fails the ONNX checker: Nodes"),
     "checker: unknown op": (modified(unknown_op), "fails the ONNX checker: No Op registered"),
+    # only the checker's full check (strict shape inference) sees it; onnxruntime refuses it too
+    "checker and onnxruntime: unknown element type": (
+        modified(lambda m: setattr(m.graph.input[0].type.tensor_type, "elem_type", 99)),
+        "fails the ONNX checker: Invalid tensor data type 99",
+    ),
     "IR version onnxruntime cannot load": (
         modified(lambda m: setattr(m, "ir_version", 15)),
         "cannot load it: IR version 15 (it supports up to",
@@ -137,16 +142,28 @@ BAD_FILES = {
 }
 
 
+# Every command that reads a model file, and what it needs besides (a quick bench).
+READING_A_MODEL = {
+    "rewrite": ["-o", "out.onnx"],
+    "match": [],
+    "run": ["-o", "out.npz"],
+    "verify": [],
+    "tune": [],
+    "bench": ["--same-process", "--threads", "1", "--rounds", "1", "--budget", "0"]
+    + ["--no-memory", "--no-compile", "--no-nodes"],
+}
+
+
 @pytest.mark.parametrize("case", list(BAD_FILES))
-@pytest.mark.parametrize("command", ["rewrite", "run", "verify"])
-def test_bad_file_is_refused(capsys, tmp_path, case, command):
+@pytest.mark.parametrize("command", list(READING_A_MODEL))
+def test_bad_file_is_refused(capsys, tmp_path, monkeypatch, case, command):
     content, message = BAD_FILES[case]
     src = tmp_path / "in.onnx"
     if content is not None:
         src.write_bytes(content if isinstance(content, bytes) else content.SerializeToString())
     before = state(tmp_path)
-    out = ["-o", tmp_path / ("out.onnx" if command == "rewrite" else "out.npz")]
-    result = cli(capsys, command, src, *(out if command != "verify" else []))
+    monkeypatch.chdir(tmp_path)
+    result = cli(capsys, command, src, *READING_A_MODEL[command])
     assert_refused(result, message, tmp_path, before)
 
 
@@ -213,12 +230,14 @@ def model_without_output_shape() -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("command", ["rewrite", "run", "verify"])
-def test_a_model_only_the_checker_rejects_is_used_with_a_warning(capsys, tmp_path, command):
+@pytest.mark.parametrize("command", list(READING_A_MODEL))
+def test_a_model_only_the_checker_rejects_is_used_with_a_warning(
+    capsys, tmp_path, monkeypatch, command
+):
     src = tmp_path / "in.onnx"
     save_model(model_without_output_shape(), src)
-    out = {"rewrite": ["-o", tmp_path / "out.onnx"], "run": ["-o", tmp_path / "o.npz"]}
-    code, stdout, err = cli(capsys, command, src, *out.get(command, []))
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = cli(capsys, command, src, *READING_A_MODEL[command])
     assert code == 0, err
     assert err.strip().splitlines() == [
         f"fusion: warning: {src} fails the ONNX checker: Field 'shape' of 'type' is required but "

@@ -17,9 +17,15 @@ from fusion.bench.report import (
 )
 from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
-from fusion.cli.inputs import add_input_argument, batch_dims, check_writes, input_files
+from fusion.cli.inputs import (
+    add_input_argument,
+    batch_dims,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    load_checked,
+)
 from fusion.feeds import model_inputs
-from fusion.modelfile import read_model
 
 NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
 
@@ -52,7 +58,7 @@ def execute(args) -> int:
     from rich.progress import Progress
 
     info = machine()  # the command line as typed, the machine, before anything runs
-    model, data_files = read_model(args.model)
+    model, data_files, checked = load_checked(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
     dims = batch_dims(model, args.batch)
@@ -76,7 +82,10 @@ def execute(args) -> int:
     )
     console = Console(highlight=False)
     # progress while kernels compile and runners warm up; nothing when not a terminal
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+    with (
+        beyond_the_checker(args.model, checked),
+        Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
+    ):
         task = bar.add_task(workload.name, total=None)
         result = measure(workload, opts, lambda s: bar.update(task, description=s))
     for line in header_lines([result], info):
