@@ -257,6 +257,21 @@ def write_model_bytes(path: str | os.PathLike, data: bytes, keep=()) -> None:
     _remove_stale(stale, keep)
 
 
+def named_as_data_of(model_path: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether `path` has a name kept for the external data of a model written at `model_path`:
+    `<name>.data` or `<name>.<anything>.data` in the same folder. save_model writes the data
+    there and removes what the model it replaces kept there, so no other file may be written
+    under such a name.
+
+    >>> named_as_data_of("out.onnx", "out.onnx.3f2a9c4e1b7d5a60.data")
+    True
+    """
+    model_path, path = Path(model_path), Path(path)
+    if path.parent.resolve() != model_path.parent.resolve():
+        return False
+    return path.name.startswith(f"{model_path.name}.") and path.name.endswith(".data")
+
+
 def _own_data_files(path: Path) -> list[Path]:
     """The data files the model at `path` names under its own name (`<name>.data`, or
     `<name>.<digest>.data` as save_model writes them): the ones a new model there replaces."""

@@ -16,7 +16,6 @@ files with a random bit or byte corrupted are fuzzed in test_fuzz.py.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -514,16 +513,23 @@ def test_a_write_over_a_read_file_is_refused_before_any_work(
     assert_refused(cli(capsys, *argv), message, tmp_path, before)
 
 
-def test_a_report_named_like_the_outputs_data_leaves_a_loadable_output(capsys, tmp_path):
+@pytest.mark.parametrize("name", ["OUT.<digest>.data", "OUT.data", "in place"])
+def test_a_report_named_like_the_outputs_data_is_refused(capsys, tmp_path, name):
+    """OUT's weights go to OUT.<digest>.data beside it, and the data files an older OUT kept
+    there (OUT.data, OUT.<digest>.data) are removed: a --report of such a name would be
+    overwritten by the weights, overwrite them (OUT no longer loads) or be removed."""
     model = conv_stack(blocks=2, channels=16, size=6)  # weights of 9 KB: OUT gets a data file
-    feeds = random_feeds(model)
-    want = run_ort(model, feeds)[0]
-    save_external(model, tmp_path / "ext.onnx")  # (which makes `model` point to its file)
-    out, report = tmp_path / "out.onnx", tmp_path / "out.onnx.data"
-    code, _, err = cli(capsys, "rewrite", tmp_path / "ext.onnx", "-o", out, "--report", report)
-    assert code == 0, err
-    assert_close(run_ort(out, feeds)[0], want, rtol=1e-5, atol=1e-6)
-    assert json.loads(report.read_text())["fusions"]
+    src, out = tmp_path / "ext.onnx", tmp_path / "out.onnx"
+    save_external(model, src)
+    if name == "in place":
+        out = src
+    assert cli(capsys, "rewrite", src, "-o", out, *["--in-place"] * (out == src))[0] == 0
+    (data,) = data_names(tmp_path, out.name)
+    report = tmp_path / (f"{out.name}.data" if name == "OUT.data" else data)
+    before = state(tmp_path)
+    argv = ["rewrite", src, "-o", out, "--report", report, *["--in-place"] * (out == src)]
+    message = f"--report has a name kept for the weights of the output ({out.name}.data or "
+    assert_refused(cli(capsys, *argv), message, tmp_path, before)
 
 
 def test_the_same_file_under_another_name_is_the_input(capsys, tmp_path, model_file):
