@@ -712,6 +712,34 @@ def test_fusion_run_with_an_unreadable_input_file(capsys, tmp_path):
     assert_refused(result, "cannot read it as .npy", tmp_path, before)
 
 
+def string_input_model() -> onnx.ModelProto:
+    """Identity on a string tensor: onnxruntime runs it; no random values can be made for it."""
+    s = helper.make_tensor_value_info("s", TensorProto.STRING, [2])
+    t = helper.make_tensor_value_info("t", TensorProto.STRING, [2])
+    graph = helper.make_graph([helper.make_node("Identity", ["s"], ["t"])], "g", [s], [t])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("command", ["run", "verify", "bench", "tune"])
+def test_an_input_that_needs_values_names_the_option_to_give_them(
+    capsys, tmp_path, monkeypatch, command
+):
+    """The CLI names its --input option (the library says inputs=); tune has none."""
+    save_model(string_input_model(), tmp_path / "s.onnx")
+    before = state(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = cli(capsys, command, "s.onnx", *READING_A_MODEL[command])
+    how = (
+        ", and fusion tune only makes random inputs"
+        if command == "tune"
+        else "; give its values: --input s=FILE.npy"
+    )
+    assert_refused(result, f"input 's' is of type string: no random values can be made{how}",
+                   tmp_path, before)  # fmt: skip
+    with pytest.raises(fusion.FusionError, match="no random values can be made; pass inputs=$"):
+        fusion.verify(string_input_model())
+
+
 def test_fusion_run_of_a_model_onnxruntime_cannot_run(capsys, tmp_path):
     """float64 Conv has no CPU kernel in onnxruntime: its one-line error, exit 2."""
     save_model(typed_model(TensorProto.DOUBLE), tmp_path / "m.onnx")
