@@ -25,6 +25,7 @@ from fusion.cli.inputs import (
     input_files,
     load_checked,
 )
+from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
 
 NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
@@ -55,7 +56,6 @@ def add_arguments(parser) -> None:
 def execute(args) -> int:
     """Benchmark one model file; exit 1 if any runner's numbers were refused."""
     from rich.console import Console  # heavy: only for the tables
-    from rich.progress import Progress
 
     info = machine()  # the command line as typed, the machine, before anything runs
     model, data_files, checked = load_checked(args.model)
@@ -81,11 +81,8 @@ def execute(args) -> int:
         plugins=tuple(getattr(args, "plugin", None) or ()),
     )
     console = Console(highlight=False)
-    # progress while kernels compile and runners warm up; nothing when not a terminal
-    with (
-        beyond_the_checker(args.model, checked),
-        Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
-    ):
+    # progress while kernels compile and runners warm up
+    with beyond_the_checker(args.model, checked), progress_bar(console) as bar:
         task = bar.add_task(workload.name, total=None)
         result = measure(workload, opts, lambda s: bar.update(task, description=s))
     for line in header_lines([result], info):
