@@ -51,9 +51,9 @@ def pattern_names(text: str) -> list[str]:
 
 
 def load_checked(path) -> tuple[onnx.ModelProto, tuple[Path, ...], bool]:
-    """A model file read and checked (structure only: a fused model may be run or verified),
-    the external data files it was read from, and whether the ONNX checker passed it (False:
-    only onnxruntime accepts it; see fusion.modelfile.require_valid)."""
+    """A model file read and checked (fused or not: it may be run or verified), the external
+    data files it was read from, and whether the ONNX checker passed it (False: only
+    onnxruntime accepts it; refused when neither does; see fusion.modelfile.require_valid)."""
     model, data_files = read_model(path)
     return model, data_files, require_valid(model, str(path), source=path)
 
