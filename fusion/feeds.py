@@ -10,13 +10,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from fusion.errors import FusionError, one_line
 from fusion.graph import GraphView
 
 BATCH_DIM = 1  # a symbolic first axis (batch) in random inputs
 OTHER_DIM = 32  # any other symbolic axis in random inputs (override with dims={"name": n})
+
+
+class InputsNeeded(FusionError):
+    """No random values can be made for a model input: the caller has to give them. The
+    message names the Python API's `inputs=`; the CLI names its --input option instead."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"input {name!r} {reason}; pass inputs=")
+        self.name, self.reason = name, reason
 
 
 def model_inputs(model, inputs, seed: int, dims: Mapping[str, int] | None):
@@ -96,7 +105,7 @@ def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[s
     for name in view.graph_inputs:
         vt = view.type_of(name)
         if vt is None or not vt.elem_type or vt.shape is None:
-            raise FusionError(f"input {name!r} has no declared type and shape; pass inputs=")
+            raise InputsNeeded(name, "has no declared type and shape")
         shape = []
         for axis, d in enumerate(vt.shape):
             if isinstance(d, int) and d > 0:
@@ -105,7 +114,10 @@ def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[s
                 shape.append(named.setdefault(d, BATCH_DIM if axis == 0 else OTHER_DIM))
             else:
                 shape.append(BATCH_DIM if axis == 0 else OTHER_DIM)
-        dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
+        try:
+            dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
+        except (KeyError, ValueError):
+            raise InputsNeeded(name, f"has the unknown element type {vt.elem_type}") from None
         if dtype.kind == "f":
             feeds[name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind in "iu":
@@ -113,5 +125,6 @@ def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[s
         elif dtype.kind == "b":
             feeds[name] = rng.random(shape) < 0.5
         else:
-            raise FusionError(f"input {name!r}: cannot make random {dtype} values; pass inputs=")
+            kind = TensorProto.DataType.Name(vt.elem_type).lower()
+            raise InputsNeeded(name, f"is of type {kind}: no random values can be made")
     return feeds

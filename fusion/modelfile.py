@@ -127,24 +127,37 @@ def run_checker(model: onnx.ModelProto, full: bool, what: str) -> None:
         raise FusionError(f"{what} fails the ONNX checker: {one_line(exc)}") from None
 
 
-def require_valid(model: onnx.ModelProto, what: str, source=None, full: bool = False) -> bool:
+def require_valid(model: onnx.ModelProto, what: str, source=None) -> bool:
     """The ONNX checker passes (True); or it does not, but onnxruntime loads the model
     (False, with a FusionWarning naming the checker's complaint: exporters and hand edits leave
     harmless things the checker rejects, such as an output declared without a type). Refused
     (FusionError, the checker's message) when neither accepts it.
 
+    The checker is asked with strict shape inference (its full check): only that looks at the
+    element types of declared inputs and outputs, and onnxruntime refuses an unknown one too.
+    A model that passes the checker's structural check and fails only the full one is treated
+    as passing (True, no warning) when onnxruntime loads it: strict inference minds more than a
+    runtime does.
+
     source: what onnxruntime loads (the file, which holds the external data's location), else
     the model itself.
     """
     try:
-        run_checker(model, full=full, what=what)
+        run_checker(model, full=True, what=what)
         return True
     except FusionError as exc:
         complaint = exc
     try:
+        run_checker(model, full=False, what=what)
+        structure_passes = True
+    except FusionError as exc:
+        complaint, structure_passes = exc, False
+    try:
         inference_session(model if source is None else source, REFERENCE, threads=1)
     except Exception:
         raise complaint from None
+    if structure_passes:
+        return True
     warnings.warn(f"{complaint}; onnxruntime loads it, so going on", FusionWarning, stacklevel=2)
     return False
 
@@ -242,6 +255,21 @@ def write_model_bytes(path: str | os.PathLike, data: bytes, keep=()) -> None:
     stale = _own_data_files(path)
     write_atomic(path, data)
     _remove_stale(stale, keep)
+
+
+def named_as_data_of(model_path: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether `path` has a name kept for the external data of a model written at `model_path`:
+    `<name>.data` or `<name>.<anything>.data` in the same folder. save_model writes the data
+    there and removes what the model it replaces kept there, so no other file may be written
+    under such a name.
+
+    >>> named_as_data_of("out.onnx", "out.onnx.3f2a9c4e1b7d5a60.data")
+    True
+    """
+    model_path, path = Path(model_path), Path(path)
+    if path.parent.resolve() != model_path.parent.resolve():
+        return False
+    return path.name.startswith(f"{model_path.name}.") and path.name.endswith(".data")
 
 
 def _own_data_files(path: Path) -> list[Path]:

@@ -12,6 +12,7 @@ ones (with FUSION_FUZZ_EXAMPLES / FUSION_FUZZ_CORRUPTIONS for long hunts, see te
 """
 
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -25,7 +26,11 @@ settings.load_profile("random" if os.environ.get("FUSION_FUZZ_RANDOM") == "1" el
 # whatever the machine's timings say (tests of the choice itself ask for "fastest"), and no
 # test writes the user's timing cache.
 os.environ.setdefault("FUSION_TACTICS", "kernel")
-os.environ.setdefault("FUSION_CACHE_DIR", tempfile.mkdtemp(prefix="fusion-test-cache-"))
+# A fresh timing cache per run, removed at its end by the process that made it (xdist workers
+# inherit the variable, and with it the folder).
+OWN_CACHE = None
+if "FUSION_CACHE_DIR" not in os.environ:
+    OWN_CACHE = os.environ["FUSION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusion-test-cache-")
 
 
 def pytest_configure(config):
@@ -44,3 +49,8 @@ def pytest_configure(config):
         warm_up(jobs=max(1, min(4, os.cpu_count() or 1)))
     except RuntimeError as err:  # the tests compile and report it themselves, with context
         warnings.warn(f"{err}", stacklevel=1)
+
+
+def pytest_unconfigure(config):
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)

@@ -17,9 +17,16 @@ from fusion.bench.report import (
 )
 from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
-from fusion.cli.inputs import add_input_argument, batch_dims, check_writes, input_files
+from fusion.cli.inputs import (
+    add_input_argument,
+    batch_dims,
+    beyond_the_checker,
+    check_writes,
+    input_files,
+    load_checked,
+)
+from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
-from fusion.modelfile import read_model
 
 NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
 
@@ -49,10 +56,9 @@ def add_arguments(parser) -> None:
 def execute(args) -> int:
     """Benchmark one model file; exit 1 if any runner's numbers were refused."""
     from rich.console import Console  # heavy: only for the tables
-    from rich.progress import Progress
 
     info = machine()  # the command line as typed, the machine, before anything runs
-    model, data_files = read_model(args.model)
+    model, data_files, checked = load_checked(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
     dims = batch_dims(model, args.batch)
@@ -75,8 +81,8 @@ def execute(args) -> int:
         plugins=tuple(getattr(args, "plugin", None) or ()),
     )
     console = Console(highlight=False)
-    # progress while kernels compile and runners warm up; nothing when not a terminal
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+    # progress while kernels compile and runners warm up
+    with beyond_the_checker(args.model, checked), progress_bar(console) as bar:
         task = bar.add_task(workload.name, total=None)
         result = measure(workload, opts, lambda s: bar.update(task, description=s))
     for line in header_lines([result], info):

@@ -11,7 +11,7 @@ import onnx
 
 from fusion.errors import CatalogError, FusionError, one_line
 from fusion.files import check_outputs
-from fusion.modelfile import read_model, require_valid
+from fusion.modelfile import named_as_data_of, read_model, require_valid
 from fusion.ort import is_ort_error
 from fusion.registry import loaded_plugins
 
@@ -51,9 +51,9 @@ def pattern_names(text: str) -> list[str]:
 
 
 def load_checked(path) -> tuple[onnx.ModelProto, tuple[Path, ...], bool]:
-    """A model file read and checked (structure only: a fused model may be run or verified),
-    the external data files it was read from, and whether the ONNX checker passed it (False:
-    only onnxruntime accepts it; see fusion.modelfile.require_valid)."""
+    """A model file read and checked (fused or not: it may be run or verified), the external
+    data files it was read from, and whether the ONNX checker passed it (False: only
+    onnxruntime accepts it; refused when neither does; see fusion.modelfile.require_valid)."""
     model, data_files = read_model(path)
     return model, data_files, require_valid(model, str(path), source=path)
 
@@ -81,9 +81,14 @@ def check_writes(
     data_files=(),
     inputs: list[str] | None = None,
     replacing: Mapping[str, object] | None = None,
+    models: tuple[str, ...] = (),
 ) -> None:
     """Before any work: each file a command writes (label -> path) can be written and is none
-    of the files it reads: the model, its external data, the --input files, the plugins."""
+    of the files it reads: the model, its external data, the --input files, the plugins.
+
+    models: the labels of the writes that are model files. Their external data goes beside
+    them as `OUT.<digest>.data` (fusion.modelfile.save_model), so no other write may have a
+    name of that form (it would be overwritten, or removed as the old model's data)."""
     reads = {}
     if model is not None:
         reads[model] = f"the input file {model}"
@@ -94,3 +99,13 @@ def check_writes(
     for plugin in loaded_plugins():
         reads[plugin] = f"the plugin {plugin}"
     check_outputs(writes, reads, replacing)
+    for label in models:
+        out = writes[label]
+        for other_label, other in writes.items():
+            if other_label == label or not other or not named_as_data_of(out, other):
+                continue
+            name = Path(out).name
+            raise FusionError(
+                f"{other}: {other_label} has a name kept for the weights of {label} "
+                f"({name}.data or {name}.*.data); choose another name"
+            )

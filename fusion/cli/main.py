@@ -13,6 +13,7 @@ import warnings
 
 from fusion.cli import bench, demo, match, patterns, rewrite, run, tune, verify
 from fusion.errors import CatalogError, FusionError, FusionWarning, one_line
+from fusion.feeds import InputsNeeded
 from fusion.ort import is_ort_error, ort_error_line
 from fusion.registry import load_plugin
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         except (FusionError, CatalogError) as exc:
             if args.debug:
                 raise
-            print(f"fusion: error: {one_line(exc, limit=1000)}", file=sys.stderr)
+            message = one_line(_in_cli_words(exc, args), limit=1000)
+            print(f"fusion: error: {message}", file=sys.stderr)
             return 2
         except OSError as exc:  # reading or writing a file the checks above could not foresee
             if args.debug:
@@ -93,6 +95,16 @@ def _terminate_cleanly():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _in_cli_words(exc: Exception, args) -> Exception | str:
+    """An error as a command-line user reads it: an input that needs values names --input
+    (the library's message names the Python API's inputs=)."""
+    if not isinstance(exc, InputsNeeded):
+        return exc
+    if hasattr(args, "input"):
+        return f"input {exc.name!r} {exc.reason}; give its values: --input {exc.name}=FILE.npy"
+    return f"input {exc.name!r} {exc.reason}, and fusion {args.command} only makes random inputs"
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

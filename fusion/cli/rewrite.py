@@ -83,9 +83,10 @@ def rewrite_file(
         raise FusionError(f"{dst}: output is the input file; pass --in-place to overwrite it")
     writes = {"the output": dst, "--report": report}
     replacing = {"the output": src} if in_place else None
-    check_writes(writes, src, (), inputs, replacing)  # before reading a large model
+    models = ("the output",)
+    check_writes(writes, src, (), inputs, replacing, models)  # before reading a large model
     original, data_files = read_model(src)
-    check_writes(writes, src, data_files, inputs, replacing)  # and its external data
+    check_writes(writes, src, data_files, inputs, replacing, models)  # and its external data
     checked = require_valid(original, str(src), source=src)
     catalog = default_catalog().select(only, exclude)
     with beyond_the_checker(src, checked):

@@ -13,6 +13,7 @@ from fusion.cli.inputs import (
     input_files,
     load_checked,
 )
+from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
 from fusion.files import write_atomic
 from fusion.runtime import Session
@@ -49,10 +50,9 @@ def execute(args) -> int:
 def prepared_session(model, threads, tactics=None) -> Session:
     """A fusion.Session, with a progress bar while kernels compile on first use."""
     from rich.console import Console  # heavy: only for a command that builds kernels
-    from rich.progress import Progress
 
     # On stderr: what is printed while it shows (a warning) goes there too, not to stdout.
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+    with progress_bar(Console(stderr=True)) as bar:
         task = bar.add_task("preparing kernels", total=None)
 
         def progress(name, i, total):
