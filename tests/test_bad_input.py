@@ -16,6 +16,7 @@ files with a random bit or byte corrupted are fuzzed in test_fuzz.py.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
