@@ -37,6 +37,7 @@ from fusion.rewriter import rewrite
 from fusion.runtime import Session
 from fusion.runtime.kernel import binding_refusal, build_kernel
 from fusion.runtime.plan import run_body
+from fusion.runtime.tactics import POLICIES
 
 
 @dataclass
@@ -123,7 +124,7 @@ def verify(
 
     feeds, source = model_inputs(original, inputs, seed, dims)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
-    expected, tactics, k = None, ["kernel"], 0
+    expected, offered, tactics, k, checked = None, None, ["kernel"], 0, set()
     while k < len(tactics):
         tactic, k = tactics[k], k + 1
         try:  # the kernels' first tactics, then each other tactic wherever a kernel offers it
@@ -137,8 +138,10 @@ def verify(
             return report
         if expected is None:
             expected = inference_session(original, REFERENCE).run(None, feeds)
-            for offered in session.offered.values():  # every other tactic, once
-                tactics += [t for t in offered[1:] if t not in tactics]
+            offered = session.offered
+            for names in offered.values():  # every other tactic, once
+                tactics += [t for t in names[1:] if t not in tactics and t not in POLICIES]
+        checked |= {(s.name, s.choice) for s in session.steps_for(feeds) if s.kind == "kernel"}
         into = report.outputs if tactic == "kernel" else report.tactics
         suffix = "" if tactic == "kernel" else f" [{tactic}]"
         for out, want in zip(original.graph.output, expected, strict=True):
@@ -158,6 +161,12 @@ def verify(
             node_rtol, node_atol = tolerance([rule], rtol, atol)
             report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
                                                suffix=f" [{step.choice}]")  # fmt: skip
+    for label, names in (offered or {}).items():  # a tactic no policy name selects alone
+        for name in names:
+            if (label, name) not in checked:
+                note = f"its tactic {name} could not be run alone (a name a policy takes)"
+                report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note,
+                                               node=label))  # fmt: skip
     return report
 
 

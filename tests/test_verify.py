@@ -149,3 +149,28 @@ def test_verify_checks_every_tactic_a_kernel_offers():
     checked = {c.name.rsplit(" [", 1)[1].rstrip("]") for c in report.nodes}
     assert checked == names  # every (node, tactic) compared with the node's body
     assert "output [other tactic]" in str(report)
+
+
+def test_verify_runs_each_tactic_by_its_own_name():
+    """A kernel offering "nchw-fast" and "nchw": verify must run "nchw" itself (a prefix
+    choice would take "nchw-fast" twice and pass a wrong "nchw")."""
+    from fusion.catalog import Tactic
+
+    def prepare(attrs, constants):
+        s = constants[1]
+
+        def good(x, scale):
+            return (np.maximum(x * s, 0).astype(np.float32),)
+
+        def wrong(x, scale):
+            return (np.zeros_like(x),)
+
+        good.tactics = [Tactic("nchw-fast", good), Tactic("nchw", wrong)]
+        return good
+
+    report = verify(original_model(), fused(), catalog=catalog(kernel=prepare), per_node=True)
+    assert not report.ok and report.first_bad_node == "ScaledRelu sr1", str(report)
+    assert all(c.ok for c in report.outputs)  # "kernel": each node's first tactic, nchw-fast
+    assert [c.name for c in report.tactics if not c.ok] == ["z [nchw]"], str(report)
+    bad = {(c.node, c.name) for c in report.nodes if not c.ok}
+    assert bad == {("ScaledRelu sr1", "y1 [nchw]")}, str(report)  # sr2 gets zeros: agrees

@@ -66,8 +66,9 @@ def policy(value: str | None) -> str:
 
 
 def preferred(tactics: list[Tactic], name: str) -> Tactic:
-    """The first tactic whose name starts with `name`, else the first of all."""
-    return next((t for t in tactics if t.name.startswith(name)), tactics[0])
+    """The tactic named `name`, else the first whose name starts with it, else the first."""
+    exact = next((t for t in tactics if t.name == name), None)
+    return exact or next((t for t in tactics if t.name.startswith(name)), tactics[0])
 
 
 # ---- timing ----------------------------------------------------------------------------------
