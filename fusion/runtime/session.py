@@ -324,7 +324,8 @@ class Session:
         module of every other rule's kernel here (a plugin's), hashed once."""
         modules = {self.catalog.get(self.view.nodes[i].op_type).prepare.__module__
                    for i in self._kernels}  # fmt: skip
-        return source_version("kernels", "patterns", *sorted(modules - {"kernels", "patterns"}))
+        plugins = sorted(m for m in modules if m.split(".")[0] not in ("kernels", "patterns"))
+        return source_version("kernels", "patterns", *plugins)
 
     @functools.cached_property
     def _skeleton_digest(self) -> str:
@@ -617,7 +618,7 @@ class _InputSpec:
         if type(value) is not np.ndarray:
             try:
                 value = np.asarray(value, dtype=self.dtype)  # onnxruntime also accepts lists
-            except (TypeError, ValueError) as exc:  # a string, a ragged list
+            except (TypeError, ValueError, OverflowError) as exc:  # a string, a ragged list
                 raise InvalidFeed(
                     f"Input {self.name} is a {type(value).__name__} that is no array of "
                     f"{self.dtype}: {one_line(exc)}"
