@@ -45,7 +45,7 @@ class ConvertStep:
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         try:
             values[self.outputs[0]] = self._convert(values[self.inputs[0]])
-        except ValueError as exc:  # a value of another shape than the model declares for it
+        except ValueError as exc:  # a model declaring a shape its kernels cannot take
             raise FusionError(f"{self.name}: {one_line(exc)}") from None
 
 
