@@ -7,7 +7,8 @@ Every benchmark here and in bench/ times through `interleave`: warm-up first, th
 one turn per runner, in a new order each round, so that load from other processes (a shared,
 noisy machine) slows all of them alike and no runner always follows the same one (whatever a
 runner leaves behind, spinning threads or a flushed cache, would always fall on one
-neighbour: bench/NOTES.md, recurrent nets). The orders are drawn from a fixed seed. A turn
+neighbour: bench/NOTES.md, recurrent nets). The orders are the rows of a Williams design: over
+n rounds (2n for an odd number n of runners) each runner follows each other equally often. A turn
 is a burst of calls back to back, each timed on its own, after `warm` seconds of untimed
 calls: a process that idled while the others took their turns gets slow CPUs on these virtual
 machines for its first tens of milliseconds (bench/NOTES.md, the bench harness), and every
@@ -19,7 +20,6 @@ runner in a process of its own, fusion.bench.workers, which times with the same 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -95,7 +95,7 @@ class Timing:
         threads = f", {self.threads} threads" if self.threads else ""
         warm = f" after {self.warm * 1e3:.0f} ms of untimed calls" if self.warm else ""
         return (
-            f"{where}{threads}; {self.rounds} rounds round robin, order shuffled, "
+            f"{where}{threads}; {self.rounds} rounds round robin, orders balanced, "
             f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}"
         )
 
@@ -123,6 +123,21 @@ class Timing:
             "warm_s": self.warm,
             "runners": {k: self.stats(k) for k in self.times},
         }
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of 0..n-1 in which every ordered pair (a, b), a != b, stands side by side equally
+    often: the rows of a Williams design, 0, 1, n-1, 2, n-2, ... shifted by each k mod n, and
+    their reverses too when n is odd."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    rows = [[(x + k) % n for x in base] for k in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
 
 def interleave(
@@ -156,7 +171,7 @@ def interleave(
         return burst(call, n, before, warm)
 
     names = list(calls)
-    shuffle = random.Random(0).shuffle
+    orders = balanced_orders(len(names))
     if warmup:
         for name in names:
             turn(name, warmup, 0.0)
@@ -168,9 +183,8 @@ def interleave(
     ):
         if pause:
             time.sleep(pause)
-        order = list(names)
-        shuffle(order)
-        for name in order:
+        for k in orders[timing.rounds % len(orders)]:
+            name = names[k]
             timing.times[name] += turn(name, repeat, warm)
         timing.rounds += 1
     return timing
