@@ -43,6 +43,7 @@ from zoo import EXPORTERS, model_path, zoo_dir  # noqa: E402 (bench/zoo.py)
 
 from fusion import bench  # noqa: E402
 from fusion.bench import FUSED, ORT_ALL, PROCESSES, SAME_PROCESS, Options, Workload  # noqa: E402
+from fusion.cli.progress import progress_bar  # noqa: E402
 from fusion.modelfile import read_model  # noqa: E402
 from fusion.models import LSTMWeights, conv_stack, native_lstm, squeezenet, unrolled_lstm  # noqa: E402
 from fusion.models.builder import GraphBuilder  # noqa: E402
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     info = bench.machine()  # before anything runs: the load, the command as typed
     threads = args.threads or os.cpu_count() or 1
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
         todo = [(n, b) for n, b in todo if any(k in n for k in keys)]
     zoo_names = [n.strip() for n in args.zoo.split(",") if n.strip()]
     todo += zoo_workloads(zoo_names, args.exporter, CNN_BATCHES[:1] if quick else CNN_BATCHES)
+    families = FAMILY | dict.fromkeys(zoo_names, "cnn")  # one compile measurement per family
     console = Console(highlight=False)
     if argv is not None:
         info["command"] = bench.command_line(["bench/run.py", *argv])
@@ -210,9 +212,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())  # fmt: skip
-    with Progress(
-        *columns, console=console, transient=True, disable=not console.is_terminal
-    ) as bar:
+    with progress_bar(console, *columns) as bar:
         task = bar.add_task("", total=len(todo))
         for name, build in todo:
             bar.update(task, description=f"{name}: building")
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
             def say(phase, name=name):
                 bar.update(task, description=f"{name}: {phase}")
 
-            family = FAMILY.get(name.split()[0], name.split()[0])
+            family = families.get(name.split()[0], name.split()[0])
             first = family not in compiled
             todo_opts = dataclasses.replace(opts, compile=opts.compile and first)
             result = bench.measure(workload, todo_opts, say, compile_cache)

@@ -259,9 +259,9 @@ def write_model_bytes(path: str | os.PathLike, data: bytes, keep=()) -> None:
 
 def named_as_data_of(model_path: str | os.PathLike, path: str | os.PathLike) -> bool:
     """Whether `path` has a name kept for the external data of a model written at `model_path`:
-    `<name>.data` or `<name>.<anything>.data` in the same folder. save_model writes the data
-    there and removes what the model it replaces kept there, so no other file may be written
-    under such a name.
+    `<name>.data` or `<name>.<digest>.data` in the same folder (_data_names). save_model
+    writes the data there and removes what the model it replaces kept there, so no other file
+    may be written under such a name.
 
     >>> named_as_data_of("out.onnx", "out.onnx.3f2a9c4e1b7d5a60.data")
     True
@@ -269,13 +269,19 @@ def named_as_data_of(model_path: str | os.PathLike, path: str | os.PathLike) -> 
     model_path, path = Path(model_path), Path(path)
     if path.parent.resolve() != model_path.parent.resolve():
         return False
-    return path.name.startswith(f"{model_path.name}.") and path.name.endswith(".data")
+    return _data_names(model_path.name).fullmatch(path.name) is not None
+
+
+def _data_names(model_name: str) -> re.Pattern:
+    """The names save_model gives a model's external data: `<name>.data`, `<name>.<digest>.data`
+    (16 hex digits of the data's hash)."""
+    return re.compile(re.escape(model_name) + r"(\.[0-9a-f]{16})?\.data")
 
 
 def _own_data_files(path: Path) -> list[Path]:
     """The data files the model at `path` names under its own name (`<name>.data`, or
     `<name>.<digest>.data` as save_model writes them): the ones a new model there replaces."""
-    own = re.compile(re.escape(path.name) + r"(\.[0-9a-f]{16})?\.data")
+    own = _data_names(path.name)
     if not path.is_file() or not any(own.fullmatch(p.name) for p in path.parent.iterdir()):
         return []
     try:

@@ -11,15 +11,16 @@ from __future__ import annotations
 import contextlib
 
 
-def progress_bar(console):
-    """A transient rich Progress on `console`, disabled unless that is an interactive tty.
+def progress_bar(console, *columns):
+    """A transient rich Progress on `console` (with rich's default columns, or `columns`),
+    disabled unless that is an interactive tty.
 
     >>> with progress_bar(Console(stderr=True)) as bar:
     ...     task = bar.add_task("preparing kernels", total=None)
     """
     from rich.progress import Progress  # heavy: only for the commands that show progress
 
-    return Progress(console=console, transient=True, disable=not _draws(console))
+    return Progress(*columns, console=console, transient=True, disable=not _draws(console))
 
 
 def _draws(console) -> bool:

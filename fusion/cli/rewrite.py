@@ -159,7 +159,10 @@ def _rewrite_verified(model, result, catalog, inputs):
             result = rewrite(model, catalog, skip=skip)
         if not bad or report.complete:  # every node ran and was compared
             break
-    print(f"verified {len(report.nodes)} fused node outputs against onnxruntime")
+    print(
+        f"verified {len(report.nodes)} fused node outputs (each tactic of each kernel) against "
+        "onnxruntime"
+    )
     return result
 
 
