@@ -50,10 +50,8 @@ def build(name: str, **config):
     torch.manual_seed(SEED)
     cfg = config_class(**config)
     cfg._attn_implementation = "eager"
-    if name == "gpt2":
-        cfg.use_cache = False
-    if name == "llama":
-        cfg.use_cache = False
+    if name in ("gpt2", "llama"):
+        cfg.use_cache = False  # no past key/values as outputs
     model = model_class(cfg).eval()
     with torch.no_grad():  # fresh LayerNorm/RMSNorm weights are 1 and biases 0: randomise
         for param_name, param in model.named_parameters():
