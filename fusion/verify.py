@@ -124,11 +124,14 @@ def verify(
 
     feeds, source = model_inputs(original, inputs, seed, dims)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
-    expected, offered, tactics, k, checked = None, None, ["kernel"], 0, set()
+    expected, offered, tactics, k, checked, first = None, None, ["kernel"], 0, set(), None
     while k < len(tactics):
         tactic, k = tactics[k], k + 1
         try:  # the kernels' first tactics, then each other tactic wherever a kernel offers it
-            session = Session(fused, threads=None, fuse=False, catalog=catalog, tactics=tactic)
+            if first is None:  # builds every kernel (packs the weights) once
+                session = first = Session(fused, fuse=False, catalog=catalog, tactics=tactic)
+            else:
+                session = first.with_tactics(tactic)
             values = session.run_with_intermediates(feeds)  # first: its feed errors, one line
         except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
             note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"

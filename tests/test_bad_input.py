@@ -16,6 +16,7 @@ files with a random bit or byte corrupted are fuzzed in test_fuzz.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -1028,6 +1029,25 @@ def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(
     assert "0 fusions" in stdout and fused_ops(onnx.load(out)) == []
     code, stdout, _ = cli(capsys, "verify", model, "--plugin", plugin(mode))
     assert code == 1 and "FAIL" in stdout and reason in stdout, stdout
+
+
+def test_rewrite_verify_checks_what_a_rollback_fuses_again(capsys, tmp_path, monkeypatch):
+    """A Conv + Add + Relu chain rolled back at its Relu fuses again as Conv + Add under the
+    Add's name: that fusion is verified too, and rolled back as well when it disagrees."""
+    from patterns import conv
+
+    def off_by_half(attrs, constants):  # the real kernel, plus 0.5 everywhere
+        run = conv.make_kernel(attrs, constants)
+        return lambda *args: tuple(y + np.float32(0.5) for y in run(*args))
+
+    wrong = fusion.Catalog([dataclasses.replace(conv.RULE, prepare=off_by_half)])
+    monkeypatch.setattr("fusion.cli.rewrite.default_catalog", lambda: wrong)
+    save_model(conv_stack(blocks=1, channels=4, size=6), tmp_path / "m.onnx")
+    code, out, err = cli(capsys, "rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx",
+                         "--verify")  # fmt: skip
+    assert code == 0, err
+    assert out.count("rolled back: kernel disagrees") >= 2 and "0 fusions" in out, out
+    assert fused_ops(onnx.load(tmp_path / "o.onnx")) == []
 
 
 def test_a_kernel_output_that_is_a_graph_output_has_the_bodys_sizes(

@@ -138,10 +138,12 @@ def _require_same_validity(fused, original, checked: bool) -> None:
 def _rewrite_verified(model, result, catalog, inputs):
     """Check every fused node on a real run; rewrite again without the ones that disagree.
 
-    A kernel that raises or returns what its node does not declare stops the run there: that
-    fusion is rolled back and the rest verified again, until every remaining node is checked."""
+    Verified again after every rollback, until a run finds no disagreement: a kernel that
+    raises stops the run before the nodes after it, and a chain rolled back at its root may
+    fuse again shorter, under another node's name, which is then checked in turn (each round
+    skips at least one more node name, so it ends)."""
     skip: dict[str, str] = {}
-    for _ in range(len(result.fusions) + 1):
+    for _ in range(len(model.graph.node) + 1):
         report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
         bad = {}
         for node in report.nodes:
@@ -155,10 +157,9 @@ def _rewrite_verified(model, result, catalog, inputs):
         for reason in bad.values():
             print(reason)
         skip.update(bad)
-        if bad:
-            result = rewrite(model, catalog, skip=skip)
-        if not bad or report.complete:  # every node ran and was compared
+        if not bad:
             break
+        result = rewrite(model, catalog, skip=skip)
     print(
         f"verified {len(report.nodes)} fused node outputs (each tactic of each kernel) against "
         "onnxruntime"

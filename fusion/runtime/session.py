@@ -15,6 +15,7 @@ Session.run keeps no per-run state on the session, so it may be called from seve
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -429,6 +430,19 @@ class Session:
     def choices(self) -> dict[str, str]:
         """Per fused node (its label), the tactic it runs in the default plan."""
         return dict(self._default.choices)
+
+    def with_tactics(self, tactics: str) -> Session:
+        """A Session on this one's kernels (built once, weights packed once) that runs them
+        under another untimed policy: "kernel", "onnxruntime" or a tactic name. fusion.verify
+        runs each tactic a kernel offers this way."""
+        other = copy.copy(self)
+        other.tactics = policy(tactics)
+        if other.tactics == "fastest":
+            raise ValueError("with_tactics takes an untimed policy, not 'fastest'")
+        other._lock = threading.Lock()
+        other._plans, other._dynamic, other._unsettled = {}, False, False
+        other._default = other._plan(other._choose(other._shapes))
+        return other
 
     @property
     def offered(self) -> dict[str, list[str]]:
