@@ -69,6 +69,10 @@ class Rule:
     description: str = ""
     rtol: float = DEFAULT_RTOL  # what the kernel promises against onnxruntime (fusion.numerics)
     atol: float = DEFAULT_ATOL
+    # The kernel sums long runs of products (a conv, a matrix product) in float32 in its own
+    # order: its error is bounded relative to the output's largest magnitude, not to each
+    # element, so its atol is taken as at least rtol x max |expected| (fusion.numerics).
+    accumulates: bool = False
     explain_after: str | None = None  # a near-miss must have matched this op type
     # For structure a pattern cannot state (a chain of any length): finder(view, node_index)
     # returns candidate Matches rooted at that node, or a reason string, or None.

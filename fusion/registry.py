@@ -58,7 +58,7 @@ def register_pattern(
 
     Give `kernel` (plain function), or `prepare` (factory), or neither to get a decorator
     that takes the kernel function; either way the rule holds a factory (Rule.prepare). Other
-    options are Rule's: outputs, attributes, check, priority, description, rtol, atol,
+    options are Rule's: outputs, attributes, check, priority, description, rtol, atol, accumulates,
     explain_after.
     """
     if kernel is None and prepare is None:

@@ -30,7 +30,14 @@ from fusion.errors import FusionError, KernelError
 from fusion.feeds import model_inputs
 from fusion.graph import GraphView, node_label
 from fusion.modelfile import as_model
-from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, Comparison, compare_arrays, tolerance
+from fusion.numerics import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    Comparison,
+    accumulating,
+    compare_arrays,
+    tolerance,
+)
 from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
@@ -121,6 +128,7 @@ def verify(
     fused = as_model(fused)
     catalog = catalog if catalog is not None else default_catalog()
     out_rtol, out_atol = tolerance(catalog.rules_in(fused), rtol, atol)
+    scaled = accumulating(catalog.rules_in(fused))
 
     feeds, source = model_inputs(original, inputs, seed, dims)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
@@ -152,7 +160,8 @@ def verify(
             if out.name not in values:
                 into.append(Comparison(name, np.inf, np.inf, False, note="not produced"))
                 continue
-            into.append(compare_arrays(name, values[out.name], want, out_rtol, out_atol))
+            into.append(compare_arrays(name, values[out.name], want, out_rtol, out_atol,
+                                       scaled=scaled))  # fmt: skip
         if not per_node:
             continue
         for step in session.steps_for(feeds):
@@ -163,7 +172,7 @@ def verify(
             got = [values[v] for v in step.node.output if v]
             node_rtol, node_atol = tolerance([rule], rtol, atol)
             report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
-                                               suffix=f" [{step.choice}]")  # fmt: skip
+                                               rule.accumulates, f" [{step.choice}]")  # fmt: skip
     for label, names in (offered or {}).items():  # a tactic no policy name selects alone
         for name in names:
             if (label, name) not in checked:
@@ -202,7 +211,8 @@ def verify_node(
         input_values = [input_values.get(v) if v else None for v in node.input]
     kernel = build_kernel(rule, node, GraphView(model))
     got = list(kernel(*input_values))
-    outputs = _compare_with_body(model, node, input_values, got, *tolerance([rule], rtol, atol))
+    outputs = _compare_with_body(model, node, input_values, got, *tolerance([rule], rtol, atol),
+                                 rule.accumulates)  # fmt: skip
     return (
         max(c.max_abs for c in outputs),
         max(c.max_rel for c in outputs),
@@ -210,7 +220,7 @@ def verify_node(
     )
 
 
-def _compare_with_body(model, node, args, got, rtol, atol, suffix="") -> list[Comparison]:
+def _compare_with_body(model, node, args, got, rtol, atol, scaled=False, suffix=""):
     want = run_function_body(model, node, args)
     names = [v + suffix for v in node.output if v]
     label = node_label(node)
@@ -218,7 +228,7 @@ def _compare_with_body(model, node, args, got, rtol, atol, suffix="") -> list[Co
         note = f"the kernel returned {len(got)} outputs, the function {len(want)}"
         return [Comparison(names[0], np.inf, np.inf, False, note=note, node=label)]
     return [
-        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol)), "node": label})
+        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol, scaled=scaled)), "node": label})
         for name, g, w in zip(names, got, want, strict=True)
     ]
 

@@ -207,6 +207,7 @@ RULE = Rule(
     prepare=make_kernel,
     attributes=attributes,
     check=check,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=-1,
     description="multi-head attention: Q, K, V linears (or one + Split), heads, scale, "
     "additive mask, Softmax, times V, heads merged, output linear, optional residual",

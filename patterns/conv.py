@@ -292,6 +292,7 @@ RULE = Rule(
     prepare=make_kernel,
     attributes=conv_attributes,
     check=check,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=10,
     description="1-D/2-D Conv + bias + BatchNorm + activation + residual Add, float32",
     explain_after="Conv",

@@ -118,6 +118,7 @@ RULE = Rule(
     finder=find_concat,
     anchor_ops=("Concat",),
     stage=1,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=10,
     description="Concat on channels of ConvBiasRelu outputs (Inception branches), no copy",
 )

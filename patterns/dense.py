@@ -77,6 +77,7 @@ RULE = Rule(
     prepare=make_kernel,
     attributes=attributes,
     check=check,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=1,  # after every rule built on the linear sub-pattern (LSTM and GRU cells)
     description="2-D MatMul/Gemm + bias + optional activation, float32 (classifier heads)",
     explain_after="Gemm",

@@ -94,6 +94,7 @@ RULE = Rule(
     prepare=make_kernel,
     attributes=fire_attributes,
     check=check_fire,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=20,  # contains three ConvBiasRelu (10) matches, so it goes first
     description="SqueezeNet Fire: squeeze conv, 1x1 and 3x3 expand convs, Concat on channels",
     explain_after="Conv",

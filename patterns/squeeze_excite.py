@@ -126,6 +126,7 @@ RULE = Rule(
     prepare=make_kernel,
     attributes=attributes,
     check=check,
+    accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=15,  # before ConvBiasRelu takes its two convs
     description="squeeze-excitation: x * act(conv(act(conv(mean_hw(x))))), float32 NCHW",
     explain_after="Conv",

@@ -4,7 +4,8 @@ and the one tolerance rule."""
 import numpy as np
 import pytest
 
-from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, compare_arrays, tolerance
+from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, accumulating, compare_arrays, tolerance
+from patterns import conv, pool
 
 
 def test_compare_arrays_handles_nan_inf_shape_and_dtype():
@@ -38,3 +39,17 @@ def test_tolerance_is_the_loosest_rule_unless_given():
     assert tolerance(rules) == (1e-4, 1e-3)
     assert tolerance(rules, rtol=0.5) == (0.5, 1e-3)
     assert tolerance(rules, atol=0.0) == (1e-4, 0.0)
+
+
+def test_scaled_tolerance_is_relative_to_the_largest_value():
+    """An accumulating kernel's error is bounded by its output's scale (Rule.accumulates):
+    an element near zero may be off by rtol x max |want|, and no more."""
+    want = np.array([10.0, 0.01, -3.0], np.float32)
+    near = want + np.array([0.0, 5e-4, 0.0], np.float32)
+    assert not compare_arrays("y", near, want, 1e-4, 1e-5).ok
+    scaled = compare_arrays("y", near, want, 1e-4, 1e-5, scaled=True)
+    assert scaled.ok and scaled.max_rel == pytest.approx(5e-5, rel=1e-2)  # of the scale, 10
+    assert not compare_arrays("y", want + np.float32(2e-3), want, 1e-4, 1e-5, scaled=True).ok
+    inf = np.array([np.inf, 1.0], np.float32)  # the scale is the largest finite value
+    assert not compare_arrays("y", inf + [0, 1e-3], inf, 1e-4, 1e-5, scaled=True).ok
+    assert accumulating([conv.RULE]) and not accumulating([pool.RULE])

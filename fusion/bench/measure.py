@@ -50,7 +50,7 @@ from fusion.bench.workers import (
 )
 from fusion.bench.workload import Options, Workload
 from fusion.errors import FusionError
-from fusion.numerics import tolerance
+from fusion.numerics import accumulating, tolerance
 from fusion.rewriter import rewrite
 
 FILES = {ORT_NONE: ORT_NONE, ORT_ALL: ORT_NONE, FUSED: FUSED, ORT_FUSED: FUSED, NATIVE: NATIVE}
@@ -84,6 +84,7 @@ def measure(
     if opts.runners is not None:
         models = {k: v for k, v in models.items() if k in opts.runners or k == ORT_NONE}
     rtol, atol = tolerance(catalog.rules_in(fused_model), opts.rtol, opts.atol)
+    scaled = accumulating(catalog.rules_in(fused_model))
     notes = list(flops.notes)
     if not counts:
         notes.append("no catalog pattern matched: the fused run is onnxruntime in one island")
@@ -107,7 +108,7 @@ def measure(
             workers, infos = _start(mode, models, workload, catalog, blob, folder, flops, opts, say)
         try:
             result = _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
-                          say, folder)  # fmt: skip
+                          say, folder, scaled)  # fmt: skip
         finally:
             close_workers(workers)
         if result.profile:
@@ -179,12 +180,13 @@ def _start(mode, models, workload, catalog, blob, folder, flops, opts, say):
     return workers, infos
 
 
-def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol, say, folder):
+def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol, say, folder,
+         scaled=False):  # fmt: skip
     runners = {n: w for n, w in workers.items() if n in infos}
     sgemm = workers.get(SGEMM)
     say("verifying outputs")
     reference = runners[ORT_NONE].run()
-    verify_runners(runners, infos, reference, rtol, atol)
+    verify_runners(runners, infos, reference, rtol, atol, scaled)
     say("warming up and timing")
     blocks = mode == SAME_PROCESS and sgemm is not None and not sgemm.host.calls[None].interleaved
     if blocks:  # OpenBLAS's workers would spin into the next runner's turn: apart, before, after
@@ -197,7 +199,7 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
     if blocks:
         sgemm.host.calls[None].block()
         sgemm_times = sgemm.host.calls[None].times
-    verify_runners(runners, infos, reference, rtol, atol)  # still right after
+    verify_runners(runners, infos, reference, rtol, atol, scaled)  # still right after
     timing.times = {k: v for k, v in timing.times.items() if infos[k].ok}
 
     result = BenchResult(

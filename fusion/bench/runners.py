@@ -100,10 +100,11 @@ class RunnerInfo:
     pid: int | None = None  # the process it ran in
 
 
-def verify_runners(runners, infos, reference, rtol, atol) -> None:
+def verify_runners(runners, infos, reference, rtol, atol, scaled: bool = False) -> None:
     """Refuse (drop) every runner whose outputs disagree with `reference` (fusion.numerics:
-    |got - want| <= atol + rtol * |want|), recording why in its RunnerInfo. A runner here is
-    anything with run() -> outputs on its feeds (fusion.bench.workers)."""
+    |got - want| <= atol + rtol * |want|, atol scaled for accumulating kernels), recording why
+    in its RunnerInfo. A runner here is anything with run() -> outputs on its feeds
+    (fusion.bench.workers)."""
     for name in list(runners):
         info = infos[name]
         try:
@@ -117,7 +118,7 @@ def verify_runners(runners, infos, reference, rtol, atol) -> None:
             del runners[name]
             continue
         pairs = enumerate(zip(got, reference, strict=True))
-        outputs = [compare_arrays(f"#{i}", g, w, rtol, atol) for i, (g, w) in pairs]
+        outputs = [compare_arrays(f"#{i}", g, w, rtol, atol, scaled=scaled) for i, (g, w) in pairs]
         info.max_abs = max(c.max_abs for c in outputs)
         info.max_rel = max(c.max_rel for c in outputs)
         bad = [c for c in outputs if not c.ok]
