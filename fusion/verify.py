@@ -132,27 +132,25 @@ def verify(
 
     feeds, source = model_inputs(original, inputs, seed, dims)
     report = VerifyReport([], rtol=out_rtol, atol=out_atol, inputs=source)
-    expected, offered, tactics, k, checked, first = None, None, ["kernel"], 0, set(), None
-    while k < len(tactics):
-        tactic, k = tactics[k], k + 1
-        try:  # the kernels' first tactics, then each other tactic wherever a kernel offers it
-            if first is None:  # builds every kernel (packs the weights) once
-                session = first = Session(fused, fuse=False, catalog=catalog, tactics=tactic)
-            else:
-                session = first.with_tactics(tactic)
+    try:  # builds every kernel (packs its weights) once, for all the tactics below
+        first = Session(fused, fuse=False, catalog=catalog, tactics="kernel")
+    except KernelError as exc:  # a kernel that cannot be built: the node at fault
+        return _stopped(report, exc, "kernel")
+    offered = first.offered
+    tactics = ["kernel"]  # each kernel's first tactic, then every other one a kernel offers
+    for names in offered.values():
+        tactics += [t for t in names[1:] if t not in tactics and t not in POLICIES]
+    expected, checked = None, set()
+    for tactic in tactics:
+        session = first if tactic == "kernel" else first.with_tactics(tactic)
+        try:
             values = session.run_with_intermediates(feeds)  # first: its feed errors, one line
-        except KernelError as exc:  # a kernel that cannot be built or run: the node at fault
-            note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"
-            report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note,
-                                           node=exc.node))  # fmt: skip
-            report.complete = False
-            return report
+        except KernelError as exc:  # a kernel that fails to run: the node at fault
+            return _stopped(report, exc, tactic)
         if expected is None:
             expected = inference_session(original, REFERENCE).run(None, feeds)
-            offered = session.offered
-            for names in offered.values():  # every other tactic, once
-                tactics += [t for t in names[1:] if t not in tactics and t not in POLICIES]
-        checked |= {(s.name, s.choice) for s in session.steps_for(feeds) if s.kind == "kernel"}
+        steps = [s for s in session.steps_for(feeds) if s.kind == "kernel"]
+        checked |= {(s.name, s.choice) for s in steps}
         into = report.outputs if tactic == "kernel" else report.tactics
         suffix = "" if tactic == "kernel" else f" [{tactic}]"
         for out, want in zip(original.graph.output, expected, strict=True):
@@ -164,8 +162,8 @@ def verify(
                                        scaled=scaled))  # fmt: skip
         if not per_node:
             continue
-        for step in session.steps_for(feeds):
-            if step.kind != "kernel" or (tactic != "kernel" and step.choice != tactic):
+        for step in steps:
+            if tactic != "kernel" and step.choice != tactic:
                 continue  # each (node, tactic) once
             rule = catalog.get(step.node.op_type)
             args = [values[v] if v else None for v in step.node.input]  # NCHW, any tactic
@@ -173,12 +171,20 @@ def verify(
             node_rtol, node_atol = tolerance([rule], rtol, atol)
             report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
                                                rule.accumulates, f" [{step.choice}]")  # fmt: skip
-    for label, names in (offered or {}).items():  # a tactic no policy name selects alone
+    for label, names in offered.items():  # a tactic no policy name selects alone
         for name in names:
             if (label, name) not in checked:
                 note = f"its tactic {name} could not be run alone (a name a policy takes)"
                 report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note,
                                                node=label))  # fmt: skip
+    return report
+
+
+def _stopped(report: VerifyReport, exc: KernelError, tactic: str) -> VerifyReport:
+    """The report of a run a kernel stopped: that node at fault, what came after unchecked."""
+    note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"
+    report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note, node=exc.node))
+    report.complete = False
     return report
 
 
