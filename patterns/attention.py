@@ -213,6 +213,4 @@ RULE = Rule(
     "additive mask, Softmax, times V, heads merged, output linear, optional residual",
     explain_after="Softmax",
     absorb_shapes=True,
-    rtol=1e-4,
-    atol=1e-5,
 )

@@ -104,6 +104,7 @@ def make_skip_kernel(attrs: dict, constants: list):
 
 
 x, r = Var("x", dtype="float32"), Var("residual", dtype="float32")
+SHARED = dict(attributes=attributes, check=last_axis_only, explain_after="ReduceMean")
 RULES = [
     Rule(
         "SkipLayerNorm",
@@ -111,38 +112,26 @@ RULES = [
         inputs=("x", "residual", "gamma", "beta"),
         outputs=("ln_out", "skip"),
         prepare=make_skip_kernel,
-        attributes=attributes,
-        check=last_axis_only,
+        **SHARED,
         priority=-12,
         description="Add + LayerNorm (the op or primitives) over the last axis; outputs y, x + r",
-        explain_after="ReduceMean",
-        rtol=1e-4,
-        atol=1e-5,
     ),
     Rule(
         "LayerNorm",
         layer_norm(x),
         inputs=("x", "gamma", "beta"),
         prepare=make_kernel,
-        attributes=attributes,
-        check=last_axis_only,
+        **SHARED,
         priority=-13,
         description="LayerNormalization or ReduceMean/Sub/Pow/Sqrt/Div over the last axis",
-        explain_after="ReduceMean",
-        rtol=1e-4,
-        atol=1e-5,
     ),
     Rule(
         "RMSNorm",
         rms_norm(x),
         inputs=("x", "gamma"),
         prepare=make_rms_kernel,
-        attributes=attributes,
-        check=last_axis_only,
+        **SHARED,
         priority=-13,
         description="x / sqrt(mean(x^2) + eps) * g (Div, Reciprocal or 1/sqrt; Casts folded)",
-        explain_after="ReduceMean",
-        rtol=1e-4,
-        atol=1e-5,
     ),
 ]

@@ -135,33 +135,24 @@ def make_kernel(attrs: dict, constants: list):
 
 
 x = Var("x", dtype="float32")
+# One kernel for both; its products are long float32 sums (error relative to the output's scale)
+SHARED = dict(inputs=("x", *LINEAR, "residual"), prepare=make_kernel, attributes=attributes,
+              check=check, accumulates=True)  # fmt: skip
 RULES = [
     Rule(
         "LinearGelu",
         with_residual(gelu(linear_nd(x, "W", "fc")), optional=True),
-        inputs=("x", *LINEAR, "residual"),
-        prepare=make_kernel,
-        attributes=attributes,
-        check=check,
         priority=-10,
         description="linear (MatMul or Gemm, bias, any rank) + GELU (Erf or tanh) + residual Add",
         explain_after="Erf",
-        rtol=1e-4,
-        atol=1e-5,
-        accumulates=True,  # long float32 sums: error relative to the output's scale
+        **SHARED,
     ),
     Rule(
         "LinearResidual",
         with_residual(linear_nd(x, "W", "fc"), optional=False),
-        inputs=("x", *LINEAR, "residual"),
-        prepare=make_kernel,
-        attributes=attributes,
-        check=check,
         priority=-11,
         description="linear (MatMul or Gemm, bias, any rank) + residual Add, x of rank 3",
         explain_after="MatMul",
-        rtol=1e-4,
-        atol=1e-5,
-        accumulates=True,  # long float32 sums: error relative to the output's scale
+        **SHARED,
     ),
 ]
