@@ -10,9 +10,8 @@ The tolerance of a fused model is the loosest rtol and atol among the rules whos
 it holds (each rule states what its kernel promises), unless the caller gives one. With
 `scaled` (a rule whose kernel accumulates: Rule.accumulates) atol is at least rtol times the
 largest finite |want|: a float32 sum of thousands of products in another order than
-onnxruntime's errs by ~1e-6 of the output's scale, which an element near zero cannot absorb
-(a ResNet-18 layer4 conv: 7e-5 off where its outputs reach 38, onnxruntime itself 1.2e-5 off
-a float64 sum).
+onnxruntime's errs by a small fraction of the output's scale, which an element near zero
+cannot absorb (bench/NOTES.md, "Tolerance of accumulating kernels").
 
     >>> compare_arrays("y", got, want, *tolerance(rules)).ok
 """
