@@ -60,21 +60,20 @@ def build(name: str, **config):
     return model
 
 
-class LastHidden:
-    """forward(input_ids, attention_mask) -> last_hidden_state."""
+def last_hidden(model):
+    """`model` as a module whose forward(input_ids, attention_mask) returns last_hidden_state
+    alone (a torch.nn.Module is made here: torch is imported only when used)."""
+    import torch
 
-    def __new__(cls, model):
-        import torch
+    class LastHidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
 
-        class Wrapped(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
 
-            def forward(self, input_ids, attention_mask):
-                return self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
-
-        return Wrapped().eval()
+    return LastHidden().eval()
 
 
 def example(batch: int, seq: int, vocab: int, padded: bool = True):
@@ -95,7 +94,7 @@ def export(model, path: Path, exporter: str, batch: int = 2, seq: int = 16,
     import torch
 
     dynamo = EXPORTERS[exporter][0]
-    wrapped = LastHidden(model)
+    wrapped = last_hidden(model)
     args = example(batch, seq, model.config.vocab_size)
     names = dict(input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"])
     if dynamo:
