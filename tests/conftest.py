@@ -15,7 +15,9 @@ import os
 import shutil
 import tempfile
 import warnings
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("fixed", derandomize=True, database=None)
@@ -54,3 +56,15 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if OWN_CACHE is not None:
         shutil.rmtree(OWN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    """A small conv model (helpers.small_model) saved as in.onnx in the test's folder."""
+    from helpers import small_model  # fusion and onnx only when a test asks for the fixture
+
+    from fusion.modelfile import save_model
+
+    path = tmp_path / "in.onnx"
+    save_model(small_model(), path)
+    return path

@@ -1,6 +1,7 @@
 """What the tests share: graph builders, the onnxruntime oracle, the assertions every pattern
 test makes (assert_fuses, near_miss, assert_close), naive NumPy references, and small fused
-models with a NumPy kernel (ScaledRelu) for the runtime and verify tests."""
+models with a NumPy kernel (ScaledRelu) for the runtime and verify tests, and the check every
+refusal of bad input makes (assert_refused)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from onnx import TensorProto, helper
 
 import fusion
 from fusion.catalog import DOMAIN, Catalog, Rule
+from fusion.cli import main
 from fusion.functions import content_hash
+from fusion.models import conv_stack
 from fusion.models.builder import GraphBuilder as ModelBuilder
 from fusion.numerics import compare_arrays
 from fusion.ort import DEFAULT, REFERENCE, inference_session
@@ -357,3 +360,53 @@ def control_flow_model() -> onnx.ModelProto:
     stacked = g.node("Unsqueeze", [loop_out, g.const(np.array([0], np.int64))])
     scanned = g.node("Scan", [stacked], body=scan_body, num_scan_inputs=1)
     return g.model({"x": ["N", 4, 5, 5]}, [scanned, h])
+
+
+# ---- refusals: one line on stderr, exit 2, the folder unchanged ------------------------------
+def state(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden temporaries too) and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(result, message: str, folder: Path, before: dict) -> None:
+    code, _, err = result
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.endswith("\n"), repr(err)  # one line, no blank one
+    assert err.startswith("fusion: error: ") and message in err, err
+    assert state(folder) == before  # no output, no temporary file, the input unchanged
+
+
+def data_names(folder: Path, model: str) -> list[str]:
+    """The data files save_model wrote for `model` in `folder`: MODEL.<digest>.data."""
+    return sorted(p.name for p in folder.glob(f"{model}.*.data"))
+
+
+def small_model(**kw) -> onnx.ModelProto:
+    return conv_stack(blocks=2, channels=4, size=6, **kw)
+
+
+# Every command that reads a model file, and what it needs besides (a quick bench).
+READING_A_MODEL = {
+    "rewrite": ["-o", "out.onnx"],
+    "match": [],
+    "run": ["-o", "out.npz"],
+    "verify": [],
+    "tune": [],
+    "bench": ["--same-process", "--threads", "1", "--rounds", "1", "--budget", "0"]
+    + ["--no-memory", "--no-compile", "--no-nodes"],
+}
+
+
+def typed_model(elem: int) -> onnx.ModelProto:
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    g = GraphBuilder()
+    w = g.const((g.rng.standard_normal((4, 2, 3, 3)) * 0.3).astype(dtype))
+    b = g.const(np.full(4, 0.1, dtype))
+    y = g.node("Relu", [g.node("Conv", ["x", w, b], pads=[1, 1, 1, 1], name="/conv")])
+    return g.model({"x": ["N", 2, 5, 5]}, [y], elem=elem)
