@@ -27,31 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fusion.runtime.race import balanced_orders, burst
+
 SAME_PROCESS = "same process"  # every runner in the measuring process, taking turns
 PROCESSES = "own processes"  # every runner in a long-lived process of its own (workers.py)
-
-
-def burst(
-    call: Callable[[], object],
-    calls: int,
-    before: Callable[[], object] | None = None,
-    warm: float = 0.0,
-) -> list[float]:
-    """`calls` calls back to back (`before()` untimed ahead of each); seconds per call. With
-    `warm`, untimed calls first until that many seconds have passed (at least one)."""
-    if warm > 0:
-        end = time.perf_counter() + warm
-        call()
-        while time.perf_counter() < end:
-            call()
-    times = []
-    for _ in range(calls):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def percentile(samples, q: float) -> float:
@@ -123,21 +102,6 @@ class Timing:
             "warm_s": self.warm,
             "runners": {k: self.stats(k) for k in self.times},
         }
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of 0..n-1 in which every ordered pair (a, b), a != b, stands side by side equally
-    often: the rows of a Williams design, 0, 1, n-1, 2, n-2, ... shifted by each k mod n, and
-    their reverses too when n is odd."""
-    base, low, high = [0], 1, n - 1
-    while len(base) < n:
-        base.append(low)
-        low += 1
-        if len(base) < n:
-            base.append(high)
-            high -= 1
-    rows = [[(x + k) % n for x in base] for k in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
 
 def interleave(

@@ -1,0 +1,250 @@
+"""The whole-plan race: which of a few ways to run a model is fastest, judged so that the answer
+holds on a quiet machine and is not taken at all where the difference is noise.
+
+    verdict = race({"onnxruntime": run_ort, "nchw": run_nchw, "per-node": run_per_node})
+    verdict.chosen, verdict.decided, verdict.busy, verdict.describe()
+
+Candidates are given simplest first: the first is kept whenever the race cannot tell it from the
+fastest (for Session: onnxruntime alone, then kernels in NCHW, then per-node choices).
+
+How a race is run and judged:
+- warm-up, then `rounds` rounds of one turn per candidate, in balanced orders (each candidate
+  follows each other equally often, so whatever one leaves behind falls on all alike); a turn
+  is a burst of calls sized to about `turn_s` seconds, and its median is that round's figure;
+- after every turn the process waits until its own threads go idle (onnxruntime's workers
+  spin for tens of milliseconds after a run at its defaults, which would slow the next
+  candidate: the candidate runs with the settings it will run with, only its leftovers go);
+- each candidate's figure is the minimum over rounds of its per-round medians: load from other
+  processes only ever adds time, so the least-disturbed round is the closest to a quiet machine;
+- the noise is the spread measured in the same race: per candidate, how far its per-round
+  medians sit above its best one (their median relative to the minimum), the largest of all,
+  never below MIN_MARGIN;
+- the fastest wins only when it beats every simpler candidate by more than that noise; else
+  the simplest candidate within the noise of the fastest is kept, and the verdict says so;
+- the race watches the machine: other processes' CPU use during the race (from /proc/stat,
+  steal included, less this process's own time), in cores. A race that saw more than
+  BUSY_CORES of it, or noise above BUSY_NOISE, is `busy`: its verdict may serve this process,
+  but a cache should keep it as provisional and race again when the machine is quiet.
+
+Nothing here knows a Session: callers pass run callables (fusion/runtime/session.py builds
+them from its plans; the tests pass clocks and fake machines).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+
+MIN_MARGIN = 0.03  # below 3% apart, two plans are called equal whatever the race measured
+BUSY_CORES = 0.25  # other processes' CPU use, in cores, above which a race is "under load"
+BUSY_NOISE = 0.25  # a spread this large says the machine was disturbed, whatever /proc says
+ROUNDS, TURN_S, MAX_CALLS = 5, 0.02, 50  # per candidate: 5 turns of ~20 ms (at most 50 calls)
+IDLE_WAIT_S, IDLE_STEP_S, IDLE_SHARE = 0.25, 0.005, 0.2  # waiting for spinning workers to stop
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of 0..n-1 in which every ordered pair (a, b), a != b, stands side by side equally
+    often: the rows of a Williams design, 0, 1, n-1, 2, n-2, ... shifted by each k mod n, and
+    their reverses too when n is odd."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    rows = [[(x + k) % n for x in base] for k in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def burst(
+    call: Callable[[], object],
+    calls: int,
+    before: Callable[[], object] | None = None,
+    warm: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """`calls` calls back to back (`before()` untimed ahead of each); seconds per call. With
+    `warm`, untimed calls first until that many seconds have passed (at least one)."""
+    if warm > 0:
+        end = clock() + warm
+        call()
+        while clock() < end:
+            call()
+    times = []
+    for _ in range(calls):
+        if before is not None:
+            before()
+        t0 = clock()
+        call()
+        times.append(clock() - t0)
+    return times
+
+
+# ---- the machine -----------------------------------------------------------------------------
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy seconds of all CPUs, steal included; this process's CPU seconds, all threads), or
+    None where /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    guest = sum(ticks[8:10]) if len(ticks) > 9 else 0  # already counted in user/nice
+    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+class Machine:
+    """How busy the rest of the machine is, measured between start() and stop(): other
+    processes' CPU seconds per wall second (cores), and this process's own CPU use per wall
+    second (to see its threads go idle)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self._start: tuple | None = None
+
+    def start(self) -> None:
+        self._start = (self.clock(), _cpu_seconds())
+
+    def stop(self) -> float | None:
+        """Other processes' CPU use since start(), in cores (None where unknown)."""
+        if self._start is None:
+            return None
+        t0, before = self._start
+        after, wall = _cpu_seconds(), self.clock() - t0
+        if before is None or after is None or wall <= 0:
+            return None
+        others = (after[0] - before[0]) - (after[1] - before[1])
+        return max(0.0, others / wall)
+
+    def wait_idle(self) -> None:
+        """Until this process's threads use less than IDLE_SHARE of a core over IDLE_STEP_S
+        (onnxruntime's workers stop spinning: about 50 ms after a run on a Zen 1 core), at most
+        IDLE_WAIT_S. process_time counts every thread, to the nanosecond."""
+        end = self.clock() + IDLE_WAIT_S
+        last = time.process_time()
+        while self.clock() < end:
+            time.sleep(IDLE_STEP_S)
+            now = time.process_time()
+            if now - last < IDLE_SHARE * IDLE_STEP_S:
+                return
+            last = now
+
+
+# ---- the race --------------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    """The outcome of a race. seconds: each candidate's figure (min over rounds of per-round
+    medians); noise: the relative spread the race measured (at least MIN_MARGIN); decided:
+    whether the chosen candidate is faster than every simpler one by more than the noise
+    (False: the race could not tell, and the simplest within noise was kept); load: other
+    processes' CPU use during the race in cores (None: unknown); busy: the race ran under
+    load and should not be trusted beyond this process; when: time.time() at its end."""
+
+    chosen: str
+    seconds: dict[str, float]
+    noise: float
+    decided: bool
+    load: float | None
+    busy: bool
+    rounds: int
+    when: float
+    failed: dict[str, str] = field(default_factory=dict)  # candidate -> its error, in words
+
+    def to_entry(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line: what runs and why, every candidate's time."""
+        times = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.seconds.items())
+        why = "fastest" if self.decided else f"within {self.noise:.0%} noise of the fastest"
+        load = "" if self.load is None else f", other load {self.load:.2f} cores"
+        busy = "; raced under load: provisional" if self.busy else ""
+        return f"{self.chosen} ({why}; {times}{load}{busy})"
+
+
+def judge(figures: Mapping[str, list[float]]) -> tuple[str, dict[str, float], float, bool]:
+    """(chosen, per-candidate figure, noise, decided) from each candidate's per-round medians,
+    candidates simplest first (see the module docstring). A candidate with no finite round (it
+    failed) is never chosen."""
+    seconds = {name: min(rounds) if rounds else float("inf") for name, rounds in figures.items()}
+    spreads = [
+        statistics.median(r) / min(r) - 1.0
+        for r in figures.values()
+        if r and 0 < min(r) < float("inf") and statistics.median(r) < float("inf")
+    ]
+    noise = max([MIN_MARGIN, *spreads])
+    finite = {k: v for k, v in seconds.items() if v < float("inf")}
+    if not finite:
+        first = next(iter(figures))
+        return first, seconds, noise, False
+    best = min(finite, key=finite.get)
+    within = [k for k, v in finite.items() if v <= finite[best] * (1.0 + noise)]
+    chosen = within[0]  # candidates are simplest first
+    return chosen, seconds, noise, chosen == best and len(within) == 1
+
+
+def race(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int = ROUNDS,
+    turn_s: float = TURN_S,
+    clock: Callable[[], float] = time.perf_counter,
+    machine: Machine | None = None,
+) -> Verdict:
+    """Race `candidates` (name -> a call running that plan once, simplest first). A call that
+    raises rules its candidate out (its figure is inf, its error in `Verdict.failed`); when
+    every candidate fails, the first failure is raised."""
+    if not candidates:
+        raise ValueError("a race needs at least one candidate")
+    machine = machine or Machine(clock)
+    names = list(candidates)
+    per_call: dict[str, float] = {}
+    failed: dict[str, BaseException] = {}
+    machine.start()
+    for name in names:  # warm-up (compiles, allocations), then one timed call to size turns
+        try:
+            (per_call[name],) = burst(candidates[name], 1, warm=1e-9, clock=clock)
+        except Exception as exc:  # noqa: BLE001 (any failure rules the candidate out)
+            failed[name] = exc
+        machine.wait_idle()
+    if len(failed) == len(names):
+        raise next(iter(failed.values()))
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    orders = balanced_orders(len(names))
+    for r in range(rounds):
+        for k in orders[r % len(orders)]:
+            name = names[k]
+            if name in failed:
+                continue
+            calls = max(1, min(MAX_CALLS, int(turn_s / max(per_call[name], 1e-9))))
+            try:
+                figures[name].append(statistics.median(burst(candidates[name], calls,
+                                                             clock=clock)))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001
+                failed[name] = exc
+                figures[name] = []
+            machine.wait_idle()
+    load = machine.stop()
+    chosen, seconds, noise, decided = judge(figures)
+    busy = (load is not None and load > BUSY_CORES) or noise > BUSY_NOISE
+    errors = {name: f"{type(exc).__name__}: {exc}" for name, exc in failed.items()}
+    return Verdict(chosen, seconds, noise, decided, load, busy, rounds, time.time(), errors)
+
+
+def agrees(recorded: float, observed: list[float], noise: float) -> bool:
+    """Whether run times seen later (`observed`, seconds of the chosen plan's runs) agree with
+    the figure the race recorded for it: their median within the race's noise of it, either
+    way, with a floor of 3x MIN_MARGIN (a plan running much faster than recorded means the race
+    ran on a disturbed machine too: every figure it took is suspect)."""
+    if not observed or not recorded or recorded == float("inf"):
+        return True
+    tolerance = max(3 * MIN_MARGIN, 2 * noise)
+    ratio = statistics.median(observed) / recorded
+    return 1.0 / (1.0 + tolerance) <= ratio <= 1.0 + tolerance

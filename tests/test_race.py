@@ -1,0 +1,155 @@
+"""The whole-plan race judged on scripted clocks: no test here reads a real timing.
+
+Each candidate is a call that moves a fake clock by the seconds its script gives for that call,
+so a race sees exactly the figures a test wants: a quiet machine, load that comes and goes, a
+difference inside the noise, a candidate that fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fusion.runtime.race import (
+    BUSY_CORES,
+    MIN_MARGIN,
+    agrees,
+    balanced_orders,
+    judge,
+    race,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeMachine:
+    """Other processes' load as the test says; nothing to wait for."""
+
+    def __init__(self, load: float | None = 0.0):
+        self.load = load
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return self.load
+
+    def wait_idle(self):
+        pass
+
+
+def scripted(clock: Clock, seconds):
+    """A run call whose k-th call takes seconds(k) on `clock` (a number: always that)."""
+    counter = itertools.count()
+    script = seconds if callable(seconds) else (lambda k: seconds)
+
+    def run():
+        clock.now += script(next(counter))
+
+    return run
+
+
+def run_race(times: dict, load: float | None = 0.0, **kw):
+    clock = Clock()
+    candidates = {name: scripted(clock, t) for name, t in times.items()}
+    return race(candidates, clock=clock, machine=FakeMachine(load), **kw)
+
+
+def test_the_clearly_fastest_wins_and_says_so():
+    verdict = run_race({"onnxruntime": 0.010, "nchw": 0.009, "per-node": 0.006})
+    assert verdict.chosen == "per-node" and verdict.decided and not verdict.busy
+    assert verdict.seconds == pytest.approx({"onnxruntime": 0.010, "nchw": 0.009,
+                                             "per-node": 0.006})  # fmt: skip
+    assert verdict.noise == MIN_MARGIN  # no spread at all: the floor
+    assert "per-node (fastest;" in verdict.describe()
+
+
+def test_a_difference_inside_the_noise_keeps_the_simplest():
+    """1% apart is below the 3% floor: onnxruntime, listed first, is kept, and said so."""
+    verdict = run_race({"onnxruntime": 0.0100, "per-node": 0.0099})
+    assert verdict.chosen == "onnxruntime" and not verdict.decided
+    assert "within 3% noise of the fastest" in verdict.describe()
+
+
+def test_load_during_some_rounds_does_not_decide():
+    """onnxruntime is slowed 9x in five of its six turns (another process on the core), the
+    per-node plan is not: the one quiet round still shows onnxruntime faster, as the quiet
+    machine would. A mean or a median over all rounds would choose per-node."""
+
+    def disturbed(k):  # call 0 warms up, 1 sizes turns (2 calls of 8 ms); round 3 is quiet
+        return 0.008 if k < 2 or (k - 2) // 2 == 3 else 0.072
+
+    verdict = run_race({"onnxruntime": disturbed, "per-node": 0.0244}, rounds=6)
+    assert verdict.chosen == "onnxruntime"
+    assert verdict.busy  # its spread says the machine was disturbed
+
+
+def test_other_processes_load_makes_the_race_provisional():
+    assert run_race({"onnxruntime": 0.01, "per-node": 0.005}, load=BUSY_CORES + 0.5).busy
+    assert not run_race({"onnxruntime": 0.01, "per-node": 0.005}, load=BUSY_CORES / 2).busy
+    assert not run_race({"onnxruntime": 0.01, "per-node": 0.005}, load=None).busy  # unknown
+
+
+def test_the_noise_measured_in_the_race_widens_the_margin():
+    """per-node is 8% faster at best, but both candidates' rounds spread by 20%: not decided."""
+    spread = [1.0, 1.2, 1.2, 1.2, 1.2]
+
+    def noisy(base):
+        def seconds(k):
+            return base * spread[(k // 3) % len(spread)]
+
+        return seconds
+
+    verdict = run_race({"onnxruntime": noisy(0.010), "per-node": noisy(0.0092)})
+    assert verdict.noise > 0.08 and verdict.chosen == "onnxruntime" and not verdict.decided
+
+
+def test_a_candidate_that_fails_is_never_chosen():
+    clock = Clock()
+
+    def broken():
+        raise RuntimeError("kernel exploded")
+
+    candidates = {"onnxruntime": scripted(clock, 0.01), "per-node": broken}
+    verdict = race(candidates, clock=clock, machine=FakeMachine())
+    assert verdict.chosen == "onnxruntime"
+    assert verdict.failed == {"per-node": "RuntimeError: kernel exploded"}
+    assert verdict.seconds["per-node"] == float("inf")
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        race({"per-node": broken}, clock=clock, machine=FakeMachine())
+
+
+def test_turns_are_sized_to_the_call_and_orders_balanced():
+    calls = {"a": 0, "b": 0}
+    clock = Clock()
+
+    def counting(name, seconds):
+        def run():
+            calls[name] += 1
+            clock.now += seconds
+
+        return run
+
+    race({"a": counting("a", 0.001), "b": counting("b", 0.5)}, rounds=4, clock=clock,
+         machine=FakeMachine())  # fmt: skip
+    assert calls == {"a": 2 + 4 * 20, "b": 2 + 4 * 1}  # ~20 ms turns; at least one call
+    for n in (2, 3, 4, 5):
+        orders = balanced_orders(n)
+        pairs = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]
+        assert len({pairs.count(p) for p in set(pairs)}) == 1 and len(set(pairs)) == n * (n - 1)
+
+
+def test_judge_and_agrees_on_plain_figures():
+    assert judge({"a": [2.0, 2.0], "b": [1.0, 1.0]})[0] == "b"
+    assert judge({"a": [], "b": []})[3] is False  # nothing ran: the first, undecided
+    assert agrees(0.010, [0.0102, 0.0101, 0.0104], 0.03)
+    assert not agrees(0.024, [0.016, 0.0162, 0.0159], 0.03)  # far faster than recorded
+    assert not agrees(0.008, [0.012, 0.0125], 0.03)  # far slower
+    assert agrees(0.01, [], 0.03)  # nothing seen yet
