@@ -3,7 +3,9 @@
 The standard-op writer (rewrite(standard_ops=True)) invents names for the nodes, values and
 initializers it writes: none may be a name the model already holds (an initializer, a value,
 a graph input, a value_info, a value inside a subgraph), or onnxruntime would run the LSTM on
-the user's tensor.
+the user's tensor. And a fusion that absorbs a Constant's value leaves no unread Constant or
+initializer behind (plain onnxruntime warns about each one it loads), while what the model
+itself left unread stays.
 """
 
 from pathlib import Path
@@ -11,13 +13,23 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_all_close, fused_ops, random_feeds, run_ort
+from helpers import (
+    GraphBuilder,
+    assert_all_close,
+    assert_fuses,
+    conv_block,
+    fused_ops,
+    random_feeds,
+    run_ort,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 from fusion.cli import main
+from fusion.graph import implicit_inputs
 from fusion.modelfile import save_model
 from fusion.models import GRUWeights, LSTMWeights, unrolled_gru, unrolled_lstm
+from fusion.ort import DEFAULT, inference_session
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CATALOG = fusion.default_catalog()
@@ -159,3 +171,70 @@ def test_inlined_cells_take_no_name_the_model_holds():
     onnx.checker.check_model(result.model, full_check=True)
     feeds = random_feeds(model, batch=2)
     assert_all_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=0, atol=ATOL)
+
+
+# ---- what a rewrite leaves behind ------------------------------------------------------------
+def unread(graph: onnx.GraphProto) -> tuple[list[str], list[str]]:
+    """(Constant outputs, initializers) that no node (nor subgraph) reads and no graph output is."""
+    reads = {v for n in graph.node for v in (*n.input, *implicit_inputs(n))}
+    reads |= {o.name for o in graph.output}
+    constants = [
+        v for n in graph.node if n.op_type == "Constant" for v in n.output if v not in reads
+    ]
+    return constants, [t.name for t in graph.initializer if t.name not in reads]
+
+
+def ort_log(model: onnx.ModelProto, capfd) -> str:
+    """What onnxruntime writes to stderr while loading `model` with its warnings on."""
+    capfd.readouterr()
+    inference_session(model, DEFAULT, threads=1, warnings=True)
+    return capfd.readouterr().err
+
+
+@pytest.mark.parametrize("standard_ops", [False, True], ids=["fused", "standard-ops"])
+def test_absorbed_constants_leave_nothing_unread(capfd, standard_ops):
+    """PyTorch's stacked nn.LSTMCell: the split sizes and Gather indices are Constant nodes
+    that the fused cells' bodies absorb (35 were left behind, each a warning)."""
+    model = onnx.load(str(FIXTURES / "lstmcell_stacked.onnx"))
+    assert unread(model.graph) == ([], [])
+    assert sum(n.op_type == "Constant" for n in model.graph.node) > 30
+    result = fusion.rewrite(model, CATALOG, standard_ops=standard_ops)
+    assert result.counts() == {"LSTMSequence": 3}
+    assert unread(result.model.graph) == ([], [])
+    assert ort_log(result.model, capfd) == ""
+    onnx.checker.check_model(result.model, full_check=True)
+    feeds = random_feeds(model, batch=2)
+    assert_all_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=0, atol=ATOL)
+
+
+def test_a_constant_seen_through_an_identity_goes_with_it(capfd):
+    """Clip's upper bound is Identity(Constant): the fused body holds the bound, and neither
+    node is left behind."""
+    g = GraphBuilder()
+    y = conv_block(g, "x", 4, 4, act="clip", pads=[1, 1, 1, 1])
+    model = g.model({"x": ["N", 4, 5, 5]}, [y])
+    bound = next(n for n in model.graph.node if n.op_type == "Clip").input[2]
+    tensor = next(t for t in model.graph.initializer if t.name == bound)
+    model.graph.initializer.remove(tensor)
+    model.graph.node.insert(0, helper.make_node("Identity", ["bound/c"], [bound]))
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["bound/c"], value=tensor))
+    result = assert_fuses(model, ["ConvBiasRelu"])
+    assert [n.op_type for n in result.model.graph.node] == ["ConvBiasRelu"]
+    assert unread(result.model.graph) == ([], [])
+    assert ort_log(result.model, capfd) == ""
+
+
+def test_what_the_model_left_unread_stays():
+    """A dead Constant and an unused initializer of the model's own, a Constant that is a graph
+    output: none is the rewrite's to remove."""
+    model = onnx.load(str(FIXTURES / "lstmcell_stacked.onnx"))
+    graph = model.graph
+    dead = helper.make_node("Constant", [], ["own/dead"], value_ints=[1, 2])
+    shown = helper.make_node("Constant", [], ["own/shown"], value_ints=[3])
+    graph.node.extend([dead, shown])
+    graph.output.append(helper.make_tensor_value_info("own/shown", TensorProto.INT64, [1]))
+    graph.initializer.append(numpy_helper.from_array(np.zeros(2, np.float32), "own/unused"))
+    result = fusion.rewrite(model, CATALOG)
+    assert result.counts() == {"LSTMSequence": 3}
+    assert unread(result.model.graph) == (["own/dead"], ["own/unused"])
+    assert "own/shown" in {v for n in result.model.graph.node for v in n.output}
