@@ -84,6 +84,7 @@ class Rule:
     from_last: bool = False
     # The fused node written as standard ONNX ops instead (rewrite(standard_ops=True)):
     # standard(view, node) -> (nodes, initializers), or a reason string when it cannot be.
+    # Every name it invents comes from view.names (values) and view.node_names (nodes).
     standard: Callable | None = None
     # Shape computations that read values inside a match and feed only the match join it
     # (fusion/shapes.py); the captured inputs they compute become absent inputs, what they read

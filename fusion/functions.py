@@ -100,10 +100,13 @@ def _inlined(view: GraphView, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     for inner in func.node:
         if any(a.ref_attr_name for a in inner.attribute):
             raise BodyError(f"{node.op_type}'s body reads its attributes; it cannot be inlined")
+        for v in (*inner.input, *inner.output):  # the body's own values: apart from the graph's
+            if v and v not in names:
+                names[v] = view.names.fresh(prefix + v)
         copy = onnx.NodeProto()
         copy.CopyFrom(inner)
-        copy.input[:] = [names.get(v, prefix + v) if v else "" for v in inner.input]
-        copy.output[:] = [names.get(v, prefix + v) if v else "" for v in inner.output]
+        copy.input[:] = [names[v] if v else "" for v in inner.input]
+        copy.output[:] = [names[v] if v else "" for v in inner.output]
         out.extend(_inlined(view, copy))
     return out
 

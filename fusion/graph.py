@@ -1,4 +1,5 @@
-"""A read-only index over an ONNX graph: producers, consumers, types, constants, attributes.
+"""A read-only index over an ONNX graph: producers, consumers, types, constants, attributes;
+and the allocator of the names a rewrite writes into it (GraphView.names).
 
 Built once per rewrite (or per runtime session), so that matching never rescans the graph.
 Value types come from the graph's own declarations first and from ONNX shape inference for
@@ -177,6 +178,71 @@ class GraphView:
     def is_graph_output(self, value: str) -> bool:
         return value in self.graph_outputs
 
+    # ---- names -------------------------------------------------------------------------------
+    @cached_property
+    def names(self) -> Names:
+        """The one allocator of value names for what a rewrite writes into this graph: every
+        writer of the same graph shares it, so no two take the same name either."""
+        return Names(value_names(self.graph))
+
+    @cached_property
+    def node_names(self) -> Names:
+        """The same for node names (a namespace of their own in ONNX)."""
+        return Names(node_names(self.graph))
+
+
+class Names:
+    """Fresh names: the hint itself when free, else the hint with the first free `_k` suffix.
+    A name handed out is taken from then on.
+
+    >>> view.names.fresh("/lstm/W_0")  # '/lstm/W_0', or '/lstm/W_0_1' if the model has it
+    """
+
+    def __init__(self, taken: Iterable[str]):
+        self.taken = set(taken)
+
+    def fresh(self, hint: str) -> str:
+        name, k = hint, 0
+        while name in self.taken:
+            k += 1
+            name = f"{hint}_{k}"
+        self.taken.add(name)
+        return name
+
+
+def value_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name a graph holds: inputs, outputs, initializers (sparse too), value_info,
+    node inputs and outputs, and the same inside its subgraphs (If/Loop/Scan bodies: a name
+    they define must not be defined outside as well)."""
+    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)}
+    names.update(t.name for t in graph.initializer)
+    names.update(t.values.name for t in graph.sparse_initializer)
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        for g in _subgraphs(node):
+            names |= value_names(g)
+    names.discard("")
+    return names
+
+
+def node_names(graph: onnx.GraphProto) -> set[str]:
+    """Every node name in a graph and its subgraphs."""
+    names = {node.name for node in graph.node}
+    for node in graph.node:
+        for g in _subgraphs(node):
+            names |= node_names(g)
+    names.discard("")
+    return names
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [
+        g
+        for a in node.attribute
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
+    ]
+
 
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     for a in node.attribute:
@@ -223,13 +289,11 @@ def topological_order(
 def implicit_inputs(node: onnx.NodeProto) -> set[str]:
     """Outer-scope values that a node's subgraphs (If/Loop/Scan bodies) read implicitly."""
     names: set[str] = set()
-    for a in node.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for g in graphs:
-            local = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for n in g.node:
-                local.update(n.output)
-            for n in g.node:
-                names.update(x for x in set(n.input) | implicit_inputs(n) if x and x not in local)
-            names.update(o.name for o in g.output if o.name not in local)
+    for g in _subgraphs(node):
+        local = {i.name for i in g.input} | {t.name for t in g.initializer}
+        for n in g.node:
+            local.update(n.output)
+        for n in g.node:
+            names.update(x for x in set(n.input) | implicit_inputs(n) if x and x not in local)
+        names.update(o.name for o in g.output if o.name not in local)
     return names

@@ -6,8 +6,9 @@
     inference_session(model, ISLAND, threads=2)    # fusion.Session's islands between kernels
 
 Every session runs on the CPU provider and logs nothing below fatal (a warning or a logged error
-would break the CLI's one-line stderr; errors arrive as exceptions); `threads` sets the intra-op
-threads (None: onnxruntime's choice, one per core).
+would break the CLI's one-line stderr; errors arrive as exceptions), unless `warnings` asks for
+the warnings plain onnxruntime prints (the tests' check that a model loads cleanly); `threads`
+sets the intra-op threads (None: onnxruntime's choice, one per core).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def inference_session(
     settings: Settings = REFERENCE,
     threads: int | None = None,
     profiling: bool = False,
+    warnings: bool = False,
 ) -> ort.InferenceSession:
     """An InferenceSession for a ModelProto, its bytes, or a file (external data read beside it).
 
@@ -62,7 +64,7 @@ def inference_session(
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = settings.optimization
-    options.log_severity_level = 4  # fatal only: errors arrive as exceptions, once
+    options.log_severity_level = 2 if warnings else 4  # fatal: errors come as exceptions, once
     if threads is not None:
         options.intra_op_num_threads = threads
     if not settings.spinning:

@@ -124,6 +124,7 @@ def write_standard(result: RewriteResult, catalog: Catalog) -> None:
     """Replace each fused node of `result` whose rule has a standard form by that form's nodes
     (rewrite(standard_ops=True); the CLI calls it after verifying the fused nodes)."""
     view = GraphView(result.model)
+    before = _in_use(result.model.graph)
     made = {(f.rule, f.node): f for f in result.fusions}
     nodes, inits = [], []
     for node in view.nodes:
@@ -148,7 +149,7 @@ def write_standard(result: RewriteResult, catalog: Catalog) -> None:
     del graph.node[:]
     graph.node.extend(_sorted(nodes))
     graph.initializer.extend(inits)
-    _drop_unread_values(graph)
+    _drop_orphans(graph, before)
     called = {(n.domain, n.op_type, n.overload) for n in graph.node}
     for i in reversed(range(len(result.model.functions))):
         f = result.model.functions[i]
@@ -156,18 +157,47 @@ def write_standard(result: RewriteResult, catalog: Catalog) -> None:
             del result.model.functions[i]
 
 
-def _drop_unread_values(graph: onnx.GraphProto) -> None:
-    """Value infos and initializers nothing reads any more (constants that only fused nodes'
-    bodies read now live inside those bodies). Deleted in place: re-adding a tensor over 2 GB
-    to a repeated field fails to encode."""
-    alive = {v for n in graph.node for v in (*n.input, *n.output, *implicit_inputs(n))}
-    alive |= {o.name for o in graph.output} | {i.name for i in graph.input}
-    kept = [vi for vi in graph.value_info if vi.name in alive]
+def _in_use(graph: onnx.GraphProto) -> tuple[set[str], set[str]]:
+    """(the values something reads: a node, a subgraph of one, a graph output; every value
+    name the graph defines or reads)."""
+    read = {v for n in graph.node for v in (*n.input, *implicit_inputs(n))}
+    read |= {o.name for o in graph.output}
+    alive = read | {v for n in graph.node for v in n.output} | {i.name for i in graph.input}
+    return read, alive | {t.name for t in graph.initializer}
+
+
+def _drop_orphans(graph: onnx.GraphProto, before: tuple[set[str], set[str]]) -> None:
+    """Remove what the rewrite left unread that was read `before` it (_in_use of the graph
+    then): Constant nodes whose values fused nodes absorbed (into a body, an attribute, a
+    standard op's weights), the Identity nodes the matcher saw them through, the initializers
+    only replaced nodes read, and the value infos of values that are gone (plain onnxruntime
+    warns about every unread constant it loads). Graph inputs and outputs stay, and so does
+    whatever the model itself left unread. Deleted in place: re-adding a tensor over 2 GB to a
+    repeated field fails to encode."""
+    read_before, alive_before = before
+    while True:  # an Identity removed orphans the Constant it copied
+        read, _ = _in_use(graph)
+        dead = [
+            i
+            for i, n in enumerate(graph.node)
+            if n.output
+            and n.op_type in ("Constant", "Identity")
+            and n.domain in ("", "ai.onnx")
+            and all(v not in read and v in read_before for v in n.output)
+        ]
+        if not dead:
+            break
+        for i in reversed(dead):
+            del graph.node[i]
+    inputs = {i.name for i in graph.input}
+    for i in reversed(range(len(graph.initializer))):
+        name = graph.initializer[i].name
+        if name in read_before and name not in read and name not in inputs:
+            del graph.initializer[i]
+    _, alive = _in_use(graph)
+    kept = [vi for vi in graph.value_info if vi.name in alive or vi.name not in alive_before]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    for i in reversed(range(len(graph.initializer))):
-        if graph.initializer[i].name not in alive:
-            del graph.initializer[i]
 
 
 def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None:
@@ -343,9 +373,10 @@ def _apply(model, view: GraphView, claimed: dict, replacements, functions) -> No
         elif index not in claimed:
             nodes.append(node)
     graph = model.graph
+    before = _in_use(graph)
     del graph.node[:]
     graph.node.extend(_sorted(nodes))
-    _drop_unread_values(graph)
+    _drop_orphans(graph, before)
     known = {(f.domain, f.name, f.overload) for f in model.functions}
     model.functions.extend(f for f in functions if (f.domain, f.name, f.overload) not in known)
     if DOMAIN not in {o.domain for o in model.opset_import}:

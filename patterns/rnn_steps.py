@@ -103,7 +103,8 @@ class StepOutputs(Sequence):
 
 
 class StandardNodes:
-    """Nodes and initializers of a standard form, their names under `prefix`."""
+    """Nodes and initializers of a standard form, their names under `prefix`, each taken from
+    the graph's allocators (view.names, view.node_names): never a name the model holds."""
 
     def __init__(self, view: GraphView, prefix: str):
         self.view, self.prefix = view, prefix
@@ -111,7 +112,7 @@ class StandardNodes:
         self.inits: list[onnx.TensorProto] = []
 
     def const(self, array: np.ndarray, hint: str) -> str:
-        name = f"{self.prefix}{hint}_{len(self.inits)}"
+        name = self.view.names.fresh(f"{self.prefix}{hint}_{len(self.inits)}")
         self.inits.append(numpy_helper.from_array(np.asarray(array), name))
         return name
 
@@ -119,9 +120,9 @@ class StandardNodes:
         if op_type in ("Squeeze", "Unsqueeze") and self.view.opset.get("", 1) < 13:
             attrs["axes"] = numpy_helper.to_array(self.inits.pop()).tolist()
             inputs = inputs[:1]
-        k = len(self.nodes)
-        outs = [out] if out else [f"{self.prefix}{op_type}_{k}_{i}" for i in range(n_out)]
-        name = f"{self.prefix}{op_type}_{k}"
+        k, fresh = len(self.nodes), self.view.names.fresh
+        outs = [out] if out else [fresh(f"{self.prefix}{op_type}_{k}_{i}") for i in range(n_out)]
+        name = self.view.node_names.fresh(f"{self.prefix}{op_type}_{k}")
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, **attrs))
         return outs if n_out > 1 else outs[0]
 
