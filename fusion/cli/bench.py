@@ -24,6 +24,9 @@ from fusion.cli.inputs import (
     check_writes,
     input_files,
     load_checked,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
 )
 from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
@@ -33,18 +36,24 @@ NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="the .onnx file to benchmark (original, not fused)")
-    parser.add_argument("--threads", type=int, default=None, help="threads for every runner")
-    parser.add_argument("--rounds", type=int, default=20, help="at most this many timed rounds")
-    parser.add_argument("--repeat", type=int, default=3, help="calls per runner and round")
-    parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed rounds")
-    parser.add_argument("--batch", type=int, default=1, help="size of symbolic first axes")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="threads for every runner"
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=20, help="at most this many timed rounds"
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3, help="calls per runner and round")
+    parser.add_argument(
+        "--budget", type=non_negative_float, default=10.0, help="seconds of timed rounds"
+    )
+    parser.add_argument("--batch", type=positive_int, default=1, help="size of symbolic first axes")
     parser.add_argument(
         "--same-process",
         action="store_true",
         help="quick mode: every runner in this process (onnxruntime's workers not spinning)",
     )
     add_input_argument(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of random inputs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of random inputs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time children")
     parser.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")

@@ -3,7 +3,9 @@ and the check every subcommand makes before it writes anything."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -43,6 +45,35 @@ def batch_dims(model: onnx.ModelProto, batch: int) -> dict[str, int]:
         if shape and shape[0].HasField("dim_param"):
             dims[shape[0].dim_param] = batch
     return dims
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (--threads, --rounds, --repeat, --batch)."""
+    return _at_least(text, int, 1, "an integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0 (--seed)."""
+    return _at_least(text, int, 0, "an integer")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0 (--budget, --rtol, --atol)."""
+    return _at_least(text, float, 0, "a finite number")
+
+
+def _at_least(text: str, kind, low, what: str):
+    """Checked in the parser, so that a value out of range is one line (exit 2) before any work,
+    not a traceback from deep in the run (statistics of zero rounds, a pool of -3 threads)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or (kind is float and not math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected {what} of at least {low}, got {text!r}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+    return value
 
 
 def pattern_names(text: str) -> list[str]:

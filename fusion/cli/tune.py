@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fusion.cli.inputs import batch_dims, beyond_the_checker, load_checked
+from fusion.cli.inputs import batch_dims, beyond_the_checker, load_checked, positive_int
 from fusion.cli.run import prepared_session
-from fusion.errors import FusionError
 from fusion.feeds import model_inputs
 from fusion.runtime import describe_race
 from fusion.runtime.tactics import cache_dir
@@ -23,15 +22,15 @@ NAME, HELP = "tune", "time every fused node's kernels once, for later sessions o
 
 def add_arguments(p) -> None:
     p.add_argument("model", help=".onnx file, fused or not (an unfused one is fused in memory)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1],
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1],
                    help="sizes of the symbolic first axes to tune for (default 1)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="threads (Numba and onnxruntime)")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="threads (Numba and onnxruntime)"
+    )
 
 
 def execute(args) -> int:
     model, _, checked = load_checked(args.model)
-    if any(b < 1 for b in args.batch):
-        raise FusionError(f"--batch must be at least 1, got {args.batch}")
     with beyond_the_checker(args.model, checked):
         session = prepared_session(model, args.threads, tactics="fastest")
         for batch in args.batch:

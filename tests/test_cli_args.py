@@ -1,0 +1,68 @@
+"""The command line's arguments: every numeric option checked for its range in the parser (one
+line, exit 2, before any work), a batch the memory cannot hold refused before anything is
+allocated, and `tune` on a model whose batch is fixed saying what it ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusion.cli import main
+from fusion.cli.main import build_parser
+
+# Every numeric option of every command, a value out of its range, and the smallest it takes.
+NUMERIC = {
+    "run": {"--threads": ("0", "1"), "--seed": ("-1", "0")},
+    "tune": {"--threads": ("-3", "1"), "--batch": ("0", "1")},
+    "verify": {"--rtol": ("-0.1", "0"), "--atol": ("nan", "0"), "--seed": ("-1", "0")},
+    "demo": {"--threads": ("0", "1")},
+    "bench": {
+        "--threads": ("-3", "1"),
+        "--rounds": ("0", "1"),
+        "--repeat": ("0", "1"),
+        "--budget": ("-1", "0"),
+        "--batch": ("0", "1"),
+        "--seed": ("-1", "0"),
+    },
+}
+CASES = [(c, opt, *values) for c, opts in NUMERIC.items() for opt, values in opts.items()]
+
+
+def takes_a_model(command: str) -> list[str]:
+    return [] if command == "demo" else ["missing.onnx"]  # never read: the parser refuses first
+
+
+def refused(capsys, argv) -> str:
+    """The one line a refused command printed (exit 2, nothing on stdout)."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and err.startswith("fusion: error: "), err
+    return err
+
+
+@pytest.mark.parametrize(("command", "option", "bad", "least"), CASES)
+def test_a_numeric_option_out_of_range_is_one_line_before_any_work(
+    capsys, command, option, bad, least
+):
+    err = refused(capsys, [command, *takes_a_model(command), option, bad])
+    assert f"argument {option}: " in err and bad in err, err
+    assert "missing.onnx" not in err  # refused by the parser, before the model is looked at
+    args = build_parser().parse_args([command, *takes_a_model(command), option, least])
+    assert getattr(args, option[2:]) in (int(least), [int(least)])  # the least value is taken
+
+
+@pytest.mark.parametrize("bad", ["abc", "2.5", "inf"])
+def test_a_number_that_is_not_one_is_one_line(capsys, bad):
+    err = refused(capsys, ["bench", "missing.onnx", "--rounds", bad])
+    assert f"argument --rounds: expected an integer of at least 1, got '{bad}'" in err, err
+
+
+def test_a_usage_error_is_one_line_too(capsys):
+    assert "the following arguments are required: model" in refused(capsys, ["bench"])
+    assert "invalid choice: 'benhc'" in refused(capsys, ["benhc"])
+
+
+def test_bench_with_zero_rounds_prints_no_header(capsys, tmp_path):
+    """The reported case: the header printed, then a StatisticsError traceback."""
+    err = refused(capsys, ["bench", tmp_path / "m.onnx", "--rounds", "0", "--same-process"])
+    assert "argument --rounds: must be at least 1, got 0" in err
