@@ -1,13 +1,18 @@
 """The command line's arguments: every numeric option checked for its range in the parser (one
-line, exit 2, before any work), a batch the memory cannot hold refused before anything is
-allocated, and `tune` on a model whose batch is fixed saying what it ran."""
+line, exit 2, before any work), and a batch the memory cannot hold refused before anything is
+allocated."""
 
 from __future__ import annotations
 
+import onnx
 import pytest
 
-from fusion.cli import main
+from fusion import FusionError
+from fusion.cli import main, tune
 from fusion.cli.main import build_parser
+from fusion.feeds import model_inputs
+from fusion.modelfile import save_model
+from fusion.models import conv_stack
 
 # Every numeric option of every command, a value out of its range, and the smallest it takes.
 NUMERIC = {
@@ -66,3 +71,45 @@ def test_bench_with_zero_rounds_prints_no_header(capsys, tmp_path):
     """The reported case: the header printed, then a StatisticsError traceback."""
     err = refused(capsys, ["bench", tmp_path / "m.onnx", "--rounds", "0", "--same-process"])
     assert "argument --rounds: must be at least 1, got 0" in err
+
+
+# ---- a batch the memory cannot hold ----------------------------------------------------------
+@pytest.fixture
+def free_batch(tmp_path):
+    """Two small convs on an input [N, 8, 10, 10]: at N = 10^9 it is 2.9 TiB of float32."""
+    path = tmp_path / "free.onnx"
+    save_model(conv_stack(blocks=2, channels=8, size=10, batch="N"), path)
+    return path
+
+
+QUICK_BENCH = ["--same-process", "--rounds", "1", "--budget", "0", "--threads", "1"]
+QUICK_BENCH += ["--no-memory", "--no-compile", "--no-nodes"]
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_a_batch_the_memory_cannot_hold_is_refused_before_it_is_allocated(
+    capsys, free_batch, command
+):
+    """The reported case: a MemoryError traceback (exit 1) once the kernels were built."""
+    more = QUICK_BENCH if command == "bench" else []
+    err = refused(capsys, [command, free_batch, "--batch", "1000000000", *more])
+    assert "more than the " in err and " of memory available" in err, err
+    assert "input 'input', float32 [1000000000, 8, 10, 10], is 2.91 TiB" in err, err
+
+
+def test_random_inputs_beyond_the_memory_are_refused_by_the_library_too(free_batch):
+    model = onnx.load(free_batch)
+    with pytest.raises(FusionError, match="of memory available"):
+        model_inputs(model, None, 0, {"N": 10**9})
+    assert model_inputs(model, None, 0, {"N": 3})[0]["input"].shape == (3, 8, 10, 10)
+
+
+def test_a_memory_error_in_a_command_is_one_line(capsys, free_batch, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise MemoryError("Unable to allocate 2.91 TiB for an array")
+
+    monkeypatch.setattr(tune, "prepared_session", exhausted)
+    err = refused(capsys, ["tune", free_batch])
+    assert err == "fusion: error: out of memory (Unable to allocate 2.91 TiB for an array)\n"
+    with pytest.raises(MemoryError):
+        main(["tune", str(free_batch), "--debug"])

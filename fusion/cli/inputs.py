@@ -95,7 +95,7 @@ def beyond_the_checker(path, checked: bool):
     work meets in it is the input's fault, one line (exit 2), not a crash of ours."""
     try:
         yield
-    except (FusionError, CatalogError):
+    except (FusionError, CatalogError, MemoryError):  # the CLI's own one line (cli/main.py)
         raise
     except Exception as exc:
         if checked or is_ort_error(exc):

@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
             message = one_line(_in_cli_words(exc, args), limit=1000)
             print(f"fusion: error: {message}", file=sys.stderr)
             return 2
+        except MemoryError as exc:  # what the checks of sizes (fusion.feeds) could not foresee
+            if args.debug:
+                raise
+            print(f"fusion: error: out of memory ({one_line(exc)})", file=sys.stderr)
+            return 2
         except OSError as exc:  # reading or writing a file the checks above could not foresee
             if args.debug:
                 raise

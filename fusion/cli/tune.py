@@ -13,7 +13,8 @@ from collections import Counter
 
 from fusion.cli.inputs import batch_dims, beyond_the_checker, load_checked, positive_int
 from fusion.cli.run import prepared_session
-from fusion.feeds import model_inputs
+from fusion.feeds import model_inputs, random_shapes, require_memory
+from fusion.graph import GraphView
 from fusion.runtime import describe_race
 from fusion.runtime.tactics import cache_dir
 
@@ -31,6 +32,9 @@ def add_arguments(p) -> None:
 
 def execute(args) -> int:
     model, _, checked = load_checked(args.model)
+    view = GraphView(model)
+    for batch in args.batch:  # before the kernels compile: inputs the memory can hold
+        require_memory(random_shapes(view, batch_dims(model, batch)))
     with beyond_the_checker(args.model, checked):
         session = prepared_session(model, args.threads, tactics="fastest")
         for batch in args.batch:
