@@ -31,12 +31,15 @@ class InputsNeeded(FusionError):
         self.name, self.reason = name, reason
 
 
-def model_inputs(model, inputs, seed: int, dims: Mapping[str, int] | None):
-    """(feeds, description): the given inputs loaded, or random ones from declared shapes."""
+def model_inputs(
+    model, inputs, seed: int, dims: Mapping[str, int] | None, batch: int | None = None
+):
+    """(feeds, description): the given inputs loaded, or random ones from declared shapes
+    (dims: sizes of symbolic axes by name; batch: of every free first axis, see random_shapes)."""
     view = GraphView(model)
     names = view.graph_inputs
     if inputs is None:
-        return random_inputs(view, seed, dims or {}), f"random (seed {seed})"
+        return random_inputs(view, seed, dims or {}, batch), f"random (seed {seed})"
     if isinstance(inputs, (str, Path)):
         path = Path(inputs)
         if path.suffix == ".npz":
@@ -101,11 +104,13 @@ def _load(path):
         raise FusionError(f"{path}: cannot read it as .npy/.npz ({reason})") from None
 
 
-def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
+def random_inputs(
+    view: GraphView, seed: int, dims: Mapping[str, int], batch: int | None = None
+) -> dict[str, np.ndarray]:
     """Standard normal floats, small non-negative ints (safe as indices), random booleans, of
     the shapes random_shapes gives; refused before anything is allocated when the memory
     cannot hold them (require_memory)."""
-    shapes = random_shapes(view, dims)
+    shapes = random_shapes(view, dims, batch)
     require_memory(shapes)
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -120,13 +125,19 @@ def random_inputs(view: GraphView, seed: int, dims: Mapping[str, int]) -> dict[s
 
 
 def random_shapes(
-    view: GraphView, dims: Mapping[str, int] | None = None
+    view: GraphView, dims: Mapping[str, int] | None = None, batch: int | None = None
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The shape and dtype of each random input: declared sizes kept, a symbolic size from
-    `dims` (one size for every axis that names it), every other size free: BATCH_DIM on a
-    first axis, else OTHER_DIM. InputsNeeded for an input that no random values can be made
-    for."""
-    named, first = dict(dims or {}), BATCH_DIM
+    `dims` (one size for every axis that names it), every other size free. A free first axis
+    is `batch` (default BATCH_DIM: 1), any other OTHER_DIM. InputsNeeded for an input that no
+    random values can be made for."""
+    named = dict(dims or {})
+    first = BATCH_DIM if batch is None else batch
+    if batch is not None:  # a name on a first axis is the batch, wherever else it stands
+        for name in batched_inputs(view):
+            axis = view.type_of(name).shape[0]
+            if isinstance(axis, str) and axis:
+                named.setdefault(axis, batch)
     shapes = {}
     for name in view.graph_inputs:
         vt = view.type_of(name)
@@ -150,6 +161,15 @@ def random_shapes(
             raise InputsNeeded(name, f"is of type {kind}: no random values can be made")
         shapes[name] = (tuple(shape), dtype)
     return shapes
+
+
+def batched_inputs(view: GraphView) -> list[str]:
+    """The inputs whose first axis is free (symbolic or unknown): those `batch` sizes."""
+    return [
+        name
+        for name in view.graph_inputs
+        if (vt := view.type_of(name)) is not None and vt.shape and _free(vt.shape[0])
+    ]
 
 
 def _free(size) -> bool:

@@ -1,8 +1,10 @@
 """The command line's arguments: every numeric option checked for its range in the parser (one
-line, exit 2, before any work), and a batch the memory cannot hold refused before anything is
-allocated."""
+line, exit 2, before any work), a batch the memory cannot hold refused before anything is
+allocated, and `tune` on a model whose batch is fixed saying what it ran."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import onnx
 import pytest
@@ -101,7 +103,7 @@ def test_random_inputs_beyond_the_memory_are_refused_by_the_library_too(free_bat
     model = onnx.load(free_batch)
     with pytest.raises(FusionError, match="of memory available"):
         model_inputs(model, None, 0, {"N": 10**9})
-    assert model_inputs(model, None, 0, {"N": 3})[0]["input"].shape == (3, 8, 10, 10)
+    assert model_inputs(model, None, 0, None, batch=3)[0]["input"].shape == (3, 8, 10, 10)
 
 
 def test_a_memory_error_in_a_command_is_one_line(capsys, free_batch, monkeypatch):
@@ -113,3 +115,52 @@ def test_a_memory_error_in_a_command_is_one_line(capsys, free_batch, monkeypatch
     assert err == "fusion: error: out of memory (Unable to allocate 2.91 TiB for an array)\n"
     with pytest.raises(MemoryError):
         main(["tune", str(free_batch), "--debug"])
+
+
+# ---- a model whose batch is fixed ------------------------------------------------------------
+def fixed_batch(tmp_path, batch: int) -> Path:
+    path = tmp_path / f"fixed{batch}.onnx"
+    save_model(conv_stack(blocks=2, channels=8, size=10, batch=batch), path)
+    return path
+
+
+def test_tune_says_the_batch_it_ran_and_warns_of_the_batches_it_ignored(capsys, tmp_path):
+    """The reported case: "batch 8: ..." for a run at the model's fixed batch 1."""
+    path = fixed_batch(tmp_path, 1)
+    assert main(["tune", str(path), "--batch", "1", "8", "16", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("batch")] == ["batch 1"]
+    assert err == (
+        "fusion: warning: the model's batch is fixed at 1 (input 'input' is [1, 8, 10, 10]): "
+        "--batch 8 16 ignored\n"
+    )
+
+
+def test_tune_on_a_fixed_batch_without_batch_given_warns_of_nothing(capsys, tmp_path):
+    assert main(["tune", str(fixed_batch(tmp_path, 2)), "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("batch 2: ") and err == ""
+
+
+def test_tune_sizes_a_first_axis_that_has_no_name(capsys, tmp_path):
+    """A first axis declared neither by size nor by name is free: --batch sizes it."""
+    model = conv_stack(blocks=2, channels=8, size=10, batch="N")
+    model.graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_param")
+    path = tmp_path / "unnamed.onnx"
+    save_model(model, path)
+    assert model_inputs(model, None, 0, None, batch=3)[0]["input"].shape == (3, 8, 10, 10)
+    assert main(["tune", str(path), "--batch", "3", "3", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("batch")] == ["batch 3"]
+    assert err == ""
+
+
+def test_bench_warns_of_a_batch_the_model_cannot_take(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["bench", str(fixed_batch(tmp_path, 1)), "--batch", "8", *QUICK_BENCH]) == 0
+    out, err = capsys.readouterr()
+    assert "batch 1: time per run" in " ".join(out.split()), out  # the title, maybe on 2 lines
+    assert err == (
+        "fusion: warning: the model's batch is fixed at 1 (input 'input' is [1, 8, 10, 10]): "
+        "--batch 8 ignored\n"
+    )

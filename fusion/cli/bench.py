@@ -19,7 +19,7 @@ from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
 from fusion.cli.inputs import (
     add_input_argument,
-    batch_dims,
+    batch_sizes,
     beyond_the_checker,
     check_writes,
     input_files,
@@ -46,7 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--budget", type=non_negative_float, default=10.0, help="seconds of timed rounds"
     )
-    parser.add_argument("--batch", type=positive_int, default=1, help="size of symbolic first axes")
+    parser.add_argument(
+        "--batch", type=positive_int, default=None, help="size of symbolic first axes (default 1)"
+    )
     parser.add_argument(
         "--same-process",
         action="store_true",
@@ -70,8 +72,8 @@ def execute(args) -> int:
     model, data_files, checked = load_checked(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
-    dims = batch_dims(model, args.batch)
-    feeds, source = model_inputs(model, input_files(args.input), args.seed, dims)
+    batch = batch_sizes(model, None if args.batch is None else [args.batch])[0]
+    feeds, source = model_inputs(model, input_files(args.input), args.seed, None, batch)
     opts = Options(
         threads=args.threads or os.cpu_count() or 1,
         rounds=args.rounds,

@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
 
-from fusion.errors import CatalogError, FusionError, one_line
+from fusion.errors import CatalogError, FusionError, FusionWarning, one_line
+from fusion.feeds import batched_inputs
 from fusion.files import check_outputs
+from fusion.graph import GraphView
 from fusion.modelfile import named_as_data_of, read_model, require_valid
 from fusion.ort import is_ort_error
 from fusion.registry import loaded_plugins
@@ -37,14 +40,24 @@ def input_files(items: list[str] | None):
     return feeds
 
 
-def batch_dims(model: onnx.ModelProto, batch: int) -> dict[str, int]:
-    """The symbolic first axes of the model's inputs, each set to `batch`."""
-    dims = {}
-    for vi in model.graph.input:
-        shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
-        if shape and shape[0].HasField("dim_param"):
-            dims[shape[0].dim_param] = batch
-    return dims
+def batch_sizes(model: onnx.ModelProto, requested: list[int] | None) -> list[int | None]:
+    """The batch sizes a command runs for --batch `requested` (None: not given): each one, once,
+    when some input's first axis is free (fusion.feeds.batched_inputs); else only the model's
+    own (None when no input has an axis), with one warning naming the requested ones ignored."""
+    view = GraphView(model)
+    wanted = list(dict.fromkeys(requested or [1]))
+    if batched_inputs(view):
+        return wanted
+    own = next(((n, vt.shape) for n in view.graph_inputs if (vt := view.type_of(n)) and vt.shape),
+               None)  # fmt: skip
+    batch = own[1][0] if own else None
+    ignored = [b for b in requested or () if b != batch]
+    if ignored:
+        why = (f"the model's batch is fixed at {batch} (input {own[0]!r} is {list(own[1])})"
+               if own else "the model's inputs have no batch axis")  # fmt: skip
+        warnings.warn(f"{why}: --batch {' '.join(map(str, ignored))} ignored", FusionWarning,
+                      stacklevel=2)  # fmt: skip
+    return [batch]
 
 
 def positive_int(text: str) -> int:
