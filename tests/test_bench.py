@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import io
 import json
 import os
-import re
 import textwrap
 import threading
 import time
@@ -33,6 +33,8 @@ from fusion.bench import (
     PROCESSES,
     SAME_PROCESS,
     Options,
+    RunnerInfo,
+    Timing,
     Workload,
 )
 from fusion.catalog import Catalog
@@ -361,8 +363,49 @@ def test_cli_writes_json_markdown_and_plot(tmp_path, monkeypatch):
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fusion_bench_reads_at_80_columns(tmp_path, capsys, monkeypatch):
-    """One runner per row; every line fits; no header cut into a stub ("wor…")."""
+def fixed_result(batch: int = 1_000_000) -> bench.BenchResult:
+    """A result with fixed, deliberately wide figures (5 significant digits and more, from 7 ns
+    to 2 minutes, a speedup of 10^7, a rate of 10^11 items/s), every runner, one refused."""
+    ms = {
+        ORT_NONE: [0.0999449, 0.0082234, 1234.5678],
+        ORT_ALL: [123456.7, 99.94, 123456.7],
+        FUSED: [0.0071234, 0.0082234, 0.0071234],
+        NATIVE: [9.99949, 0.00099949, 999.949],
+    }
+    runners = {n: RunnerInfo(n, ok=n in ms, reason="" if n in ms else "wrong numbers") for n in
+               (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED, NATIVE)}  # fmt: skip
+    timing = Timing(1, 3, {n: [t / 1e3 for t in v] for n, v in ms.items()}, repeat=1)
+    return bench.BenchResult(
+        "a_model_with_a_rather_long_file_name_for_the_title", "fixed figures", threads=1,
+        fused={"ConvBiasRelu": 2}, flops=10**9, timing=timing, runners=runners, batch=batch,
+    )  # fmt: skip
+
+
+def test_the_runner_table_reads_at_80_columns_whatever_the_figures():
+    """One runner per row, its name whole; every line fits; no header cut into a stub."""
+    from rich.console import Console
+
+    result = fixed_result()
+    console = Console(file=io.StringIO(), width=80, highlight=False)
+    for table in bench.rich_tables([result], width=80):
+        console.print(table)
+    out = console.file.getvalue()
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, out
+    assert "…" not in out and "..." not in out
+    top = next((i for i, ln in enumerate(lines) if ln.split()[:1] == ["runner"]), None)
+    assert top is not None, out
+    assert lines[top].split() == ["runner", "median", "min-max", "p90", "p99", "items/s", "vs",
+                                  "ort-all"]  # fmt: skip
+    rows = [ln.split() for ln in lines[top + 2 : top + 2 + len(result.runners)]]
+    assert [row[0] for row in rows] == list(result.runners), out  # one row each, names whole
+    assert [len(row) for row in rows] == [7, 7, 7, 2, 7], out  # its figures, or "refused"
+    assert lines[top + 2 + len(rows)].strip() == "", out  # and nothing wrapped onto more lines
+    assert "7.12µs" in out and "123s" in out and "1.73e+07x" in out  # 3 significant digits
+
+
+def test_fusion_bench_at_80_columns(tmp_path, capsys, monkeypatch):
+    """The real command (its timings vary, so nothing here depends on their widths)."""
     monkeypatch.setenv("COLUMNS", "80")
     path = tmp_path / "a_model_with_a_rather_long_file_name_for_the_title.onnx"
     save_model(tiny_conv()[0], path)
@@ -371,13 +414,8 @@ def test_fusion_bench_reads_at_80_columns(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["/usr/bin/fusion", *argv])
     assert main(argv) == 0
     out = capsys.readouterr().out
-    lines = out.splitlines()
-    assert max(len(ln) for ln in lines) <= 80, out
-    assert "…" not in out and "..." not in out
-    head = next(ln for ln in lines if ln.split()[:1] == ["runner"])
-    assert head.split() == ["runner", "median", "min-max", "p90", "p99", "items/s", "vs", "ort-all"]
-    for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED):  # one row each, numbers after the name
-        assert sum(re.match(rf"\s*{name}\s+[0-9]", ln) is not None for ln in lines) == 1, out
+    words = out.split()
+    assert all(name in words for name in (ORT_NONE, ORT_ALL, FUSED, ORT_FUSED)), out
     assert "CPU: " in out and "command: fusion bench " in out
     assert "building runners" not in out and "verifying" not in out  # no progress off a TTY
     assert "all runners in one process (quick mode)" in out

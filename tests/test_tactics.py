@@ -194,7 +194,7 @@ def test_fusion_tune_fills_the_cache_and_says_what_runs(capsys, monkeypatch, tmp
     timed = {k.split("|")[1].split(";")[0] for k in entries if not k.startswith("plan:")}
     assert timed == {"1x8x10x10", "2x8x10x10"}  # each conv at both batch sizes
     assert main(["tune", str(path), "--batch", "0"]) == 2
-    assert "--batch must be at least 1" in capsys.readouterr().err
+    assert "argument --batch: must be at least 1" in capsys.readouterr().err
 
 
 def test_a_node_with_integer_inputs_is_not_timed_on_random_floats(monkeypatch, tmp_path):

@@ -29,6 +29,28 @@ TOP_STEPS = 8  # profile rows shown in a terminal or Markdown (the JSON has them
 WIDE = 160  # columns from which the terminal also gets the one-row-per-workload summary
 
 
+# A figure is at most 3 significant digits with a unit that keeps it below 1000, so a column
+# of them has a bounded width whatever the machine measures (the tables must read at 80
+# columns: one runner per row, its name whole).
+_TIME_UNITS = (("ns", 1e-6), ("µs", 1e-3), ("ms", 1.0), ("s", 1e3))  # unit, its size in ms
+_RATE_PREFIXES = ("", "k", "M", "G", "T")
+
+
+def _scaled(value: float, units) -> str:
+    """`value` in the first of `units` ((suffix, its size), smallest first) that keeps its 3
+    significant digits below 1000; the last takes any size."""
+    for unit, size in units:
+        shown = float(f"{value / size:.3g}")  # rounded first: 999.7 ms shows as 1s
+        if shown < 1000:
+            return f"{shown:.3g}{unit}"
+    return f"{shown:.0f}{unit}"
+
+
+def _time(ms: float) -> str:
+    """A duration given in ms: 7.12µs, 412ms, 1.5s, 123s (at most 6 characters below a day)."""
+    return _scaled(ms, _TIME_UNITS)
+
+
 def _ms(result: BenchResult, name: str) -> str:
     info = result.runners.get(name)
     if info is None:
@@ -36,11 +58,14 @@ def _ms(result: BenchResult, name: str) -> str:
     if not info.ok:
         return "refused" if info.reason.startswith("wrong") else "failed"
     s = result.timing.stats(name)
-    return f"{s['median_ms']:.2f} [{s['min_ms']:.2f}-{s['max_ms']:.2f}]"
+    return f"{_time(s['median_ms'])} [{_time(s['min_ms'])}-{_time(s['max_ms'])}]"
 
 
 def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    """A ratio: 1.25x, 312x, 1.74e+07x (at most 9 characters)."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if value < 100 else f"{value:.3g}x"
 
 
 def _num(value: float | None, fmt: str = ".1f") -> str:
@@ -48,10 +73,10 @@ def _num(value: float | None, fmt: str = ".1f") -> str:
 
 
 def _rate(per_s: float | None) -> str:
-    """Items per second, without an exponent: 31000, 412, 3.25."""
+    """Items per second, 3 significant digits: 3.25, 412, 31k, 130G."""
     if per_s is None:
         return "-"
-    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+    return _scaled(per_s, [(p, 1000.0**i) for i, p in enumerate(_RATE_PREFIXES)])
 
 
 def _fused(result: BenchResult) -> str:
@@ -81,8 +106,8 @@ def time_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
 
 
 def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
-    """One row per runner: median, min-max, p90, p99 (ms), throughput, and how many times
-    faster than onnxruntime at its defaults (ort-all)."""
+    """One row per runner: median, min-max, p90, p99 (each with its unit), throughput, and how
+    many times faster than onnxruntime at its defaults (ort-all)."""
     head = ["runner", "median", "min-max", "p90", "p99", "items/s", "vs ort-all"]
     body = []
     base = result.median(ORT_ALL)
@@ -94,10 +119,10 @@ def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
         s = result.timing.stats(name)
         body.append([
             name,
-            f"{s['median_ms']:.3g}",
-            f"{s['min_ms']:.3g}-{s['max_ms']:.3g}",
-            f"{s['p90_ms']:.3g}",
-            f"{s['p99_ms']:.3g}",
+            _time(s["median_ms"]),
+            f"{_time(s['min_ms'])}-{_time(s['max_ms'])}",
+            _time(s["p90_ms"]),
+            _time(s["p99_ms"]),
             _rate(result.throughput(name)),
             _x(base / result.median(name)) if base else "-",
         ])  # fmt: skip
@@ -108,7 +133,7 @@ def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]
     """One row per workload for a set of real models: fusion against onnxruntime at its
     defaults, the share of conv FLOPs fusion's own kernels run, islands, and how many fused
     nodes are slower than onnxruntime on their own body."""
-    head = ["model", "batch", "fused nodes", "fusion ms", "ort-all ms", "fusion vs ort-all",
+    head = ["model", "batch", "fused nodes", "fusion", "ort-all", "fusion vs ort-all",
             "conv FLOPs in kernels", "islands", "slower nodes"]  # fmt: skip
     body = []
     for r in results:
@@ -160,30 +185,30 @@ def detail_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]
 def step_rows(result: BenchResult, top: int | None = TOP_STEPS) -> tuple[list, list]:
     """fusion's run step by step, slowest first: fused nodes (with the kernel that runs them)
     and onnxruntime islands, with their share of the run."""
-    head = ["step", "runs", "ms", "share"]
+    head = ["step", "runs", "time", "share"]
     steps = result.profile.get("steps", [])
     body = [
         [s["name"], s["runs"] + (f" ({s['nodes']} nodes)" if s["kind"] == "island" else ""),
-         f"{s['seconds'] * 1e3:.3f}", f"{s['share']:.0%}"]
+         _time(s["seconds"] * 1e3), f"{s['share']:.0%}"]
         for s in steps[:top]
     ]  # fmt: skip
     if top is not None and len(steps) > top:
         rest = steps[top:]
         share = sum(s["share"] for s in rest)
         ms = sum(s["seconds"] for s in rest) * 1e3
-        body.append([f"{len(rest)} more steps", "", f"{ms:.3f}", f"{share:.0%}"])
+        body.append([f"{len(rest)} more steps", "", _time(ms), f"{share:.0%}"])
     return head, body
 
 
 def node_rows(result: BenchResult, top: int | None = TOP_STEPS) -> tuple[list, list]:
     """Each fused node alone against onnxruntime on its own function body: slowest kernels
     first, and every node that is slower than its body."""
-    head = ["fused node", "kernel", "ms", "ort ms", "speedup"]
+    head = ["fused node", "kernel", "time", "ort time", "speedup"]
     nodes = result.nodes if top is None else [
         n for i, n in enumerate(result.nodes) if i < top or n["slower"]
     ]  # fmt: skip
     body = [
-        [n["name"], n["runs"], f"{n['kernel_ms']:.3f}", f"{n['onnxruntime_ms']:.3f}",
+        [n["name"], n["runs"], _time(n["kernel_ms"]), _time(n["onnxruntime_ms"]),
          _x(n["speedup"]) + (" SLOWER" if n["slower"] else "")]
         for n in nodes
     ]  # fmt: skip
@@ -206,7 +231,7 @@ def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
     return [(k, v) for k, v in pairs if v not in ("-", "- / -", "-/-/-/-/-")]
 
 
-TIMES_TITLE = "time per run, ms: median [min-max]"
+TIMES_TITLE = "time per run: median [min-max]"
 DETAILS_TITLE = "fusion's run: throughput, time split (Session.profile), compile, memory"
 
 
@@ -226,19 +251,23 @@ def rich_tables(results: list[BenchResult], width: int = 80):
     from rich.markup import escape
     from rich.table import Table
 
-    def table(title, head, body, right_from=1):
+    def table(title, head, body, right_from=1, whole=None):
+        """whole: the columns never wrapped (default: the figures, from right_from on); when
+        the table is too wide rich narrows the others, folding their text."""
+        whole = range(max(right_from, 1), len(head)) if whole is None else whole
         t = Table(title=escape(title), box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
         for i, h in enumerate(head):
             t.add_column(escape(h), justify="right" if i >= right_from else "left",
-                         overflow="fold", no_wrap=i > 0 and i >= right_from)  # fmt: skip
+                         overflow="fold", no_wrap=i in whole)  # fmt: skip
         for row in body:
             t.add_row(*(escape(c) for c in row))
         return t
 
     out = []
     for r in results:
-        out.append(table(f"{r.workload} ({_fused(r)}), batch {r.batch}: ms per run",
-                         *runner_rows(r)))  # fmt: skip
+        # A runner's name stays whole: its figures fold first (their width is bounded: _time).
+        out.append(table(f"{r.workload} ({_fused(r)}), batch {r.batch}: time per run",
+                         *runner_rows(r), whole=(0,)))  # fmt: skip
         out.append(table(f"{r.workload}: details", ["what", "value"],
                          [list(p) for p in detail_pairs(r)], right_from=2))  # fmt: skip
         if r.profile.get("steps"):
@@ -307,7 +336,7 @@ def markdown(results: list[BenchResult], info: dict | None = None, command: str 
     out += ["", f"**{TIMES_TITLE}**", "", *_md_table(*time_rows(results))]
     out += ["", f"**{DETAILS_TITLE}**", "", *_md_table(*detail_rows(results)), ""]
     for r in results:
-        out += [f"**{r.workload}: each runner, ms per run (items/s: the batch over the median)**",
+        out += [f"**{r.workload}: each runner, time per run (items/s: the batch over the median)**",
                 "", *_md_table(*runner_rows(r), left=1), ""]  # fmt: skip
         if r.profile.get("steps"):
             out += [f"**{r.workload}: fusion's run by step, slowest first**", "",

@@ -19,11 +19,14 @@ from fusion.bench.timing import PROCESSES, SAME_PROCESS
 from fusion.bench.workload import Options, Workload
 from fusion.cli.inputs import (
     add_input_argument,
-    batch_dims,
+    batch_sizes,
     beyond_the_checker,
     check_writes,
     input_files,
     load_checked,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
 )
 from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
@@ -33,18 +36,26 @@ NAME, HELP = "bench", "time a model: onnxruntime vs fusion, side by side"
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="the .onnx file to benchmark (original, not fused)")
-    parser.add_argument("--threads", type=int, default=None, help="threads for every runner")
-    parser.add_argument("--rounds", type=int, default=20, help="at most this many timed rounds")
-    parser.add_argument("--repeat", type=int, default=3, help="calls per runner and round")
-    parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed rounds")
-    parser.add_argument("--batch", type=int, default=1, help="size of symbolic first axes")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="threads for every runner"
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=20, help="at most this many timed rounds"
+    )
+    parser.add_argument("--repeat", type=positive_int, default=3, help="calls per runner and round")
+    parser.add_argument(
+        "--budget", type=non_negative_float, default=10.0, help="seconds of timed rounds"
+    )
+    parser.add_argument(
+        "--batch", type=positive_int, default=None, help="size of symbolic first axes (default 1)"
+    )
     parser.add_argument(
         "--same-process",
         action="store_true",
         help="quick mode: every runner in this process (onnxruntime's workers not spinning)",
     )
     add_input_argument(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of random inputs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of random inputs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child")
     parser.add_argument("--no-compile", action="store_true", help="skip the compile-time children")
     parser.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")
@@ -61,8 +72,8 @@ def execute(args) -> int:
     model, data_files, checked = load_checked(args.model)
     writes = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
     check_writes(writes, args.model, data_files, args.input)  # before the long run
-    dims = batch_dims(model, args.batch)
-    feeds, source = model_inputs(model, input_files(args.input), args.seed, dims)
+    batch = batch_sizes(model, None if args.batch is None else [args.batch])[0]
+    feeds, source = model_inputs(model, input_files(args.input), args.seed, None, batch)
     opts = Options(
         threads=args.threads or os.cpu_count() or 1,
         rounds=args.rounds,

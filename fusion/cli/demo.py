@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from fusion.bench.compare import compare
-from fusion.cli.inputs import check_writes
+from fusion.cli.inputs import check_writes, positive_int
 from fusion.cli.rewrite import rewrite_file
 from fusion.cli.verify import verify_files
 from fusion.modelfile import save_model
@@ -17,7 +17,7 @@ NAME, HELP = "demo", "build an example model, rewrite it, verify and time it"
 
 def add_arguments(p) -> None:
     p.add_argument("--dir", help="where to write the example files (default: a temp folder)")
-    p.add_argument("--threads", type=int, default=None, help="threads for the timing runs")
+    p.add_argument("--threads", type=positive_int, default=None, help="threads for the timing runs")
 
 
 def execute(args) -> int:

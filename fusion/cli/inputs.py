@@ -3,14 +3,19 @@ and the check every subcommand makes before it writes anything."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
 
-from fusion.errors import CatalogError, FusionError, one_line
+from fusion.errors import CatalogError, FusionError, FusionWarning, one_line
+from fusion.feeds import batched_inputs
 from fusion.files import check_outputs
+from fusion.graph import GraphView
 from fusion.modelfile import named_as_data_of, read_model, require_valid
 from fusion.ort import is_ort_error
 from fusion.registry import loaded_plugins
@@ -35,14 +40,53 @@ def input_files(items: list[str] | None):
     return feeds
 
 
-def batch_dims(model: onnx.ModelProto, batch: int) -> dict[str, int]:
-    """The symbolic first axes of the model's inputs, each set to `batch`."""
-    dims = {}
-    for vi in model.graph.input:
-        shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
-        if shape and shape[0].HasField("dim_param"):
-            dims[shape[0].dim_param] = batch
-    return dims
+def batch_sizes(model: onnx.ModelProto, requested: list[int] | None) -> list[int | None]:
+    """The batch sizes a command runs for --batch `requested` (None: not given): each one, once,
+    when some input's first axis is free (fusion.feeds.batched_inputs); else only the model's
+    own (None when no input has an axis), with one warning naming the requested ones ignored."""
+    view = GraphView(model)
+    wanted = list(dict.fromkeys(requested or [1]))
+    if batched_inputs(view):
+        return wanted
+    own = next(((n, vt.shape) for n in view.graph_inputs if (vt := view.type_of(n)) and vt.shape),
+               None)  # fmt: skip
+    batch = own[1][0] if own else None
+    ignored = [b for b in requested or () if b != batch]
+    if ignored:
+        why = (f"the model's batch is fixed at {batch} (input {own[0]!r} is {list(own[1])})"
+               if own else "the model's inputs have no batch axis")  # fmt: skip
+        warnings.warn(f"{why}: --batch {' '.join(map(str, ignored))} ignored", FusionWarning,
+                      stacklevel=2)  # fmt: skip
+    return [batch]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (--threads, --rounds, --repeat, --batch)."""
+    return _at_least(text, int, 1, "an integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0 (--seed)."""
+    return _at_least(text, int, 0, "an integer")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0 (--budget, --rtol, --atol)."""
+    return _at_least(text, float, 0, "a finite number")
+
+
+def _at_least(text: str, kind, low, what: str):
+    """Checked in the parser, so that a value out of range is one line (exit 2) before any work,
+    not a traceback from deep in the run (statistics of zero rounds, a pool of -3 threads)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or (kind is float and not math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected {what} of at least {low}, got {text!r}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+    return value
 
 
 def pattern_names(text: str) -> list[str]:
@@ -64,7 +108,7 @@ def beyond_the_checker(path, checked: bool):
     work meets in it is the input's fault, one line (exit 2), not a crash of ours."""
     try:
         yield
-    except (FusionError, CatalogError):
+    except (FusionError, CatalogError, MemoryError):  # the CLI's own one line (cli/main.py)
         raise
     except Exception as exc:
         if checked or is_ort_error(exc):

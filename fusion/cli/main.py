@@ -25,8 +25,19 @@ class Terminated(BaseException):
     """SIGTERM, raised where the program is, so that `finally` blocks clean up (as Ctrl-C)."""
 
 
+class UsageError(Exception):
+    """A command line the parser refuses (argparse would print its usage, then exit)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, its errors as every other error of the CLI: one line, exit 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusion", description="Pattern fusion for ONNX models.")
+    parser = Parser(prog="fusion", description="Pattern fusion for ONNX models.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     common.add_argument(
@@ -46,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"fusion: error: {exc}", file=sys.stderr)
+        return 2
     with _terminate_cleanly(), warnings.catch_warnings():
         warnings.simplefilter("default", FusionWarning)  # shown once each, as one line
         warnings.showwarning = _show_warning
@@ -59,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             message = one_line(_in_cli_words(exc, args), limit=1000)
             print(f"fusion: error: {message}", file=sys.stderr)
+            return 2
+        except MemoryError as exc:  # what the checks of sizes (fusion.feeds) could not foresee
+            if args.debug:
+                raise
+            print(f"fusion: error: out of memory ({one_line(exc)})", file=sys.stderr)
             return 2
         except OSError as exc:  # reading or writing a file the checks above could not foresee
             if args.debug:

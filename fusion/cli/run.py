@@ -12,6 +12,8 @@ from fusion.cli.inputs import (
     check_writes,
     input_files,
     load_checked,
+    non_negative_int,
+    positive_int,
 )
 from fusion.cli.progress import progress_bar
 from fusion.feeds import model_inputs
@@ -25,8 +27,12 @@ def add_arguments(p) -> None:
     p.add_argument("model", help=".onnx file, fused or not (an unfused one is fused in memory)")
     add_input_argument(p)
     p.add_argument("-o", "--output", help="write the outputs to this .npz file")
-    p.add_argument("--threads", type=int, default=None, help="threads (Numba and onnxruntime)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random inputs not given")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="threads (Numba and onnxruntime)"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of random inputs not given"
+    )
 
 
 def execute(args) -> int:

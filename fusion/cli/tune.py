@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fusion.cli.inputs import batch_dims, beyond_the_checker, load_checked
+from fusion.cli.inputs import batch_sizes, beyond_the_checker, load_checked, positive_int
 from fusion.cli.run import prepared_session
-from fusion.errors import FusionError
-from fusion.feeds import model_inputs
+from fusion.feeds import model_inputs, random_shapes, require_memory
+from fusion.graph import GraphView
 from fusion.runtime import describe_race
 from fusion.runtime.tactics import cache_dir
 
@@ -23,21 +23,26 @@ NAME, HELP = "tune", "time every fused node's kernels once, for later sessions o
 
 def add_arguments(p) -> None:
     p.add_argument("model", help=".onnx file, fused or not (an unfused one is fused in memory)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1],
+    p.add_argument("--batch", type=positive_int, nargs="+", default=None,
                    help="sizes of the symbolic first axes to tune for (default 1)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="threads (Numba and onnxruntime)")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="threads (Numba and onnxruntime)"
+    )
 
 
 def execute(args) -> int:
     model, _, checked = load_checked(args.model)
-    if any(b < 1 for b in args.batch):
-        raise FusionError(f"--batch must be at least 1, got {args.batch}")
+    batches = batch_sizes(model, args.batch)  # what the model can take, a warning for the rest
+    view = GraphView(model)
+    for batch in batches:  # before the kernels compile: inputs the memory can hold
+        require_memory(random_shapes(view, None, batch))
     with beyond_the_checker(args.model, checked):
         session = prepared_session(model, args.threads, tactics="fastest")
-        for batch in args.batch:
-            feeds, _ = model_inputs(session.model, None, 0, batch_dims(session.model, batch))
+        for batch in batches:
+            feeds, _ = model_inputs(session.model, None, 0, None, batch)
             session.run(None, feeds)
-            print(f"batch {batch}: {describe_race(session.race_for(feeds))}")
+            said = f"batch {batch}" if batch is not None else "inputs as declared"
+            print(f"{said}: {describe_race(session.race_for(feeds))}")
             tactics = Counter(session.choices_for(feeds).values())
             print("  tactics: " + (", ".join(f"{n} x{k}" for n, k in tactics.most_common())
                                    or "none (nothing fused)"))  # fmt: skip

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from fusion.cli.inputs import add_input_argument, beyond_the_checker, input_files, load_checked
+from fusion.cli.inputs import (
+    add_input_argument,
+    beyond_the_checker,
+    input_files,
+    load_checked,
+    non_negative_float,
+    non_negative_int,
+)
 from fusion.verify import verify
 
 NAME, HELP = "verify", "compare a fused model with the original in onnxruntime"
@@ -14,10 +21,10 @@ def add_arguments(p) -> None:
     p.add_argument("original", help="the original .onnx file")
     p.add_argument("fused", nargs="?", help="the fused file (default: fuse the original)")
     add_input_argument(p)
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance")
+    p.add_argument("--rtol", type=non_negative_float, default=None, help="relative tolerance")
+    p.add_argument("--atol", type=non_negative_float, default=None, help="absolute tolerance")
     p.add_argument("--per-node", action="store_true", help="check each fused node's kernel")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="machine-readable report")
 
 
