@@ -26,7 +26,8 @@ from fusion.models import conv_stack
 from fusion.ort import DEFAULT
 from fusion.pattern import Var, op
 from fusion.runtime import Session
-from fusion.runtime.tactics import ONNXRUNTIME, TimingCache, node_key, policy, preferred
+from fusion.runtime.tactics import ONNXRUNTIME, policy, preferred
+from fusion.runtime.timing_cache import TimingCache, node_key
 
 
 def _model():

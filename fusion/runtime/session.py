@@ -60,16 +60,13 @@ from fusion.runtime.plan import (
 )
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
-    TimingCache,
-    node_key,
-    plan_key,
     policy,
     preferred,
     random_inputs,
-    source_version,
     tactics_of,
     time_call,
 )
+from fusion.runtime.timing_cache import TimingCache, node_key, plan_key, source_version
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
 
