@@ -1,16 +1,24 @@
 """The timing cache: tactic and whole-plan timings on disk, one JSON file per CPU, so that a
-later process on this machine chooses without timing anything (fusion/runtime/tactics.py)."""
+later process on this machine chooses without timing anything (fusion/runtime/tactics.py).
+
+The file only saves time, so nothing wrong with it fails a command: a file that cannot be read,
+is not a regular file (a FIFO, a symbolic link: neither is followed or waited on), is corrupt or
+was written on another CPU is ignored; each problem is one warning per process. Writers take a
+lock file, re-read and merge, and rename a complete file over the old one, so two processes
+lose nothing.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import json
 import os
+import stat
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,9 +26,11 @@ from pathlib import Path
 
 import onnx
 
-from fusion.errors import FusionWarning
+from fusion.errors import FusionError, FusionWarning, one_line
+from fusion.files import write_atomic
 
 CACHE_FORMAT = 1
+LOCK = ".tactics.lock"
 
 
 def cache_dir() -> Path:
@@ -51,11 +61,14 @@ def source_version(*modules: str) -> str:
     return digest.hexdigest()[:16]
 
 
+# ---- the file --------------------------------------------------------------------------------
 @dataclass
 class TimingCache:
-    """Tactic timings on disk, one JSON file per CPU; safe against concurrent writers (a lock
-    file, then read-merge-write and an atomic rename), ignored with a warning when unreadable
-    or written on another CPU."""
+    """Tactic and plan timings on disk, one JSON file per CPU (see the module's docstring).
+
+    >>> cache = TimingCache(cpu_key()).load()
+    >>> cache.put({key: {"times": {"nchw-winograd": 2.1e-05, "onnxruntime": 3e-05}}})
+    """
 
     cpu: str
     folder: Path = field(default_factory=cache_dir)
@@ -66,37 +79,8 @@ class TimingCache:
         return self.folder / f"tactics-{hashlib.sha1(self.cpu.encode()).hexdigest()[:12]}.json"
 
     def load(self) -> TimingCache:
-        self.entries = self._read() or {}
+        self.entries = self._read()
         return self
-
-    def _read(self) -> dict | None:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            warnings.warn(
-                f"timing cache {self.path} unreadable ({exc}); ignored", FusionWarning, stacklevel=3
-            )
-            return None
-        try:
-            data = json.loads(text)
-            if data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-                raise ValueError("unknown format")
-        except (ValueError, AttributeError) as exc:
-            warnings.warn(
-                f"timing cache {self.path} is corrupt ({exc}); ignored", FusionWarning, stacklevel=3
-            )
-            return None
-        if data.get("cpu") != self.cpu:
-            warnings.warn(
-                f"timing cache {self.path} was written on another CPU "
-                f"({data.get('cpu')!r}); ignored",
-                FusionWarning,
-                stacklevel=3,
-            )
-            return None
-        return data["entries"]
 
     def get(self, key: str) -> dict | None:
         return self.entries.get(key)
@@ -107,17 +91,83 @@ class TimingCache:
         self.entries.update(new)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with open(self.folder / ".tactics.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                merged = {**(self._read() or {}), **new}
-                data = {"format": CACHE_FORMAT, "cpu": self.cpu, "entries": merged}
-                fd, tmp = tempfile.mkstemp(prefix=".tactics-", dir=self.folder)
-                with os.fdopen(fd, "w") as out:
-                    json.dump(data, out, indent=0, sort_keys=True)
-                os.replace(tmp, self.path)
-                self.entries = merged
+            lock = _open_regular(self.folder / LOCK, os.O_RDWR | os.O_CREAT)
+        except NotRegular as exc:
+            message = f"timing cache lock {self.folder / LOCK} is {exc}; the cache is not written"
+            _warn_once(self.folder / LOCK, "kind", message)
+            return
         except OSError:
+            return
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = {**self._read(), **new}
+            data = {"format": CACHE_FORMAT, "cpu": self.cpu, "entries": merged}
+            write_atomic(self.path, json.dumps(data, indent=0, sort_keys=True).encode())
+            self.entries = merged
+        except (OSError, FusionError):  # FusionError: its name is taken (a folder, a FIFO)
             pass
+        finally:
+            os.close(lock)
+
+    def _read(self) -> dict:
+        """The entries on disk: none when the file is missing or cannot be used."""
+        problem = None
+        try:
+            with open(_open_regular(self.path, os.O_RDONLY), "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+            if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+                problem = "corrupt", "is corrupt (unknown format); ignored"
+            elif not isinstance(data.get("entries"), dict):
+                problem = "corrupt", "is corrupt (no entries); ignored"
+            elif data.get("cpu") != self.cpu:
+                problem = "cpu", f"was written on another CPU ({data.get('cpu')!r}); ignored"
+        except FileNotFoundError:
+            return {}
+        except NotRegular as exc:
+            problem = "kind", f"is {exc}; ignored"
+        except OSError as exc:
+            problem = "unreadable", f"is unreadable ({exc.strerror or one_line(exc)}); ignored"
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+            problem = "corrupt", f"is corrupt ({one_line(exc)}); ignored"
+        if problem is not None:
+            _warn_once(self.path, problem[0], f"timing cache {self.path} {problem[1]}")
+            return {}
+        return data["entries"]
+
+
+class NotRegular(OSError):
+    """A path that is not a regular file; its message says what it is."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """A descriptor of the regular file `path`, opened without following a symbolic link or
+    waiting for a FIFO's other end (NotRegular says what else it is)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symbolic link
+            raise NotRegular("not a regular file (a symbolic link)") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(mode)), "a device")
+        raise NotRegular(f"not a regular file ({kind})")
+    return fd
+
+
+_WARNED: set[tuple[str, str]] = set()  # (file, problem) this process has warned about
+
+
+def _warn_once(path: Path, problem: str, message: str) -> None:
+    """Warn about a problem of a cache file once per process: every session, load and merge
+    before a write would meet it again."""
+    if (str(path), problem) not in _WARNED:
+        _WARNED.add((str(path), problem))
+        warnings.warn(message, FusionWarning, stacklevel=3)
 
 
 def plan_key(model_digest: str, shapes: Sequence, threads: int, version: str) -> str:
