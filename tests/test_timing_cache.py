@@ -1,6 +1,7 @@
 """The timing cache on disk (fusion/runtime/timing_cache.py): whatever is wrong with its file (not
-UTF-8, a FIFO or a symbolic link in its place, a write that fails) costs a warning, once per
-problem per process, and never a failed or hung command or a temporary file left behind."""
+UTF-8, damaged entries, a FIFO or a symbolic link in its place, a write that fails) costs a
+warning, once per problem per process, and never a failed or hung command or a temporary file
+left behind."""
 
 from __future__ import annotations
 
@@ -13,22 +14,31 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from helpers import fused_model, scaled_relu, scaled_relu_catalog, tensor
+from onnx import helper, numpy_helper
 
 import fusion
+import fusion.runtime.timing_cache as timing_cache
 from fusion.errors import FusionWarning
 from fusion.models import conv_stack
-from fusion.runtime.timing_cache import TimingCache, node_key
+from fusion.runtime import Session
+from fusion.runtime.timing_cache import TimingCache, node_key, plan_key
 
 NODE = {"times": {"nchw": 1e-3, "onnxruntime": 2e-3}}
+PLAN = {"plans": {"per-node": 1e-3, "onnxruntime": 2e-3}}
 
 
 def _node(batch: int, version: str = "v1") -> str:
     node = helper.make_node("ScaledRelu", ["x", "s"], ["y"], domain="fusion")
     node.overload = "body"
     return node_key(node, [(batch, 3), (1, 3)], 1, version)
+
+
+def _plan(batch: int, version: str = "v1") -> str:
+    return plan_key("digest", [(batch, 3)], 1, version)
 
 
 def _cache(folder: Path) -> TimingCache:
@@ -41,6 +51,16 @@ def _write(cache: TimingCache, entries: dict) -> None:
 
 def _on_disk(cache: TimingCache) -> dict:
     return json.loads(cache.path.read_text())["entries"]
+
+
+def _model() -> onnx.ModelProto:
+    s = numpy_helper.from_array(np.full((1, 3), 0.5, np.float32), "s")
+    return fused_model([scaled_relu("x", "s", "y", "sr")], [tensor("x", (4, 3))],
+                       [tensor("y", (4, 3))], [s])  # fmt: skip
+
+
+def _session() -> Session:
+    return Session(_model(), threads=1, catalog=scaled_relu_catalog(), tactics="fastest")
 
 
 def _finishes(call) -> None:
@@ -76,6 +96,72 @@ def test_a_file_that_is_not_utf8_json_is_ignored_with_one_warning_then_rewritten
         cache.put({_node(1): NODE})  # its merge reads the file again: no second warning
     assert len(seen) == 1
     assert _cache(tmp_path).load().get(_node(1))["times"] == NODE["times"]
+
+
+# ---- damaged entries -------------------------------------------------------------------------
+DAMAGED = [  # (key maker, entry, the reason the warning gives)
+    (_node, "fast", "an entry is not an object"),
+    (_node, {}, "'times' is missing"),
+    (_node, {"times": None}, "'times' is not an object"),
+    (_node, {"times": [1e-3]}, "'times' is not an object"),
+    (_node, {"times": {}}, "'times' is empty"),
+    (_node, {"times": {"nchw": "fast", "onnxruntime": 1e-3}}, "'times' holds a value"),
+    (_node, {"times": {"nchw": True, "onnxruntime": 1e-3}}, "'times' holds a value"),
+    (_node, {"times": {"nchw": -1.0, "onnxruntime": 1e-3}}, "'times' holds a value"),
+    (_node, {"times": {"nchw": float("nan"), "onnxruntime": 1e-3}}, "'times' holds a value"),
+    (_node, {"times": {"blocked": 1e-3}}, "'times' lacks 'onnxruntime'"),
+    (_plan, None, "an entry is not an object"),
+    (_plan, NODE, "'plans' is missing"),
+    (_plan, {"plans": None}, "'plans' is not an object"),
+    (_plan, {"plans": {}}, "'plans' is empty"),
+    (_plan, {"plans": {"per-node": None}}, "'plans' holds a value"),
+]
+
+
+@pytest.mark.parametrize("key, entry, reason", DAMAGED)
+def test_a_damaged_entry_is_dropped_and_the_others_kept(tmp_path, key, entry, reason):
+    cache = _cache(tmp_path)
+    _write(cache, {_node(1): NODE, _plan(1): PLAN, key(2): entry, key(3): entry})
+    with pytest.warns(FusionWarning, match=rf"2 damaged entries dropped \({reason}") as seen:
+        cache.load()
+    assert len(seen) == 1
+    assert cache.entries == {_node(1): NODE, _plan(1): PLAN}
+
+
+def test_each_kind_of_damage_is_one_warning_with_its_count(tmp_path):
+    cache = _cache(tmp_path)
+    entries = {key(10 + k): entry for k, (key, entry, _) in enumerate(DAMAGED)}
+    _write(cache, entries | {_node(1): NODE})
+    with pytest.warns(FusionWarning, match="damaged") as seen:
+        cache.load()
+    reasons = {reason for _, _, reason in DAMAGED}
+    assert len(seen) == len(reasons)
+    assert cache.entries == {_node(1): NODE}
+
+
+@pytest.mark.parametrize(
+    "node_entry, plan_entry",
+    [("fast", None), ({}, {}), ({"times": None}, {"plans": None}), ({"times": {}}, {"plans": {}}),
+     ({"times": {"kernel": "fast", "onnxruntime": 1.0}}, {"plans": {"per-node": [1]}})],
+    ids=["not-objects", "missing", "null", "empty", "wrong-types"],
+)  # fmt: skip
+def test_a_session_on_a_damaged_cache_times_anew_and_repairs_it(
+    monkeypatch, tmp_path, node_entry, plan_entry
+):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    first = _session()
+    (path,) = tmp_path.glob("tactics-*.json")
+    data = json.loads(path.read_text())
+    sound = data["entries"]
+    assert len(sound) == 2  # the node's tactic timings and the plan's race
+    data["entries"] = {k: plan_entry if k.startswith("plan:") else node_entry for k in sound}
+    path.write_text(json.dumps(data))
+    with pytest.warns(FusionWarning, match="damaged entr"):
+        again = _session()
+    assert set(again.choices) == set(first.choices) and again.race is not None
+    repaired = json.loads(path.read_text())["entries"]
+    assert set(repaired) == set(sound) and all(timing_cache.damage(k, e) is None
+                                               for k, e in repaired.items())  # fmt: skip
 
 
 # ---- FIFOs, symbolic links -------------------------------------------------------------------

@@ -1,11 +1,18 @@
 """The timing cache: tactic and whole-plan timings on disk, one JSON file per CPU, so that a
 later process on this machine chooses without timing anything (fusion/runtime/tactics.py).
 
+    {"format": 1, "cpu": "AMD EPYC 7551 ... | avx2", "entries": {
+      "fusion.ConvBiasRelu:<body hash>|1x8x10x10;-;-|t2|<version>":
+          {"times": {"blocked-4x16": 1.2e-05, "nchw-winograd": 2.1e-05, "onnxruntime": 3e-05}},
+      "plan:<model digest>|1x3x32x32|t2|<version>":
+          {"plans": {"per-node": 1.1e-03, "nchw": 1.2e-03, "onnxruntime": 1.3e-03}}}}
+
 The file only saves time, so nothing wrong with it fails a command: a file that cannot be read,
 is not a regular file (a FIFO, a symbolic link: neither is followed or waited on), is corrupt or
-was written on another CPU is ignored; each problem is one warning per process. Writers take a
-lock file, re-read and merge, and rename a complete file over the old one, so two processes
-lose nothing.
+was written on another CPU is ignored, an entry that does not fit its kind's schema
+(ENTRY_FIELDS) is dropped and the others kept; each problem is one warning per process. Writers
+take a lock file, re-read and merge, and rename a complete file over the old one, so two
+processes lose nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import os
 import stat
 import sys
 import warnings
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +36,10 @@ import onnx
 
 from fusion.errors import FusionError, FusionWarning, one_line
 from fusion.files import write_atomic
+from fusion.runtime.tactics import ONNXRUNTIME
 
 CACHE_FORMAT = 1
+PLAN = "plan:"  # the start of a whole-plan race's key (plan_key); any other is a node's
 LOCK = ".tactics.lock"
 
 
@@ -59,6 +69,58 @@ def source_version(*modules: str) -> str:
         with contextlib.suppress(OSError):
             digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+# ---- what an entry holds ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """A field of a cache entry: check(value) is None when the value is sound, else why not."""
+
+    check: Callable[[object], str | None]
+    required: bool = True
+
+
+def _seconds(value) -> str | None:
+    sound = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return None if sound else "is not a time in seconds"  # NaN is not >= 0; inf is a failure
+
+
+def _timings(*required: str) -> Callable[[object], str | None]:
+    """The check of {name: seconds}: not empty, with the names `required`."""
+
+    def check(value) -> str | None:
+        if not isinstance(value, dict):
+            return "is not an object"
+        if not value:
+            return "is empty"
+        if any(_seconds(v) for v in value.values()):
+            return "holds a value that is not a time in seconds"
+        missing = [name for name in required if name not in value]
+        return f"lacks {missing[0]!r}" if missing else None
+
+    return check
+
+
+# Per kind of entry (its key's: plan_key or node_key), the fields its readers use (Session._settle
+# and Session._choose). A field added later is optional (required=False), so that entries
+# written before it still read.
+ENTRY_FIELDS = {
+    "plan": {"plans": Field(_timings())},
+    "node": {"times": Field(_timings(ONNXRUNTIME))},
+}
+
+
+def damage(key: str, entry) -> str | None:
+    """Why a cache entry cannot be used (None: it can), by the schema of its key's kind."""
+    if not isinstance(entry, dict):
+        return "an entry is not an object"
+    for name, spec in ENTRY_FIELDS["plan" if key.startswith(PLAN) else "node"].items():
+        if name not in entry:
+            if spec.required:
+                return f"{name!r} is missing"
+        elif (reason := spec.check(entry[name])) is not None:
+            return f"{name!r} {reason}"
+    return None
 
 
 # ---- the file --------------------------------------------------------------------------------
@@ -110,7 +172,7 @@ class TimingCache:
             os.close(lock)
 
     def _read(self) -> dict:
-        """The entries on disk: none when the file is missing or cannot be used."""
+        """The sound entries on disk: none when the file is missing or cannot be used."""
         problem = None
         try:
             with open(_open_regular(self.path, os.O_RDONLY), "rb") as f:
@@ -132,7 +194,23 @@ class TimingCache:
         if problem is not None:
             _warn_once(self.path, problem[0], f"timing cache {self.path} {problem[1]}")
             return {}
-        return data["entries"]
+        return self._sound(data["entries"])
+
+    def _sound(self, entries: dict) -> dict:
+        """The entries that fit their schema; one warning per kind of damage, with how many
+        entries it cost."""
+        sound, damaged = {}, Counter()
+        for key, entry in entries.items():
+            reason = damage(key, entry)
+            if reason is None:
+                sound[key] = entry
+            else:
+                damaged[reason] += 1
+        for reason, n in damaged.items():
+            what = "entry" if n == 1 else "entries"
+            message = f"timing cache {self.path}: {n} damaged {what} dropped ({reason})"
+            _warn_once(self.path, reason, message)
+        return sound
 
 
 class NotRegular(OSError):
@@ -175,7 +253,7 @@ def plan_key(model_digest: str, shapes: Sequence, threads: int, version: str) ->
     digest of its graph, fused nodes and islands), its input shapes, threads, the kernels'
     source."""
     dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
-    return f"plan:{model_digest}|{dims}|t{threads}|{version}"
+    return f"{PLAN}{model_digest}|{dims}|t{threads}|{version}"
 
 
 def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:
