@@ -1,7 +1,7 @@
 """The timing cache on disk (fusion/runtime/timing_cache.py): whatever is wrong with its file (not
 UTF-8, damaged entries, a FIFO or a symbolic link in its place, a write that fails) costs a
 warning, once per problem per process, and never a failed or hung command or a temporary file
-left behind."""
+left behind; every write bounds it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _plan(batch: int, version: str = "v1") -> str:
 
 
 def _cache(folder: Path) -> TimingCache:
-    return TimingCache("cpu-a", folder)
+    return TimingCache("cpu-a", folder, version="v1")
 
 
 def _write(cache: TimingCache, entries: dict) -> None:
@@ -110,6 +110,7 @@ DAMAGED = [  # (key maker, entry, the reason the warning gives)
     (_node, {"times": {"nchw": -1.0, "onnxruntime": 1e-3}}, "'times' holds a value"),
     (_node, {"times": {"nchw": float("nan"), "onnxruntime": 1e-3}}, "'times' holds a value"),
     (_node, {"times": {"blocked": 1e-3}}, "'times' lacks 'onnxruntime'"),
+    (_node, {**NODE, "written": "today"}, "'written' is not a time"),
     (_plan, None, "an entry is not an object"),
     (_plan, NODE, "'plans' is missing"),
     (_plan, {"plans": None}, "'plans' is not an object"),
@@ -269,3 +270,50 @@ def test_the_cli_says_a_damaged_cache_in_one_warning_line(tmp_path, command, dam
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"fusion: warning: timing cache {cache.path} is corrupt ("), line
     assert _on_disk(cache)  # and rewritten, sound
+
+
+# ---- bounds ----------------------------------------------------------------------------------
+def test_keys_end_with_their_version_and_another_plugin_is_kept(tmp_path):
+    assert timing_cache.builtin_version(_node(1, "v1+plugin")) == "v1"
+    assert timing_cache.builtin_version(_plan(1, "v1")) == "v1"
+    cache = _cache(tmp_path)
+    _write(cache, {_node(1, "v0"): NODE, _node(2, "v1+a"): NODE, _plan(1, "v0+a"): PLAN})
+    cache.load().put({_node(3, "v1+b"): NODE})
+    assert set(_on_disk(cache)) == {_node(2, "v1+a"), _node(3, "v1+b")}
+
+
+def test_a_write_bounds_a_huge_cache_to_the_newest_of_this_version(tmp_path):
+    cap = timing_cache.MAX_ENTRIES
+    cache = _cache(tmp_path)
+    old_format = {_node(k): NODE for k in range(100)}  # before entries recorded `written`
+    current = {_node(k): {**NODE, "written": k} for k in range(100, cap + 500)}
+    stale = {_node(k, "v0"): {**NODE, "written": 10**10} for k in range(cap * 2)}
+    _write(cache, old_format | current | stale)
+    cache.load()
+    assert len(cache.entries) == cap + 500  # another version is not even kept in memory
+    cache.put({_plan(1): PLAN})
+    on_disk = _on_disk(cache)
+    assert len(on_disk) == cap and _plan(1) in on_disk
+    assert set(on_disk) == {_plan(1)} | {_node(k) for k in range(501, cap + 500)}  # the newest
+    assert len(TimingCache("cpu-a", tmp_path).load().entries) == cap == len(cache.entries)
+    assert cache.path.stat().st_size < cap * 200  # bytes per entry: the key and a few timings
+
+
+def test_a_session_whose_answers_are_cached_reads_the_file_once_and_writes_nothing(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    _session()
+    (path,) = tmp_path.glob("tactics-*.json")
+    before = path.stat()
+    opened, real_open = [], os.open
+
+    def counting_open(file, *args, **kwargs):
+        opened.append(Path(file).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    _session()
+    assert opened.count(path.name) == 1 and ".tactics.lock" not in opened
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -3,16 +3,18 @@ later process on this machine chooses without timing anything (fusion/runtime/ta
 
     {"format": 1, "cpu": "AMD EPYC 7551 ... | avx2", "entries": {
       "fusion.ConvBiasRelu:<body hash>|1x8x10x10;-;-|t2|<version>":
-          {"times": {"blocked-4x16": 1.2e-05, "nchw-winograd": 2.1e-05, "onnxruntime": 3e-05}},
+          {"times": {"blocked-4x16": 1.2e-05, "nchw-winograd": 2.1e-05, "onnxruntime": 3e-05},
+           "written": 1764620000},
       "plan:<model digest>|1x3x32x32|t2|<version>":
-          {"plans": {"per-node": 1.1e-03, "nchw": 1.2e-03, "onnxruntime": 1.3e-03}}}}
+          {"plans": {"per-node": 1.1e-03, "nchw": 1.2e-03, "onnxruntime": 1.3e-03}, ...}}}
 
 The file only saves time, so nothing wrong with it fails a command: a file that cannot be read,
 is not a regular file (a FIFO, a symbolic link: neither is followed or waited on), is corrupt or
 was written on another CPU is ignored, an entry that does not fit its kind's schema
 (ENTRY_FIELDS) is dropped and the others kept; each problem is one warning per process. Writers
 take a lock file, re-read and merge, and rename a complete file over the old one, so two
-processes lose nothing.
+processes lose nothing. A write bounds the cache: entries of another version of the built-in
+kernels are dropped (no key of this code can hit them), then all but the MAX_ENTRIES newest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import stat
 import sys
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -39,6 +42,10 @@ from fusion.files import write_atomic
 from fusion.runtime.tactics import ONNXRUNTIME
 
 CACHE_FORMAT = 1
+# Entries kept when the cache is written, the newest: a model has one per fused node and one
+# per plan for each input shape and thread count, so this holds many models' choices, in about
+# 1 MB (a conv's entry with three tactics is some 230 bytes).
+MAX_ENTRIES = 4096
 PLAN = "plan:"  # the start of a whole-plan race's key (plan_key); any other is a node's
 LOCK = ".tactics.lock"
 
@@ -69,6 +76,20 @@ def source_version(*modules: str) -> str:
         with contextlib.suppress(OSError):
             digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def timing_version(plugins: Sequence[str] = ()) -> str:
+    """What a timing depends on in code, the last field of its key: the hash of the built-in
+    kernels' and patterns' source, then `+` and the hash of the plugin modules whose kernels the
+    session runs, if any. Without plugins: the built-in kernels' version, which a written cache
+    keeps (another plugin's entries stay: another model may run it)."""
+    builtin = source_version("kernels", "patterns")
+    return f"{builtin}+{source_version(*plugins)}" if plugins else builtin
+
+
+def builtin_version(key: str) -> str:
+    """The built-in kernels' version a key (plan_key, node_key) or a version names."""
+    return key.rsplit("|", 1)[-1].split("+", 1)[0]
 
 
 # ---- what an entry holds ---------------------------------------------------------------------
@@ -102,11 +123,11 @@ def _timings(*required: str) -> Callable[[object], str | None]:
 
 
 # Per kind of entry (its key's: plan_key or node_key), the fields its readers use (Session._settle
-# and Session._choose). A field added later is optional (required=False), so that entries
-# written before it still read.
+# and Session._choose) and `written` (Unix time, for MAX_ENTRIES). A field added later is
+# optional (required=False), so that entries written before it still read.
 ENTRY_FIELDS = {
-    "plan": {"plans": Field(_timings())},
-    "node": {"times": Field(_timings(ONNXRUNTIME))},
+    "plan": {"plans": Field(_timings()), "written": Field(_seconds, required=False)},
+    "node": {"times": Field(_timings(ONNXRUNTIME)), "written": Field(_seconds, required=False)},
 }
 
 
@@ -128,13 +149,17 @@ def damage(key: str, entry) -> str | None:
 class TimingCache:
     """Tactic and plan timings on disk, one JSON file per CPU (see the module's docstring).
 
-    >>> cache = TimingCache(cpu_key()).load()
+    version: the built-in kernels' (timing_version()); entries of another are dropped when
+    read and when written. None keeps every version.
+
+    >>> cache = TimingCache(cpu_key(), version=timing_version()).load()
     >>> cache.put({key: {"times": {"nchw-winograd": 2.1e-05, "onnxruntime": 3e-05}}})
     """
 
     cpu: str
     folder: Path = field(default_factory=cache_dir)
     entries: dict = field(default_factory=dict)
+    version: str | None = None
 
     @property
     def path(self) -> Path:
@@ -148,9 +173,10 @@ class TimingCache:
         return self.entries.get(key)
 
     def put(self, new: dict) -> None:
-        """Add entries and write them, merged with what other processes wrote meanwhile. A
-        cache that cannot be written is skipped silently: it only saves time."""
-        self.entries.update(new)
+        """Add entries and write them, merged with what other processes wrote meanwhile, and
+        bounded. A cache that cannot be written is skipped silently: it only saves time."""
+        fresh = {key: {**entry, "written": int(time.time())} for key, entry in new.items()}
+        self.entries.update(fresh)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             lock = _open_regular(self.folder / LOCK, os.O_RDWR | os.O_CREAT)
@@ -162,7 +188,7 @@ class TimingCache:
             return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            merged = {**self._read(), **new}
+            merged = _newest({**self._read(), **fresh}, fresh)
             data = {"format": CACHE_FORMAT, "cpu": self.cpu, "entries": merged}
             write_atomic(self.path, json.dumps(data, indent=0, sort_keys=True).encode())
             self.entries = merged
@@ -172,7 +198,8 @@ class TimingCache:
             os.close(lock)
 
     def _read(self) -> dict:
-        """The sound entries on disk: none when the file is missing or cannot be used."""
+        """The sound entries of this version on disk: none when the file is missing or cannot
+        be used."""
         problem = None
         try:
             with open(_open_regular(self.path, os.O_RDONLY), "rb") as f:
@@ -197,10 +224,12 @@ class TimingCache:
         return self._sound(data["entries"])
 
     def _sound(self, entries: dict) -> dict:
-        """The entries that fit their schema; one warning per kind of damage, with how many
-        entries it cost."""
+        """The entries of this version that fit their schema; one warning per kind of damage,
+        with how many entries it cost."""
         sound, damaged = {}, Counter()
         for key, entry in entries.items():
+            if self.version is not None and builtin_version(key) != self.version:
+                continue  # timed with other kernels: dropped, no key of this code can hit it
             reason = damage(key, entry)
             if reason is None:
                 sound[key] = entry
@@ -211,6 +240,15 @@ class TimingCache:
             message = f"timing cache {self.path}: {n} damaged {what} dropped ({reason})"
             _warn_once(self.path, reason, message)
         return sound
+
+
+def _newest(entries: dict, fresh: dict) -> dict:
+    """At most MAX_ENTRIES of `entries`: the fresh ones, then the most recently written (an
+    entry from before `written` existed counts as the oldest)."""
+    if len(entries) <= MAX_ENTRIES:
+        return entries
+    order = sorted(entries, key=lambda k: (k in fresh, entries[k].get("written", 0), k))
+    return {k: entries[k] for k in order[-MAX_ENTRIES:]}
 
 
 class NotRegular(OSError):
@@ -251,13 +289,14 @@ def _warn_once(path: Path, problem: str, message: str) -> None:
 def plan_key(model_digest: str, shapes: Sequence, threads: int, version: str) -> str:
     """What a whole-plan timing depends on: the fused model without its weights' bytes (a
     digest of its graph, fused nodes and islands), its input shapes, threads, the kernels'
-    source."""
+    source (`version`, timing_version(): the last field)."""
     dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
     return f"{PLAN}{model_digest}|{dims}|t{threads}|{version}"
 
 
 def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:
     """What a tactic timing depends on: the node's computation (its function's content hash
-    names its body, attributes included), its input shapes, threads, the kernels' source."""
+    names its body, attributes included), its input shapes, threads, the kernels' source
+    (`version`, timing_version(): the last field)."""
     dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
     return f"{node.domain}.{node.op_type}:{node.overload}|{dims}|t{threads}|{version}"
