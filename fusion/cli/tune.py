@@ -16,7 +16,7 @@ from fusion.cli.run import prepared_session
 from fusion.feeds import model_inputs, random_shapes, require_memory
 from fusion.graph import GraphView
 from fusion.runtime import describe_race
-from fusion.runtime.tactics import cache_dir
+from fusion.runtime.timing_cache import cache_dir
 
 NAME, HELP = "tune", "time every fused node's kernels once, for later sessions on this CPU"
 

@@ -60,16 +60,13 @@ from fusion.runtime.plan import (
 )
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
-    TimingCache,
-    node_key,
-    plan_key,
     policy,
     preferred,
     random_inputs,
-    source_version,
     tactics_of,
     time_call,
 )
+from fusion.runtime.timing_cache import TimingCache, node_key, plan_key, timing_version
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
 
@@ -234,7 +231,7 @@ class Session:
             if self._cache is None:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
-                self._cache = TimingCache(cpu_key()).load()
+                self._cache = TimingCache(cpu_key(), version=timing_version()).load()
             key = node_key(node, ins, self.threads, self._source_version)
             entry = self._cache.get(key)
             if entry is None:
@@ -326,7 +323,7 @@ class Session:
         modules = {self.catalog.get(self.view.nodes[i].op_type).prepare.__module__
                    for i in self._kernels}  # fmt: skip
         plugins = sorted(m for m in modules if m.split(".")[0] not in ("kernels", "patterns"))
-        return source_version("kernels", "patterns", *plugins)
+        return timing_version(plugins)
 
     @functools.cached_property
     def _skeleton_digest(self) -> str:
