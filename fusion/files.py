@@ -110,13 +110,13 @@ def atomic_temp(path: Path, mode_of: Path | None = None) -> Iterator[str]:
     umask allows a new file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=writable_folder(path))
     try:
-        os.fchmod(fd, file_mode(path, mode_of))
-        os.close(fd)
+        try:
+            os.fchmod(fd, file_mode(path, mode_of))
+        finally:
+            os.close(fd)  # once: a second close could close a number another thread reused
         yield tmp
         os.replace(tmp, path)
     finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
         Path(tmp).unlink(missing_ok=True)
 
 
