@@ -1,5 +1,6 @@
-"""What a run promises whatever a kernel does (issue 24): the norm kernels give a finite row
-for any finite row."""
+"""What a run promises whatever a kernel does (issue 24): a kernel never writes into the
+caller's arrays or into values other steps read (its inputs are read-only), and the norm
+kernels give a finite row for any finite row."""
 
 import numpy as np
 import onnx
@@ -8,6 +9,65 @@ from helpers import GraphBuilder, assert_close, fused_ops, run_ort
 from onnx import TensorProto, numpy_helper
 
 import fusion
+from fusion.errors import FusionWarning, KernelError
+from fusion.pattern import Var, op
+
+
+# ---- a plugin kernel that writes into its input ---------------------------------------------
+def scale_relu_catalog(writes: str) -> fusion.Catalog:
+    """relu(x * s) by a kernel that writes its result into its input x, or into s."""
+    catalog = fusion.Catalog()
+
+    def scale_relu(x, s):
+        if writes == "x":
+            return np.maximum(x * s, 0, out=x)
+        s *= 1  # the session's constant, read by every run
+        return np.maximum(x * s, 0)
+
+    x, s = Var("x", dtype="float32"), Var("s", dtype="float32")
+    fusion.register_pattern("ScaleRelu", op.Relu(op.Mul(x, s)), inputs=("x", "s"),
+                            kernel=scale_relu, catalog=catalog)  # fmt: skip
+    return catalog
+
+
+def scale_relu_model() -> onnx.ModelProto:
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("Mul", ["x", g.const(np.array([1.5], np.float32))])], name="act")
+    return g.model({"x": ["N", 4]}, [y])
+
+
+@pytest.mark.parametrize("writes", ["x", "s"])
+def test_a_kernel_that_writes_its_input_fails_naming_itself_and_changes_nothing(writes):
+    catalog = scale_relu_catalog(writes)
+    model = fusion.rewrite(scale_relu_model(), catalog).model
+    session = fusion.Session(model, catalog=catalog, tactics="kernel")
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(KernelError) as err:
+        session.run(None, {"x": x})
+    message = str(err.value)
+    assert ".scale_relu of ScaleRelu act failed" in message, message
+    assert "failed: ValueError: output array is read-only (a kernel's inputs are read-only)" in (
+        message
+    )
+    assert (x == 1).all()  # the caller's array as it was
+
+
+def test_timing_rules_out_a_kernel_that_writes_its_input_and_the_run_is_right(
+    tmp_path, monkeypatch
+):
+    """Timing calls a kernel some 25 times on the same arrays: one that wrote into its input
+    compounded (the caller's 1.0 became 37876, the run returned 56815 where 1.5 is right).
+    Now the write fails, the tactic is ruled out with a warning, and onnxruntime runs it."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    catalog = scale_relu_catalog("x")
+    model = fusion.rewrite(scale_relu_model(), catalog).model
+    x = np.ones((2, 4), np.float32)
+    with pytest.warns(FusionWarning, match=r"ScaleRelu act: tactic kernel failed: output array"):
+        session = fusion.Session(model, catalog=catalog, tactics="fastest")
+        (y,) = session.run(None, {"x": x})
+    assert (x == 1).all() and (y == np.float32(1.5)).all(), (x.max(), y.max())
+    assert set(session.choices_for({"x": x}).values()) == {"onnxruntime"}
+
 
 # ---- norms of rows whose squares overflow float32 -------------------------------------------
 E = 16

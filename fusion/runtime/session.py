@@ -39,9 +39,11 @@ from fusion.ort import ISLAND, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime.kernel import (
+    BUILT_IN,
     binds_kernel,
     build_kernel,
     ensure_threads,
+    is_built_in,
     kernel_name,
     serialized,
     use_threads,
@@ -308,6 +310,9 @@ class Session:
         entry = self._cache.get(key) if self._cache is not None else None
         if entry is None or not set(candidates) <= set(entry["plans"]):
             plans = {name: self._plan(c) for name, c in candidates.items()}
+            # Each plan runs some 25 times: on one copy of the feeds, never on the caller's
+            # arrays, whatever a kernel does to its inputs.
+            values = {k: v.copy() if k in self._feedable else v for k, v in values.items()}
             entry = {"plans": {name: self._time_plan(p, values) for name, p in plans.items()}}
             if self._cache is not None:
                 self._cache.put({key: entry})
@@ -323,10 +328,9 @@ class Session:
     def _source_version(self) -> str:
         """What cached timings depend on in code: the kernels, the built-in patterns, and the
         module of every other rule's kernel here (a plugin's), hashed once."""
-        modules = {self.catalog.get(self.view.nodes[i].op_type).prepare.__module__
-                   for i in self._kernels}  # fmt: skip
-        plugins = sorted(m for m in modules if m.split(".")[0] not in ("kernels", "patterns"))
-        return source_version("kernels", "patterns", *plugins)
+        rules = [self.catalog.get(self.view.nodes[i].op_type) for i in self._kernels]
+        plugins = sorted({r.prepare.__module__ for r in rules if not is_built_in(r)})
+        return source_version(*BUILT_IN, *plugins)
 
     @functools.cached_property
     def _skeleton_digest(self) -> str:
