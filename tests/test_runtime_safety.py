@@ -1,6 +1,6 @@
 """What a run promises whatever a kernel does (issue 24): a kernel never writes into the
-caller's arrays or into values other steps read (its inputs are read-only), and the norm
-kernels give a finite row for any finite row."""
+caller's arrays or into values other steps read (its inputs are read-only), every kernel output
+has the sizes its node declares, and the norm kernels give a finite row for any finite row."""
 
 import numpy as np
 import onnx
@@ -9,6 +9,7 @@ from helpers import GraphBuilder, assert_close, fused_ops, run_ort
 from onnx import TensorProto, numpy_helper
 
 import fusion
+from fusion.cli.main import main
 from fusion.errors import FusionWarning, KernelError
 from fusion.pattern import Var, op
 
@@ -67,6 +68,89 @@ def test_timing_rules_out_a_kernel_that_writes_its_input_and_the_run_is_right(
         (y,) = session.run(None, {"x": x})
     assert (x == 1).all() and (y == np.float32(1.5)).all(), (x.max(), y.max())
     assert set(session.choices_for({"x": x}).values()) == {"onnxruntime"}
+
+
+# ---- a plugin kernel that returns the wrong shape -------------------------------------------
+WRONG_SHAPE = """
+import numpy as np
+import fusion
+from fusion import Var, op
+
+
+@fusion.register_pattern("NegRelu", op.Relu(op.Neg(Var("x", dtype="float32"))), inputs=("x",))
+def neg_relu(x):
+    return np.zeros((5, 2), np.float32)  # the node declares [N, 5]
+"""
+
+
+def neg_relu_model(reader: str) -> onnx.ModelProto:
+    """NegRelu on x [N, 5], its output a graph output, read by an island or by another
+    NegRelu kernel."""
+    g = GraphBuilder()
+    y = g.node("Relu", [g.node("Neg", ["x"])], name="first")
+    if reader == "an island":
+        y = g.node("Sigmoid", [y])
+    elif reader == "a kernel":
+        y = g.node("Relu", [g.node("Neg", [y])], name="second")
+    return g.model({"x": ["N", 5]}, [y])
+
+
+@pytest.mark.parametrize("reader", ["the caller", "an island", "a kernel"])
+def test_fusion_run_refuses_a_kernel_output_of_another_shape(capsys, tmp_path, monkeypatch, reader):
+    monkeypatch.setattr("fusion.registry.USER", fusion.Catalog())  # registered for this test
+    plugin = tmp_path / "wrong_shape.py"
+    plugin.write_text(WRONG_SHAPE)
+    onnx.save(neg_relu_model(reader), tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.ones((3, 5), np.float32))
+    argv = ["run", str(tmp_path / "m.onnx"), "--plugin", str(plugin), "--input",
+            f"x={tmp_path / 'x.npy'}", "-o", str(tmp_path / "out.npz")]  # fmt: skip
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("fusion: error: fusion_plugin_wrong_shape.neg_relu of NegRelu "), err
+    assert "returned shape [5, 2]" in err and "(declared [N, 5])" in err, err
+    assert not (tmp_path / "out.npz").exists()
+
+
+def neg_relu_catalog(wrong_rows: int) -> fusion.Catalog:
+    """NegRelu whose kernel is right, except for inputs of `wrong_rows` rows: [5, 2] then."""
+    catalog = fusion.Catalog()
+
+    def neg_relu(x):
+        return np.zeros((5, 2), np.float32) if len(x) == wrong_rows else np.maximum(-x, 0)
+
+    pattern = op.Relu(op.Neg(Var("x", dtype="float32")))
+    fusion.register_pattern("NegRelu", pattern, inputs=("x",), kernel=neg_relu, catalog=catalog)
+    return catalog
+
+
+@pytest.mark.parametrize("reader", ["the caller", "an island"])
+def test_session_run_checks_every_run_of_a_kernel_against_the_declared_sizes(reader):
+    """A shape that passed once does not excuse another one on a later run."""
+    catalog = neg_relu_catalog(wrong_rows=3)
+    model = fusion.rewrite(neg_relu_model(reader), catalog).model
+    session = fusion.Session(model, catalog=catalog, tactics="kernel")
+    for rows in (2, 4):
+        feeds = {"x": -np.ones((rows, 5), np.float32)}
+        assert_close(session.run(None, feeds)[0], run_ort(model, feeds)[0], 1e-6, 0)
+    with pytest.raises(KernelError, match=r"NegRelu first returned shape \[5, 2\]") as err:
+        session.run(None, {"x": np.ones((3, 5), np.float32)})
+    assert "(declared [N, 5])" in str(err.value), err.value
+
+
+def test_timing_rules_out_a_kernel_output_of_another_shape_naming_both(tmp_path, monkeypatch):
+    """The per-node timing checks what it times: a tactic returning another shape than the
+    body's is ruled out there with a warning, not chosen and then lost in the whole-plan race
+    (which dropped every other kernel of the plan with it)."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    catalog = neg_relu_catalog(wrong_rows=3)
+    model = fusion.rewrite(neg_relu_model("the caller"), catalog).model
+    feeds = {"x": -np.ones((3, 5), np.float32)}
+    pattern = r"NegRelu first: tactic kernel failed: returned float32 \[5, 2\] for \S+ where "
+    with pytest.warns(FusionWarning, match=pattern + r"the node's function body gives float32"):
+        session = fusion.Session(model, catalog=catalog, tactics="fastest")
+        (y,) = session.run(None, feeds)
+    assert (y == 1).all() and session.choices_for(feeds) == {"NegRelu first": "onnxruntime"}
 
 
 # ---- norms of rows whose squares overflow float32 -------------------------------------------
