@@ -9,17 +9,37 @@ Rows are independent: a driver over rows, each row normalized in one serial pass
 (sum, centred sum of squares, scale) while it is in L1; in parallel above SERIAL_MAX values
 (below, a parallel region's start costs more than the work: bench/NOTES.md, transformers).
 The centred second pass is what onnxruntime does too: var = E[s^2] - E[s]^2 in float32 loses
-digits when |mean| >> std.
+digits when |mean| >> std. A row whose sum or squares overflow float32 (|s| about 1e19 and up)
+is normalized again divided by its largest |s|, eps by its square: the norm is the same, and
+finite for any finite row (onnxruntime returns NaN or zeros there).
 """
 
 import numba
 import numpy as np
 
-from .config import JIT, PARALLEL
+from .config import INLINE, JIT, PARALLEL
 
 __all__ = ["layer_norm"]
 
 ONE = np.float32(1.0)
+INF = np.float32(np.inf)
+
+
+@numba.jit(**INLINE)
+def moments(y, i, rms):
+    """Row i's mean (0 for RMSNorm) and its sum of squares about it."""
+    n = y.shape[1]
+    mean = np.float32(0.0)
+    if not rms:
+        total = np.float32(0.0)
+        for j in range(n):
+            total += y[i, j]
+        mean = total / np.float32(n)
+    ss = np.float32(0.0)
+    for j in range(n):
+        d = y[i, j] - mean
+        ss += d * d
+    return mean, ss
 
 
 @numba.jit(**JIT)
@@ -35,24 +55,21 @@ def norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y):
     if has_s:
         for j in range(n):
             s[i, j] = y[i, j]
-    inv_n = ONE / np.float32(n)
-    if rms:
-        ss = np.float32(0.0)
+    mean, ss = moments(y, i, rms)
+    if not ss < INF:  # a sum or a square overflowed, or the row holds inf or NaN
+        peak = np.float32(0.0)
         for j in range(n):
-            ss += y[i, j] * y[i, j]
-        scale = ONE / np.sqrt(ss * inv_n + eps)
-        for j in range(n):
-            y[i, j] = y[i, j] * scale * g[j]
-        return
-    total = np.float32(0.0)
-    for j in range(n):
-        total += y[i, j]
-    mean = total * inv_n
-    ss = np.float32(0.0)
-    for j in range(n):
-        d = y[i, j] - mean
-        ss += d * d
-    scale = ONE / np.sqrt(ss * inv_n + eps)
+            peak = max(peak, abs(y[i, j]))
+        if peak < INF:  # finite: the same norm of y / peak, with eps / peak^2
+            c = ONE / peak
+            for j in range(n):
+                y[i, j] *= c
+            eps = eps * c * c
+            mean, ss = moments(y, i, rms)
+    var = ss / np.float32(n) + eps
+    # 1 / sqrt(inf) is 0 (a row holding inf, as onnxruntime: x / inf); fastmath's "afn" would
+    # make it NaN
+    scale = np.float32(0.0) if var == INF else ONE / np.sqrt(var)
     if has_b:
         for j in range(n):
             y[i, j] = (y[i, j] - mean) * scale * g[j] + b[j]

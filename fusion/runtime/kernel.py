@@ -1,6 +1,6 @@
 """A fused node's kernel: whether a node gets one (`binds_kernel`), building it in one place (a
-session's steps, verify's per-node check), the cache Numba compiles it into, and the thread
-settings applied before the first kernel runs.
+session's steps, verify's per-node check; a plugin's kernel sees read-only inputs), the cache
+Numba compiles it into, and the thread settings applied before the first kernel runs.
 
 A kernel is bound only to the node its rule writes: the node's function body is unchanged since
 the rewrite (its content hash is still its `overload`) and the node has the inputs, outputs and
@@ -14,6 +14,7 @@ import) and a rewrite or an all-onnxruntime session never needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -34,6 +35,7 @@ from fusion.functions import content_hash
 from fusion.graph import GraphView, node_label
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
+BUILT_IN = ("kernels", "patterns")  # the packages of the built-in catalog and its kernels
 
 
 def binds_kernel(rule: Rule | None, node: onnx.NodeProto, body: onnx.FunctionProto | None) -> bool:
@@ -110,7 +112,7 @@ def build_kernel(rule: Rule | None, node: onnx.NodeProto, view: GraphView) -> Ke
         # NaN/Inf in weights (a signalling NaN widened to float64, an overflow when a BatchNorm
         # is folded) are computed with as onnxruntime computes with them, not warned about.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            return rule.prepare(node_attributes(node), constants)
+            kernel = rule.prepare(node_attributes(node), constants)
     except Exception as exc:  # the factory validates what the pattern did not (a corrupt file)
         label = node_label(node)
         raise KernelError(
@@ -119,6 +121,49 @@ def build_kernel(rule: Rule | None, node: onnx.NodeProto, view: GraphView) -> Ke
             node=label,
             name=node.name,
         ) from exc
+    return kernel if is_built_in(rule) else read_only_inputs(kernel)
+
+
+def is_built_in(rule: Rule) -> bool:
+    """Whether a rule's kernel is one of this project's (patterns/ and kernels/), not a plugin's."""
+    return rule.prepare.__module__.split(".")[0] in BUILT_IN
+
+
+def read_only_inputs(kernel: Kernel) -> Kernel:
+    """The kernel, and each tactic it offers, called with read-only views of its array inputs.
+
+    A run's inputs are the caller's feeds, the session's constants and values that other steps
+    still read, and timing calls a kernel many times on the same arrays: a kernel that wrote
+    into one (`np.maximum(x * s, 0, out=x)`) would change the caller's data and compound. A
+    view is O(1), and a write into it raises ValueError. Plugin kernels get this; the built-in
+    ones (BUILT_IN) write only their own arrays, and Numba would compile each of them a second
+    time for read-only arguments (another type)."""
+    guarded = _guarded(kernel)
+    offered = getattr(kernel, "tactics", None)
+    if offered:
+        guarded.tactics = [dataclasses.replace(t, run=_guarded(t.run)) for t in offered]
+    return guarded
+
+
+def _guarded(run: Kernel) -> Kernel:
+    def guarded(*inputs):
+        views = [_read_only(a) for a in inputs]
+        try:
+            return run(*views)
+        except ValueError as exc:
+            if "read-only" in str(exc):  # NumPy's words for a write into one of the views
+                raise ValueError(f"{exc} (a kernel's inputs are read-only)") from exc
+            raise
+
+    return guarded
+
+
+def _read_only(value):
+    if type(value) is not np.ndarray:
+        return value  # None for an absent input
+    view = value.view()
+    view.flags.writeable = False
+    return view
 
 
 def kernel_name(rule: Rule) -> str:

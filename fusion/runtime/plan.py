@@ -251,20 +251,20 @@ class IslandStep:
 @dataclass(frozen=True)
 class OutputCheck:
     """What a kernel output must be, from the node's declared or inferred type: its dtype and,
-    when known, its rank; and its fixed sizes where an island reads it (the island's session
-    declares them and would refuse another size, naming the island instead of the kernel).
-    Elsewhere (graph outputs, values between kernels) the declared sizes are `claimed`: onnx's
-    shape inference and onnxruntime disagree on some pooling sizes, and onnxruntime does not
-    enforce a graph output's declared shape, so a size that differs is checked against the
-    node's function body in onnxruntime before it is called wrong (KernelStep).
-    A dtype, ndim and shape comparison per output and call."""
+    when known, its rank and fixed sizes; a symbolic size (N) takes any value. Where an island
+    reads the value the sizes are `fixed` (the island's session declares them and would refuse
+    another size, naming the island instead of the kernel). Elsewhere (graph outputs, values
+    between kernels) they are `claimed`: onnx's shape inference and onnxruntime disagree on some
+    pooling sizes, and onnxruntime does not enforce a graph output's declared shape, so a size
+    that differs is checked against the node's function body in onnxruntime before it is
+    called wrong (KernelStep). `declared` is the shape as written, for messages."""
 
     name: str
     dtype: np.dtype | None
     rank: int | None
     fixed: tuple[tuple[int, int], ...]  # (axis, size) for every axis of declared size
     claimed: tuple[tuple[int, int], ...] = ()  # declared sizes a second opinion must confirm
-    claimed_shape: tuple[int, ...] | None = None  # the whole shape, when every size is claimed
+    declared: tuple | None = None  # ints, and names (or None) for the sizes not fixed
 
     @staticmethod
     def of(name: str, vt: ValueType | None, sizes: bool = True) -> OutputCheck:
@@ -274,19 +274,13 @@ class OutputCheck:
         shape = vt.shape
         fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
         rank = None if shape is None else len(shape)
+        declared = None if shape is None else tuple(shape)
         if sizes:
-            return OutputCheck(name, dtype, rank, fixed)
-        whole = tuple(d for _, d in fixed) if rank is not None and len(fixed) == rank else None
-        return OutputCheck(name, dtype, rank, (), fixed, whole)
-
-    def claimed_sizes_hold(self, shape: tuple) -> bool:
-        """Whether `shape` has the claimed sizes: one tuple comparison when all are fixed."""
-        if shape == self.claimed_shape:
-            return True
-        return all(shape[axis] == size for axis, size in self.claimed)
+            return OutputCheck(name, dtype, rank, fixed, (), declared)
+        return OutputCheck(name, dtype, rank, (), fixed, declared)
 
     def mismatch(self, value) -> str | None:
-        """Why `value` is not what the node declares (None: it fits)."""
+        """Why `value` is not what the node declares, its claimed sizes aside (None: it fits)."""
         if type(value) is not np.ndarray:
             return f"a {type(value).__name__}, not a NumPy array"
         if self.dtype is not None and value.dtype != self.dtype:
@@ -294,6 +288,11 @@ class OutputCheck:
         if self.rank is not None and value.ndim != self.rank:
             return f"shape {list(value.shape)} where the node declares rank {self.rank}"
         return _sizes_differ(value.shape, self.fixed)
+
+    def shape_words(self) -> str:
+        """The declared shape as a user reads it: [N, 5] (? for a size not declared)."""
+        dims = ", ".join("?" if d is None or d == "" else str(d) for d in self.declared or ())
+        return f"[{dims}]"
 
 
 def _sizes_differ(shape: tuple, sizes) -> str | None:
@@ -340,6 +339,9 @@ class KernelStep:
         self.kernel_name = kernel_name or "the kernel"
         self.live: tuple[int, ...] | None = None  # None: every output
         self._body_shapes: dict = {}  # (output, input shapes) -> the shape the body gave
+        # Per output, the last shape that had every declared size: a run whose shapes repeat
+        # checks each output with one tuple comparison (and its type and dtype).
+        self._passed: list[tuple | None] = [None] * len(self.outputs)
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         args = [values[name] if name else None for name in self.inputs]
@@ -357,21 +359,28 @@ class KernelStep:
         if len(results) != len(self.outputs):
             raise self._error(f"returned {len(results)} outputs; the node has {len(self.outputs)}")
         stored = range(len(self.outputs)) if keep_all or self.live is None else self.live
-        checks = self.checks
+        checks, passed = self.checks, self._passed
         for i in stored:
-            value, check = results[i], checks[i]
-            if (  # the common case in three comparisons (and the claimed shape's one, below)
+            value = results[i]
+            if (  # the common case in three comparisons
                 type(value) is not np.ndarray
-                or value.dtype != check.dtype
-                or value.ndim != check.rank
-                or check.fixed
+                or value.shape != passed[i]
+                or value.dtype != checks[i].dtype
             ):
-                reason = check.mismatch(value)
-                if reason is not None:
-                    raise self._error(f"returned {reason} for {self.outputs[i]}")
-            if check.claimed and not check.claimed_sizes_hold(value.shape):
-                self._confirm_sizes(args, i, value)
+                self._check(args, i, value)
             values[self.outputs[i]] = value
+
+    def _check(self, args: list, i: int, value) -> None:
+        """Output i against its OutputCheck; a shape with every declared size is remembered."""
+        check = self.checks[i]
+        reason = check.mismatch(value)
+        if reason is not None:
+            declared = f" (declared {check.shape_words()})" if check.declared is not None else ""
+            raise self._error(f"returned {reason} for {self.outputs[i]}{declared}")
+        if _sizes_differ(value.shape, check.claimed) is None:
+            self._passed[i] = value.shape
+        else:
+            self._confirm_sizes(args, i, value)  # right for these input shapes only
 
     def _confirm_sizes(self, args: list, i: int, value: np.ndarray) -> None:
         """Output i's sizes differ from the declared ones: right only if the node's function
@@ -387,8 +396,10 @@ class KernelStep:
             if len(self._body_shapes) < 64:  # a few input shapes in practice; bounded anyway
                 self._body_shapes[key] = want
         if want != value.shape:
-            raise self._error(f"returned shape {list(value.shape)} for {self.outputs[i]} where "
-                              f"the node's function body gives {list(want)}")  # fmt: skip
+            raise self._error(
+                f"returned shape {list(value.shape)} for {self.outputs[i]} where the node's "
+                f"function body gives {list(want)} (declared {self.checks[i].shape_words()})"
+            )
 
     def _error(self, what: str) -> KernelError:
         return KernelError(

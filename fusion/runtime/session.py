@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from fusion.runtime.kernel import (
     binds_kernel,
     build_kernel,
     ensure_threads,
+    is_built_in,
     kernel_name,
     serialized,
     use_threads,
@@ -249,27 +250,30 @@ class Session:
 
     def _time(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:
         """Median seconds of each tactic and of onnxruntime on the node's body, on random
-        inputs of the node's shapes. A tactic that fails is never chosen (and is reported)."""
+        inputs of the node's shapes. A tactic that fails, or returns outputs of another number,
+        dtype or shape than the body's, is never chosen (and is reported)."""
         from kernels.blocked import to_blocked  # heavy: Numba
 
         ensure_threads(self.threads)
         inputs = random_inputs(shapes, consts)
+        # The body with the node's constants as initializers, as onnxruntime would run it inside
+        # an island (weights pre-packed), on the same inputs.
+        constants = {v for v, c in zip(node.input, consts, strict=True) if v and c is not None}
+        single, feeds = single_node_model(self.model, node, inputs, constants)
+        body = inference_session(single, ISLAND, self.threads)
+        expected = body.run(None, feeds)
         times = {}
         for tactic in tactics:
             args = list(inputs)
             try:
                 for k, pos in enumerate(tactic.blocked_inputs):
                     args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
+                _check_against_body(node, tactic, tactic.run(*args), expected)
                 times[tactic.name] = time_call(lambda t=tactic, a=args: t.run(*a))
             except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)
                 warnings.warn(f"{node_label(node)}: tactic {tactic.name} failed: {exc}",
                               FusionWarning, stacklevel=2)  # fmt: skip
                 times[tactic.name] = float("inf")
-        # The body with the node's constants as initializers, as onnxruntime would run it inside
-        # an island (weights pre-packed), on the same inputs.
-        constants = {v for v, c in zip(node.input, consts, strict=True) if v and c is not None}
-        single, feeds = single_node_model(self.model, node, inputs, constants)
-        body = inference_session(single, ISLAND, self.threads)
         times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
         return times
 
@@ -305,6 +309,9 @@ class Session:
         entry = self._cache.get(key) if self._cache is not None else None
         if entry is None or not set(candidates) <= set(entry["plans"]):
             plans = {name: self._plan(c) for name, c in candidates.items()}
+            # Each plan runs some 25 times: on one copy of the feeds, never on the caller's
+            # arrays, whatever a kernel does to its inputs.
+            values = {k: v.copy() if k in self._feedable else v for k, v in values.items()}
             entry = {"plans": {name: self._time_plan(p, values) for name, p in plans.items()}}
             if self._cache is not None:
                 self._cache.put({key: entry})
@@ -320,9 +327,8 @@ class Session:
     def _source_version(self) -> str:
         """What cached timings depend on in code: the kernels, the built-in patterns, and the
         module of every other rule's kernel here (a plugin's), hashed once."""
-        modules = {self.catalog.get(self.view.nodes[i].op_type).prepare.__module__
-                   for i in self._kernels}  # fmt: skip
-        plugins = sorted(m for m in modules if m.split(".")[0] not in ("kernels", "patterns"))
+        rules = [self.catalog.get(self.view.nodes[i].op_type) for i in self._kernels]
+        plugins = sorted({r.prepare.__module__ for r in rules if not is_built_in(r)})
         return timing_version(plugins)
 
     @functools.cached_property
@@ -692,6 +698,24 @@ def _known_values(view: GraphView, outputs: list[str]) -> dict[str, np.ndarray]:
         if array is not None:
             known[value] = array
     return known
+
+
+def _check_against_body(node: onnx.NodeProto, tactic: Tactic, results, expected: list) -> None:
+    """Raise ValueError if a tactic's outputs are not the body's in number, dtype or shape
+    (outputs in the blocked layout aside): a timed tactic must be one a run would accept."""
+    outputs = [k for k, v in enumerate(node.output) if v]  # the body has no "" outputs
+    if not isinstance(results, Sequence):
+        results = tuple(results)
+    if len(results) != len(node.output):
+        raise ValueError(f"returned {len(results)} outputs; the node has {len(node.output)}")
+    for k, want in zip(outputs, expected, strict=True):
+        got = results[k]
+        if k in tactic.blocked_outputs:
+            continue
+        if type(got) is not np.ndarray or got.dtype != want.dtype or got.shape != want.shape:
+            what = f"{getattr(got, 'dtype', type(got).__name__)} {list(np.shape(got))}"
+            raise ValueError(f"returned {what} for {node.output[k]} where the node's function "
+                             f"body gives {want.dtype} {list(want.shape)}")  # fmt: skip
 
 
 def _fresh(value: np.ndarray, shared: bool) -> np.ndarray:
