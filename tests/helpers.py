@@ -410,3 +410,57 @@ def typed_model(elem: int) -> onnx.ModelProto:
     b = g.const(np.full(4, 0.1, dtype))
     y = g.node("Relu", [g.node("Conv", ["x", w, b], pads=[1, 1, 1, 1], name="/conv")])
     return g.model({"x": ["N", 2, 5, 5]}, [y], elem=elem)
+
+
+# ---- the whole-plan race on a scripted clock ---------------------------------------------------
+class Clock:
+    """A clock that moves only when told (scripted run times)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeMachine:
+    """A machine whose other processes use `load` cores (None: unknown); no threads to wait on."""
+
+    def __init__(self, load: float | None = 0.0):
+        self.load = load
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return self.load
+
+    def wait_idle(self):
+        pass
+
+
+def scripted_race(monkeypatch, seconds: dict, load: float | None = 0.0) -> list[str]:
+    """Make every Session's whole-plan race run each candidate for real (it must work) but
+    time it on a scripted clock: candidate `name` takes seconds[name] per call, on a machine
+    whose other processes use `load` cores. Returns the list of races' candidates, appended
+    as they run (a test can count races)."""
+    from fusion.runtime import race as race_module
+
+    raced = []
+
+    def fake_race(calls, **kw):
+        clock = Clock()
+
+        def timed(name, call):
+            def run():
+                call()
+                clock.now += seconds[name]
+
+            return run
+
+        raced.append(list(calls))
+        scripted = {name: timed(name, call) for name, call in calls.items()}
+        return race_module.race(scripted, clock=clock, machine=FakeMachine(load), **kw)
+
+    monkeypatch.setattr("fusion.runtime.session.race", fake_race)
+    return raced

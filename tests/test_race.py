@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import Clock, FakeMachine
 
 from fusion.runtime.race import (
     BUSY_CORES,
@@ -19,30 +20,6 @@ from fusion.runtime.race import (
     judge,
     race,
 )
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeMachine:
-    """Other processes' load as the test says; nothing to wait for."""
-
-    def __init__(self, load: float | None = 0.0):
-        self.load = load
-
-    def start(self):
-        pass
-
-    def stop(self):
-        return self.load
-
-    def wait_idle(self):
-        pass
 
 
 def scripted(clock: Clock, seconds):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import fused_model, scaled_relu, scaled_relu_catalog, tensor
+from helpers import fused_model, scaled_relu, scaled_relu_catalog, scripted_race, tensor
 from onnx import helper, numpy_helper
 
 import fusion
@@ -25,6 +25,7 @@ import fusion.runtime.timing_cache as timing_cache
 from fusion.errors import FusionWarning
 from fusion.models import conv_stack
 from fusion.runtime import Session
+from fusion.runtime.tactics import ONNXRUNTIME
 from fusion.runtime.timing_cache import TimingCache, node_key, plan_key
 from kernels.machine import cpu_key
 
@@ -61,9 +62,10 @@ def _model() -> onnx.ModelProto:
 
 
 def _session(monkeypatch) -> Session:
-    """A timed session whose timings do not depend on this machine: each comes out slower than
-    the one before, so the first candidate wins (the kernel for its node, which makes the
-    whole plan race; then the plan of per-node choices), and both are cached."""
+    """A timed session whose timings do not depend on this machine: each node timing comes out
+    slower than the one before, so the first candidate (the kernel) wins its node, which makes
+    the whole plan race, on a scripted clock that the plan of per-node choices wins; both are
+    cached."""
     calls = []
 
     def time_call(run, *args):
@@ -71,6 +73,7 @@ def _session(monkeypatch) -> Session:
         return 1e-6 * len(calls)
 
     monkeypatch.setattr("fusion.runtime.session.time_call", time_call)
+    scripted_race(monkeypatch, {ONNXRUNTIME: 0.05, "nchw": 0.04, "per-node": 0.03})
     return Session(_model(), threads=1, catalog=scaled_relu_catalog(), tactics="fastest")
 
 

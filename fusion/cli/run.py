@@ -53,7 +53,7 @@ def execute(args) -> int:
     return 0
 
 
-def prepared_session(model, threads, tactics=None) -> Session:
+def prepared_session(model, threads, tactics=None, retime: bool = False) -> Session:
     """A fusion.Session, with a progress bar while kernels compile on first use."""
     from rich.console import Console  # heavy: only for a command that builds kernels
 
@@ -64,4 +64,4 @@ def prepared_session(model, threads, tactics=None) -> Session:
         def progress(name, i, total):
             bar.update(task, total=total, completed=i - 1, description=f"kernel {name}")
 
-        return Session(model, threads=threads, progress=progress, tactics=tactics)
+        return Session(model, threads=threads, progress=progress, tactics=tactics, retime=retime)

@@ -146,7 +146,7 @@ class Verdict:
     whether the chosen candidate is faster than every simpler one by more than the noise
     (False: the race could not tell, and the simplest within noise was kept); load: other
     processes' CPU use during the race in cores (None: unknown); busy: the race ran under
-    load and should not be trusted beyond this process; when: time.time() at its end."""
+    load, or its conditions are unknown: it should not be trusted beyond this process."""
 
     chosen: str
     seconds: dict[str, float]
@@ -155,11 +155,23 @@ class Verdict:
     load: float | None
     busy: bool
     rounds: int
-    when: float
     failed: dict[str, str] = field(default_factory=dict)  # candidate -> its error, in words
 
     def to_entry(self) -> dict:
-        return asdict(self)
+        """What a timing cache keeps (the figures under "plans", the name older entries use)."""
+        entry = {k: v for k, v in asdict(self).items() if k not in ("seconds", "failed")}
+        return {"plans": dict(self.seconds), **entry}
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> Verdict:
+        """The verdict a cache entry holds. An entry written before races were judged (only
+        "plans", medians of back-to-back calls) is taken as provisional: nothing says the
+        machine was quiet when it was timed."""
+        seconds = dict(entry["plans"])
+        if "chosen" not in entry:
+            return cls(min(seconds, key=seconds.get), seconds, MIN_MARGIN, True, None, True, 0)
+        fields = {k: entry[k] for k in ("chosen", "noise", "decided", "load", "busy", "rounds")}
+        return cls(seconds=seconds, **fields)
 
     def describe(self) -> str:
         """One line: what runs and why, every candidate's time."""
@@ -235,7 +247,7 @@ def race(
     chosen, seconds, noise, decided = judge(figures)
     busy = (load is not None and load > BUSY_CORES) or noise > BUSY_NOISE
     errors = {name: f"{type(exc).__name__}: {exc}" for name, exc in failed.items()}
-    return Verdict(chosen, seconds, noise, decided, load, busy, rounds, time.time(), errors)
+    return Verdict(chosen, seconds, noise, decided, load, busy, rounds, errors)
 
 
 def agrees(recorded: float, observed: list[float], noise: float) -> bool:

@@ -59,6 +59,7 @@ from fusion.runtime.plan import (
     releases,
     run_body,
 )
+from fusion.runtime.race import Verdict, agrees, race
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
     policy,
@@ -67,7 +68,7 @@ from fusion.runtime.tactics import (
     tactics_of,
     time_call,
 )
-from fusion.runtime.timing_cache import TimingCache, node_key, plan_key, timing_version
+from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
 
@@ -97,12 +98,45 @@ PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
 
 
 def describe_race(race: dict | None) -> str:
-    """One line for a whole-plan race (Session.race): the plan run and every candidate's time."""
+    """One line for a whole-plan race (Session.race): the plan run, why, every candidate's
+    time, and whether the race ran under load (its answer then provisional)."""
     if race is None:
         return "no race (no fused node runs a kernel)"
     name = PLAN_NAMES.get
-    times = ", ".join(f"{name(k, k)} {v * 1e3:.2f} ms" for k, v in race["seconds"].items())
-    return f"runs {name(race['chosen'], race['chosen'])} ({times})"
+    times = ", ".join(f"{name(k, k)} {v * 1e3:.3g} ms" for k, v in race["seconds"].items())
+    if race.get("decided", True):
+        why = "the fastest"
+    else:
+        why = f"the simplest within the {race['noise']:.0%} noise of the fastest"
+    load = "" if race.get("load") is None else f"; other processes used {race['load']:.2f} cores"
+    busy = "; raced under load: provisional, raced again on a quiet run" if race.get("busy") else ""
+    cached = "; from the timing cache" if race.get("cached") else ""
+    return f"runs {name(race['chosen'], race['chosen'])}, {why} ({times}{load}{busy}{cached})"
+
+
+def skeleton_digest(model: onnx.ModelProto) -> str:
+    """What a whole-plan timing depends on in a fused model: its graph, fused nodes and islands
+    without the weights' bytes (the first field of its plan_key)."""
+    return hashlib.sha1(weightless_copy(model).SerializeToString()).hexdigest()[:16]
+
+
+def cached_races(model: onnx.ModelProto | None = None, catalog: Catalog | None = None) -> list:
+    """The whole-plan verdicts the timing cache holds on this CPU, for one model (fused here
+    first if it is not) or all: (plan key, Session.race's dict, Unix time it was written),
+    newest first. Builds no kernel."""
+    from kernels.machine import cpu_key  # heavy package: only with kernels
+
+    cache = TimingCache(cpu_key(), version=timing_version()).load()
+    start = PLAN
+    if model is not None:
+        fused = model if is_fused(model) else rewrite(model, catalog).model
+        start += skeleton_digest(fused) + "|"
+    found = [
+        (key, _race_dict(Verdict.from_entry(entry), cached=True), entry.get("written", 0))
+        for key, entry in cache.entries.items()
+        if key.startswith(start)
+    ]
+    return sorted(found, key=lambda row: -row[2])
 
 
 class Session:
@@ -116,6 +150,7 @@ class Session:
     FUSION_TACTICS environment variable): its kernel's tactics and onnxruntime timed on the
     node's shapes, the fastest kept (cached on disk); "kernel": the kernel, untimed;
     "onnxruntime": every node through its function body.
+    retime: time and race again what the timing cache already answers (fusion tune --force).
     """
 
     def __init__(
@@ -126,6 +161,7 @@ class Session:
         catalog: Catalog | None = None,
         progress: Progress | None = None,
         tactics: str | None = None,
+        retime: bool = False,
     ):
         model = as_model(model_or_path)
         if fuse and not is_fused(model):
@@ -143,6 +179,7 @@ class Session:
 
         self._functions = {(f.domain, f.name, f.overload): f for f in model.functions}
         self.tactics = policy(tactics)
+        self._retime = retime
         self._progress = progress
         self._kernels = self._build_kernels()
         self._lock = threading.Lock()
@@ -234,7 +271,7 @@ class Session:
 
                 self._cache = TimingCache(cpu_key(), version=timing_version()).load()
             key = node_key(node, ins, self.threads, self._source_version)
-            entry = self._cache.get(key)
+            entry = None if self._retime else self._cache.get(key)
             if entry is None:
                 entry = {"times": self._time(node, tactics, ins, consts)}
                 fresh[key] = entry
@@ -290,38 +327,71 @@ class Session:
         arrays = random_inputs([shapes[n] for n in names], [None] * len(names))
         return dict(self._base) | dict(zip(names, arrays, strict=True))
 
-    def _settle(self, shapes: dict, values: dict) -> _RunPlan:
+    def _settle(self, shapes: dict, values: dict, again: bool = False) -> _RunPlan:
         """The plan for these shapes, checked whole. Per-node timings miss what a node costs
         its neighbours (layout conversions at the borders of a blocked region, an island cut
         in two), so the plan of per-node choices races, on `values`, the same choices kept to
-        NCHW tactics and the model in onnxruntime alone (its defaults); the fastest as timed is
-        kept, and the timings cached (a cached answer builds only the plan it chose)."""
+        NCHW tactics and the model in onnxruntime alone (its defaults), judged as
+        fusion/runtime/race.py says: the simplest plan is kept unless another is faster by
+        more than the race's noise. The verdict is cached; one raced under load is provisional
+        (raced again, here or in a later process), and a cached one is watched: the chosen
+        plan's first runs are compared with the time the race recorded, and the plan is raced
+        again when they disagree. again: race whatever the cache says."""
         per_node = self._choose(shapes)
         if all(t is None for t in per_node.values()):
             return self._plan(per_node)
-        candidates = {"per-node": per_node, "nchw": self._choose(shapes, nchw_only=True)}
+        candidates = {  # simplest first: the race keeps the first it cannot tell from the best
+            ONNXRUNTIME: dict.fromkeys(self._kernels),
+            "nchw": self._choose(shapes, nchw_only=True),
+            "per-node": per_node,
+        }
         if candidates["nchw"] == per_node:
             del candidates["nchw"]
-        candidates[ONNXRUNTIME] = dict.fromkeys(self._kernels)  # last: its workers spin after
         signature = [np.shape(values[spec.name]) for spec in self._inputs]
-        version = self._source_version
-        key = plan_key(self._skeleton_digest, signature, self.threads, version)
-        entry = self._cache.get(key) if self._cache is not None else None
-        if entry is None or not set(candidates) <= set(entry["plans"]):
-            plans = {name: self._plan(c) for name, c in candidates.items()}
-            # Each plan runs some 25 times: on one copy of the feeds, never on the caller's
-            # arrays, whatever a kernel does to its inputs.
-            values = {k: v.copy() if k in self._feedable else v for k, v in values.items()}
-            entry = {"plans": {name: self._time_plan(p, values) for name, p in plans.items()}}
-            if self._cache is not None:
-                self._cache.put({key: entry})
-        else:
-            plans = {}
-        times = {name: entry["plans"][name] for name in candidates}
-        best = min(times, key=times.get)
-        chosen = plans[best] if plans else self._plan(candidates[best])
-        chosen.race = {"chosen": best, "seconds": times}
+        key = plan_key(self._skeleton_digest, signature, self.threads, self._source_version)
+        cached = None if again or self._retime else self._cached_verdict(key, candidates)
+        if cached is not None:
+            chosen = self._plan(candidates[cached.chosen])
+            chosen.race = _race_dict(cached, cached=True)
+            chosen.watch = _Watch(shapes, cached.seconds[cached.chosen], cached.noise)
+            return chosen
+        plans = {name: self._plan(c) for name, c in candidates.items()}
+        verdict = self._race(plans, values)
+        if self._cache is not None:
+            self._cache.put({key: verdict.to_entry()})
+        chosen = plans[verdict.chosen]
+        chosen.race = _race_dict(verdict)
         return chosen
+
+    def _cached_verdict(self, key: str, candidates: dict) -> Verdict | None:
+        """The cache's verdict for this plan key, if it judged these candidates on a quiet
+        machine. A provisional one is raced again once per process: the machine may be quiet
+        now, and if it is not, the new verdict is as good as the old."""
+        entry = self._cache.get(key) if self._cache is not None else None
+        if entry is None:
+            return None
+        verdict = Verdict.from_entry(entry)
+        if not set(candidates) <= set(verdict.seconds) or verdict.chosen not in candidates:
+            return None
+        if verdict.busy and key not in _RERACED:
+            _RERACED.add(key)
+            return None
+        return verdict
+
+    def _race(self, plans: dict[str, _RunPlan], values: dict) -> Verdict:
+        """Race whole runs of the plans (fusion/runtime/race.py). Each plan runs on one copy of
+        the feeds, never on the caller's arrays, whatever a kernel does to its inputs; a plan
+        that fails is ruled out, with a warning."""
+        full = self._base | {k: v.copy() if k in self._feedable else v for k, v in values.items()}
+        calls = {name: functools.partial(self._run_copy, p, full) for name, p in plans.items()}
+        verdict = race(calls)
+        for name, error in verdict.failed.items():
+            message = f"the {PLAN_NAMES.get(name, name)} plan failed while timed: {error}"
+            warnings.warn(message, FusionWarning, stacklevel=3)
+        return verdict
+
+    def _run_copy(self, run_plan: _RunPlan, values: dict) -> None:
+        self._execute(run_plan, dict(values))
 
     @functools.cached_property
     def _source_version(self) -> str:
@@ -333,18 +403,7 @@ class Session:
 
     @functools.cached_property
     def _skeleton_digest(self) -> str:
-        """What a whole-plan timing depends on in the model: its graph, fused nodes and
-        islands without the weights' bytes (hashed once per session)."""
-        return hashlib.sha1(weightless_copy(self.model).SerializeToString()).hexdigest()[:16]
-
-    def _time_plan(self, run_plan: _RunPlan, values: dict) -> float:
-        """Median seconds of whole runs of a plan (inf if it fails: it is then never kept)."""
-        try:
-            full = self._base | values
-            return time_call(lambda: self._execute(run_plan, dict(full)), 3, 0.25)
-        except Exception as exc:  # noqa: BLE001 (any failure rules the plan out)
-            warnings.warn(f"a run plan failed while timed: {exc}", FusionWarning, stacklevel=3)
-            return float("inf")
+        return skeleton_digest(self.model)
 
     def _plan(self, choices: dict[int, Tactic | None]) -> _RunPlan:
         """The run steps for these choices: islands, kernels, and layout conversions."""
@@ -457,7 +516,9 @@ class Session:
     @property
     def race(self) -> dict | None:
         """How the default plan was chosen: {"chosen": "per-node" | "nchw" | "onnxruntime",
-        "seconds": median run time of each candidate}; None when not raced (tactics other
+        "seconds": each candidate's time (the least disturbed of its rounds), "noise", "decided"
+        (False: the simplest plan within the noise was kept), "load" (other processes' cores),
+        "busy" (raced under load: provisional), "cached"}; None when not raced (tactics other
         than "fastest", nothing to fuse, or no run yet on a model with non-float inputs)."""
         return self._default.race
 
@@ -531,7 +592,30 @@ class Session:
         when given, gets each step's seconds."""
         values = dict(self._base)
         values.update(self._validated_feeds(feeds))
-        return self._execute(self._plan_for(values), values, times, keep_all)
+        run_plan = self._plan_for(values)
+        watch = run_plan.watch
+        if watch is None or not watch.open:
+            return self._execute(run_plan, values, times, keep_all)
+        feeds = dict(values)  # the run releases values from `values`
+        start = time.perf_counter()
+        out = self._execute(run_plan, values, times, keep_all)
+        if watch.seen(time.perf_counter() - start) is False:
+            self._race_again(run_plan, feeds)
+        return out
+
+    def _race_again(self, stale: _RunPlan, feeds: dict) -> None:
+        """A cached plan whose runs disagree with the time its race recorded (that race ran on
+        a machine unlike this one now): race its shapes again, here, and use the new verdict."""
+        with self._lock:
+            if stale.watch is None:  # another thread did it
+                return
+            fresh = self._settle(stale.watch.shapes, feeds, again=True)
+            stale.watch = None
+            if self._default is stale:
+                self._default = fresh
+            for signature, other in list(self._plans.items()):
+                if other is stale:
+                    self._plans[signature] = fresh
 
     def _execute(self, run_plan: _RunPlan, values: dict, times: list | None = None,
                  keep_all: bool = False) -> dict:  # fmt: skip
@@ -734,6 +818,41 @@ class _RunPlan:
     uses_numba: bool
     choices: dict  # fused node label -> tactic name
     race: dict | None = None  # the whole-plan timings it won (Session._settle), if raced
+    watch: _Watch | None = None  # a cached verdict's plan: its first runs checked against it
+
+
+WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
+_RERACED: set[str] = set()  # plan keys whose provisional verdict this process raced again
+
+
+class _Watch:
+    """The first runs of a plan chosen from the cache, against the time its race recorded
+    (race.agrees). seen(seconds) -> None while watching, then whether they agreed, once."""
+
+    def __init__(self, shapes: dict, recorded: float, noise: float):
+        self.shapes, self.recorded, self.noise = shapes, recorded, noise
+        self.times: list[float] = []
+        self.open = True
+        self._skip = WATCH_SKIP
+
+    def seen(self, seconds: float) -> bool | None:
+        if self._skip > 0:
+            self._skip -= 1
+            return None
+        self.times.append(seconds)
+        if len(self.times) < WATCH_RUNS or not self.open:
+            return None
+        self.open = False
+        return agrees(self.recorded, self.times, self.noise)
+
+
+def _race_dict(verdict: Verdict, cached: bool = False) -> dict:
+    """Session.race's form of a verdict: what was chosen, every candidate's seconds, the noise,
+    whether the race decided, other processes' load (cores), whether it ran under load, and
+    whether it came from the timing cache."""
+    return {"chosen": verdict.chosen, "seconds": dict(verdict.seconds), "noise": verdict.noise,
+            "decided": verdict.decided, "load": verdict.load, "busy": verdict.busy,
+            "cached": cached}  # fmt: skip
 
 
 def _static_shape(vt: ValueType | None) -> tuple | None:

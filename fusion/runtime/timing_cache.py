@@ -125,8 +125,28 @@ def _timings(*required: str) -> Callable[[object], str | None]:
 # Per kind of entry (its key's: plan_key or node_key), the fields its readers use (Session._settle
 # and Session._choose) and `written` (Unix time, for MAX_ENTRIES). A field added later is
 # optional (required=False), so that entries written before it still read.
+def _of(*types: type, what: str) -> Callable[[object], str | None]:
+    """The check of a value of one of `types` (bool is no number here)."""
+
+    def check(value) -> str | None:
+        number = isinstance(value, bool) and bool not in types
+        return None if isinstance(value, types) and not number else f"is not {what}"
+
+    return check
+
+
+# A race's verdict (fusion/runtime/race.py, Verdict.to_entry): optional, as entries written before
+# races were judged hold only "plans" (they are re-raced as provisional).
+_VERDICT = {
+    "chosen": Field(_of(str, what="a plan's name"), required=False),
+    "noise": Field(_seconds, required=False),  # a ratio: the same check as a time
+    "decided": Field(_of(bool, what="true or false"), required=False),
+    "busy": Field(_of(bool, what="true or false"), required=False),
+    "load": Field(_of(int, float, type(None), what="a number of cores or null"), required=False),
+    "rounds": Field(_of(int, what="a count"), required=False),
+}
 ENTRY_FIELDS = {
-    "plan": {"plans": Field(_timings()), "written": Field(_seconds, required=False)},
+    "plan": {"plans": Field(_timings()), "written": Field(_seconds, required=False), **_VERDICT},
     "node": {"times": Field(_timings(ONNXRUNTIME)), "written": Field(_seconds, required=False)},
 }
 
