@@ -39,13 +39,13 @@ emitted into the calling function, none is a call:
     hsum(v), hmax(v), hmin(v)       a pairwise tree over the lanes; hmax/hmin NaN if any is
     vget(v, k), vset(v, k, s)       lane k
     roundeven(x), ldexp_small(p, k)  the pieces of exp
-    exp, sigmoid, tanh, erf, log1p01 (approx.py)
-Those that work lane by lane (operators, vfma, vmax, vmin, vselect on a boolean, the fits)
-take float32 scalars too, so one source serves a kernel's vector body and its
+    exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v) (activation.py)
+Those that work lane by lane (operators, vfma, vmax, vmin, vselect on a boolean, the fits,
+activate) take float32 scalars too, so one source serves a kernel's vector body and its
 scalar remainder.
 """
 
-from . import approx
+from . import activation, approx
 from ._ops import (
     hmax,
     hmin,
@@ -71,10 +71,11 @@ from ._ops import (
     vzero,
 )
 from ._types import WIDTHS, Lanes, Mask, Vec, lanes, width
+from .activation import activate, encode
 from .approx import erf, exp, log1p01, sigmoid, tanh
 
-__all__ = ["WIDTHS", "Lanes", "Mask", "Vec", "approx", "erf", "exp", "hmax", "hmin", "hsum",
-           "lanes", "ldexp_small", "log1p01", "roundeven", "sigmoid", "tail_mask", "tanh", "vall",
-           "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned", "vload_masked", "vmax",
-           "vmin", "vselect", "vset", "vstore", "vstore_aligned", "vstore_masked", "vzero",
-           "width"]  # fmt: skip
+__all__ = ["WIDTHS", "Lanes", "Mask", "Vec", "activate", "activation", "approx", "encode", "erf",
+           "exp", "hmax", "hmin", "hsum", "lanes", "ldexp_small", "log1p01", "roundeven",
+           "sigmoid", "tail_mask", "tanh", "vall", "vany", "vbroadcast", "vfma", "vget", "vload",
+           "vload_aligned", "vload_masked", "vmax", "vmin", "vselect", "vset", "vstore",
+           "vstore_aligned", "vstore_masked", "vzero", "width"]  # fmt: skip
