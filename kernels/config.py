@@ -33,6 +33,9 @@ GEMM_FASTMATH = FASTMATH - {"reassoc"}
 # cache=True: a second process loads machine code from __pycache__ instead of recompiling.
 JIT = dict(nopython=True, cache=True, fastmath=set(FASTMATH), error_model="numpy")
 JIT_GEMM = dict(JIT, fastmath=set(GEMM_FASTMATH))
+# The approximations (kernels/simd/approx.py) without "reassoc" either: it would fold the Cody-Waite
+# reduction x - k ln2_hi - k ln2_lo into x - k ln2, the error it exists to avoid.
+JIT_FIT = dict(JIT, fastmath=set(GEMM_FASTMATH))
 INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples become registers
 INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
 PARALLEL = dict(JIT, parallel=True)

@@ -43,6 +43,19 @@ def cache_bytes(level: int) -> int:
     return _DEFAULT_CACHE[level]
 
 
+def vector_isa(flags) -> str:
+    """The vector ISA a set of CPU feature names allows ("avx512f+fma", "avx2+fma", "avx",
+    ...), named as /proc/cpuinfo names the features; LLVM's names ("sse4.2") work too. The one
+    rule: cpu_identity applies it to this CPU, kernels.simd to the CPU Numba compiles for."""
+    flags = {f.replace(".", "_") for f in flags}
+    isa = [f for f in ("avx512f", "avx2", "fma", "avx", "sse4_2", "neon", "asimd") if f in flags]
+    if "avx512f" in isa:
+        isa = ["avx512f", "fma"]
+    elif "avx2" in isa:
+        isa = ["avx2", "fma"] if "fma" in isa else ["avx2"]
+    return "+".join(isa[:2]) or platform.machine()
+
+
 @functools.cache
 def cpu_identity() -> dict:
     """model name, vendor, family, model, stepping, the vector ISA the kernels can use, cores."""
@@ -62,13 +75,7 @@ def cpu_identity() -> dict:
             info[keys[key]] = value.strip()
         elif key == "flags":
             info["flags"] = set(value.split())
-    flags = info.pop("flags")
-    isa = [f for f in ("avx512f", "avx2", "fma", "avx", "sse4_2", "neon", "asimd") if f in flags]
-    if "avx512f" in isa:
-        isa = ["avx512f", "fma"]
-    elif "avx2" in isa:
-        isa = ["avx2", "fma"] if "fma" in isa else ["avx2"]
-    info["isa"] = "+".join(isa[:2]) or platform.machine()
+    info["isa"] = vector_isa(info.pop("flags"))
     info["cores"] = os.cpu_count() or 1
     info["machine"] = platform.machine()
     return info

@@ -162,7 +162,7 @@ def test_kernels_export_every_family_without_shadowing_a_module():
         import kernels
         names = {n: getattr(kernels, n) for n in kernels.__all__}
         assert all(callable(v) for v in names.values())
-        helpers = {"config", "epilogue", "machine", "warmup", "windows", "workspace"}
+        helpers = {"config", "epilogue", "machine", "simd", "warmup", "windows", "workspace"}
         for info in pkgutil.iter_modules(kernels.__path__):
             if info.name.startswith("_") or info.name in helpers:
                 continue

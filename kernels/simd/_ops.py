@@ -1,0 +1,351 @@
+"""The operations on Vec and Mask: Python's operators (typing templates and lowerings, emitted
+straight into the caller) and the named operations (numba intrinsics, likewise inlined)."""
+
+from __future__ import annotations
+
+import operator
+
+from llvmlite import ir
+from numba.core import types
+from numba.core.errors import TypingError
+from numba.core.typing.templates import AbstractTemplate, infer_global, signature
+from numba.extending import intrinsic, lower_builtin
+
+from ._types import (
+    I1,
+    I32,
+    Mask,
+    Vec,
+    array_arg,
+    index_arg,
+    lanes_arg,
+    llvm_call,
+    mask_arg,
+    maximum,
+    operands,
+    pointer,
+    result_type,
+    splat,
+    suffix,
+    vector_arg,
+    vector_type,
+    width_of,
+)
+
+
+# ---- operators -------------------------------------------------------------------------------
+def _binop(op, emit, result):
+    """op(a, b) for a vector and a vector or a number (broadcast): emit(builder, a, b)."""
+
+    class _Template(AbstractTemplate):
+        key = op
+
+        def generic(self, args, kws):
+            if len(args) == 2 and not kws and any(isinstance(t, Vec) for t in args):
+                args = tuple(types.unliteral(t) for t in args)
+                return signature(result(width_of(op.__name__, *args)), *args)
+
+    infer_global(op)(_Template)
+
+    def lower(context, builder, sig, args):
+        return emit(builder, *operands(context, builder, sig.args, args, sig.return_type.w))
+
+    for tys in ((Vec, Vec), (Vec, types.Number), (types.Number, Vec)):
+        lower_builtin(op, *tys)(lower)
+
+
+def _unary(fn, emit, cls):
+    class _Template(AbstractTemplate):
+        key = fn
+
+        def generic(self, args, kws):
+            if len(args) == 1 and not kws and isinstance(args[0], cls):
+                return signature(args[0], args[0])
+
+    infer_global(fn)(_Template)
+    lower_builtin(fn, cls)(lambda context, builder, sig, args: emit(builder, args[0]))
+
+
+def _mask_binop(op, emit):
+    class _Template(AbstractTemplate):
+        key = op
+
+        def generic(self, args, kws):
+            if len(args) == 2 and isinstance(args[0], Mask) and args[0] == args[1]:
+                return signature(args[0], *args)
+
+    infer_global(op)(_Template)
+    lower_builtin(op, Mask, Mask)(lambda context, builder, sig, args: emit(builder, *args))
+
+
+def _arith(name):
+    return lambda b, x, y: getattr(b, name)(x, y)
+
+
+def _ordered(cmp):
+    return lambda b, x, y: b.fcmp_ordered(cmp, x, y)
+
+
+# v += w makes a new value, as it does for floats
+for _op, _name in ((operator.add, "fadd"), (operator.sub, "fsub"), (operator.mul, "fmul"),
+                   (operator.truediv, "fdiv"), (operator.iadd, "fadd"), (operator.isub, "fsub"),
+                   (operator.imul, "fmul"), (operator.itruediv, "fdiv")):  # fmt: skip
+    _binop(_op, _arith(_name), Vec)
+for _op, _cmp in ((operator.lt, "<"), (operator.le, "<="), (operator.gt, ">"),
+                  (operator.ge, ">="), (operator.eq, "==")):  # fmt: skip
+    _binop(_op, _ordered(_cmp), Mask)
+# != is true where a lane is NaN, as it is for floats
+_binop(operator.ne, lambda b, x, y: b.fcmp_unordered("!=", x, y), Mask)
+_unary(operator.neg, lambda b, v: b.fneg(v), Vec)
+_unary(abs, lambda b, v: llvm_call(b, f"llvm.fabs.{suffix(v.type)}", v.type, [v]), Vec)
+_unary(operator.invert, lambda b, m: b.not_(m), Mask)
+for _op, _name in ((operator.and_, "and_"), (operator.or_, "or_"), (operator.xor, "xor")):
+    _mask_binop(_op, _arith(_name))
+del _op, _name, _cmp
+
+
+# ---- constructors, loads and stores ----------------------------------------------------------
+@intrinsic
+def vzero(typingctx, L):
+    w = lanes_arg(L, "vzero")
+    return Vec(w)(L), lambda context, builder, sig, args: ir.Constant(vector_type(w), None)
+
+
+@intrinsic
+def vbroadcast(typingctx, L, s):
+    w = lanes_arg(L, "vbroadcast")
+    if not isinstance(s, types.Number):
+        raise TypingError(f"vbroadcast takes a number, got {s}")
+    s = types.unliteral(s)
+
+    def codegen(context, builder, sig, args):
+        return operands(context, builder, sig.args[1:], args[1:], w)[0]
+
+    return Vec(w)(L, s), codegen
+
+
+def _load(op, aligned):
+    def typer(typingctx, L, a, i):
+        w = lanes_arg(L, op)
+        array_arg(a, op)
+        index_arg(i, op)
+
+        def codegen(context, builder, sig, args):
+            p = pointer(context, builder, sig.args[1], args[1], sig.args[2], args[2], w)
+            return builder.load(p, align=4 * (w if aligned else 1))
+
+        return Vec(w)(L, a, i), codegen
+
+    typer.__name__ = op
+    return intrinsic(typer)
+
+
+def _store(op, aligned):
+    def typer(typingctx, a, i, v):
+        array_arg(a, op, store=True)
+        index_arg(i, op)
+        w = vector_arg(v, op)
+
+        def codegen(context, builder, sig, args):
+            p = pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1], w)
+            builder.store(args[2], p, align=4 * (w if aligned else 1))
+            return context.get_dummy_value()
+
+        return types.void(a, i, v), codegen
+
+    typer.__name__ = op
+    return intrinsic(typer)
+
+
+vload, vload_aligned = _load("vload", False), _load("vload_aligned", True)
+vstore, vstore_aligned = _store("vstore", False), _store("vstore_aligned", True)
+
+
+@intrinsic
+def tail_mask(typingctx, L, n):
+    w = lanes_arg(L, "tail_mask")
+    index_arg(n, "tail_mask")
+
+    def codegen(context, builder, sig, args):
+        k = context.cast(builder, args[1], sig.args[1], types.intp)
+        zero, full = ir.Constant(k.type, 0), ir.Constant(k.type, w)
+        k = builder.select(builder.icmp_signed("<", k, zero), zero, k)
+        k = builder.trunc(builder.select(builder.icmp_signed(">", k, full), full, k), I32)
+        iota = ir.Constant(vector_type(w, I32), list(range(w)))
+        return builder.icmp_signed("<", iota, splat(builder, k, w))
+
+    return Mask(w)(L, n), codegen
+
+
+@intrinsic
+def vload_masked(typingctx, L, a, i, m):
+    w = lanes_arg(L, "vload_masked")
+    array_arg(a, "vload_masked")
+    index_arg(i, "vload_masked")
+    mask_arg(m, w, "vload_masked")
+
+    def codegen(context, builder, sig, args):
+        p = pointer(context, builder, sig.args[1], args[1], sig.args[2], args[2], w)
+        zeros = ir.Constant(vector_type(w), None)
+        return llvm_call(builder, f"llvm.masked.load.v{w}f32.p0", vector_type(w),
+                         [p, I32(4), args[3], zeros])  # fmt: skip
+
+    return Vec(w)(L, a, i, m), codegen
+
+
+@intrinsic
+def vstore_masked(typingctx, a, i, v, m):
+    array_arg(a, "vstore_masked", store=True)
+    index_arg(i, "vstore_masked")
+    w = vector_arg(v, "vstore_masked")
+    mask_arg(m, w, "vstore_masked")
+
+    def codegen(context, builder, sig, args):
+        p = pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1], w)
+        llvm_call(builder, f"llvm.masked.store.v{w}f32.p0", ir.VoidType(),
+                  [args[2], p, I32(4), args[3]])  # fmt: skip
+        return context.get_dummy_value()
+
+    return types.void(a, i, v, m), codegen
+
+
+# ---- lane by lane, on vectors or float32 scalars ---------------------------------------------
+def _lanewise(op, arity, emit, doc):
+    """An intrinsic op(x1, ..., xn) on vectors of one width and numbers (broadcast), or on
+    numbers alone (float32): emit(builder, *operands)."""
+
+    def build(*tys):
+        tys = tuple(types.unliteral(t) for t in tys)
+        w = width_of(op, *tys)
+
+        def codegen(context, builder, sig, args):
+            return emit(builder, *operands(context, builder, sig.args, args, w))
+
+        return result_type(w)(*tys), codegen
+
+    typer = {1: lambda typingctx, x: build(x), 2: lambda typingctx, a, b: build(a, b),
+             3: lambda typingctx, a, b, c: build(a, b, c)}[arity]  # fmt: skip
+    typer.__name__, typer.__doc__ = op, doc
+    return intrinsic(typer)
+
+
+def _fmuladd(builder, a, b, c):
+    return llvm_call(builder, f"llvm.fmuladd.{suffix(a.type)}", a.type, [a, b, c])
+
+
+def _roundeven(builder, x):
+    return llvm_call(builder, f"llvm.roundeven.{suffix(x.type)}", x.type, [x])
+
+
+def _ldexp(builder, p, k):
+    k = builder.select(builder.fcmp_unordered("uno", k, k), ir.Constant(k.type, None), k)
+    w = p.type.count if isinstance(p.type, ir.VectorType) else 0
+    it = vector_type(w, I32) if w else I32
+    ki = builder.fptosi(k, it)
+    k1 = builder.ashr(ki, ir.Constant(it, [1] * w if w else 1))
+
+    def pow2(e):  # the float whose exponent field is e + 127
+        biased = builder.add(e, ir.Constant(it, [127] * w if w else 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(it, [23] * w if w else 23)), p.type)
+
+    return builder.fmul(builder.fmul(p, pow2(k1)), pow2(builder.sub(ki, k1)))
+
+
+vfma = _lanewise("vfma", 3, _fmuladd, "a b + c, fused (one rounding) where the CPU has FMA.")
+vmax = _lanewise("vmax", 2, maximum, "np.maximum(a, b): NaN if either is NaN, else a on ties.")
+vmin = _lanewise("vmin", 2, lambda b, x, y: maximum(b, x, y, smaller=True), "np.minimum(a, b).")
+roundeven = _lanewise("roundeven", 1, _roundeven, "x to the nearest integer, ties to even.")
+ldexp_small = _lanewise("ldexp_small", 2, _ldexp, """p 2^k, k an integer-valued float in
+    [-252, 254] (NaN taken as 0): p 2^(k >> 1) 2^(k - k >> 1), two factors of normal exponent,
+    so that the product overflows to inf, or underflows through the denormals to 0, as one
+    multiply by 2^k would.""")  # fmt: skip
+
+
+@intrinsic
+def vselect(typingctx, m, a, b):
+    a, b = types.unliteral(a), types.unliteral(b)
+    w = width_of("vselect", a, b)
+    if isinstance(m, Mask) and w in (0, m.w):
+        w = m.w
+    elif not isinstance(m, types.Boolean):
+        raise TypingError(f"vselect takes a mask (or a boolean) and two values, got {m}, {a}, {b}")
+
+    def codegen(context, builder, sig, args):
+        return builder.select(args[0], *operands(context, builder, sig.args[1:], args[1:], w))
+
+    return result_type(w)(m, a, b), codegen
+
+
+# ---- lanes -----------------------------------------------------------------------------------
+def _reduction(op, step):
+    """A pairwise tree over the lanes: step(low half, high half) down to one lane."""
+
+    def typer(typingctx, v):
+        vector_arg(v, op)
+
+        def codegen(context, builder, sig, args):
+            x = args[0]
+            n = x.type.count
+            while n > 1:
+                n //= 2
+                lo = builder.shuffle_vector(x, x, ir.Constant(vector_type(n, I32), list(range(n))))
+                hi = builder.shuffle_vector(
+                    x, x, ir.Constant(vector_type(n, I32), list(range(n, 2 * n)))
+                )
+                x = step(builder, lo, hi)
+            return builder.extract_element(x, I32(0))
+
+        return types.float32(v), codegen
+
+    typer.__name__ = op
+    return intrinsic(typer)
+
+
+hsum = _reduction("hsum", lambda b, lo, hi: b.fadd(lo, hi))
+hmax = _reduction("hmax", maximum)
+hmin = _reduction("hmin", lambda b, lo, hi: maximum(b, lo, hi, smaller=True))
+
+
+@intrinsic
+def vget(typingctx, v, k):
+    vector_arg(v, "vget")
+    index_arg(k, "vget")
+
+    def codegen(context, builder, sig, args):
+        k = context.cast(builder, args[1], sig.args[1], types.int32)
+        return builder.extract_element(args[0], k)
+
+    return types.float32(v, k), codegen
+
+
+@intrinsic
+def vset(typingctx, v, k, s):
+    vector_arg(v, "vset")
+    index_arg(k, "vset")
+    if not isinstance(s, types.Number):
+        raise TypingError(f"vset puts a number in a lane, got {s}")
+    s = types.unliteral(s)
+
+    def codegen(context, builder, sig, args):
+        k = context.cast(builder, args[1], sig.args[1], types.int32)
+        x = context.cast(builder, args[2], s, types.float32)
+        return builder.insert_element(args[0], x, k)
+
+    return v(v, k, s), codegen
+
+
+def _mask_reduction(op, name):
+    def typer(typingctx, m):
+        if not isinstance(m, Mask):
+            raise TypingError(f"{op} takes a mask, got {m}")
+
+        def codegen(context, builder, sig, args):
+            return llvm_call(builder, f"llvm.vector.reduce.{name}.v{m.w}i1", I1, [args[0]])
+
+        return types.boolean(m), codegen
+
+    typer.__name__ = op
+    return intrinsic(typer)
+
+
+vany, vall = _mask_reduction("vany", "or"), _mask_reduction("vall", "and")
