@@ -6,6 +6,7 @@ left behind; every write bounds it."""
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import stat
@@ -329,3 +330,25 @@ def test_a_session_whose_answers_are_cached_reads_the_file_once_and_writes_nothi
     assert opened.count(path.name) == 1 and ".tactics.lock" not in opened
     after = path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_the_source_version_covers_sub_packages(tmp_path, monkeypatch):
+    """A kernel package's sub-package (kernels/simd) is kernel source too: a change there
+    makes every cached timing stale, and so does a file moved."""
+    package = tmp_path / "kernelpkg"
+    (package / "simd").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "simd" / "__init__.py").write_text("W = 8\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("kernelpkg")
+
+    def version() -> str:
+        timing_cache.source_version.cache_clear()
+        return timing_cache.source_version("kernelpkg")
+
+    before = version()
+    (package / "simd" / "__init__.py").write_text("W = 16\n")
+    changed = version()
+    (package / "simd" / "__init__.py").rename(package / "simd" / "lanes.py")
+    assert len({before, changed, version()}) == 3
+    timing_cache.source_version.cache_clear()

@@ -60,21 +60,26 @@ def cache_dir() -> Path:
 
 @functools.cache
 def source_version(*modules: str) -> str:
-    """A hash of the source files of the given packages or modules (a plugin's too): a kernel
-    change makes every cached timing of it stale."""
+    """A hash of the source files of the given packages (their sub-packages too, such as
+    kernels/simd) or modules (a plugin's): a kernel change makes every cached timing of it
+    stale. A file's path within its package counts with its bytes (a file moved is a change)."""
     digest = hashlib.sha1()
-    paths = []
     for name in modules:
         module = sys.modules.get(name)
         if module is None:
             continue
         if getattr(module, "__path__", None):
-            paths += [str(p) for d in module.__path__ for p in sorted(Path(d).glob("*.py"))]
+            files = [(p.relative_to(d).as_posix(), p) for d in map(Path, module.__path__)
+                     for p in d.rglob("*.py")]  # fmt: skip
         elif module.__file__:
-            paths.append(module.__file__)
-    for path in paths:
-        with contextlib.suppress(OSError):
-            digest.update(Path(path).read_bytes())
+            files = [(Path(module.__file__).name, Path(module.__file__))]
+        else:
+            continue
+        for relative, path in sorted(files):
+            with contextlib.suppress(OSError):
+                data = path.read_bytes()
+                digest.update(f"{name}/{relative}\0{len(data)}\0".encode())
+                digest.update(data)
     return digest.hexdigest()[:16]
 
 
