@@ -171,19 +171,21 @@ def verify(
             node_rtol, node_atol = tolerance([rule], rtol, atol)
             report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
                                                rule.accumulates, f" [{step.choice}]")  # fmt: skip
+    node_names = {node_label(n): n.name for n in fused.graph.node if n.domain == DOMAIN}
     for label, names in offered.items():  # a tactic no policy name selects alone
         for name in names:
             if (label, name) not in checked:
                 note = f"its tactic {name} could not be run alone (a name a policy takes)"
-                report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note,
-                                               node=label))  # fmt: skip
+                where = {"node": label, "node_name": node_names.get(label, "")}
+                report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note, **where))
     return report
 
 
 def _stopped(report: VerifyReport, exc: KernelError, tactic: str) -> VerifyReport:
     """The report of a run a kernel stopped: that node at fault, what came after unchecked."""
     note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"
-    report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note, node=exc.node))
+    report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note, node=exc.node,
+                                   node_name=exc.name))  # fmt: skip
     report.complete = False
     return report
 
@@ -229,12 +231,12 @@ def verify_node(
 def _compare_with_body(model, node, args, got, rtol, atol, scaled=False, suffix=""):
     want = run_function_body(model, node, args)
     names = [v + suffix for v in node.output if v]
-    label = node_label(node)
+    where = {"node": node_label(node), "node_name": node.name}
     if len(got) != len(want):
         note = f"the kernel returned {len(got)} outputs, the function {len(want)}"
-        return [Comparison(names[0], np.inf, np.inf, False, note=note, node=label)]
+        return [Comparison(names[0], np.inf, np.inf, False, note=note, **where)]
     return [
-        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol, scaled=scaled)), "node": label})
+        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol, scaled=scaled)), **where})
         for name, g, w in zip(names, got, want, strict=True)
     ]
 
