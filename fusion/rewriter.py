@@ -9,6 +9,7 @@ output, and it shares no node with an earlier match. Every rejection keeps its r
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -40,6 +41,19 @@ class NearMiss:
     reason: str
 
 
+@dataclass(frozen=True)
+class RolledBack:
+    """A fusion that verification undid (fusion.verify.rollback): the fused node's name, its
+    rule, and why: its kernel disagreed with onnxruntime on an output (the error figures), or
+    failed, or returned what its node does not declare (then max_abs and max_rel are inf)."""
+
+    node: str
+    rule: str
+    reason: str
+    max_abs: float = math.inf
+    max_rel: float = math.inf
+
+
 @dataclass
 class RewriteResult:
     model: onnx.ModelProto
@@ -47,6 +61,7 @@ class RewriteResult:
     near_misses: list[NearMiss] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
     standard: list[Fusion] = field(default_factory=list)  # fused nodes written as standard ops
+    rolled_back: list[RolledBack] = field(default_factory=list)  # by verification, in order
 
     def counts(self) -> dict[str, int]:
         """Fused nodes per pattern in the rewritten model, in catalog priority order (those
