@@ -37,7 +37,8 @@ class Comparison:
     ok: bool
     shape: tuple = ()
     note: str = ""  # why it failed beyond the numbers (shape or dtype mismatch)
-    node: str = ""  # per-node comparisons: the fused node's label
+    node: str = ""  # per-node comparisons: the fused node's label (for display)
+    node_name: str = ""  # and its name, which a rewrite keeps unique (rollback keys on it)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}

@@ -9,6 +9,8 @@ output, and it shares no node with an earlier match. Every rejection keeps its r
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import onnx
@@ -39,6 +41,19 @@ class NearMiss:
     reason: str
 
 
+@dataclass(frozen=True)
+class RolledBack:
+    """A fusion that verification undid (fusion.verify.rollback): the fused node's name, its
+    rule, and why: its kernel disagreed with onnxruntime on an output (the error figures), or
+    failed, or returned what its node does not declare (then max_abs and max_rel are inf)."""
+
+    node: str
+    rule: str
+    reason: str
+    max_abs: float = math.inf
+    max_rel: float = math.inf
+
+
 @dataclass
 class RewriteResult:
     model: onnx.ModelProto
@@ -46,6 +61,7 @@ class RewriteResult:
     near_misses: list[NearMiss] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
     standard: list[Fusion] = field(default_factory=list)  # fused nodes written as standard ops
+    rolled_back: list[RolledBack] = field(default_factory=list)  # by verification, in order
 
     def counts(self) -> dict[str, int]:
         """Fused nodes per pattern in the rewritten model, in catalog priority order (those
@@ -202,6 +218,7 @@ def _drop_orphans(graph: onnx.GraphProto, before: tuple[set[str], set[str]]) -> 
 
 def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None:
     view = GraphView(result.model)
+    names = _FusedNames(view)
     claimed: dict[int, str] = {}  # node index -> label of the fused node that took it
     replacements: list[tuple[int, onnx.NodeProto]] = []
     functions: dict[tuple[str, str], onnx.FunctionProto] = {}
@@ -215,7 +232,7 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
                 continue
             if (node.domain or "") not in ("", "ai.onnx") and rule.finder is None:
                 continue
-            found = _match_at(view, rule, index, claimed, skip)
+            found = _match_at(view, rule, index, claimed, skip, names)
             if isinstance(found, Failure):
                 if _is_near_miss(rule, found):
                     misses.append((index, NearMiss(rule.name, node_label(node), found.reason)))
@@ -237,12 +254,12 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
         _apply(result.model, view, claimed, replacements, list(functions.values()))
 
 
-def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict):
+def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict, names):
     """The first acceptable match rooted at node `index` (with its fused node), or a Failure."""
     node = view.nodes[index]
     label = node_label(node)
     if rule.finder is not None:
-        return _accept_found(view, rule, index, claimed, skip)
+        return _accept_found(view, rule, index, claimed, skip, names)
     root_output = (rule.pattern.index or 0) if isinstance(rule.pattern, Output) else 0
     if root_output >= len(node.output):
         return Failure(0, f"{label}: has no output {root_output}")
@@ -250,14 +267,14 @@ def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict
     for state in matcher.match(rule.pattern, node.output[root_output], start_state(), label):
         match = Match(view, state)
         outputs = _flat(match[name] for name in rule.outputs) or [node.output[root_output]]
-        reason = _acceptable(view, rule, match, node, outputs, claimed, skip)
+        reason = _acceptable(view, rule, match, index, outputs, claimed, skip, names)
         if isinstance(reason, tuple):
             return reason
         matcher.fail(state, reason, bonus=FULL_MATCH)
     return matcher.tracer.best or Failure(0, f"{label}: no match")
 
 
-def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict):
+def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict, names):
     """Candidates from a rule's own finder go through the same checks as pattern matches."""
     node = view.nodes[index]
     found = rule.finder(view, index)
@@ -268,14 +285,16 @@ def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: 
     reason = ""
     for match in found:
         outputs = _flat(match[name] for name in rule.outputs)
-        reason = _acceptable(view, rule, match, node, outputs, claimed, skip)
+        reason = _acceptable(view, rule, match, index, outputs, claimed, skip, names)
         if isinstance(reason, tuple):
             return reason
     return Failure(FULL_MATCH, reason)
 
 
-def _acceptable(view, rule: Rule, match: Match, root, outputs: list, claimed: dict, skip: dict):
+def _acceptable(view, rule: Rule, match: Match, index: int, outputs: list, claimed: dict,
+                skip: dict, names: _FusedNames):  # fmt: skip
     """(match, fused node, function) if the match may be fused, else the reason it may not."""
+    root = view.nodes[index]
     label = node_label(root)
     inputs = _flat(match[name] for name in rule.inputs)
     if rule.absorb_shapes:
@@ -291,7 +310,8 @@ def _acceptable(view, rule: Rule, match: Match, root, outputs: list, claimed: di
         reason = f"{label}: {verdict}" if verdict else None
     if not reason:
         try:
-            fused, func = _fused_node(view, rule, match, root, inputs, outputs)
+            name = names.of(index, root.name or f"{rule.name}_{outputs[0]}")
+            fused, func = _fused_node(view, rule, match, name, inputs, outputs)
         except BodyError as exc:
             return f"{label}: {exc}"
         if fused.name not in skip:
@@ -352,13 +372,35 @@ def _feeds_itself(view: GraphView, match: Match, inputs: list[str]) -> str | Non
     return None
 
 
-def _fused_node(view: GraphView, rule: Rule, match: Match, root: onnx.NodeProto, inputs, outputs):
+class _FusedNames:
+    """The names of one stage's fused nodes, each unique in the graph (onnxruntime refuses a
+    model with two nodes of one name, and a rollback after verification keys on them): the
+    root's own name when no other node of the graph holds it (the fused node takes the root's
+    place), else a fresh one from the graph's allocator (view.node_names) on the root's name, or
+    on `{rule}_{first output}` for an unnamed root. A root tried again with the same hint (by
+    another match, another rule) gets the same name, so a rewrite with `skip` names a fusion as
+    the rewrite before it did."""
+
+    def __init__(self, view: GraphView):
+        self.view = view
+        self.holders = Counter(node.name for node in view.nodes)
+        self.given: dict[tuple[int, str], str] = {}
+
+    def of(self, root: int, hint: str) -> str:
+        key = (root, hint)
+        if key not in self.given:
+            own = self.view.nodes[root].name
+            alone = hint == own and self.holders[own] == 1
+            self.given[key] = own if alone else self.view.node_names.fresh(hint)
+        return self.given[key]
+
+
+def _fused_node(view: GraphView, rule: Rule, match: Match, name: str, inputs, outputs):
     attrs = rule.attributes(match) if rule.attributes else {}
     inputs = list(inputs)
     func = build_function(view, rule.name, match.nodes, inputs, outputs, list(attrs))
     while inputs and not inputs[-1]:
         inputs.pop()
-    name = root.name or f"{rule.name}_{outputs[0]}"
     node = helper.make_node(rule.name, inputs, outputs, name=name, domain=DOMAIN, **attrs)
     node.overload = func.overload
     return node, func

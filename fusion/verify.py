@@ -15,6 +15,9 @@ body, which names the node at fault instead of just the output that drifted.
 
 Values are compared by fusion.numerics (compare_arrays), with its tolerance rule by default:
 the loosest rtol and atol among the rules whose fused nodes appear in the model.
+
+rollback (what `rewrite --verify` and `fusion.rewrite(verify=True)` run) checks a rewrite so,
+per node, and rewrites again without the fused nodes that disagree, by name, until none does.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from fusion.numerics import (
 )
 from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
-from fusion.rewriter import rewrite
+from fusion.rewriter import RewriteResult, RolledBack, rewrite, write_standard
 from fusion.runtime import Session
 from fusion.runtime.kernel import binding_refusal, build_kernel
 from fusion.runtime.plan import run_body
@@ -171,19 +174,129 @@ def verify(
             node_rtol, node_atol = tolerance([rule], rtol, atol)
             report.nodes += _compare_with_body(fused, step.node, args, got, node_rtol, node_atol,
                                                rule.accumulates, f" [{step.choice}]")  # fmt: skip
+    node_names = {node_label(n): n.name for n in fused.graph.node if n.domain == DOMAIN}
     for label, names in offered.items():  # a tactic no policy name selects alone
         for name in names:
             if (label, name) not in checked:
                 note = f"its tactic {name} could not be run alone (a name a policy takes)"
-                report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note,
-                                               node=label))  # fmt: skip
+                where = {"node": label, "node_name": node_names.get(label, "")}
+                report.nodes.append(Comparison(name, np.inf, np.inf, False, note=note, **where))
     return report
+
+
+@dataclass
+class Rollback:
+    """What rollback leaves: `result`, the rewrite whose fused nodes all agreed with onnxruntime
+    on the last check (`report`), with `result.rolled_back` the fusions undone on the way and
+    why; with standard_ops, `standard`, the check of the standard ops against the original.
+    Only the nodes are judged: `report.outputs` may still drift within what each node allows."""
+
+    result: RewriteResult
+    report: VerifyReport
+    standard: VerifyReport | None = None
+
+    @property
+    def disagreeing(self) -> list[Comparison]:
+        """What still disagrees: fused nodes the input already had (not this rewrite's, so not
+        rolled back), and the standard ops' outputs."""
+        rows = [c for c in self.report.nodes if not c.ok]
+        if self.standard is not None:
+            s = self.standard
+            rows += [c for c in [*s.outputs, *s.tactics, *s.nodes] if not c.ok]
+        return rows
+
+    @property
+    def ok(self) -> bool:
+        return not self.disagreeing
+
+    def __str__(self) -> str:
+        lines = [f"rolled back: {r.reason}" for r in self.result.rolled_back]
+        lines += [f"not rolled back (not fused by this rewrite): {c}"
+                  for c in self.report.nodes if not c.ok]  # fmt: skip
+        lines.append(f"verified {len(self.report.nodes)} fused node outputs (each tactic of each "
+                     "kernel) against onnxruntime")  # fmt: skip
+        if self.standard is not None:
+            lines.append(f"verified the standard ops against the original:\n{self.standard}")
+        return "\n".join(lines)
+
+
+def rollback(
+    original,
+    result: RewriteResult,
+    catalog: Catalog | None = None,
+    inputs=None,
+    *,
+    skip: Mapping[str, str] | None = None,
+    standard_ops: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+    dims: Mapping[str, int] | None = None,
+) -> Rollback:
+    """Check every fused node of `result` (rewrite(original, catalog)) on a real run, with each
+    tactic its kernel offers, and rewrite again without those that disagree (outside tolerance,
+    or a kernel that fails or returns what its node does not declare), keyed by node name.
+
+    Verified again after every rollback, until a run finds no disagreement: a kernel that fails
+    stops the run before the nodes after it, and a chain rolled back at its root may fuse again
+    shorter, under another node's name, which is then checked in turn. With standard_ops the
+    fused nodes that have a standard form (an unrolled LSTM chain) are then written as it and
+    checked against the original. skip: what `result` was rewritten without (rewrite's skip),
+    kept in every rewrite after; inputs, rtol, atol, seed, dims: as verify's. When nothing is
+    rolled back the result returned is `result` itself (written as standard ops, if asked).
+
+    >>> done = rollback(model, rewrite(model))
+    >>> [(r.node, r.rule, r.reason) for r in done.result.rolled_back]
+    """
+    if result.standard:
+        raise FusionError("rollback checks fused nodes: pass standard_ops to it, not to rewrite")
+    original = as_model(original)
+    catalog = catalog if catalog is not None else default_catalog()
+    check = {"inputs": inputs, "rtol": rtol, "atol": atol, "seed": seed, "catalog": catalog,
+             "dims": dims}  # fmt: skip
+    undone: list[RolledBack] = []
+    skip = dict(skip or {})
+    for _ in range(len(original.graph.node) + 1):  # each round skips one more name at least
+        report = verify(original, result.model, per_node=True, **check)
+        rules = _fused_here(result)
+        bad: dict[str, RolledBack] = {}
+        for c in report.nodes:
+            if not c.ok and c.node_name in rules:
+                bad[c.node_name] = RolledBack(c.node_name, rules[c.node_name], _disagreement(c),
+                                              c.max_abs, c.max_rel)  # fmt: skip
+        if not bad:
+            break
+        undone += bad.values()
+        skip.update({name: f"rolled back: {r.reason}" for name, r in bad.items()})
+        result = rewrite(original, catalog, skip=skip)
+    else:
+        raise RuntimeError(f"rollback did not settle in {len(original.graph.node) + 1} rounds")
+    result.rolled_back = undone
+    done = Rollback(result, report)
+    if standard_ops and result.fusions:
+        write_standard(result, catalog)
+        if result.standard:
+            done.standard = verify(original, result.model, **check)
+    return done
+
+
+def _fused_here(result: RewriteResult) -> dict[str, str]:
+    """Name -> rule of the fused nodes this rewrite made that its model runs."""
+    made = {(f.rule, f.node) for f in result.fusions}
+    nodes = result.model.graph.node
+    return {n.name: n.op_type for n in nodes if n.domain == DOMAIN and (n.op_type, n.name) in made}
+
+
+def _disagreement(c: Comparison) -> str:
+    figures = c.note or f"max abs error {c.max_abs:.3g}, max rel {c.max_rel:.3g}"
+    return f"kernel disagrees with onnxruntime on {c.name} ({figures})"
 
 
 def _stopped(report: VerifyReport, exc: KernelError, tactic: str) -> VerifyReport:
     """The report of a run a kernel stopped: that node at fault, what came after unchecked."""
     note = str(exc) if tactic == "kernel" else f"tactic {tactic}: {exc}"
-    report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note, node=exc.node))
+    report.nodes.append(Comparison(exc.name, np.inf, np.inf, False, note=note, node=exc.node,
+                                   node_name=exc.name))  # fmt: skip
     report.complete = False
     return report
 
@@ -229,12 +342,12 @@ def verify_node(
 def _compare_with_body(model, node, args, got, rtol, atol, scaled=False, suffix=""):
     want = run_function_body(model, node, args)
     names = [v + suffix for v in node.output if v]
-    label = node_label(node)
+    where = {"node": node_label(node), "node_name": node.name}
     if len(got) != len(want):
         note = f"the kernel returned {len(got)} outputs, the function {len(want)}"
-        return [Comparison(names[0], np.inf, np.inf, False, note=note, node=label)]
+        return [Comparison(names[0], np.inf, np.inf, False, note=note, **where)]
     return [
-        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol, scaled=scaled)), "node": label})
+        Comparison(**{**vars(compare_arrays(name, g, w, rtol, atol, scaled=scaled)), **where})
         for name, g, w in zip(names, got, want, strict=True)
     ]
 

@@ -19,8 +19,8 @@ from fusion.files import same_file, write_atomic
 from fusion.modelfile import read_model, require_valid, run_checker, save_model, write_model_bytes
 from fusion.ort import REFERENCE, inference_session
 from fusion.registry import default_catalog
-from fusion.rewriter import rewrite, write_standard
-from fusion.verify import verify
+from fusion.rewriter import rewrite
+from fusion.verify import rollback
 
 NAME, HELP = "rewrite", "fuse the catalog's patterns in an ONNX file"
 
@@ -90,16 +90,14 @@ def rewrite_file(
     checked = require_valid(original, str(src), source=src)
     catalog = default_catalog().select(only, exclude)
     with beyond_the_checker(src, checked):
-        result = rewrite(original, catalog)
+        result = rewrite(original, catalog, standard_ops=standard_ops and not verified)
         if verified and result.fusions:
-            result = _rewrite_verified(original, result, catalog, input_files(inputs))
-        if standard_ops and result.fusions:
-            write_standard(result, catalog)
-            if verified and result.standard:
-                check = verify(original, result.model, inputs=input_files(inputs), catalog=catalog)
-                print(f"verified the standard ops against the original:\n{check}")
-                if not check.ok:
-                    return 1
+            feeds = input_files(inputs)
+            done = rollback(original, result, catalog, feeds, standard_ops=standard_ops)
+            print(done)
+            result = done.result
+            if not done.ok:
+                return 1
     keep = () if in_place else data_files  # what the old output named and the input still reads
     if result.fusions:
         try:
@@ -133,38 +131,6 @@ def _require_same_validity(fused, original, checked: bool) -> None:
         inference_session(fused, REFERENCE, threads=1)
     except Exception as exc:
         raise FusionError(f"onnxruntime cannot load the rewritten model: {one_line(exc)}") from None
-
-
-def _rewrite_verified(model, result, catalog, inputs):
-    """Check every fused node on a real run; rewrite again without the ones that disagree.
-
-    Verified again after every rollback, until a run finds no disagreement: a kernel that
-    raises stops the run before the nodes after it, and a chain rolled back at its root may
-    fuse again shorter, under another node's name, which is then checked in turn (each round
-    skips at least one more node name, so it ends)."""
-    skip: dict[str, str] = {}
-    for _ in range(len(model.graph.node) + 1):
-        report = verify(model, result.model, inputs=inputs, per_node=True, catalog=catalog)
-        bad = {}
-        for node in report.nodes:
-            if not node.ok:
-                name = node.node.split(" ", 1)[1]
-                bad[name] = f"rolled back: kernel disagrees with onnxruntime on {node.name} " + (
-                    f"({node.note})"
-                    if node.note
-                    else f"(max abs error {node.max_abs:.3g}, max rel {node.max_rel:.3g})"
-                )
-        for reason in bad.values():
-            print(reason)
-        skip.update(bad)
-        if not bad:
-            break
-        result = rewrite(model, catalog, skip=skip)
-    print(
-        f"verified {len(report.nodes)} fused node outputs (each tactic of each kernel) against "
-        "onnxruntime"
-    )
-    return result
 
 
 def _passes_full_check(model) -> bool:
