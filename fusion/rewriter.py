@@ -104,6 +104,11 @@ class RewriteResult:
             "fused_nodes": [vars(f) for f in self.fusions],
             "near_misses": [vars(n) for n in self.near_misses],
             "standard_ops": [f.node for f in self.standard],
+            # inf (a kernel that failed) is null: JSON has no infinity
+            "rolled_back": [
+                {k: None if v == math.inf else v for k, v in vars(r).items()}
+                for r in self.rolled_back
+            ],  # fmt: skip
         }
 
 

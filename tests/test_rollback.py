@@ -7,6 +7,7 @@ name (the rewriter gives each fused node a name no other node holds) and the res
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import onnx
@@ -159,10 +160,13 @@ def test_rewrite_verify_in_python_is_what_the_cli_writes(capsys, tmp_path, monke
     model = two_scaled_relus("", "ScaledRelu_y")
     save_model(model, tmp_path / "m.onnx")
     argv = ["rewrite", tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--verify"]
+    argv += ["--report", tmp_path / "r.json"]
     code, out, err = cli(capsys, *argv, "--plugin", tmp_path / "scaled_relu.py")
     assert code == 0, err
     result = fusion.rewrite(model, verify=True)  # the default catalog, the plugin's rule in it
     assert [r.node for r in result.rolled_back] == ["ScaledRelu_y"]
+    (reported,) = json.loads((tmp_path / "r.json").read_text())["rolled_back"]
+    assert reported["node"] == "ScaledRelu_y" and reported["reason"] == result.rolled_back[0].reason
     assert f"rolled back: {result.rolled_back[0].reason}\n" in out and "1 fusion " in out, out
     written = onnx.load(tmp_path / "o.onnx")
     assert written.SerializeToString() == result.model.SerializeToString()
