@@ -28,16 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from fusion.catalog import DOMAIN, Catalog, Tactic
-from fusion.errors import FusionError, FusionWarning, one_line
+from fusion.errors import FusionWarning
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.modelfile import as_model, weightless_copy
 from fusion.ort import ISLAND, inference_session
 from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
+from fusion.runtime.feed_checks import FeedCheck, InvalidFeed, NodeArg, node_arg
 from fusion.runtime.kernel import (
     binds_kernel,
     build_kernel,
@@ -73,19 +74,6 @@ from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, t
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
 
 Progress = Callable[[str, int, int], None]  # (step name, index from 1, total)
-
-
-class InvalidFeed(FusionError, ValueError):
-    """A run's feeds do not fit the model's inputs (missing, unknown, wrong dtype or rank)."""
-
-
-@dataclass(frozen=True)
-class NodeArg:
-    """Like onnxruntime.NodeArg: name, type ('tensor(float)') and shape (ints, strings, None)."""
-
-    name: str
-    type: str
-    shape: list
 
 
 def is_fused(model: onnx.ModelProto) -> bool:
@@ -171,11 +159,8 @@ class Session:
         self.model, self.catalog = model, catalog or Catalog()
         self.threads = max(1, threads or os.cpu_count() or 1)
         self.view = view = GraphView(model)
-        self._inputs = [
-            _input_spec(view, vi) for vi in model.graph.input if vi.name not in view.initializers
-        ]
-        self._feedable = {vi.name for vi in model.graph.input}
-        self._output_names = [o.name for o in model.graph.output]
+        self._feeds = FeedCheck(view)
+        self._inputs, self._output_names = self._feeds.inputs, self._feeds.outputs
 
         self._functions = {(f.domain, f.name, f.overload): f for f in model.functions}
         self.tactics = policy(tactics)
@@ -382,7 +367,9 @@ class Session:
         """Race whole runs of the plans (fusion/runtime/race.py). Each plan runs on one copy of
         the feeds, never on the caller's arrays, whatever a kernel does to its inputs; a plan
         that fails is ruled out, with a warning."""
-        full = self._base | {k: v.copy() if k in self._feedable else v for k, v in values.items()}
+        full = self._base | {
+            k: v.copy() if k in self._feeds.feedable else v for k, v in values.items()
+        }
         calls = {name: functools.partial(self._run_copy, p, full) for name, p in plans.items()}
         verdict = race(calls)
         for name, error in verdict.failed.items():
@@ -524,7 +511,7 @@ class Session:
 
     def choices_for(self, feeds: Mapping) -> dict[str, str]:
         """Per fused node (its label), the tactic a run on these feeds uses."""
-        return dict(self._plan_for(self._validated_feeds(feeds)).choices)
+        return dict(self._plan_for(self._feeds.validated(feeds)).choices)
 
     # ---- building ----------------------------------------------------------------------------
     def _has_kernel(self, node: onnx.NodeProto) -> bool:
@@ -544,7 +531,7 @@ class Session:
         return [spec.node_arg for spec in self._inputs]
 
     def get_outputs(self) -> list[NodeArg]:
-        return [_node_arg(o.name, self.view.type_of(o.name)) for o in self.model.graph.output]
+        return [node_arg(o.name, self.view.type_of(o.name)) for o in self.model.graph.output]
 
     @property
     def islands(self) -> list[IslandStep]:
@@ -552,7 +539,7 @@ class Session:
 
     def run(self, output_names, feeds: Mapping, run_options=None) -> list[np.ndarray]:
         """Like InferenceSession.run (run_options is accepted and ignored)."""
-        names = self._output_list(output_names)
+        names = self._feeds.output_list(output_names)
         values = self.execute(feeds)
         return [_fresh(values[n], n in self._base) for n in names]
 
@@ -579,11 +566,11 @@ class Session:
 
     def race_for(self, feeds: Mapping) -> dict | None:
         """How the plan for these feeds' shapes was chosen (see `race`)."""
-        return self._plan_for(self._validated_feeds(feeds)).race
+        return self._plan_for(self._feeds.validated(feeds)).race
 
     def steps_for(self, feeds: Mapping) -> list:
         """The steps a run on these feeds takes (their shapes may have a plan of their own)."""
-        return self._plan_for(self._validated_feeds(feeds)).steps
+        return self._plan_for(self._feeds.validated(feeds)).steps
 
     # ---- running -----------------------------------------------------------------------------
     def execute(self, feeds: Mapping, times: list | None = None, keep_all: bool = False) -> dict:
@@ -591,7 +578,7 @@ class Session:
         step released (keep_all: every value, each also in NCHW under its own name). times,
         when given, gets each step's seconds."""
         values = dict(self._base)
-        values.update(self._validated_feeds(feeds))
+        values.update(self._feeds.validated(feeds))
         run_plan = self._plan_for(values)
         watch = run_plan.watch
         if watch is None or not watch.open:
@@ -639,38 +626,6 @@ class Session:
                     values[plain] = from_blocked(values[name], channels)
         return values
 
-    def _validated_feeds(self, feeds: Mapping) -> dict[str, np.ndarray]:
-        if not isinstance(feeds, dict) and not isinstance(feeds, Mapping):
-            raise InvalidFeed(f"feeds must be a dict of input name -> array, not {type(feeds)}")
-        checked = dict(feeds)
-        for spec in self._inputs:
-            value = checked.get(spec.name)
-            if value is None:
-                missing = [s.name for s in self._inputs if s.name not in feeds]
-                if not missing:
-                    raise InvalidFeed(f"Input {spec.name} is None: expected {spec.node_arg.type}")
-                raise InvalidFeed(
-                    f"Required inputs ({missing}) are missing from input feed ({list(feeds)})."
-                )
-            checked[spec.name] = spec.validated(value)
-        if len(checked) > len(self._inputs):
-            unknown = [name for name in feeds if name not in self._feedable]
-            if unknown:
-                known = ", ".join(spec.name for spec in self._inputs)
-                raise InvalidFeed(f"Invalid input name: {unknown[0]} (the model's inputs: {known})")
-        return checked
-
-    def _output_list(self, output_names) -> list[str]:
-        if output_names is None:
-            return self._output_names
-        for name in output_names:
-            if name not in self._output_names:
-                raise InvalidFeed(
-                    f"Invalid output name: {name} (the model's outputs: "
-                    f"{', '.join(self._output_names)})"
-                )
-        return list(output_names)
-
 
 @dataclass
 class Profile:
@@ -704,64 +659,6 @@ class Profile:
         lines.append(f"{'':<7} {'between':<{width}} {self.overhead * 1e6:>10.1f}")
         lines.append(f"{'':<7} {'total':<{width}} {self.wall * 1e6:>10.1f}")
         return "\n".join(lines)
-
-
-# ---- feeds -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _InputSpec:
-    name: str
-    dtype: np.dtype | None
-    shape: tuple | None
-    node_arg: NodeArg
-    fixed_dims: tuple  # (axis, size) for every axis of declared size
-
-    def validated(self, value) -> np.ndarray:
-        if type(value) is not np.ndarray:
-            try:
-                value = np.asarray(value, dtype=self.dtype)  # onnxruntime also accepts lists
-            except (TypeError, ValueError, OverflowError) as exc:  # a string, a ragged list
-                raise InvalidFeed(
-                    f"Input {self.name} is a {type(value).__name__} that is no array of "
-                    f"{self.dtype}: {one_line(exc)}"
-                ) from None
-        if self.dtype is not None and value.dtype != self.dtype:
-            raise InvalidFeed(
-                f"Unexpected input data type for input: {self.name}. "
-                f"Actual: ({value.dtype}), expected: ({self.dtype})"
-            )
-        if not value.flags.c_contiguous:  # Fortran order, a strided view: one copy at the border
-            value = np.ascontiguousarray(value)
-        if self.shape is None:
-            return value
-        shape = value.shape
-        if len(shape) != len(self.shape):
-            raise InvalidFeed(
-                f"Invalid rank for input: {self.name} Got: {value.ndim} "
-                f"Expected: {len(self.shape)} (shape {list(shape)}, expected {list(self.shape)})"
-            )
-        for axis, want in self.fixed_dims:
-            if shape[axis] != want:
-                raise InvalidFeed(
-                    f"Got invalid dimensions for input: {self.name} index: {axis} "
-                    f"Got: {shape[axis]} Expected: {want} "
-                    f"(shape {list(shape)}, expected {list(self.shape)})"
-                )
-        return value
-
-
-def _input_spec(view: GraphView, vi: onnx.ValueInfoProto) -> _InputSpec:
-    vt = view.type_of(vi.name)
-    dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type) if vt and vt.elem_type else None
-    shape = vt.shape if vt else None
-    fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
-    return _InputSpec(vi.name, dtype, shape, _node_arg(vi.name, vt), fixed)
-
-
-def _node_arg(name: str, vt: ValueType | None) -> NodeArg:
-    if vt is None or not vt.elem_type:
-        return NodeArg(name, "unknown", [])
-    type_name = onnx.TensorProto.DataType.Name(vt.elem_type).lower()
-    return NodeArg(name, f"tensor({type_name})", list(vt.shape or []))
 
 
 def _known_values(view: GraphView, outputs: list[str]) -> dict[str, np.ndarray]:
