@@ -4,7 +4,7 @@
     (y,) = sess.run(None, {"x": x})
     print(sess.profile({"x": x}))                # time per island, per kernel, and in between
 
-The model is cut into steps once, when the session is built (see fusion/runtime/plan.py):
+The model is cut into steps once, when the session is built (fusion/runtime/plan.py, steps.py):
 islands (groups of standard nodes, one onnxruntime session each) and kernel calls. A run is
 then a loop over the steps reading and writing one dict of values; each value is dropped after
 its last reader, as onnxruntime frees its activations. Each crossing between an island and a
@@ -50,17 +50,9 @@ from fusion.runtime.kernel import (
     workqueue_lock,
 )
 from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
-from fusion.runtime.plan import (
-    IslandPlan,
-    IslandStep,
-    KernelStep,
-    OutputCheck,
-    island_settings,
-    plan,
-    releases,
-    run_body,
-)
+from fusion.runtime.plan import IslandPlan, island_settings, plan, run_body
 from fusion.runtime.race import Verdict, agrees, race
+from fusion.runtime.steps import IslandStep, KernelStep, OutputCheck, releases
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
     policy,
