@@ -15,7 +15,6 @@ Session.run keeps no per-run state on the session, so it may be called from seve
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import os
@@ -40,14 +39,12 @@ from fusion.registry import default_catalog
 from fusion.rewriter import rewrite
 from fusion.runtime.feed_checks import FeedCheck, InvalidFeed, NodeArg, node_arg
 from fusion.runtime.kernel import (
-    binds_kernel,
-    build_kernel,
+    BuiltKernels,
+    Progress,
+    build_kernels,
     ensure_threads,
     is_built_in,
     kernel_name,
-    serialized,
-    use_threads,
-    workqueue_lock,
 )
 from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
 from fusion.runtime.plan import IslandPlan, island_settings, plan, run_body
@@ -58,14 +55,11 @@ from fusion.runtime.tactics import (
     policy,
     preferred,
     random_inputs,
-    tactics_of,
     time_call,
 )
 from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
 
 __all__ = ["InvalidFeed", "NodeArg", "Profile", "Session"]
-
-Progress = Callable[[str, int, int], None]  # (step name, index from 1, total)
 
 
 def is_fused(model: onnx.ModelProto) -> bool:
@@ -148,17 +142,23 @@ class Session:
             model = rewrite(model, catalog).model
         if catalog is None and is_fused(model):
             catalog = default_catalog()
-        self.model, self.catalog = model, catalog or Catalog()
-        self.threads = max(1, threads or os.cpu_count() or 1)
-        self.view = view = GraphView(model)
+        chosen = policy(tactics)
+        threads = max(1, threads or os.cpu_count() or 1)
+        self._start(build_kernels(model, catalog or Catalog(), threads, progress), chosen, retime)
+
+    def _start(self, built: BuiltKernels, tactics: str, retime: bool) -> None:
+        """The session's plans on these kernels under this policy (the default one timed and
+        raced, under "fastest")."""
+        self._built = built
+        self.model, self.view, self.catalog = built.model, built.view, built.catalog
+        self.threads = built.threads
+        view = self.view
         self._feeds = FeedCheck(view)
         self._inputs, self._output_names = self._feeds.inputs, self._feeds.outputs
-
-        self._functions = {(f.domain, f.name, f.overload): f for f in model.functions}
-        self.tactics = policy(tactics)
+        self._functions = built.functions
+        self.tactics = tactics
         self._retime = retime
-        self._progress = progress
-        self._kernels = self._build_kernels()
+        self._kernels = built.tactics
         self._lock = threading.Lock()
         self._cache: TimingCache | None = None
         # The plan for the shapes the model declares; with symbolic input dims (a batch axis)
@@ -182,32 +182,6 @@ class Session:
             self._default = (
                 self._plan(self._choose(shapes)) if feeds is None else self._settle(shapes, feeds)
             )
-
-    # ---- building ----------------------------------------------------------------------------
-    def _build_kernels(self) -> dict[int, list[Tactic]]:
-        """Per fused node with a kernel, its tactics (building a kernel packs its weights)."""
-        fused = [i for i, n in enumerate(self.view.nodes) if self._has_kernel(n)]
-        kernels = {}
-        if fused:
-            use_threads(self.threads)  # before the first kernel is built (or compiled)
-            lock = workqueue_lock()
-        for built, i in enumerate(fused, 1):
-            node = self.view.nodes[i]
-            if self._progress is not None:
-                self._progress(node_label(node), built, len(fused))
-            kernel = build_kernel(self.catalog.get(node.op_type), node, self.view)
-            kernels[i] = [
-                Tactic(
-                    t.name,
-                    serialized(t.run, lock),
-                    t.blocked_inputs,
-                    t.in_blocks,
-                    t.blocked_outputs,
-                    t.out_channels,
-                )  # fmt: skip
-                for t in tactics_of(kernel)
-            ]
-        return kernels
 
     def _choose(self, shapes: dict, nchw_only: bool = False) -> dict[int, Tactic | None]:
         """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
@@ -476,13 +450,11 @@ class Session:
         """A Session on this one's kernels (built once, weights packed once) that runs them
         under another untimed policy: "kernel", "onnxruntime" or a tactic name. fusion.verify
         runs each tactic a kernel offers this way."""
-        other = copy.copy(self)
-        other.tactics = policy(tactics)
-        if other.tactics == "fastest":
+        chosen = policy(tactics)
+        if chosen == "fastest":
             raise ValueError("with_tactics takes an untimed policy, not 'fastest'")
-        other._lock = threading.Lock()
-        other._plans, other._dynamic, other._unsettled = {}, False, False
-        other._default = other._plan(other._choose(other._shapes))
+        other = object.__new__(type(self))
+        other._start(self._built, chosen, retime=False)
         return other
 
     @property
@@ -506,12 +478,6 @@ class Session:
         return dict(self._plan_for(self._feeds.validated(feeds)).choices)
 
     # ---- building ----------------------------------------------------------------------------
-    def _has_kernel(self, node: onnx.NodeProto) -> bool:
-        if node.domain != DOMAIN:
-            return False
-        body = self._functions.get((node.domain, node.op_type, node.overload))
-        return binds_kernel(self.catalog.get(node.op_type), node, body)
-
     def _body_runner(self, node: onnx.NodeProto) -> Callable[[list], list] | None:
         """The node's function body in onnxruntime (for runs a kernel is not called on)."""
         if (node.domain, node.op_type, node.overload) not in self._functions:
