@@ -21,13 +21,12 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from fusion.catalog import DOMAIN, Catalog, Tactic
 from fusion.errors import FusionWarning
@@ -44,12 +43,9 @@ from fusion.runtime.kernel import (
     build_kernels,
     ensure_threads,
     is_built_in,
-    kernel_name,
 )
-from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
-from fusion.runtime.plan import IslandPlan, island_settings, plan, run_body
 from fusion.runtime.race import Verdict, agrees, race
-from fusion.runtime.steps import IslandStep, KernelStep, OutputCheck, releases
+from fusion.runtime.steps import IslandStep, RunPlan, assemble, known_values
 from fusion.runtime.tactics import (
     ONNXRUNTIME,
     policy,
@@ -168,8 +164,8 @@ class Session:
         self._dynamic = self.tactics == "fastest" and any(
             _static_shape(view.type_of(v)) is None for v in view.graph_inputs
         )
-        self._plans: dict[tuple, _RunPlan] = {}
-        self._base = _known_values(view, self._output_names)
+        self._plans: dict[tuple, RunPlan] = {}
+        self._base = known_values(view, self._output_names)
         self._shapes = shapes
         self._unsettled = False  # the default plan waits for a first run's feeds to be raced
         if self._dynamic:
@@ -278,7 +274,7 @@ class Session:
         arrays = random_inputs([shapes[n] for n in names], [None] * len(names))
         return dict(self._base) | dict(zip(names, arrays, strict=True))
 
-    def _settle(self, shapes: dict, values: dict, again: bool = False) -> _RunPlan:
+    def _settle(self, shapes: dict, values: dict, again: bool = False) -> RunPlan:
         """The plan for these shapes, checked whole. Per-node timings miss what a node costs
         its neighbours (layout conversions at the borders of a blocked region, an island cut
         in two), so the plan of per-node choices races, on `values`, the same choices kept to
@@ -329,7 +325,7 @@ class Session:
             return None
         return verdict
 
-    def _race(self, plans: dict[str, _RunPlan], values: dict) -> Verdict:
+    def _race(self, plans: dict[str, RunPlan], values: dict) -> Verdict:
         """Race whole runs of the plans (fusion/runtime/race.py). Each plan runs on one copy of
         the feeds, never on the caller's arrays, whatever a kernel does to its inputs; a plan
         that fails is ruled out, with a warning."""
@@ -343,8 +339,8 @@ class Session:
             warnings.warn(message, FusionWarning, stacklevel=3)
         return verdict
 
-    def _run_copy(self, run_plan: _RunPlan, values: dict) -> None:
-        self._execute(run_plan, dict(values))
+    def _run_copy(self, run_plan: RunPlan, values: dict) -> None:
+        run_plan.run(dict(values))
 
     @functools.cached_property
     def _source_version(self) -> str:
@@ -358,60 +354,10 @@ class Session:
     def _skeleton_digest(self) -> str:
         return skeleton_digest(self.model)
 
-    def _plan(self, choices: dict[int, Tactic | None]) -> _RunPlan:
-        """The run steps for these choices: islands, kernels, and layout conversions."""
-        view = self.view
-        chosen = {id(view.nodes[i]): t for i, t in choices.items() if t is not None}
-        plans = plan(view, lambda node: id(node) in chosen)
-        island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
-        layouts = Layouts()
-        steps: list = []
-        for p in plans:
-            if isinstance(p, IslandPlan):
-                for value in p.inputs:
-                    steps += convert(layouts, value, NCHW)
-                settings = island_settings(p, alone=not chosen)
-                steps.append(IslandStep(p, view, settings, self.threads))
-                for value in p.outputs:
-                    layouts.made(value, NCHW)
-                continue
-            tactic = chosen[id(p.node)]
-            checks = [
-                OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/8, H, W, 8]
-                if k in tactic.blocked_outputs
-                else OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
-                for k, v in enumerate(p.outputs)
-            ]
-            rule = self.catalog.get(p.node.op_type)
-            varying = [k for k, v in enumerate(p.inputs) if v and view.constant(v) is None]
-            # An empty input (batch 0) runs the node's body for its output shapes; a blocked
-            # tactic's inputs are not the body's, and its kernels return empty outputs.
-            body = None if tactic.blocked_inputs else self._body_runner(p.node)
-            step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
-            step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
-            blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
-            for pos, value in enumerate(p.inputs):
-                if value:
-                    form = blocked_in.get(pos, NCHW)
-                    steps += convert(layouts, value, form)
-                    step.inputs[pos] = layouts.made(value, form) if form != NCHW else value
-            out_channels = dict(zip(tactic.blocked_outputs, tactic.out_channels, strict=True))
-            for pos, value in enumerate(p.outputs):
-                if value:
-                    form = OUT_BLOCK if pos in out_channels else NCHW
-                    step.outputs[pos] = layouts.made(value, form, out_channels.get(pos))
-            steps.append(step)
-        for value in self._output_names:
-            steps += convert(layouts, value, NCHW)
-        uses_numba = any(s.kind != "island" for s in steps)
-        choice = {s.name: s.choice for s in steps if s.kind == "kernel"}
-        kept = {i: ONNXRUNTIME for i, t in choices.items() if t is None}
-        for i in kept:
-            choice[node_label(view.nodes[i])] = ONNXRUNTIME
-        return _RunPlan(steps, releases(steps, set(self._output_names)), layouts, uses_numba,
-                        choice)  # fmt: skip
+    def _plan(self, choices: dict[int, Tactic | None]) -> RunPlan:
+        return assemble(self._built, self._output_names, choices)
 
-    def _plan_for(self, feeds: dict) -> _RunPlan:
+    def _plan_for(self, feeds: dict) -> RunPlan:
         """The plan for these feeds' shapes: the default one, or (dynamic shapes, timed
         choices) the one made for this shape on its first run."""
         if not self._dynamic:
@@ -478,12 +424,6 @@ class Session:
         return dict(self._plan_for(self._feeds.validated(feeds)).choices)
 
     # ---- building ----------------------------------------------------------------------------
-    def _body_runner(self, node: onnx.NodeProto) -> Callable[[list], list] | None:
-        """The node's function body in onnxruntime (for runs a kernel is not called on)."""
-        if (node.domain, node.op_type, node.overload) not in self._functions:
-            return None
-        return lambda args: run_body(self.model, node, args, ISLAND)
-
     # ---- the InferenceSession interface ------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         return [spec.node_arg for spec in self._inputs]
@@ -540,15 +480,15 @@ class Session:
         run_plan = self._plan_for(values)
         watch = run_plan.watch
         if watch is None or not watch.open:
-            return self._execute(run_plan, values, times, keep_all)
+            return run_plan.run(values, times, keep_all)
         feeds = dict(values)  # the run releases values from `values`
         start = time.perf_counter()
-        out = self._execute(run_plan, values, times, keep_all)
+        out = run_plan.run(values, times, keep_all)
         if watch.seen(time.perf_counter() - start) is False:
             self._race_again(run_plan, feeds)
         return out
 
-    def _race_again(self, stale: _RunPlan, feeds: dict) -> None:
+    def _race_again(self, stale: RunPlan, feeds: dict) -> None:
         """A cached plan whose runs disagree with the time its race recorded (that race ran on
         a machine unlike this one now): race its shapes again, here, and use the new verdict."""
         with self._lock:
@@ -561,28 +501,6 @@ class Session:
             for signature, other in list(self._plans.items()):
                 if other is stale:
                     self._plans[signature] = fresh
-
-    def _execute(self, run_plan: _RunPlan, values: dict, times: list | None = None,
-                 keep_all: bool = False) -> dict:  # fmt: skip
-        if run_plan.uses_numba:
-            ensure_threads(self.threads)  # Numba's thread count is per calling thread
-        for step, release in zip(run_plan.steps, run_plan.releases, strict=True):
-            if times is None:
-                step(values, keep_all)
-            else:
-                start = time.perf_counter()
-                step(values, keep_all)
-                times.append(time.perf_counter() - start)
-            if not keep_all:
-                for name in release:  # an activation is freed after its last reader
-                    del values[name]
-        if keep_all:
-            from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
-
-            for name, (plain, channels) in run_plan.layouts.blocked.items():
-                if name in values and plain not in values:
-                    values[plain] = from_blocked(values[name], channels)
-        return values
 
 
 @dataclass
@@ -619,26 +537,6 @@ class Profile:
         return "\n".join(lines)
 
 
-def _known_values(view: GraphView, outputs: list[str]) -> dict[str, np.ndarray]:
-    """Values known at build time that a run reads from its dict: constants read by fused
-    nodes (whatever runs them) or returned as graph outputs, and the defaults of initializers
-    that a feed may override. Constants only islands read live inside their islands."""
-    wanted = set(outputs) | (set(view.initializers) & {i.name for i in view.graph.input})
-    for node in view.nodes:
-        if node.domain == DOMAIN:
-            wanted.update(node.input)
-    known = {}
-    for value in wanted:
-        if not value:
-            continue
-        array = view.constant(value)
-        if array is None and value in view.initializers:  # overridable default
-            array = numpy_helper.to_array(view.initializers[value])
-        if array is not None:
-            known[value] = array
-    return known
-
-
 def _check_against_body(node: onnx.NodeProto, tactic: Tactic, results, expected: list) -> None:
     """Raise ValueError if a tactic's outputs are not the body's in number, dtype or shape
     (outputs in the blocked layout aside): a timed tactic must be one a run would accept."""
@@ -663,17 +561,6 @@ def _fresh(value: np.ndarray, shared: bool) -> np.ndarray:
 
 
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
-
-
-@dataclass
-class _RunPlan:
-    steps: list  # IslandStep | KernelStep | ConvertStep, in run order
-    releases: list  # per step, the values dropped after it
-    layouts: Layouts  # the blocked values and what they hold
-    uses_numba: bool
-    choices: dict  # fused node label -> tactic name
-    race: dict | None = None  # the whole-plan timings it won (Session._settle), if raced
-    watch: _Watch | None = None  # a cached verdict's plan: its first runs checked against it
 
 
 WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are

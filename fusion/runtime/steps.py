@@ -3,23 +3,38 @@ onnxruntime session (IslandStep), one fused node's kernel with its outputs check
 node's type (KernelStep, OutputCheck), and the layout conversions between them (ConvertStep, in
 fusion/runtime/layout.py). `releases` says which values each step leaves for no one: a run
 drops them there, as onnxruntime frees its activations. Which nodes form the islands is pure
-graph planning (fusion/runtime/plan.py).
+graph planning (fusion/runtime/plan.py); `assemble` turns it and each fused node's tactic into
+a RunPlan, converting layouts where a blocked tactic meets the rest, and `RunPlan.run` is the
+run loop.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnxruntime
-from onnx import helper
+from onnx import helper, numpy_helper
 
+from fusion.catalog import DOMAIN, Tactic
 from fusion.errors import KernelError, one_line
-from fusion.graph import GraphView, ValueType
-from fusion.ort import Settings, inference_session
-from fusion.runtime.plan import IslandPlan, KernelPlan, island_model
+from fusion.graph import GraphView, ValueType, node_label
+from fusion.ort import ISLAND, Settings, inference_session
+from fusion.runtime.kernel import BuiltKernels, ensure_threads, kernel_name
+from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
+from fusion.runtime.plan import (
+    IslandPlan,
+    KernelPlan,
+    island_model,
+    island_settings,
+    plan,
+    run_body,
+)
+from fusion.runtime.tactics import ONNXRUNTIME
 
 
 class IslandStep:
@@ -243,3 +258,126 @@ def releases(steps: list[IslandStep | KernelStep], keep: set[str]) -> list[tuple
             step.live = tuple(k for k, n in enumerate(step.outputs) if n and n not in dead)
             dropped[i] = [n for n in dropped[i] if n not in dead]
     return [tuple(names) for names in dropped]
+
+
+# ---- a run's plan: the steps for some choices -------------------------------------------------
+@dataclass
+class RunPlan:
+    """The steps of a run in order, and what its loop needs besides them."""
+
+    steps: list  # IslandStep | KernelStep | ConvertStep, in run order
+    releases: list  # per step, the values dropped after it
+    layouts: Layouts  # the blocked values and what they hold
+    uses_numba: bool
+    choices: dict  # fused node label -> tactic name
+    threads: int
+    race: dict | None = None  # the whole-plan timings it won (Session._settle), if raced
+    watch: object = None  # a cached verdict's plan: its first runs checked against it
+
+    def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
+        """One run on `values` (feeds and known values, by name), which it updates and returns:
+        the graph outputs and whatever no step released (keep_all: every value, each also in
+        NCHW under its own name). times, when given, gets each step's seconds."""
+        if self.uses_numba:
+            ensure_threads(self.threads)  # Numba's thread count is per calling thread
+        for step, release in zip(self.steps, self.releases, strict=True):
+            if times is None:
+                step(values, keep_all)
+            else:
+                start = time.perf_counter()
+                step(values, keep_all)
+                times.append(time.perf_counter() - start)
+            if not keep_all:
+                for name in release:  # an activation is freed after its last reader
+                    del values[name]
+        if keep_all:
+            from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
+
+            for name, (plain, channels) in self.layouts.blocked.items():
+                if name in values and plain not in values:
+                    values[plain] = from_blocked(values[name], channels)
+        return values
+
+
+def assemble(
+    built: BuiltKernels, outputs: Sequence[str], choices: dict[int, Tactic | None]
+) -> RunPlan:
+    """The run steps for these choices (per fused node a kernel runs, its tactic, or None for
+    its body in onnxruntime): islands, kernels, and layout conversions."""
+    view = built.view
+    chosen = {id(view.nodes[i]): t for i, t in choices.items() if t is not None}
+    plans = plan(view, lambda node: id(node) in chosen)
+    island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
+    layouts = Layouts()
+    steps: list = []
+    for p in plans:
+        if isinstance(p, IslandPlan):
+            for value in p.inputs:
+                steps += convert(layouts, value, NCHW)
+            settings = island_settings(p, alone=not chosen)
+            steps.append(IslandStep(p, view, settings, built.threads))
+            for value in p.outputs:
+                layouts.made(value, NCHW)
+            continue
+        tactic = chosen[id(p.node)]
+        checks = [
+            OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/8, H, W, 8]
+            if k in tactic.blocked_outputs
+            else OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
+            for k, v in enumerate(p.outputs)
+        ]
+        rule = built.catalog.get(p.node.op_type)
+        varying = [k for k, v in enumerate(p.inputs) if v and view.constant(v) is None]
+        # An empty input (batch 0) runs the node's body for its output shapes; a blocked
+        # tactic's inputs are not the body's, and its kernels return empty outputs.
+        body = None if tactic.blocked_inputs else _body_runner(built, p.node)
+        step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
+        step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
+        blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
+        for pos, value in enumerate(p.inputs):
+            if value:
+                form = blocked_in.get(pos, NCHW)
+                steps += convert(layouts, value, form)
+                step.inputs[pos] = layouts.made(value, form) if form != NCHW else value
+        out_channels = dict(zip(tactic.blocked_outputs, tactic.out_channels, strict=True))
+        for pos, value in enumerate(p.outputs):
+            if value:
+                form = OUT_BLOCK if pos in out_channels else NCHW
+                step.outputs[pos] = layouts.made(value, form, out_channels.get(pos))
+        steps.append(step)
+    for value in outputs:
+        steps += convert(layouts, value, NCHW)
+    uses_numba = any(s.kind != "island" for s in steps)
+    choice = {s.name: s.choice for s in steps if s.kind == "kernel"}
+    for i, t in choices.items():
+        if t is None:
+            choice[node_label(view.nodes[i])] = ONNXRUNTIME
+    return RunPlan(steps, releases(steps, set(outputs)), layouts, uses_numba, choice,
+                   built.threads)  # fmt: skip
+
+
+def _body_runner(built: BuiltKernels, node: onnx.NodeProto) -> Callable[[list], list] | None:
+    """The node's function body in onnxruntime (for runs a kernel is not called on)."""
+    if (node.domain, node.op_type, node.overload) not in built.functions:
+        return None
+    return lambda args: run_body(built.model, node, args, ISLAND)
+
+
+def known_values(view: GraphView, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    """Values known at build time that a run reads from its dict: constants read by fused
+    nodes (whatever runs them) or returned as graph outputs, and the defaults of initializers
+    that a feed may override. Constants only islands read live inside their islands."""
+    wanted = set(outputs) | (set(view.initializers) & {i.name for i in view.graph.input})
+    for node in view.nodes:
+        if node.domain == DOMAIN:
+            wanted.update(node.input)
+    known = {}
+    for value in wanted:
+        if not value:
+            continue
+        array = view.constant(value)
+        if array is None and value in view.initializers:  # overridable default
+            array = numpy_helper.to_array(view.initializers[value])
+        if array is not None:
+            known[value] = array
+    return known
