@@ -2,7 +2,7 @@
 fused node runs, ahead of time, or show what was chosen.
 
 A Session times each fused node's tactics against onnxruntime on the node's own body, then
-races the whole plan against onnxruntime alone (fusion/runtime/race.py, Session._settle), on
+races the whole plan against onnxruntime alone (fusion/runtime/choice.py and race.py), on
 the first run of each input shape; the choices go to the timing cache (per CPU), and later
 sessions on this machine reuse them for free. `tune` makes those first runs now, for the given
 batch sizes, and prints what was chosen; `--force` times and races again what the cache already

@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper, numpy_helper
 
+from fusion.catalog import DOMAIN
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label, topological_order
 from fusion.ort import DEFAULT, ISLAND, ISLAND_WITHOUT_CONV, Settings, inference_session
+
+
+def is_fused(model: onnx.ModelProto) -> bool:
+    """Whether the model has fused nodes (nodes in the fusion domain)."""
+    return any(node.domain == DOMAIN for node in model.graph.node)
 
 
 @dataclass

@@ -271,8 +271,6 @@ class RunPlan:
     uses_numba: bool
     choices: dict  # fused node label -> tactic name
     threads: int
-    race: dict | None = None  # the whole-plan timings it won (Session._settle), if raced
-    watch: object = None  # a cached verdict's plan: its first runs checked against it
 
     def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
         """One run on `values` (feeds and known values, by name), which it updates and returns:
