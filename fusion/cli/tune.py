@@ -21,6 +21,7 @@ from fusion.errors import FusionError
 from fusion.feeds import model_inputs, random_shapes, require_memory
 from fusion.graph import GraphView
 from fusion.runtime import describe_race
+from fusion.runtime.session import cached_races
 from fusion.runtime.timing_cache import cache_dir
 
 NAME, HELP = "tune", "time every fused node's kernels once, for later sessions on this CPU"
@@ -67,8 +68,6 @@ def execute(args) -> int:
 
 
 def _show(path) -> int:
-    from fusion.runtime.session import cached_races  # kernels' CPU identity: only here
-
     model = None
     if path is not None:
         model, _, _ = load_checked(path)
