@@ -462,5 +462,5 @@ def scripted_race(monkeypatch, seconds: dict, load: float | None = 0.0) -> list[
         scripted = {name: timed(name, call) for name, call in calls.items()}
         return race_module.race(scripted, clock=clock, machine=FakeMachine(load), **kw)
 
-    monkeypatch.setattr("fusion.runtime.session.race", fake_race)
+    monkeypatch.setattr("fusion.runtime.choice.race", fake_race)
     return raced

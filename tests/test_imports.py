@@ -94,6 +94,15 @@ def test_patterns_use_the_engine_only_and_kernels_no_fusion():
             assert not engine, (name, engine)
 
 
+def test_no_runtime_module_imports_the_session():
+    """The session is the runtime's front: the choice, the steps, the feed checks below it take
+    what they need as arguments and callables."""
+    modules = project_modules()
+    for name, path in modules.items():
+        if name.startswith("fusion.runtime.") and name != "fusion.runtime.session":
+            assert "fusion.runtime.session" not in imported(name, path, modules), name
+
+
 def test_find_cycle_sees_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

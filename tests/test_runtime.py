@@ -337,6 +337,26 @@ def test_kernel_gets_attributes_and_constants_once():
     assert constants[0] is None and constants[1] == np.float32(2.0)
 
 
+def test_with_tactics_shares_the_kernels_and_keeps_the_original_as_it_was():
+    built = []
+
+    def factory(attrs, constants):
+        built.append(attrs)
+        return scaled_relu_kernel(attrs, constants)
+
+    model = chain_model()
+    sess = Session(model, threads=1, catalog=catalog(factory), tactics="kernel")
+    other = sess.with_tactics("onnxruntime")
+    assert len(built) == 1  # built once, shared
+    assert other.choices == {"ScaledRelu sr": "onnxruntime"}
+    assert [s.kind for s in other.steps] == ["island"]
+    assert sess.choices == {"ScaledRelu sr": "kernel"} and len(sess.steps) == 3
+    feeds = feeds_for(model)
+    assert_same(other.run(None, feeds), sess.run(None, feeds))
+    with pytest.raises(ValueError, match="untimed"):
+        sess.with_tactics("fastest")
+
+
 @pytest.mark.parametrize(
     ("ops", "level"),
     [

@@ -33,7 +33,7 @@ from fusion.models import conv_stack
 from fusion.ort import DEFAULT
 from fusion.pattern import Var, op
 from fusion.runtime import Session, describe_race
-from fusion.runtime.session import WATCH_RUNS, WATCH_SKIP
+from fusion.runtime.choice import WATCH_RUNS, WATCH_SKIP, Chooser
 from fusion.runtime.tactics import ONNXRUNTIME, policy, preferred
 from fusion.runtime.timing_cache import TimingCache, node_key
 
@@ -86,7 +86,7 @@ def test_fastest_never_keeps_a_slower_tactic_and_caches_the_choice(monkeypatch, 
         raise AssertionError("timed although the cache had the answer")
 
     monkeypatch.setattr(tactics_module, "time_call", no_timing)
-    monkeypatch.setattr("fusion.runtime.session.time_call", no_timing, raising=False)
+    monkeypatch.setattr("fusion.runtime.choice.time_call", no_timing)
     again = _session(tactics="fastest")
     assert again.choices == session.choices
     assert session.race is not None and not session.race["cached"]
@@ -102,7 +102,7 @@ def test_the_whole_plan_races_onnxruntime_alone(monkeypatch, tmp_path):
     # conversions, islands cut in two): then the model runs in onnxruntime at its defaults.
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
     node_times = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node
-    monkeypatch.setattr(Session, "_time", lambda self, *args: node_times)
+    monkeypatch.setattr(Chooser, "time_tactics", lambda self, *args: node_times)
     scripted_race(monkeypatch, {"per-node": 0.02, "nchw": 0.02, ONNXRUNTIME: 0.01})
     session = _session(tactics="fastest")
     assert session.race["chosen"] == ONNXRUNTIME
@@ -125,8 +125,8 @@ def judged(monkeypatch, tmp_path):
     """Node timings that make the kernel win, a fresh cache, and a fresh process's memory of
     which provisional verdicts it raced again."""
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(Session, "_time", lambda self, *args: NODE_WINS)
-    monkeypatch.setattr("fusion.runtime.session._RERACED", set())
+    monkeypatch.setattr(Chooser, "time_tactics", lambda self, *args: NODE_WINS)
+    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())
     return tmp_path
 
 
@@ -140,7 +140,7 @@ def test_a_race_under_load_is_provisional_and_raced_again_once_quiet(monkeypatch
     _session(tactics="fastest")  # provisional: raced again (still under load) ...
     _session(tactics="fastest")  # ... but once per process
     assert len(raced) == 2
-    monkeypatch.setattr("fusion.runtime.session._RERACED", set())  # a later process, quiet
+    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())  # a later process, quiet
     raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
     quiet = _session(tactics="fastest")
     assert (quiet.race["chosen"], quiet.race["busy"], len(raced)) == (ONNXRUNTIME, False, 1)
@@ -178,7 +178,7 @@ def test_an_entry_from_before_judged_races_is_raced_again(monkeypatch, judged):
         if key.startswith("plan:"):
             data["entries"][key] = {"plans": entry["plans"]}  # what older versions wrote
     path.write_text(json.dumps(data))
-    monkeypatch.setattr("fusion.runtime.session._RERACED", set())
+    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())
     raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
     assert _session(tactics="fastest").race["chosen"] == ONNXRUNTIME and len(raced) == 1
 

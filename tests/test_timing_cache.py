@@ -73,7 +73,7 @@ def _session(monkeypatch) -> Session:
         calls.append(run)
         return 1e-6 * len(calls)
 
-    monkeypatch.setattr("fusion.runtime.session.time_call", time_call)
+    monkeypatch.setattr("fusion.runtime.choice.time_call", time_call)
     scripted_race(monkeypatch, {ONNXRUNTIME: 0.05, "nchw": 0.04, "per-node": 0.03})
     return Session(_model(), threads=1, catalog=scaled_relu_catalog(), tactics="fastest")
 

@@ -2,7 +2,7 @@
 fused node runs, ahead of time, or show what was chosen.
 
 A Session times each fused node's tactics against onnxruntime on the node's own body, then
-races the whole plan against onnxruntime alone (fusion/runtime/race.py, Session._settle), on
+races the whole plan against onnxruntime alone (fusion/runtime/choice.py and race.py), on
 the first run of each input shape; the choices go to the timing cache (per CPU), and later
 sessions on this machine reuse them for free. `tune` makes those first runs now, for the given
 batch sizes, and prints what was chosen; `--force` times and races again what the cache already
@@ -21,6 +21,7 @@ from fusion.errors import FusionError
 from fusion.feeds import model_inputs, random_shapes, require_memory
 from fusion.graph import GraphView
 from fusion.runtime import describe_race
+from fusion.runtime.session import cached_races
 from fusion.runtime.timing_cache import cache_dir
 
 NAME, HELP = "tune", "time every fused node's kernels once, for later sessions on this CPU"
@@ -67,8 +68,6 @@ def execute(args) -> int:
 
 
 def _show(path) -> int:
-    from fusion.runtime.session import cached_races  # kernels' CPU identity: only here
-
     model = None
     if path is not None:
         model, _, _ = load_checked(path)

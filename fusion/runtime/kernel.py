@@ -1,6 +1,7 @@
 """A fused node's kernel: whether a node gets one (`binds_kernel`), building it in one place (a
-session's steps, verify's per-node check; a plugin's kernel sees read-only inputs), the cache
-Numba compiles it into, and the thread settings applied before the first kernel runs.
+session's steps, verify's per-node check; a plugin's kernel sees read-only inputs), a model's
+kernels built once for the sessions that share them (`build_kernels`), the cache Numba compiles
+them into, and the thread settings applied before the first kernel runs.
 
 A kernel is bound only to the node its rule writes: the node's function body is unchanged since
 the rewrite (its content hash is still its `overload`) and the node has the inputs, outputs and
@@ -29,10 +30,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from fusion.catalog import Rule
+from fusion.catalog import DOMAIN, Catalog, Rule, Tactic
 from fusion.errors import CatalogError, FusionError, FusionWarning, KernelError, one_line
 from fusion.functions import content_hash
 from fusion.graph import GraphView, node_label
+from fusion.runtime.tactics import tactics_of
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
 BUILT_IN = ("kernels", "patterns")  # the packages of the built-in catalog and its kernels
@@ -122,6 +124,66 @@ def build_kernel(rule: Rule | None, node: onnx.NodeProto, view: GraphView) -> Ke
             name=node.name,
         ) from exc
     return kernel if is_built_in(rule) else read_only_inputs(kernel)
+
+
+# ---- a model's kernels -----------------------------------------------------------------------
+Progress = Callable[[str, int, int], None]  # (node label, index from 1, total)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BuiltKernels:
+    """A fused model's kernels, each built once (building packs its weights), and what running
+    them needs: the model, its graph view and functions, the catalog that made them, the
+    thread count. Sessions on the same kernels under other policies share one
+    (Session.with_tactics)."""
+
+    model: onnx.ModelProto
+    view: GraphView
+    catalog: Catalog
+    threads: int
+    tactics: dict[int, list[Tactic]]  # per fused node a kernel runs (its index in view.nodes)
+    functions: dict  # (domain, name, overload) -> the model's FunctionProto
+
+
+def build_kernels(
+    model: onnx.ModelProto, catalog: Catalog, threads: int, progress: Progress | None = None
+) -> BuiltKernels:
+    """The kernels of every fused node its rule's kernel may run (binds_kernel), each with its
+    tactics, under the workqueue lock where Numba needs one. progress(node label, i, total) is
+    called before kernel i of total is built (building may compile it: seconds on first use)."""
+    view = GraphView(model)
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
+    fused = [
+        i
+        for i, node in enumerate(view.nodes)
+        if node.domain == DOMAIN
+        and binds_kernel(
+            catalog.get(node.op_type),
+            node,
+            functions.get((node.domain, node.op_type, node.overload)),
+        )
+    ]
+    tactics = {}
+    if fused:
+        use_threads(threads)  # before the first kernel is built (or compiled)
+        lock = workqueue_lock()
+    for built, i in enumerate(fused, 1):
+        node = view.nodes[i]
+        if progress is not None:
+            progress(node_label(node), built, len(fused))
+        kernel = build_kernel(catalog.get(node.op_type), node, view)
+        tactics[i] = [
+            Tactic(
+                t.name,
+                serialized(t.run, lock),
+                t.blocked_inputs,
+                t.in_blocks,
+                t.blocked_outputs,
+                t.out_channels,
+            )  # fmt: skip
+            for t in tactics_of(kernel)
+        ]
+    return BuiltKernels(model, view, catalog, threads, tactics, functions)
 
 
 def is_built_in(rule: Rule) -> bool:

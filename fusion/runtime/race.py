@@ -26,8 +26,8 @@ How a race is run and judged:
   BUSY_CORES of it, or noise above BUSY_NOISE, is `busy`: its verdict may serve this process,
   but a cache should keep it as provisional and race again when the machine is quiet.
 
-Nothing here knows a Session: callers pass run callables (fusion/runtime/session.py builds
-them from its plans; the tests pass clocks and fake machines).
+Nothing here knows a Session: callers pass run callables (fusion/runtime/choice.py builds
+them from a session's plans; the tests pass clocks and fake machines).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Choosing how each fused node runs, per input shape and machine, as TensorRT chooses tactics.
+"""How each fused node may run (its tactics) and the policies that choose among them, per input
+shape and machine, as TensorRT chooses tactics; the choosing is fusion/runtime/choice.py's.
 
 A fused node's kernel may offer several ways to compute it (tactics): the blocked-layout kernel,
 an NCHW kernel (Winograd, im2col), ... and onnxruntime running the node's own function body is

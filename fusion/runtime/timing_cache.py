@@ -1,5 +1,5 @@
 """The timing cache: tactic and whole-plan timings on disk, one JSON file per CPU, so that a
-later process on this machine chooses without timing anything (fusion/runtime/tactics.py).
+later process on this machine chooses without timing anything (fusion/runtime/choice.py).
 
     {"format": 1, "cpu": "AMD EPYC 7551 ... | avx2", "entries": {
       "fusion.ConvBiasRelu:<body hash>|1x8x10x10;-;-|t2|<version>":
@@ -127,9 +127,9 @@ def _timings(*required: str) -> Callable[[object], str | None]:
     return check
 
 
-# Per kind of entry (its key's: plan_key or node_key), the fields its readers use (Session._settle
-# and Session._choose) and `written` (Unix time, for MAX_ENTRIES). A field added later is
-# optional (required=False), so that entries written before it still read.
+# Per kind of entry (its key's: plan_key or node_key), the fields its readers use (Chooser.settle
+# and Chooser.choose, fusion/runtime/choice.py) and `written` (Unix time, for MAX_ENTRIES). A
+# field added later is optional (required=False), so that entries written before it still read.
 def _of(*types: type, what: str) -> Callable[[object], str | None]:
     """The check of a value of one of `types` (bool is no number here)."""
 

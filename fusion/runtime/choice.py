@@ -1,0 +1,468 @@
+"""Choosing how a model runs, per input shapes and machine: each fused node's tactic, then the
+whole plan of those choices checked against simpler ones.
+
+    chooser = Chooser(built, "fastest", retime=False, feeds=FeedCheck(view), base=known,
+                      build=lambda choices: assemble(built, outputs, choices), run=RunPlan.run)
+    plans = PlanTable(chooser)
+    plans.default.plan, plans.default.race, plans.run(values)
+
+- Per node (`Chooser.choose`, by the policy of fusion/runtime/tactics.py): under "fastest",
+  each tactic of the node's kernel and onnxruntime on the node's body are timed on its input
+  shapes (`Chooser.time_tactics`), the fastest kept; the timings are cached
+  (fusion/runtime/timing_cache.py).
+- Whole plan (`Chooser.settle`): the plan of per-node choices races the same choices kept to
+  NCHW tactics and the model in onnxruntime alone, judged by fusion/runtime/race.py. The
+  verdict is cached; one raced under load is provisional and raced again once per process; a
+  cached one is watched (`Watch`): its plan's first runs against the time the race recorded.
+- Per input shapes (`PlanTable`): the plan of the shapes the model declares, settled when the
+  table is made (float inputs of fixed shape) or on the first run; with symbolic input dims,
+  one plan per new feed shape; a watched plan whose runs disagree is raced again and replaced.
+
+Nothing here knows a Session: it gets a model's built kernels and two callables, build(choices)
+-> a run plan and run(plan, values, times, keep_all) -> the values after one run
+(fusion/runtime/steps.py: assemble, RunPlan.run).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from fusion.catalog import Catalog, Tactic
+from fusion.errors import FusionWarning
+from fusion.functions import single_node_model
+from fusion.graph import GraphView, ValueType, node_label
+from fusion.modelfile import weightless_copy
+from fusion.ort import ISLAND, inference_session
+from fusion.rewriter import rewrite
+from fusion.runtime.feed_checks import FeedCheck
+from fusion.runtime.kernel import BuiltKernels, ensure_threads, is_built_in
+from fusion.runtime.plan import is_fused
+from fusion.runtime.race import Verdict, agrees, race
+from fusion.runtime.tactics import ONNXRUNTIME, preferred, random_inputs, time_call
+from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
+
+# What each whole-plan candidate (Chooser.settle) is, for people.
+PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
+              ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
+WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
+MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
+_RERACED: set[str] = set()  # plan keys whose provisional verdict this process raced again
+
+
+def describe_race(race: dict | None) -> str:
+    """One line for a whole-plan race (Session.race): the plan run, why, every candidate's
+    time, and whether the race ran under load (its answer then provisional)."""
+    if race is None:
+        return "no race (no fused node runs a kernel)"
+    name = PLAN_NAMES.get
+    times = ", ".join(f"{name(k, k)} {v * 1e3:.3g} ms" for k, v in race["seconds"].items())
+    if race.get("decided", True):
+        why = "the fastest"
+    else:
+        why = f"the simplest within the {race['noise']:.0%} noise of the fastest"
+    load = "" if race.get("load") is None else f"; other processes used {race['load']:.2f} cores"
+    busy = "; raced under load: provisional, raced again on a quiet run" if race.get("busy") else ""
+    cached = "; from the timing cache" if race.get("cached") else ""
+    return f"runs {name(race['chosen'], race['chosen'])}, {why} ({times}{load}{busy}{cached})"
+
+
+def skeleton_digest(model: onnx.ModelProto) -> str:
+    """What a whole-plan timing depends on in a fused model: its graph, fused nodes and islands
+    without the weights' bytes (the first field of its plan_key)."""
+    return hashlib.sha1(weightless_copy(model).SerializeToString()).hexdigest()[:16]
+
+
+def cached_races(model: onnx.ModelProto | None = None, catalog: Catalog | None = None) -> list:
+    """The whole-plan verdicts the timing cache holds on this CPU, for one model (fused here
+    first if it is not) or all: (plan key, Session.race's dict, Unix time it was written),
+    newest first. Builds no kernel."""
+    from kernels.machine import cpu_key  # heavy package: only with kernels
+
+    cache = TimingCache(cpu_key(), version=timing_version()).load()
+    start = PLAN
+    if model is not None:
+        fused = model if is_fused(model) else rewrite(model, catalog).model
+        start += skeleton_digest(fused) + "|"
+    found = [
+        (key, race_dict(Verdict.from_entry(entry), cached=True), entry.get("written", 0))
+        for key, entry in cache.entries.items()
+        if key.startswith(start)
+    ]
+    return sorted(found, key=lambda row: -row[2])
+
+
+def race_dict(verdict: Verdict, cached: bool = False) -> dict:
+    """Session.race's form of a verdict: what was chosen, every candidate's seconds, the noise,
+    whether the race decided, other processes' load (cores), whether it ran under load, and
+    whether it came from the timing cache."""
+    return {"chosen": verdict.chosen, "seconds": dict(verdict.seconds), "noise": verdict.noise,
+            "decided": verdict.decided, "load": verdict.load, "busy": verdict.busy,
+            "cached": cached}  # fmt: skip
+
+
+class Watch:
+    """The first runs of a plan chosen from the cache, against the time its race recorded
+    (race.agrees). seen(seconds) -> None while watching, then whether they agreed, once."""
+
+    def __init__(self, shapes: dict, recorded: float, noise: float):
+        self.shapes, self.recorded, self.noise = shapes, recorded, noise
+        self.times: list[float] = []
+        self.open = True
+        self._skip = WATCH_SKIP
+
+    def seen(self, seconds: float) -> bool | None:
+        if self._skip > 0:
+            self._skip -= 1
+            return None
+        self.times.append(seconds)
+        if len(self.times) < WATCH_RUNS or not self.open:
+            return None
+        self.open = False
+        return agrees(self.recorded, self.times, self.noise)
+
+
+@dataclass
+class Settled:
+    """A run plan and how it was chosen: race, Session.race's dict (None: not raced); watch,
+    for a verdict from the cache, its first runs checked against it."""
+
+    plan: Any  # what the chooser's build() made
+    race: dict | None = None
+    watch: Watch | None = None
+
+
+class Chooser:
+    """Each fused node's tactic and the whole plan, for a model's built kernels under a policy.
+
+    feeds: the model's inputs (FeedCheck); base: the values a run knows before its feeds;
+    build(choices) -> a run plan, choices being per fused node a kernel runs (its index) its
+    Tactic or None (its body in onnxruntime); run(plan, values, times=None, keep_all=False):
+    one run. retime: time and race again what the cache answers (fusion tune --force)."""
+
+    def __init__(
+        self,
+        built: BuiltKernels,
+        policy: str,
+        retime: bool,
+        feeds: FeedCheck,
+        base: dict,
+        build: Callable[[dict], Any],
+        run: Callable[..., dict],
+    ):
+        self.built, self.view, self.model = built, built.view, built.model
+        self.kernels, self.threads = built.tactics, built.threads
+        self.policy, self.retime = policy, retime
+        self.feeds, self.base = feeds, base
+        self.build, self.run = build, run
+        self._cache: TimingCache | None = None
+
+    # ---- per node ----------------------------------------------------------------------------
+    def choose(self, shapes: dict, nchw_only: bool = False) -> dict[int, Tactic | None]:
+        """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
+        by the policy, timing each candidate where the node's input shapes are known
+        (`shapes`: value -> shape) and the timing cache has no answer yet. nchw_only: among
+        the tactics that read and write plain NCHW arrays (no layout conversions)."""
+        if self.policy == ONNXRUNTIME:
+            return dict.fromkeys(self.kernels)
+        if self.policy != "fastest":  # "kernel", or a tactic name
+            return {i: preferred(tactics, self.policy) for i, tactics in self.kernels.items()}
+        choices, fresh = {}, {}
+        for i, tactics in self.kernels.items():
+            node = self.view.nodes[i]
+            ins = [shapes.get(v) if v else None for v in node.input]
+            consts = [self.view.constant(v) if v else None for v in node.input]
+            unknown = [
+                v
+                for v, s, c in zip(node.input, ins, consts, strict=True)
+                if v and s is None and c is None
+            ]
+            if unknown:
+                choices[i] = tactics[0]  # shapes unknown until a run: the kernel meanwhile
+                continue
+            if any(s is not None and 0 in s for s in ins):
+                choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
+                continue
+            if any(
+                c is None and not self._is_float(v)
+                for v, c in zip(node.input, consts, strict=True)
+                if v
+            ):
+                # integer or boolean inputs (shapes, ids, masks): random values would mean
+                # nothing (a shape of random numbers fails); the whole-plan race still checks
+                choices[i] = tactics[0]
+                continue
+            if self._cache is None:
+                from kernels.machine import cpu_key  # heavy package: only with kernels
+
+                self._cache = TimingCache(cpu_key(), version=timing_version()).load()
+            key = node_key(node, ins, self.threads, self._source_version)
+            entry = None if self.retime else self._cache.get(key)
+            if entry is None:
+                entry = {"times": self.time_tactics(node, tactics, ins, consts)}
+                fresh[key] = entry
+            times = entry["times"]
+            if nchw_only:
+                blocked = {t.name for t in tactics if t.blocked_inputs or t.blocked_outputs}
+                times = {k: v for k, v in times.items() if k not in blocked}
+            best = min(times, key=times.get)
+            choices[i] = next((t for t in tactics if t.name == best), None)
+        if fresh:
+            self._cache.put(fresh)
+        return choices
+
+    def time_tactics(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:
+        """Median seconds of each tactic and of onnxruntime on the node's body, on random
+        inputs of the node's shapes. A tactic that fails, or returns outputs of another number,
+        dtype or shape than the body's, is never chosen (and is reported)."""
+        from kernels.blocked import to_blocked  # heavy: Numba
+
+        ensure_threads(self.threads)
+        inputs = random_inputs(shapes, consts)
+        # The body with the node's constants as initializers, as onnxruntime would run it inside
+        # an island (weights pre-packed), on the same inputs.
+        constants = {v for v, c in zip(node.input, consts, strict=True) if v and c is not None}
+        single, feeds = single_node_model(self.model, node, inputs, constants)
+        body = inference_session(single, ISLAND, self.threads)
+        expected = body.run(None, feeds)
+        times = {}
+        for tactic in tactics:
+            args = list(inputs)
+            try:
+                for k, pos in enumerate(tactic.blocked_inputs):
+                    args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
+                _check_against_body(node, tactic, tactic.run(*args), expected)
+                times[tactic.name] = time_call(lambda t=tactic, a=args: t.run(*a))
+            except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)
+                warnings.warn(f"{node_label(node)}: tactic {tactic.name} failed: {exc}",
+                              FusionWarning, stacklevel=2)  # fmt: skip
+                times[tactic.name] = float("inf")
+        times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
+        return times
+
+    def _is_float(self, value: str) -> bool:
+        vt = self.view.type_of(value)
+        return vt is None or not vt.elem_type or vt.elem_type == onnx.TensorProto.FLOAT
+
+    # ---- the whole plan ----------------------------------------------------------------------
+    def settle(self, shapes: dict, values: dict, again: bool = False) -> Settled:
+        """The plan for these shapes, checked whole. Per-node timings miss what a node costs
+        its neighbours (layout conversions at the borders of a blocked region, an island cut
+        in two), so the plan of per-node choices races, on `values`, the same choices kept to
+        NCHW tactics and the model in onnxruntime alone (its defaults), judged as
+        fusion/runtime/race.py says: the simplest plan is kept unless another is faster by
+        more than the race's noise. The verdict is cached; one raced under load is provisional
+        (raced again, here or in a later process), and a cached one is watched: the chosen
+        plan's first runs are compared with the time the race recorded, and the plan is raced
+        again when they disagree. again: race whatever the cache says."""
+        per_node = self.choose(shapes)
+        if all(t is None for t in per_node.values()):
+            return Settled(self.build(per_node))
+        candidates = {  # simplest first: the race keeps the first it cannot tell from the best
+            ONNXRUNTIME: dict.fromkeys(self.kernels),
+            "nchw": self.choose(shapes, nchw_only=True),
+            "per-node": per_node,
+        }
+        if candidates["nchw"] == per_node:
+            del candidates["nchw"]
+        signature = [np.shape(values[spec.name]) for spec in self.feeds.inputs]
+        key = plan_key(self._skeleton_digest, signature, self.threads, self._source_version)
+        cached = None if again or self.retime else self._cached_verdict(key, candidates)
+        if cached is not None:
+            watch = Watch(shapes, cached.seconds[cached.chosen], cached.noise)
+            return Settled(self.build(candidates[cached.chosen]), race_dict(cached, True), watch)
+        plans = {name: self.build(c) for name, c in candidates.items()}
+        verdict = self._race(plans, values)
+        if self._cache is not None:
+            self._cache.put({key: verdict.to_entry()})
+        return Settled(plans[verdict.chosen], race_dict(verdict))
+
+    def _cached_verdict(self, key: str, candidates: dict) -> Verdict | None:
+        """The cache's verdict for this plan key, if it judged these candidates on a quiet
+        machine. A provisional one is raced again once per process: the machine may be quiet
+        now, and if it is not, the new verdict is as good as the old."""
+        entry = self._cache.get(key) if self._cache is not None else None
+        if entry is None:
+            return None
+        verdict = Verdict.from_entry(entry)
+        if not set(candidates) <= set(verdict.seconds) or verdict.chosen not in candidates:
+            return None
+        if verdict.busy and key not in _RERACED:
+            _RERACED.add(key)
+            return None
+        return verdict
+
+    def _race(self, plans: dict[str, Any], values: dict) -> Verdict:
+        """Race whole runs of the plans (fusion/runtime/race.py). Each plan runs on one copy of
+        the feeds, never on the caller's arrays, whatever a kernel does to its inputs; a plan
+        that fails is ruled out, with a warning."""
+        feedable = self.feeds.feedable
+        full = self.base | {k: v.copy() if k in feedable else v for k, v in values.items()}
+        calls = {name: functools.partial(self._run_copy, p, full) for name, p in plans.items()}
+        verdict = race(calls)
+        for name, error in verdict.failed.items():
+            message = f"the {PLAN_NAMES.get(name, name)} plan failed while timed: {error}"
+            warnings.warn(message, FusionWarning, stacklevel=3)
+        return verdict
+
+    def _run_copy(self, run_plan, values: dict) -> None:
+        self.run(run_plan, dict(values))
+
+    @functools.cached_property
+    def _source_version(self) -> str:
+        """What cached timings depend on in code: the kernels, the built-in patterns, and the
+        module of every other rule's kernel here (a plugin's), hashed once."""
+        rules = [self.built.catalog.get(self.view.nodes[i].op_type) for i in self.kernels]
+        plugins = sorted({r.prepare.__module__ for r in rules if not is_built_in(r)})
+        return timing_version(plugins)
+
+    @functools.cached_property
+    def _skeleton_digest(self) -> str:
+        return skeleton_digest(self.model)
+
+
+class PlanTable:
+    """A model's plans by input shapes. `default`: the plan for the shapes the model declares;
+    with symbolic input dims (a batch axis) and timed choices, each new feed shape gets its own
+    plan on its first run (at most MAX_PLANS). Safe to use from several threads."""
+
+    def __init__(self, chooser: Chooser):
+        self.chooser = chooser
+        self._lock = threading.Lock()
+        view = chooser.view
+        self._shapes = {v: s for v in view.producer | dict.fromkeys(view.graph_inputs)
+                        if (s := _static_shape(view.type_of(v))) is not None}  # fmt: skip
+        self._dynamic = chooser.policy == "fastest" and any(
+            _static_shape(view.type_of(v)) is None for v in view.graph_inputs
+        )
+        self._plans: dict[tuple, Settled] = {}
+        self._unsettled = False  # the default plan waits for a first run's feeds to be raced
+        build, choose = chooser.build, chooser.choose
+        if self._dynamic:
+            self.default = Settled(build(choose({})))  # kernels until shapes are known
+        elif chooser.policy != "fastest" or not chooser.kernels:
+            self.default = Settled(build(choose(self._shapes)))
+        else:
+            feeds = self._random_feeds(self._shapes)
+            self._unsettled = feeds is None
+            self.default = (
+                Settled(build(choose(self._shapes)))
+                if feeds is None
+                else chooser.settle(self._shapes, feeds)
+            )
+
+    def _random_feeds(self, shapes: dict) -> dict | None:
+        """Standard-normal feeds of the declared shapes, if every input is a float32 tensor of
+        a fixed shape (else a plan is raced on a first run's own feeds)."""
+        inputs = self.chooser.feeds.inputs
+        if any(spec.dtype != np.float32 or spec.name not in shapes for spec in inputs):
+            return None
+        names = [spec.name for spec in inputs]
+        arrays = random_inputs([shapes[n] for n in names], [None] * len(names))
+        return dict(self.chooser.base) | dict(zip(names, arrays, strict=True))
+
+    def for_values(self, feeds: dict) -> Settled:
+        """The plan for these feeds' shapes: the default one, or (dynamic shapes, timed
+        choices) the one made for this shape on its first run."""
+        if not self._dynamic:
+            if self._unsettled:
+                with self._lock:
+                    if self._unsettled:
+                        self.default = self.chooser.settle(self._shapes, dict(feeds))
+                        self._unsettled = False
+            return self.default
+        inputs = self.chooser.feeds.inputs
+        signature = tuple(np.shape(feeds[spec.name]) for spec in inputs)
+        found = self._plans.get(signature)
+        if found is not None:
+            return found
+        with self._lock:
+            if signature not in self._plans and len(self._plans) < MAX_PLANS:
+                names = [spec.name for spec in inputs]
+                shapes = _concrete_shapes(self.chooser.model, dict(zip(names, signature,
+                                                                       strict=True)))  # fmt: skip
+                self._plans[signature] = self.chooser.settle(shapes, dict(feeds))
+            return self._plans.get(signature, self.default)
+
+    def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
+        """One run on `values` with the plan for their shapes (see the chooser's run). A watched
+        plan's run is timed, and the plan raced again when its runs disagree with its race."""
+        settled = self.for_values(values)
+        run, watch = self.chooser.run, settled.watch
+        if watch is None or not watch.open:
+            return run(settled.plan, values, times, keep_all)
+        feeds = dict(values)  # the run releases values from `values`
+        start = time.perf_counter()
+        out = run(settled.plan, values, times, keep_all)
+        if watch.seen(time.perf_counter() - start) is False:
+            self._race_again(settled, feeds)
+        return out
+
+    def _race_again(self, stale: Settled, feeds: dict) -> None:
+        """A cached plan whose runs disagree with the time its race recorded (that race ran on
+        a machine unlike this one now): race its shapes again, here, and use the new verdict."""
+        with self._lock:
+            if stale.watch is None:  # another thread did it
+                return
+            fresh = self.chooser.settle(stale.watch.shapes, feeds, again=True)
+            stale.watch = None
+            if self.default is stale:
+                self.default = fresh
+            for signature, other in list(self._plans.items()):
+                if other is stale:
+                    self._plans[signature] = fresh
+
+
+def _check_against_body(node: onnx.NodeProto, tactic: Tactic, results, expected: list) -> None:
+    """Raise ValueError if a tactic's outputs are not the body's in number, dtype or shape
+    (outputs in the blocked layout aside): a timed tactic must be one a run would accept."""
+    outputs = [k for k, v in enumerate(node.output) if v]  # the body has no "" outputs
+    if not isinstance(results, Sequence):
+        results = tuple(results)
+    if len(results) != len(node.output):
+        raise ValueError(f"returned {len(results)} outputs; the node has {len(node.output)}")
+    for k, want in zip(outputs, expected, strict=True):
+        got = results[k]
+        if k in tactic.blocked_outputs:
+            continue
+        if type(got) is not np.ndarray or got.dtype != want.dtype or got.shape != want.shape:
+            what = f"{getattr(got, 'dtype', type(got).__name__)} {list(np.shape(got))}"
+            raise ValueError(f"returned {what} for {node.output[k]} where the node's function "
+                             f"body gives {want.dtype} {list(want.shape)}")  # fmt: skip
+
+
+def _static_shape(vt: ValueType | None) -> tuple | None:
+    if vt is None or vt.shape is None or not all(isinstance(d, int) and d >= 0 for d in vt.shape):
+        return None
+    return tuple(vt.shape)
+
+
+def _concrete_shapes(model: onnx.ModelProto, inputs: dict[str, tuple]) -> dict[str, tuple]:
+    """Every value's shape for these input shapes, by ONNX shape inference on the model
+    without its weights' bytes (what inference cannot say is left out)."""
+    skeleton = weightless_copy(model)
+    for vi in skeleton.graph.input:
+        if vi.name in inputs and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            for d, size in zip(dims, inputs[vi.name], strict=False):
+                d.Clear()
+                d.dim_value = int(size)
+    try:
+        view = GraphView(skeleton)
+    except Exception:  # noqa: BLE001 (inference is best effort)
+        return {}
+    out = {}
+    for value in list(view.producer) + list(inputs):
+        shape = _static_shape(view.type_of(value))
+        if shape is not None:
+            out[value] = shape
+    return out

@@ -1,0 +1,381 @@
+"""The steps a run executes, each reading and writing the run's dict of values: an island's
+onnxruntime session (IslandStep), one fused node's kernel with its outputs checked against the
+node's type (KernelStep, OutputCheck), and the layout conversions between them (ConvertStep, in
+fusion/runtime/layout.py). `releases` says which values each step leaves for no one: a run
+drops them there, as onnxruntime frees its activations. Which nodes form the islands is pure
+graph planning (fusion/runtime/plan.py); `assemble` turns it and each fused node's tactic into
+a RunPlan, converting layouts where a blocked tactic meets the rest, and `RunPlan.run` is the
+run loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime
+from onnx import helper, numpy_helper
+
+from fusion.catalog import DOMAIN, Tactic
+from fusion.errors import KernelError, one_line
+from fusion.graph import GraphView, ValueType, node_label
+from fusion.ort import ISLAND, Settings, inference_session
+from fusion.runtime.kernel import BuiltKernels, ensure_threads, kernel_name
+from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
+from fusion.runtime.plan import (
+    IslandPlan,
+    KernelPlan,
+    island_model,
+    island_settings,
+    plan,
+    run_body,
+)
+from fusion.runtime.tactics import ONNXRUNTIME
+
+
+class IslandStep:
+    """Runs one island's onnxruntime session on values from the run's dict."""
+
+    kind = "island"
+
+    def __init__(self, island: IslandPlan, view: GraphView, settings: Settings, threads: int):
+        self.name, self.inputs, self.outputs = island.name, island.inputs, island.outputs
+        self.nodes = [n.name or n.output[0] for n in island.nodes]
+        self.settings, self.threads = settings, threads
+        self._island, self._view = island, view
+        self._lock = threading.Lock()
+        self.session: onnxruntime.InferenceSession | None = None
+        self._run: Callable | None = None
+        types = {v: view.type_of(v) for v in island.inputs}
+        if all(t is not None and t.elem_type for t in types.values()):
+            self.session = self._build(types)
+        # else: an input's dtype is only known from the first run's actual value
+
+    def _build(self, types: dict) -> onnxruntime.InferenceSession:
+        self.model = island_model(self._view, self._island, types)
+        built = inference_session(self.model, self.settings, self.threads)
+        # InferenceSession.run re-validates the feeds in Python (a third of a crossing's cost);
+        # the steps already pass exactly the island's inputs, so call the binding.
+        self._run = getattr(built, "_sess", built).run
+        return built
+
+    def _build_from(self, values: dict) -> Callable:
+        with self._lock:
+            if self.session is None:
+                types = {}
+                for v in self.inputs:
+                    declared = self._view.type_of(v)
+                    elem = helper.np_dtype_to_tensor_dtype(values[v].dtype)
+                    shape = declared.shape if declared and declared.elem_type == elem else None
+                    types[v] = ValueType(elem, shape)
+                self.session = self._build(types)
+        return self._run
+
+    def __call__(self, values: dict, keep_all: bool = True) -> None:
+        run = self._run or self._build_from(values)
+        results = run(self.outputs, {name: values[name] for name in self.inputs}, None)
+        values.update(zip(self.outputs, results, strict=True))
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """What a kernel output must be, from the node's declared or inferred type: its dtype and,
+    when known, its rank and fixed sizes; a symbolic size (N) takes any value. Where an island
+    reads the value the sizes are `fixed` (the island's session declares them and would refuse
+    another size, naming the island instead of the kernel). Elsewhere (graph outputs, values
+    between kernels) they are `claimed`: onnx's shape inference and onnxruntime disagree on some
+    pooling sizes, and onnxruntime does not enforce a graph output's declared shape, so a size
+    that differs is checked against the node's function body in onnxruntime before it is
+    called wrong (KernelStep). `declared` is the shape as written, for messages."""
+
+    name: str
+    dtype: np.dtype | None
+    rank: int | None
+    fixed: tuple[tuple[int, int], ...]  # (axis, size) for every axis of declared size
+    claimed: tuple[tuple[int, int], ...] = ()  # declared sizes a second opinion must confirm
+    declared: tuple | None = None  # ints, and names (or None) for the sizes not fixed
+
+    @staticmethod
+    def of(name: str, vt: ValueType | None, sizes: bool = True) -> OutputCheck:
+        if vt is None or not vt.elem_type:
+            return OutputCheck(name, None, None, ())
+        dtype = helper.tensor_dtype_to_np_dtype(vt.elem_type)
+        shape = vt.shape
+        fixed = tuple((k, d) for k, d in enumerate(shape or ()) if isinstance(d, int) and d > 0)
+        rank = None if shape is None else len(shape)
+        declared = None if shape is None else tuple(shape)
+        if sizes:
+            return OutputCheck(name, dtype, rank, fixed, (), declared)
+        return OutputCheck(name, dtype, rank, (), fixed, declared)
+
+    def mismatch(self, value) -> str | None:
+        """Why `value` is not what the node declares, its claimed sizes aside (None: it fits)."""
+        if type(value) is not np.ndarray:
+            return f"a {type(value).__name__}, not a NumPy array"
+        if self.dtype is not None and value.dtype != self.dtype:
+            return f"dtype {value.dtype} where the node declares {self.dtype}"
+        if self.rank is not None and value.ndim != self.rank:
+            return f"shape {list(value.shape)} where the node declares rank {self.rank}"
+        return _sizes_differ(value.shape, self.fixed)
+
+    def shape_words(self) -> str:
+        """The declared shape as a user reads it: [N, 5] (? for a size not declared)."""
+        dims = ", ".join("?" if d is None or d == "" else str(d) for d in self.declared or ())
+        return f"[{dims}]"
+
+
+def _sizes_differ(shape: tuple, sizes) -> str | None:
+    """Which of the (axis, size) pairs `shape` does not have, in words (None: it has them)."""
+    for axis, size in sizes:
+        if shape[axis] != size:
+            return f"shape {list(shape)} where the node declares size {size} on axis {axis}"
+    return None
+
+
+class KernelStep:
+    """Calls one fused node's kernel; absent optional inputs are passed as None.
+
+    A kernel returns a sequence of outputs, a tuple or any Sequence. `live` (set by the session)
+    lists the positions that later steps read: a run stores only those, unless it keeps every
+    value, so a kernel whose outputs are views made on demand makes only those (an unrolled
+    LSTM's fused node has an output per step, and a run reads three of them).
+
+    Each stored output is checked against the node's type (OutputCheck); a kernel that raises
+    or returns what the node does not declare is a KernelError naming the kernel and the node.
+    A run with an empty input (batch 0) does not call the kernel: `body` (the node's function
+    body in onnxruntime) computes the empty outputs and their shapes."""
+
+    kind = "kernel"
+
+    def __init__(
+        self,
+        kernel: KernelPlan,
+        run: Callable[..., tuple],
+        checks: Sequence[OutputCheck] = (),
+        body: Callable[[list], list] | None = None,
+        kernel_name: str = "",
+        varying: Sequence[int] | None = None,
+    ):
+        self.name, self.node = kernel.name, kernel.node
+        self.inputs, self.outputs = kernel.inputs, kernel.outputs
+        self.kernel = run
+        self.checks = tuple(checks) or tuple(OutputCheck.of(v, None) for v in self.outputs)
+        self.body = body
+        # the inputs a run may make empty (not build-time constants); default: every given one
+        self.varying = (
+            tuple(k for k, v in enumerate(self.inputs) if v) if varying is None else tuple(varying)
+        )
+        self.kernel_name = kernel_name or "the kernel"
+        self.live: tuple[int, ...] | None = None  # None: every output
+        self._body_shapes: dict = {}  # (output, input shapes) -> the shape the body gave
+        # Per output, the last shape that had every declared size: a run whose shapes repeat
+        # checks each output with one tuple comparison (and its type and dtype).
+        self._passed: list[tuple | None] = [None] * len(self.outputs)
+
+    def __call__(self, values: dict, keep_all: bool = True) -> None:
+        args = [values[name] if name else None for name in self.inputs]
+        for k in self.varying:
+            if args[k].size == 0 and self.body is not None:
+                results = self.body(args)  # nothing to compute: onnxruntime gives the shapes
+                break
+        else:
+            try:
+                results = self.kernel(*args)
+            except Exception as exc:
+                raise self._error(f"failed: {type(exc).__name__}: {one_line(exc)}") from exc
+        if not isinstance(results, Sequence):
+            results = tuple(results)  # a generator, say
+        if len(results) != len(self.outputs):
+            raise self._error(f"returned {len(results)} outputs; the node has {len(self.outputs)}")
+        stored = range(len(self.outputs)) if keep_all or self.live is None else self.live
+        checks, passed = self.checks, self._passed
+        for i in stored:
+            value = results[i]
+            if (  # the common case in three comparisons
+                type(value) is not np.ndarray
+                or value.shape != passed[i]
+                or value.dtype != checks[i].dtype
+            ):
+                self._check(args, i, value)
+            values[self.outputs[i]] = value
+
+    def _check(self, args: list, i: int, value) -> None:
+        """Output i against its OutputCheck; a shape with every declared size is remembered."""
+        check = self.checks[i]
+        reason = check.mismatch(value)
+        if reason is not None:
+            declared = f" (declared {check.shape_words()})" if check.declared is not None else ""
+            raise self._error(f"returned {reason} for {self.outputs[i]}{declared}")
+        if _sizes_differ(value.shape, check.claimed) is None:
+            self._passed[i] = value.shape
+        else:
+            self._confirm_sizes(args, i, value)  # right for these input shapes only
+
+    def _confirm_sizes(self, args: list, i: int, value: np.ndarray) -> None:
+        """Output i's sizes differ from the declared ones: right only if the node's function
+        body gives the same sizes on these inputs (asked once per input shapes). Without a
+        body to ask (a tactic reading the blocked layout), as onnxruntime, not enforced."""
+        if self.body is None:
+            return
+        key = (i, *(None if a is None else a.shape for a in args))
+        want = self._body_shapes.get(key)
+        if want is None:
+            k = sum(1 for v in self.node.output[:i] if v)  # the body has no "" outputs
+            want = self.body(args)[k].shape
+            if len(self._body_shapes) < 64:  # a few input shapes in practice; bounded anyway
+                self._body_shapes[key] = want
+        if want != value.shape:
+            raise self._error(
+                f"returned shape {list(value.shape)} for {self.outputs[i]} where the node's "
+                f"function body gives {list(want)} (declared {self.checks[i].shape_words()})"
+            )
+
+    def _error(self, what: str) -> KernelError:
+        return KernelError(
+            f"{self.kernel_name} of {self.name} {what}", node=self.name, name=self.node.name
+        )
+
+
+def releases(steps: list[IslandStep | KernelStep], keep: set[str]) -> list[tuple[str, ...]]:
+    """Per step, the values no later step reads (those in `keep`, the graph outputs, excepted):
+    a run drops them after that step. Also sets each kernel step's `live`: a kernel output that
+    nothing reads is not even stored."""
+    last: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        for name in (*step.inputs, *step.outputs):
+            if name and name not in keep:
+                last[name] = i
+    dropped: list[list[str]] = [[] for _ in steps]
+    for name, i in last.items():
+        dropped[i].append(name)
+    for i, step in enumerate(steps):
+        if isinstance(step, KernelStep):
+            dead = set(dropped[i]).intersection(step.outputs)
+            step.live = tuple(k for k, n in enumerate(step.outputs) if n and n not in dead)
+            dropped[i] = [n for n in dropped[i] if n not in dead]
+    return [tuple(names) for names in dropped]
+
+
+# ---- a run's plan: the steps for some choices -------------------------------------------------
+@dataclass
+class RunPlan:
+    """The steps of a run in order, and what its loop needs besides them."""
+
+    steps: list  # IslandStep | KernelStep | ConvertStep, in run order
+    releases: list  # per step, the values dropped after it
+    layouts: Layouts  # the blocked values and what they hold
+    uses_numba: bool
+    choices: dict  # fused node label -> tactic name
+    threads: int
+
+    def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
+        """One run on `values` (feeds and known values, by name), which it updates and returns:
+        the graph outputs and whatever no step released (keep_all: every value, each also in
+        NCHW under its own name). times, when given, gets each step's seconds."""
+        if self.uses_numba:
+            ensure_threads(self.threads)  # Numba's thread count is per calling thread
+        for step, release in zip(self.steps, self.releases, strict=True):
+            if times is None:
+                step(values, keep_all)
+            else:
+                start = time.perf_counter()
+                step(values, keep_all)
+                times.append(time.perf_counter() - start)
+            if not keep_all:
+                for name in release:  # an activation is freed after its last reader
+                    del values[name]
+        if keep_all:
+            from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
+
+            for name, (plain, channels) in self.layouts.blocked.items():
+                if name in values and plain not in values:
+                    values[plain] = from_blocked(values[name], channels)
+        return values
+
+
+def assemble(
+    built: BuiltKernels, outputs: Sequence[str], choices: dict[int, Tactic | None]
+) -> RunPlan:
+    """The run steps for these choices (per fused node a kernel runs, its tactic, or None for
+    its body in onnxruntime): islands, kernels, and layout conversions."""
+    view = built.view
+    chosen = {id(view.nodes[i]): t for i, t in choices.items() if t is not None}
+    plans = plan(view, lambda node: id(node) in chosen)
+    island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
+    layouts = Layouts()
+    steps: list = []
+    for p in plans:
+        if isinstance(p, IslandPlan):
+            for value in p.inputs:
+                steps += convert(layouts, value, NCHW)
+            settings = island_settings(p, alone=not chosen)
+            steps.append(IslandStep(p, view, settings, built.threads))
+            for value in p.outputs:
+                layouts.made(value, NCHW)
+            continue
+        tactic = chosen[id(p.node)]
+        checks = [
+            OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/8, H, W, 8]
+            if k in tactic.blocked_outputs
+            else OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
+            for k, v in enumerate(p.outputs)
+        ]
+        rule = built.catalog.get(p.node.op_type)
+        varying = [k for k, v in enumerate(p.inputs) if v and view.constant(v) is None]
+        # An empty input (batch 0) runs the node's body for its output shapes; a blocked
+        # tactic's inputs are not the body's, and its kernels return empty outputs.
+        body = None if tactic.blocked_inputs else _body_runner(built, p.node)
+        step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
+        step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
+        blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
+        for pos, value in enumerate(p.inputs):
+            if value:
+                form = blocked_in.get(pos, NCHW)
+                steps += convert(layouts, value, form)
+                step.inputs[pos] = layouts.made(value, form) if form != NCHW else value
+        out_channels = dict(zip(tactic.blocked_outputs, tactic.out_channels, strict=True))
+        for pos, value in enumerate(p.outputs):
+            if value:
+                form = OUT_BLOCK if pos in out_channels else NCHW
+                step.outputs[pos] = layouts.made(value, form, out_channels.get(pos))
+        steps.append(step)
+    for value in outputs:
+        steps += convert(layouts, value, NCHW)
+    uses_numba = any(s.kind != "island" for s in steps)
+    choice = {s.name: s.choice for s in steps if s.kind == "kernel"}
+    for i, t in choices.items():
+        if t is None:
+            choice[node_label(view.nodes[i])] = ONNXRUNTIME
+    return RunPlan(steps, releases(steps, set(outputs)), layouts, uses_numba, choice,
+                   built.threads)  # fmt: skip
+
+
+def _body_runner(built: BuiltKernels, node: onnx.NodeProto) -> Callable[[list], list] | None:
+    """The node's function body in onnxruntime (for runs a kernel is not called on)."""
+    if (node.domain, node.op_type, node.overload) not in built.functions:
+        return None
+    return lambda args: run_body(built.model, node, args, ISLAND)
+
+
+def known_values(view: GraphView, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    """Values known at build time that a run reads from its dict: constants read by fused
+    nodes (whatever runs them) or returned as graph outputs, and the defaults of initializers
+    that a feed may override. Constants only islands read live inside their islands."""
+    wanted = set(outputs) | (set(view.initializers) & {i.name for i in view.graph.input})
+    for node in view.nodes:
+        if node.domain == DOMAIN:
+            wanted.update(node.input)
+    known = {}
+    for value in wanted:
+        if not value:
+            continue
+        array = view.constant(value)
+        if array is None and value in view.initializers:  # overridable default
+            array = numpy_helper.to_array(view.initializers[value])
+        if array is not None:
+            known[value] = array
+    return known
