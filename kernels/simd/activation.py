@@ -80,10 +80,9 @@ def clips(kind):
 @numba.jit(**INLINE)
 def clip_bounds(kind, a, b):
     """(lo, hi), float32: the clip that `kind` is when clips(kind) (identity -inf, inf; relu
-    0, inf; clip a, b); -inf, inf for another kind.
+    0, inf; clip a, b); -inf, inf for another kind (called from Python: two floats).
 
-    >>> clip_bounds(*encode("relu"))
-    (np.float32(0.0), np.float32(inf))
+    >>> lo, hi = clip_bounds(kind, a, b)      # in a kernel; relu: 0, inf
     """
     lo = f32(a) if kind == CLIP else (ZERO if kind == RELU else -INF)
     return lo, f32(b) if kind == CLIP else INF
