@@ -96,5 +96,6 @@ def linear_act(x, w, b, act=_IDENTITY, residual=None):
     """
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"cannot multiply x {x.shape} by W {w.shape}")
-    y = np.matmul(x, w)  # BLAS
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as in onnxruntime
+        y = np.matmul(x, w)  # BLAS
     return bias_act(y, b, act, residual)
