@@ -33,11 +33,12 @@ import numpy as np
 
 from ._gemm import fma8
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
-from .epilogue import finish
-from .simd import vload, vstore
-from .simd.activation import clip_bounds, clips
+from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
+from .simd import activate, vload, vstore
+from .simd.activation import IDENTITY, clip_bounds, clips
 
 u = np.uint64
+ZERO = np.float32(0.0)
 B = 8  # output block: channels per vector
 ACC = 12  # vector accumulators per tile
 
@@ -135,11 +136,11 @@ def _pixel(xs, wf, tx, tw, n_taps, bi, fb, a):
 
 
 @numba.jit(**INLINE_GEMM)
-def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, simple, lo, hi, kind,
-            act_a, act_b):  # fmt: skip
+def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
     """Accumulators parked in tbuf (k = p fb + f, for pixels p < npx and blocks f < nb) into
-    y with the whole epilogue (kernels/epilogue.py), one vector of a block's 8 channels at a
-    time: the bias of its block, the residual, the activation (kind, act_a, act_b)."""
+    y, one vector of a block's 8 channels at a time: the bias of its block, the residual
+    (kernels/epilogue.py), the clip [lo, hi]; the whole epilogue when the activation is a
+    clip, else its part before the activation (_activate does the rest)."""
     for k in range(npx * fb):
         p, f = k // fb, k % fb
         if f >= nb:
@@ -147,7 +148,20 @@ def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, simple
         q = yo + u(p * B) + u(f) * ystride
         v = vload(L, tbuf, u(k * B)) + vload(L, bf, bo + u(f * B))
         r = vload(L, res, q) if residual else v
-        vstore(yf, q, finish(v, r, residual, simple, lo, hi, kind, act_a, act_b))
+        vstore(yf, q, finish(v, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
+
+
+@numba.jit(**JIT)
+def _activate(L, yf, res, y0, n_blocks, ystride, count, residual, kind, act_a, act_b):
+    """The rest of the epilogue when the activation is not a clip, in place on `count`
+    values (whole vectors) from y0 in each of n_blocks output blocks: the activation (kind,
+    act_a, act_b), then a residual added after it. Once per output row, not per tile: a call
+    of activate inside the tile loop slowed every conv by 15%, clips included."""
+    for f in range(n_blocks):
+        q0 = y0 + u(f) * ystride
+        for q in range(q0, q0 + u(count), u(B)):
+            v = activate(kind, act_a, act_b, vload(L, yf, q))
+            vstore(yf, q, v + vload(L, res, q) if residual == AFTER else v)
 
 
 @numba.jit(**JIT_GEMM)
@@ -207,7 +221,8 @@ def _item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, a
     bo = u((grp * g[OGG] + og) * fb * B)
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
-    lo, hi = clip_bounds(kind, act_a, act_b)
+    lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
     xstep = u(g[SW] * bi)
     tbuf = np.empty(ACC * B, np.float32)
     z = np.float32(0.0)
@@ -232,8 +247,7 @@ def _item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, a
                 _store12(a, acc if not last else tbuf, ao if not last else u(0))
                 if last:
                     yt = yo + u(ow0 * B)
-                    _finish(L, tbuf, pw, fb, nb, yf, yt, ystride, res, bf, bo, residual, simple,
-                            lo, hi, kind, act_a, act_b)  # fmt: skip
+                    _finish(L, tbuf, pw, fb, nb, yf, yt, ystride, res, bf, bo, early, lo, hi)
             for ow in range(ow_len):
                 if col_a <= ow < tiled_end:
                     continue
@@ -254,8 +268,9 @@ def _item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, a
                     store8(dst, do + u(24), p[3])
                 if last:
                     yt = yo + u(ow * B)
-                    _finish(L, tbuf, 1, fb, nb, yf, yt, ystride, res, bf, bo, residual, simple,
-                            lo, hi, kind, act_a, act_b)  # fmt: skip
+                    _finish(L, tbuf, 1, fb, nb, yf, yt, ystride, res, bf, bo, early, lo, hi)
+            if last and not simple:
+                _activate(L, yf, res, yo, nb, ystride, ow_len * B, residual, kind, act_a, act_b)
 
 
 @numba.jit(**PARALLEL)

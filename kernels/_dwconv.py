@@ -35,11 +35,13 @@ from ._direct import (
     H,
     N,
     W,
+    _activate,
     _finish,
     load8,
     store8,
 )
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
+from .epilogue import BEFORE, NO_RESIDUAL
 from .simd.activation import clip_bounds, clips
 
 u = np.uint64
@@ -113,7 +115,8 @@ def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, act_a, ac
     _pad_rows(xf, g, n, cb, ih0, (r1 - 1 - r0) * sh + (kh - 1) * dh + 1, wp, scr)
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
-    lo, hi = clip_bounds(kind, act_a, act_b)
+    lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
     ystride = u(oh_len * ow_len * B)
     bo = u(cb * B)
     for oh in range(r0, r1):
@@ -130,8 +133,9 @@ def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, act_a, ac
             _tile8(scr, ow0 * sw * B, u(sw * B), wf, tx, tw, k, tbuf)
             npx = min(TILE, ow_len - ow0)
             yt = yo + u(ow0 * B)
-            _finish(L, tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, residual, simple, lo, hi,
-                    kind, act_a, act_b)  # fmt: skip
+            _finish(L, tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, early, lo, hi)
+        if not simple:
+            _activate(L, yf, res, yo, 1, ystride, ow_len * B, residual, kind, act_a, act_b)
 
 
 def scratch_size(g) -> int:
