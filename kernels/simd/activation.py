@@ -24,10 +24,10 @@ as onnxruntime's Mul(x, Sigmoid(x))). `kind` is a runtime value, loop-invariant 
 its branch is predicted. encode() turns what patterns.activation reads from a graph into the
 triple (Python side, checked); the kernels only take triples.
 
-The first kinds, CLIPPING (identity, relu, clip), are each a clip: activate(kind, a, b, v) is
+Three kinds, CLIPPING (identity, relu, clip), are each a clip: activate(kind, a, b, v) is
 clip(v, *clip_bounds(kind, a, b)). A kernel whose epilogue is mostly one of them (a CNN's)
-writes that clip inline and calls activate for the others (activate is one compiled function
-per type, a call: compiled once, not per call site).
+writes that clip inline and calls activate for the others: activate is one compiled function
+per type, a call (compiled once, not per call site), best kept out of a register-tiled loop.
 
     >>> kind, a, b = encode("leaky_relu", alpha=0.1)
     >>> activate(kind, a, b, v)          # in a kernel, v a vector or a float32
