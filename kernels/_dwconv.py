@@ -41,7 +41,8 @@ from ._direct import (
     store8,
 )
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
-from .epilogue import AFTER, IDENTITY
+from .epilogue import BEFORE, NO_RESIDUAL
+from .simd.activation import clip_bounds, clips
 
 u = np.uint64
 TILE = 8  # pixels per tile
@@ -104,7 +105,7 @@ def _pad_rows(xf, g, n, cb, ih0, rows, wp, scr):
 
 
 @numba.jit(**JIT_GEMM)
-def _item(xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, alpha, beta, lo, hi):
+def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, act_a, act_b):
     """Output rows r0 <= oh < r1 of block cb of image n."""
     kh, kw, sh, sw, dh, dw = g[KH], g[KW], g[SH], g[SW], g[DH], g[DW]
     oh_len, ow_len = g[OH], g[OW]
@@ -112,8 +113,10 @@ def _item(xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, alpha, beta,
     wp = (n_tiles * TILE - 1) * sw + (kw - 1) * dw + 1
     ih0 = r0 * sh - g[PT]
     _pad_rows(xf, g, n, cb, ih0, (r1 - 1 - r0) * sh + (kh - 1) * dh + 1, wp, scr)
-    residual, code = g[RESIDUAL], g[ACT]
-    simple = code == IDENTITY and residual != AFTER
+    residual, kind = g[RESIDUAL], g[ACT]
+    simple = clips(kind)
+    lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
     ystride = u(oh_len * ow_len * B)
     bo = u(cb * B)
     for oh in range(r0, r1):
@@ -130,9 +133,9 @@ def _item(xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, alpha, beta,
             _tile8(scr, ow0 * sw * B, u(sw * B), wf, tx, tw, k, tbuf)
             npx = min(TILE, ow_len - ow0)
             yt = yo + u(ow0 * B)
-            _finish(tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, residual, simple, lo, hi)
-            if not simple:
-                _activate(yf, res, yt, 1, ystride, npx * B, residual, code, alpha, beta, lo, hi)
+            _finish(L, tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, early, lo, hi)
+        if not simple:
+            _activate(L, yf, res, yo, 1, ystride, ow_len * B, residual, kind, act_a, act_b)
 
 
 def scratch_size(g) -> int:
@@ -144,10 +147,11 @@ def scratch_size(g) -> int:
 
 
 @numba.jit(**PARALLEL)
-def dwconv_nchwc(xf, wf, bf, yf, res, g, alpha, beta, lo, hi, work):
+def dwconv_nchwc(L, xf, wf, bf, yf, res, g, act_a, act_b, work):
     """y = epilogue(depthwise conv(x)) on flat blocked arrays; g: the geometry (_direct's
-    indices, CB the channel-block count, ROWS the output rows per item); work: per-thread
-    scratch [threads, scratch_size(g)]."""
+    indices, CB the channel-block count, ROWS the output rows per item, ACT the activation's
+    kind, act_a and act_b its parameters); work: per-thread scratch [threads,
+    scratch_size(g)]; L: Lanes(B)."""
     rows, cb_len, oh_len = g[ROWS], g[CB], g[OH]
     rb_len = (oh_len + rows - 1) // rows
     n_tiles = (g[OW] + TILE - 1) // TILE
@@ -161,5 +165,5 @@ def dwconv_nchwc(xf, wf, bf, yf, res, g, alpha, beta, lo, hi, work):
         mine = work[numba.get_thread_id()]
         scr, tbuf = mine[: span * wp * B], mine[span * wp * B : span * wp * B + TILE * B]
         r0 = rb * rows
-        _item(xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), tx, tw, scr, tbuf,
-              alpha, beta, lo, hi)  # fmt: skip
+        _item(L, xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), tx, tw, scr, tbuf,
+              act_a, act_b)  # fmt: skip

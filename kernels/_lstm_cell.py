@@ -9,59 +9,32 @@ Larger batches: step_cols (below).
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
 
 The gate math runs on 8-tuples (one ymm register each after SLP, like the micro-kernel), several
-times faster than a scalar loop. Arrays are passed as views starting at 0: a variable offset keeps
-Numba's wraparound select on every load and SLP gives up (see _gemm.tile_sum).
+times faster than a scalar loop; sigmoid and tanh are the SIMD layer's, each tuple handed to
+them as one vector (vpack) and back. Arrays are passed as views starting at 0: a variable
+offset keeps Numba's wraparound select on every load and SLP gives up (see _gemm.tile_sum).
 """
-
-import math
 
 import numba
 import numpy as np
 
 from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8, sub8
 from .config import INLINE_GEMM, JIT_GEMM
+from .simd import sigmoid, tanh, vpack, vunpack
 
 U = 8  # hidden units per block
 BLOCK_COLS = 4 * U  # pre-activation columns per block and row: i, f, g, o of its 8 units
 
-# tanh(x) ~ x P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float rational fit, abs error < 3e-7;
-# beyond the clamp tanh is 1 in float32). Written on |x| with one compare, which LLVM turns
-# into vminps (a NaN stays NaN); the sign comes back with copysign.
-P = tuple(np.float32(a) for a in (
-    -2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
-    1.48572235717979e-05, 6.37261928875436e-04, 4.89352455891786e-03))  # fmt: skip
-Q = tuple(np.float32(a) for a in (
-    1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03,
-    4.89352518554385e-03))  # fmt: skip
-CLAMP = np.float32(7.90531110763549805)
-HALF = np.float32(0.5)
-
-
-@numba.jit(**INLINE_GEMM)
-def _tanh(x):
-    a = abs(x)
-    a = CLAMP if a > CLAMP else a
-    s = a * a
-    p = (((((P[0] * s + P[1]) * s + P[2]) * s + P[3]) * s + P[4]) * s + P[5]) * s + P[6]
-    q = ((Q[0] * s + Q[1]) * s + Q[2]) * s + Q[3]
-    return math.copysign(a * p / q, x)
-
-
-@numba.jit(**INLINE_GEMM)
-def _sigmoid(x):  # sig(x) = (1 + tanh(x / 2)) / 2
-    return HALF + HALF * _tanh(HALF * x)
-
 
 @numba.jit(**INLINE_GEMM)
 def _tanh8(v):
-    return (_tanh(v[0]), _tanh(v[1]), _tanh(v[2]), _tanh(v[3]),
-            _tanh(v[4]), _tanh(v[5]), _tanh(v[6]), _tanh(v[7]))  # fmt: skip
+    """tanh of the 8 values of a tuple, as one vector (kernels/simd/approx.py's fit)."""
+    return vunpack(tanh(vpack(v)))
 
 
 @numba.jit(**INLINE_GEMM)
 def _sigmoid8(v):
-    return (_sigmoid(v[0]), _sigmoid(v[1]), _sigmoid(v[2]), _sigmoid(v[3]),
-            _sigmoid(v[4]), _sigmoid(v[5]), _sigmoid(v[6]), _sigmoid(v[7]))  # fmt: skip
+    """sigmoid of the 8 values of a tuple, as one vector."""
+    return vunpack(sigmoid(vpack(v)))
 
 
 @numba.jit(**INLINE_GEMM)
@@ -237,32 +210,19 @@ def _gates8(a, z0, k_len, bias):
 
 
 @numba.jit(**JIT_GEMM)
-def _tanh8_call(v):
-    """_tanh8 as a call: one compiled copy of the rational tanh for all five gate functions of
-    _cell_cols (inlining five copies made the compile several times longer)."""
-    return _tanh8(v)
-
-
-@numba.jit(**INLINE_GEMM)
-def _sigmoid8_call(v):  # sig(x) = (1 + tanh(x / 2)) / 2
-    t = _tanh8_call(_mul8(v, _splat(HALF)))
-    return add8(_splat(HALF), _mul8(t, _splat(HALF)))
-
-
-@numba.jit(**JIT_GEMM)
 def _cell_cols(gi, gf, gg, go, c):
     """(h', c') of 8 batch columns from their pre-activations and c (8-tuples, no arrays: a
     call with array arguments costs two atomic reference-count updates per array)."""
-    cn = add8(_mul8(_sigmoid8_call(gf), c), _mul8(_sigmoid8_call(gi), _tanh8_call(gg)))
-    return _mul8(_sigmoid8_call(go), _tanh8_call(cn)), cn
+    cn = add8(_mul8(_sigmoid8(gf), c), _mul8(_sigmoid8(gi), _tanh8(gg)))
+    return _mul8(_sigmoid8(go), _tanh8(cn)), cn
 
 
 @numba.jit(**JIT_GEMM)
 def _gru_cols(gz, gr, gnx, gnh, h):
     """(h', h') of 8 batch columns of the GRU (gates z, r, n_x, n_h, see gru8); its state h
     lives where the LSTM keeps c."""
-    zg, rg = _sigmoid8_call(gz), _sigmoid8_call(gr)
-    n = _tanh8_call(add8(gnx, _mul8(rg, gnh)))
+    zg, rg = _sigmoid8(gz), _sigmoid8(gr)
+    n = _tanh8(add8(gnx, _mul8(rg, gnh)))
     hn = add8(n, _mul8(zg, sub8(h, n)))
     return hn, hn
 

@@ -13,34 +13,38 @@ maximum m, row sum l and output accumulator, updated one block of BK keys at a t
     l = l e^(m - m') + sum_j p;  acc = acc e^(m - m') + p V;   O = acc / l
 Both products run on the project's 4x16 register-blocked micro-kernel (_gemm.tile_sum): the
 packed queries against K^T (transposed once per call), the packed probabilities against V read
-in place. exp is a vectorizable Cody-Waite + polynomial (Cephes's expf) with the power of two
-built in an int32 buffer. A key block whose mask entries are all below -1e30 for every query
+in place. exp is the SIMD layer's (kernels/simd/approx.py), on vectors of the CPU's width
+along a row of scores. A key block whose mask entries are all below -1e30 for every query
 of the block is skipped when every query row has some key above it (then exp underflows to
 exactly 0 there, as in onnxruntime's Softmax): a causal mask costs half the work.
 The driver is parallel over (batch, head, query block); each task has its own scratch.
 """
 
-import math
-
 import numba
 import numpy as np
 
 from ._gemm import tile_sum
-from .config import INLINE, INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, slp_vectorize
-from .linear_act import IDENTITY, bias_act
+from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, slp_vectorize
+from .linear_act import bias_act
+from .simd import (
+    exp,
+    hsum,
+    lanes,
+    tail_mask,
+    vload,
+    vload_masked,
+    vselect,
+    vstore,
+    vstore_masked,
+    vzero,
+)
 
 __all__ = ["BK", "BQ", "attention", "attention_core"]
 
 BQ, BK = 32, 64  # queries and keys per tile
 MASKED = np.float32(-1e30)  # a mask value below this is "not attended"
 f32 = np.float32
-LOG2E, LN2_HI, LN2_LO = f32(1.44269504088896341), f32(0.693359375), f32(-2.12194440e-4)
-EXP_MIN = f32(-87.0)
-P0, P1, P2, P3, P4, P5 = (
-    f32(c) for c in (1.98756915e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-                     1.6666665459e-1, 5.0000001201e-1)
-)  # fmt: skip
-HALF, ONE, ZERO = f32(0.5), f32(1.0), f32(0.0)
+ONE, ZERO = f32(1.0), f32(0.0)
 NEG_INF = f32(-np.inf)
 
 
@@ -102,18 +106,12 @@ def pv_tile(pp, n_quads, flat, v0, w, k_len, n_dtiles, acc):
             _add8(acc, 0, row + 3, col + 8, s3)
 
 
-@numba.jit(**INLINE)
-def _exp_k(x):
-    """round(x / ln 2), the power of two of exp(x)."""
-    return np.floor(x * LOG2E + HALF)
-
-
 @numba.jit(**JIT)
-def softmax_rows(s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m, lsum, acc, d_len,
-                 pp, ibuf):  # fmt: skip
+def softmax_rows(L, s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m, lsum, acc,
+                 d_len, pp):  # fmt: skip
     """The online-softmax update of rows i < nq by keys k0 .. k0 + nk: adds the mask, moves the
     running maximum, rescales l and acc, and packs p into pp (zeros for rows nq .. 4 ceil(nq/4))."""
-    fbuf = ibuf.view(np.float32)  # the same bytes: 2^k built as an int32 exponent field
+    w = L.width
     for i in range(nq):
         mq = mq0 + (q_base + i) * mq_step
         rowmax = m[i]
@@ -131,19 +129,21 @@ def softmax_rows(s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m,
             for j in range(nk):
                 pp[c, 4 * j + ii] = ZERO
             continue
-        corr = np.float32(math.exp(m[i] - rowmax))
-        for j in range(nk):
-            ibuf[j] = (np.int32(_exp_k(s[0, i, j] - rowmax)) + 127) << 23
-        total = ZERO
-        for j in range(nk):
-            x = s[0, i, j] - rowmax
-            k = _exp_k(x)
-            r = x - k * LN2_HI - k * LN2_LO
-            p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
-            e = (p * r * r + r + ONE) * fbuf[j]
-            e = ZERO if x < EXP_MIN else e
-            s[0, i, j] = e
-            total += e
+        corr = exp(m[i] - rowmax)
+        o = i * s.shape[2]  # s[0, i, j] = p = e^(s - m'), a vector of keys at a time
+        sums = vzero(L)
+        j = 0
+        while j + w <= nk:
+            e = exp(vload(L, s, o + j) - rowmax)
+            vstore(s, o + j, e)
+            sums += e
+            j += w
+        total = hsum(sums)
+        if j < nk:
+            tail = tail_mask(L, nk - j)
+            e = vselect(tail, exp(vload_masked(L, s, o + j, tail) - rowmax), ZERO)
+            vstore_masked(s, o + j, e, tail)
+            total += hsum(e)
         for j in range(nk):
             pp[c, 4 * j + ii] = s[0, i, j]
         lsum[i] = lsum[i] * corr + total
@@ -157,8 +157,8 @@ def softmax_rows(s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m,
 
 
 @numba.jit(**JIT)
-def attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads, d_len,
-                 scale, qp, pp, s, acc, m, lsum, ibuf):  # fmt: skip
+def attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
+                 d_len, scale, qp, pp, s, acc, m, lsum):  # fmt: skip
     """Queries q0 .. q0 + BQ of head h, batch b, against every key: out's rows of them."""
     w = qkv.shape[1]
     g = h // (heads // kv_heads)
@@ -204,8 +204,8 @@ def attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads,
             if masked:
                 continue
         scores_tile(qp, n_quads, kt, b * kv_heads + g, k0, sp, d_len, (nk + 15) // 16, s)
-        softmax_rows(s, mask, has_mask, mb, mh, 0, mq_step, q0, k0, nq, nk, m, lsum, acc, d_len,
-                     pp, ibuf)  # fmt: skip
+        softmax_rows(L, s, mask, has_mask, mb, mh, 0, mq_step, q0, k0, nq, nk, m, lsum, acc,
+                     d_len, pp)  # fmt: skip
         pv_tile(pp, n_quads, flat, (row0 + k0) * w + v_col, w, nk, n_dtiles, acc)
     for i in range(nq):
         inv = ONE / lsum[i]
@@ -214,7 +214,7 @@ def attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads,
 
 
 @numba.jit(**PARALLEL)
-def _attention(qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_heads, d_len,
+def _attention(L, qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_heads, d_len,
                scale):  # fmt: skip
     k_col = heads * d_len
     for t in numba.prange(batch * kv_heads):  # K^T, zero-padded to sp keys
@@ -237,9 +237,8 @@ def _attention(qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_h
         acc = np.empty((1, BQ, dp), np.float32)
         m = np.empty(BQ, np.float32)
         lsum = np.empty(BQ, np.float32)
-        ibuf = np.empty(BK, np.int32)
-        attend_block(qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
-                     d_len, scale, qp, pp, s, acc, m, lsum, ibuf)  # fmt: skip
+        attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
+                     d_len, scale, qp, pp, s, acc, m, lsum)  # fmt: skip
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
@@ -277,8 +276,8 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
     kt = np.empty((batch * kv_heads, head_dim * sp), np.float32)
     out = np.empty((batch * seq, heads * head_dim), np.float32)
     with slp_vectorize():
-        _attention(qkv, flat, kt, m, mask is not None, out, batch, seq, sp, heads, kv_heads,
-                   head_dim, np.float32(scale))  # fmt: skip
+        _attention(lanes(), qkv, flat, kt, m, mask is not None, out, batch, seq, sp, heads,
+                   kv_heads, head_dim, np.float32(scale))  # fmt: skip
     return out
 
 
@@ -302,12 +301,12 @@ def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, 
         raise ValueError(f"w_out of shape {w_out.shape} does not take {heads * head_dim} inputs")
     qkv, flat = qkv_buffer(batch * seq, width)
     np.matmul(np.ascontiguousarray(x).reshape(batch * seq, emb), w_qkv, out=qkv)
-    bias_act(qkv, b_qkv, IDENTITY)
+    bias_act(qkv, b_qkv)
     o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask)
     y = np.matmul(o, w_out)
     shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)
     if int(np.prod(shape)) != y.size or shape[-1] != y.shape[1]:
         raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {y.shape[1]}]")
     r = None if residual is None else np.broadcast_to(residual, shape).reshape(y.shape)
-    bias_act(y, b_out, IDENTITY, r)
+    bias_act(y, b_out, residual=r)
     return y.reshape(shape)

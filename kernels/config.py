@@ -1,5 +1,7 @@
 """The one place for Numba options used by every kernel in this package, and the thread
-settings; importing it changes nothing (apply_thread_settings does, when called).
+settings. Importing it changes no setting (apply_thread_settings does, when called); it gives
+Numba the cache locator of this package's functions (kernels/_cache.py), before any of them is
+decorated: a cached kernel is stale when any module it imports changes, not only its own.
 
 fastmath is a named flag set: "nsz", "arcp", "contract", "afn", "reassoc" let LLVM fuse a*b+c
 into one FMA and reorder sums, while leaving out "nnan"/"ninf" keeps NaN and inf honest (a NaN
@@ -12,6 +14,10 @@ import os
 import threading
 
 import numba
+
+from . import _cache
+
+_cache.install()
 
 # Numba's OpenMP workers: sleep when idle (spinning steals the cores onnxruntime and other
 # processes need), but only after 1000 spins, so that back-to-back short parallel regions do not
@@ -30,7 +36,8 @@ def apply_thread_settings():
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 GEMM_FASTMATH = FASTMATH - {"reassoc"}
 
-# cache=True: a second process loads machine code from __pycache__ instead of recompiling.
+# cache=True: a second process loads machine code from __pycache__ instead of recompiling (while
+# the source of the kernel's module and of what it imports is unchanged: kernels/_cache.py).
 JIT = dict(nopython=True, cache=True, fastmath=set(FASTMATH), error_model="numpy")
 JIT_GEMM = dict(JIT, fastmath=set(GEMM_FASTMATH))
 # The approximations (kernels/simd/approx.py) without "reassoc" either: it would fold the Cody-Waite

@@ -2,10 +2,11 @@
 
     y[n, m] = act(bias[m] + sum_{c in group(m), i, j} w[m, c, i, j] * x_pad[n, c, oh*s + i*d, ...])
 
-act is identity, relu (clip to [0, inf)) or clip to [clip_min, clip_max], applied to each output
-tile while it is still in L1 (no extra pass over memory). prepare_conv2d packs the weights once;
-conv2d_bias_act validates, works out padding and output size (ONNX rules) and runs one of four
-kernels:
+act is a clip: identity, relu (clip to [0, inf)) or clip to [clip_min, clip_max] (the kinds
+of kernels/simd/activation.py that are one, CLIPPING), applied to each output tile while it is
+still in L1 (no extra pass over memory); other activations run after it (kernels/pointwise).
+prepare_conv2d packs the weights once; conv2d_bias_act validates, works out padding and output
+size (ONNX rules) and runs one of four kernels:
 
 - winograd:  F(2x2, 3x3) for 3x3, stride 1, dilation 1, group 1, C >= 8 (_winograd.py);
 - winograd4: F(4x4, 3x3) for the same with C <= 256, opt-in: winograd_tile=4 (_winograd4.py);
@@ -30,10 +31,10 @@ import numpy as np
 
 from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
 from .config import JIT, get_threads, slp_vectorize
+from .simd.activation import CLIPPING, KINDS, clip_bounds, encode
 from .windows import conv_output_shape as output_shape
 from .windows import window_attributes
 
-ACTIVATIONS = (None, "relu", "clip")
 _WINOGRAD_MIN_CHANNELS = 8  # below this the GEMMs are too thin to pay for the transforms
 # F(4x4, 3x3) (opt-in: prepare_conv2d(winograd_tile=4)) up to this many input channels, F(2x2)
 # above: F(4x4)'s float32 error grows with C, and past 256 channels it would no longer stay 10x
@@ -54,7 +55,7 @@ class Conv2DPlan:
     dilations: tuple
     pads: tuple  # (top, left, bottom, right); ignored unless auto_pad == "NOTSET"
     auto_pad: str
-    clip: tuple  # (lo, hi) as float32
+    clip: tuple  # (lo, hi) as float32: activation.clip_bounds of the activation
     bias: np.ndarray  # [M] float32, zeros when the node has none
     method: str  # "winograd4", "winograd", "depthwise" or "im2col"
     packed: np.ndarray  # weights packed for `method`
@@ -73,12 +74,16 @@ def prepare_conv2d(
     group=1,
     auto_pad="NOTSET",
     activation=None,
+    alpha=None,
+    beta=None,
     clip_min=-math.inf,
     clip_max=math.inf,
     winograd_tile=2,
 ):
     """Pack a Conv node's weights once. weight: float32 [M, C/group, kh, kw]; bias: M floats in
-    any shape ([M], [M,1,1], [1,M,1,1]); pads in ONNX order (top, left, bottom, right).
+    any shape ([M], [M,1,1], [1,M,1,1]); pads in ONNX order (top, left, bottom, right);
+    activation, alpha, beta, clip_min, clip_max: as kernels.simd.activation's encode takes
+    them, a kind that is a clip (identity, relu, clip).
     winograd_tile: 2 for F(2x2, 3x3), 4 for F(4x4, 3x3) (faster, ~10x larger rounding error,
     see _WINOGRAD4_MAX_CHANNELS) where a 3x3 stride-1 conv takes the Winograd path."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
@@ -95,13 +100,12 @@ def prepare_conv2d(
             raise ValueError(f"bias must be {m} float32 values, got {bias.dtype} {bias.shape}")
         bias = np.ascontiguousarray(bias.reshape(m))
     strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    lo, hi = (-math.inf, math.inf) if activation is None else (float(clip_min), float(clip_max))
-    if activation == "relu":
-        lo, hi = 0.0, math.inf
-    if not lo <= hi:
-        raise ValueError(f"clip_min must be <= clip_max, got {lo} > {hi}")
+    kind, a, b = encode(activation, alpha, beta, clip_min, clip_max)
+    if kind not in CLIPPING:
+        clipping = ", ".join(KINDS[k] for k in CLIPPING)
+        raise ValueError(f"conv2d's epilogue is a clip: activation must be {clipping}, got "
+                         f"{activation!r} (kernels/pointwise runs the others)")  # fmt: skip
+    lo, hi = map(np.float32, clip_bounds(kind, a, b))  # from Python: floats
     if winograd_tile not in (2, 4):
         raise ValueError(f"winograd_tile must be 2 or 4, got {winograd_tile!r}")
 
@@ -131,7 +135,7 @@ def prepare_conv2d(
         dilations=dilations,
         pads=pads,
         auto_pad=auto_pad,
-        clip=(np.float32(lo), np.float32(hi)),
+        clip=(lo, hi),
         bias=bias,
         method=method,
         packed=packed,

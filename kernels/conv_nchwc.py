@@ -1,7 +1,7 @@
 """Conv2D on blocked tensors with the fused epilogue: the conv family's fast path.
 
     y = epilogue(conv2d(x, W)),  x, y blocked (kernels/blocked.py), epilogue as in
-    kernels/epilogue.py (bias, residual before or after, activation, clip)
+    kernels/epilogue.py (bias, residual before or after, any activation of the table)
 
 prepare_conv_nchwc packs the weights once for the register tile (_direct.py); conv_nchwc
 validates an input, works out the geometry for its shape (cached per shape and thread count)
@@ -23,8 +23,10 @@ from . import _direct as d
 from . import _dwconv
 from .blocked import BLOCK, block_size
 from .config import get_threads, slp_vectorize
-from .epilogue import RESIDUALS, activation_params
+from .epilogue import RESIDUALS
 from .machine import cache_bytes
+from .simd import Lanes
+from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
 from .workspace import per_thread
 
@@ -34,6 +36,7 @@ from .workspace import per_thread
 # fewer slots, both are offered and timed (tile_options; bench/NOTES.md, "Blocked layout and
 # tactics").
 _TILE_SPEED = {4: 1.0, 2: 0.6, 1: 0.4}
+LANES = Lanes(BLOCK)  # the epilogue's vectors: one block's channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +58,7 @@ class ConvPlan:
     depthwise: bool  # group == C == M: the depthwise kernel (_dwconv.py)
     packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*8] flat; depthwise: [CB, KH, KW, 8]
     bias: np.ndarray  # [G * OGG * FB * 8]
-    act: tuple  # (code, alpha, beta, lo, hi)
+    act: tuple  # (kind, a, b): kernels/simd/activation.py
     residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
     geometry: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -120,9 +123,9 @@ def prepare_conv_nchwc(
 ):
     """Pack a Conv's weights [M, C/group, kh, kw] (float32) and bias for conv_nchwc.
 
-    activation: None, "relu", "clip" or a name in kernels.epilogue.ACTIVATIONS; residual: None,
-    "before" (added before the activation) or "after"; tile: output blocks per register tile
-    (4, 2 or 1; default the first of tile_options)."""
+    activation, alpha, beta, clip_min, clip_max: the activation, as kernels.simd.activation's
+    encode takes it; residual: None, "before" (added before the activation) or "after"; tile:
+    output blocks per register tile (4, 2 or 1; default the first of tile_options)."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -135,7 +138,7 @@ def prepare_conv_nchwc(
     strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
     if residual not in RESIDUALS:
         raise ValueError(f"residual must be one of {list(RESIDUALS)}, got {residual!r}")
-    act = activation_params(activation, alpha, beta, clip_min, clip_max)
+    act = encode(activation, alpha, beta, clip_min, clip_max)
     if bias is not None:
         bias = np.asarray(bias)
         if bias.dtype != np.float32 or bias.size != m:
@@ -282,13 +285,13 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
         res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
     else:
         res = yf  # not read
-    _, alpha, beta, lo, hi = plan.act
+    _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else plan.in_block
     if launch.warm:
-        launch.run(xf, plan.packed, plan.bias, yf, res, g, alpha, beta, lo, hi, last)
+        launch.run(LANES, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
         return out
     with slp_vectorize():  # the first call may compile: with LLVM's SLP vectorizer
-        launch.run(xf, plan.packed, plan.bias, yf, res, g, alpha, beta, lo, hi, last)
+        launch.run(LANES, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
     launch.warm = True
     return out

@@ -3,15 +3,16 @@
     y[n, c, p] = epilogue(x[n, c, p] * scale[c] * gate[n, c] + shift[c])
 
 with the epilogue of kernels/epilogue.py (a tensor r of x's shape added before or after the
-activation, the activation, the clip). One kernel serves:
+activation, any activation of kernels/simd/activation.py). One kernel serves:
 - BatchNormalization (+ activation): scale = s / sqrt(var + eps), shift = b - mean scale;
 - a residual Add (+ activation): scale 1, shift 0, r the other tensor;
 - the multiply by a per-image channel gate (squeeze-excitation): gate [N, C];
 - the rest of a conv's epilogue after a kernel that only clips (kernels/conv2d).
 
-Blocked tensors ([N, CB, H, W, 8], kernels/blocked.py) run 8 channels per pixel side by side;
-NCHW ones a channel plane at a time. Work items are (image, channel block) or (image, channel):
-disjoint outputs. The loops index arrays in place (no per-row views, see kernels/_gemm.py).
+Blocked tensors ([N, CB, H, W, 8], kernels/blocked.py) run a pixel's 8 channels as one vector;
+NCHW ones a channel plane at a time, in vectors of 8 pixels. Work items are (image, channel
+block) or (image, channel): disjoint outputs. The loops index arrays in place (no per-row
+views, see kernels/_gemm.py).
 
     >>> plan = prepare_pointwise(64, scale=s, shift=t, activation="relu")
     >>> yb = pointwise_blocked(xb, plan)          # blocked in and out; pointwise(x, plan): NCHW
@@ -25,9 +26,13 @@ import numpy as np
 
 from .blocked import BLOCK
 from .config import INLINE, PARALLEL
-from .epilogue import AFTER, BEFORE, IDENTITY, RESIDUALS, act1, activation_params
+from .epilogue import RESIDUALS, finish
+from .simd import Lanes, tail_mask, vfma, vload, vload_masked, vstore, vstore_masked
+from .simd.activation import clip_bounds, clips, encode
 
 _NONE = np.zeros(1, np.float32)  # an absent operand (the kernel does not read it)
+LANES = Lanes(BLOCK)  # a blocked pixel's channels; NCHW planes run in vectors of as many
+u = np.uint64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +40,7 @@ class PointwisePlan:
     channels: int
     scale: np.ndarray  # [C padded to whole blocks] float32 (zeros past C)
     shift: np.ndarray
-    act: tuple  # (code, alpha, beta, lo, hi)
+    act: tuple  # (kind, a, b): kernels/simd/activation.py
     residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
     gated: bool  # multiplied by a per-image channel gate [N, C]
 
@@ -54,8 +59,9 @@ def prepare_pointwise(channels, scale=None, shift=None, *, activation=None, alph
                       beta=None, clip_min=-math.inf, clip_max=math.inf, residual=None,
                       gated=False):  # fmt: skip
     """The plan of one fused elementwise node on tensors of `channels` channels. scale,
-    shift: per-channel float32 vectors (1 or C values) or None; activation etc.: as
-    kernels.epilogue.activation_params; residual: None, "before" or "after"."""
+    shift: per-channel float32 vectors (1 or C values) or None; activation, alpha, beta,
+    clip_min, clip_max: as kernels.simd.activation's encode takes them; residual: None,
+    "before" or "after"."""
     channels = int(channels)
     if channels < 1:
         raise ValueError(f"channels must be >= 1, got {channels}")
@@ -63,71 +69,49 @@ def prepare_pointwise(channels, scale=None, shift=None, *, activation=None, alph
         raise ValueError(f"residual must be one of {list(RESIDUALS)}, got {residual!r}")
     return PointwisePlan(
         channels, _padded(scale, channels, "scale", 1.0), _padded(shift, channels, "shift", 0.0),
-        activation_params(activation, alpha, beta, clip_min, clip_max), RESIDUALS[residual],
+        encode(activation, alpha, beta, clip_min, clip_max), RESIDUALS[residual],
         bool(gated),
     )  # fmt: skip
 
 
 @numba.jit(**INLINE)
-def _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, simple, code, alpha, beta,
-          lo, hi):  # fmt: skip
-    """p_len pixels of `lanes` channels from flat offset `base`: y = epilogue(x sc + sh), the
-    channel scales from sc[s0...], shifts from sh[c0...]. Called with literal lanes, residual
-    and simple, so each call site compiles to one branch-free loop."""
-    u = np.uint64
-    for p in range(p_len):
-        q = base + u(p * lanes)
-        for k in range(lanes):
-            v = xf[q + u(k)] * sc[s0 + u(k)] + sh[c0 + u(k)]
-            if residual == BEFORE:
-                v += rf[q + u(k)]
-            if simple:
-                v = lo if v < lo else v  # compares, not min/max: a NaN passes through
-                v = hi if v > hi else v
-            else:
-                v = act1(v, code, alpha, beta, lo, hi)
-            if residual == AFTER:
-                v += rf[q + u(k)]
-            yf[q + u(k)] = v
-
-
-@numba.jit(**INLINE)
-def _item(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, code, alpha, beta, lo, hi):
-    """One work item, dispatched once to the loop for its epilogue: identity, Relu and Clip
-    (the bulk of a CNN's) vectorize; other activations call act1 per value."""
-    if code == IDENTITY:
-        if residual == BEFORE:
-            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, BEFORE, True, code, alpha,
-                  beta, lo, hi)  # fmt: skip
-        elif residual == AFTER:
-            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, AFTER, True, code, alpha,
-                  beta, lo, hi)  # fmt: skip
-        else:
-            _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, 0, True, code, alpha, beta,
-                  lo, hi)  # fmt: skip
-    else:
-        _span(xf, yf, rf, base, sc, s0, sh, c0, p_len, lanes, residual, False, code, alpha,
-              beta, lo, hi)  # fmt: skip
+def _span(L, xf, yf, rf, q, n, s, t, residual, simple, lo, hi, kind, a, b):
+    """y = epilogue(x s + t) on the n values from flat offset q, a vector at a time (the last
+    n % W through a mask); s, t: the scales and shifts, vectors (a blocked pixel's channels) or
+    numbers (one NCHW plane's)."""
+    w = L.width
+    end = q + u(n - n % w)
+    while q < end:
+        v = vfma(vload(L, xf, q), s, t)
+        r = vload(L, rf, q) if residual else v
+        vstore(yf, q, finish(v, r, residual, simple, lo, hi, kind, a, b))
+        q += u(w)
+    if n % w:
+        m = tail_mask(L, n % w)
+        v = vfma(vload_masked(L, xf, q, m), s, t)
+        r = vload_masked(L, rf, q, m) if residual else v
+        vstore_masked(yf, q, finish(v, r, residual, simple, lo, hi, kind, a, b), m)
 
 
 @numba.jit(**PARALLEL)
-def _pointwise(xf, yf, rf, sc, s_stride, sh, n_len, c_len, p_len, lanes, residual, code, alpha,
-               beta, lo, hi):  # fmt: skip
+def _pointwise(L, xf, yf, rf, sc, s_stride, sh, n_len, c_len, p_len, lanes, residual, kind, a, b):
     """y = epilogue(x sc + sh) over every (image, channel block) of a flat x: [N, C/lanes, P,
-    lanes] (blocked: lanes = 8, a pixel's 8 channels side by side; NCHW: lanes = 1). Image n's
-    channel scales start at sc[n s_stride] (0: shared; C: a gated scale per image)."""
-    u = np.uint64
+    lanes] (blocked: lanes = W, a pixel's W channels side by side, one vector; NCHW: lanes =
+    1, a plane of P pixels in vectors). Image n's channel scales start at sc[n s_stride] (0:
+    shared; C: a gated scale per image). The activation is (kind, a, b)."""
+    simple = clips(kind)
+    lo, hi = clip_bounds(kind, a, b)
     cb_len = c_len // lanes
     for item in numba.prange(n_len * cb_len):
         n, cb = item // cb_len, item % cb_len
         c0 = u(cb * lanes)
         s0 = u(n * s_stride) + c0
-        if lanes == BLOCK:
-            _item(xf, yf, rf, u(item * p_len * BLOCK), sc, s0, sh, c0, p_len, BLOCK, residual,
-                  code, alpha, beta, lo, hi)  # fmt: skip
+        q = u(item * p_len * lanes)
+        if lanes == 1:
+            _span(L, xf, yf, rf, q, p_len, sc[s0], sh[c0], residual, simple, lo, hi, kind, a, b)
         else:
-            _item(xf, yf, rf, u(item * p_len), sc, s0, sh, c0, p_len, 1, residual, code, alpha,
-                  beta, lo, hi)  # fmt: skip
+            s, t = vload(L, sc, s0), vload(L, sh, c0)
+            _span(L, xf, yf, rf, q, p_len * lanes, s, t, residual, simple, lo, hi, kind, a, b)
 
 
 def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
@@ -159,8 +143,8 @@ def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
         sc[:, : plan.channels] = plan.scale[: plan.channels] * g.reshape(n, plan.channels)
         sc, s_stride = sc.reshape(-1), c_len
     if x.size:
-        _pointwise(x.reshape(-1), out.reshape(-1), res, sc, s_stride, plan.shift, n, c_len,
-                   x.size // (n * c_len), lanes, plan.residual, *plan.act)  # fmt: skip
+        _pointwise(LANES, x.reshape(-1), out.reshape(-1), res, sc, s_stride, plan.shift, n,
+                   c_len, x.size // (n * c_len), lanes, plan.residual, *plan.act)  # fmt: skip
     return out
 
 

@@ -13,9 +13,10 @@
 
 The sub-pattern of every entry with an epilogue (convs, linear heads, BatchNorm + act, the
 squeeze-excitation gate). `activation(t, prefix)` captures the activation's root node as
-`{prefix}act`; `activation_attributes(m, prefix)` reads back what kernels.epilogue takes:
-the name, alpha, beta and the clip bounds. `kinds` narrows the forms (a kernel that only
-clips: `kinds=("relu", "clip")`).
+`{prefix}act`; `activation_attributes(m, prefix)` reads back what the kernels' one activation
+table takes (kernels/simd/activation.py, encode): the name, alpha, beta and the clip bounds;
+`activation_keywords(attrs)` gives them back from a fused node's attributes. `kinds` narrows
+the forms (a kernel that only clips: `kinds=("relu", "clip")`).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def activation_kind(m, prefix: str = "") -> str:
 
 def activation_attributes(m, prefix: str = "") -> dict:
     """{activation, alpha, beta, clip_min, clip_max} of the matched activation, as
-    kernels.epilogue.activation_params takes them (alpha, beta: the op's, with ONNX defaults)."""
+    kernels.simd.activation.encode takes them (alpha, beta: the op's, with ONNX defaults)."""
     kind = activation_kind(m, prefix)
     lo, hi, alpha, beta = -math.inf, math.inf, 0.0, 0.0
     if kind == "clip":
@@ -146,15 +147,19 @@ def check_relu6(m, prefix: str = "") -> str | None:
     return None
 
 
-def epilogue_params(attrs: dict) -> dict:
-    """The keyword arguments kernels take for a fused node's activation attributes (a node
-    written before alpha and beta existed has only activation, clip_min and clip_max)."""
-    kind = attrs.get("activation", "identity")
-    defaults = {"leaky_relu": (0.01, 0.0), "hard_sigmoid": (0.2, 0.5)}.get(kind, (0.0, 0.0))
+def activation_keywords(attrs: dict) -> dict:
+    """The activation of a fused node's attributes as the keywords of the kernels' one
+    encoding (kernels.simd.activation.encode, which every kernel wrapper that takes an
+    activation calls). A node written before alpha and beta existed has only activation,
+    clip_min and clip_max: alpha, beta None, which encode reads as the kind's defaults.
+
+    >>> activation_keywords({"activation": "leaky_relu", "alpha": 0.1})["alpha"]
+    0.1
+    """
     return {
-        "activation": None if kind == "identity" else kind,
-        "alpha": attrs.get("alpha", defaults[0]),
-        "beta": attrs.get("beta", defaults[1]),
+        "activation": attrs.get("activation", "identity"),
+        "alpha": attrs.get("alpha"),
+        "beta": attrs.get("beta"),
         "clip_min": attrs.get("clip_min", -math.inf),
         "clip_max": attrs.get("clip_max", math.inf),
     }

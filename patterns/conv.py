@@ -29,8 +29,8 @@ from patterns.activation import (
     KINDS,
     activation,
     activation_attributes,
+    activation_keywords,
     check_relu6,
-    epilogue_params,
 )
 
 INPUTS = ("x", "W", "B", "bias_add", "bn_scale", "bn_bias", "bn_mean", "bn_var", "res")
@@ -196,13 +196,8 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
     """kernels/conv2d's plan with the clip of the epilogue (the rest: see ConvKernel)."""
     from kernels.conv2d import prepare_conv2d  # heavy (Numba): only when a kernel is built
 
-    ep = epilogue_params(attrs)
-    simple = clips_only(attrs)
-    return prepare_conv2d(
-        weight, bias, **geometry(attrs, 4),
-        activation=ep["activation"] if simple else None,
-        clip_min=ep["clip_min"], clip_max=ep["clip_max"],
-    )  # fmt: skip
+    clip = activation_keywords(attrs) if clips_only(attrs) else {}  # else: identity
+    return prepare_conv2d(weight, bias, **geometry(attrs, 4), **clip)
 
 
 def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> list:
@@ -222,7 +217,7 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile:
     the whole epilogue."""
     from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
 
-    return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **epilogue_params(attrs),
+    return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **activation_keywords(attrs),
                               residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
@@ -241,7 +236,7 @@ class ConvKernel:
         nchw = conv_plan(attrs, weight, bias)
         rest = None
         if not clips_only(attrs):
-            rest = prepare_pointwise(weight.shape[0], **epilogue_params(attrs),
+            rest = prepare_pointwise(weight.shape[0], **activation_keywords(attrs),
                                      residual=attrs.get("residual"))  # fmt: skip
 
         def run(x, *others):

@@ -18,7 +18,7 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Var
-from patterns.activation import activation, activation_attributes, check_relu6, epilogue_params
+from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
 from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
 
 POOLS = {"GlobalAveragePool", "ReduceMean", "GlobalAvgPoolFlatten"}
@@ -61,7 +61,7 @@ def make_kernel(attrs: dict, constants: list):
 
     w, b = linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4])
     wt = np.ascontiguousarray(w.T)  # [M, K]: a dot product per output
-    plan = prepare_pointwise(w.shape[1], shift=b, **epilogue_params(attrs))
+    plan = prepare_pointwise(w.shape[1], shift=b, **activation_keywords(attrs))
 
     def run(x, *_constants):
         y = dense(x, wt)

@@ -20,6 +20,7 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Var, op
+from patterns.activation import activation_keywords
 from patterns.linear import check_linear, linear_attributes, linear_nd, linear_params, onnx_reshape
 
 LINEAR = ("W", "fc_c", "fc_b", "fc_flat", "fc_unflat")
@@ -114,10 +115,11 @@ def attributes(m) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack W and the bias once; the kernel reshapes as the matched Reshapes did."""
-    from kernels.linear_act import ACTIVATIONS, linear_act  # heavy (Numba): at build time
+    from kernels.linear_act import linear_act  # heavy (Numba): at build time
+    from kernels.simd.activation import encode
 
     weight, bias = linear_params(attrs["fc_linear"], *constants[1:4])
-    act = ACTIVATIONS[attrs["activation"]]
+    act = encode(**activation_keywords(attrs))
 
     def run(x, _w, _c, _b, flat=None, unflat=None, residual=None):
         k, n = weight.shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Var, op
-from patterns.activation import activation, activation_attributes, check_relu6, epilogue_params
+from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
 from patterns.conv import bn_affine, check_bn
 
 BN = ("bn_scale", "bn_bias", "bn_mean", "bn_var")
@@ -44,7 +44,7 @@ class BatchNormKernel:
         from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
         s, t = bn_affine(*constants[1:5], attrs["epsilon"])
-        plan = prepare_pointwise(s.size, s, t, **epilogue_params(attrs))
+        plan = prepare_pointwise(s.size, s, t, **activation_keywords(attrs))
         self.run = lambda x, *_constants: (pointwise(x, plan),)
         self.tactics = [Tactic("nchw", self.run)]
         if attrs.get("rank") == 4:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns.activation import epilogue_params
+from patterns.activation import activation_keywords
 from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded
 
 PREFIXES = ("fc1_", "fc2_")
@@ -80,7 +80,7 @@ class SqueezeExciteKernel:
         for k, p in enumerate(PREFIXES):  # (W [M, C] float32, its bias + activation plan)
             conv = {key[len(p) :]: v for key, v in attrs.items() if key.startswith(p)}
             w, b = folded(conv, [None, *constants[1 + 3 * k : 4 + 3 * k]])
-            plan = prepare_pointwise(w.shape[0], shift=b, **epilogue_params(conv))
+            plan = prepare_pointwise(w.shape[0], shift=b, **activation_keywords(conv))
             self.layers.append((np.ascontiguousarray(w[:, :, 0, 0]), plan))
         self.channels = self.layers[0][0].shape[1]
         self._pointwise, self._dense = pointwise, dense

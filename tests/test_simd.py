@@ -40,11 +40,13 @@ from kernels.simd import (
     vload_masked,
     vmax,
     vmin,
+    vpack,
     vselect,
     vset,
     vstore,
     vstore_aligned,
     vstore_masked,
+    vunpack,
     vzero,
 )
 from kernels.simd.activation import KINDS, activate, encode
@@ -459,6 +461,59 @@ def test_activations_match_numpy(w):
             assert np.all(err <= 2e-6 * np.abs(ref[ok]) + 5e-7 * np.maximum(1, np.abs(x[ok]))), name
 
 
+@numba.jit(**HARNESS)
+def _clip_kinds(L, kind, a, b, x, out):
+    """out[0] = activate, out[1] = clip by clip_bounds, on vectors; out[2] the same on scalars."""
+    lo, hi = activation.clip_bounds(kind, a, b)
+    for i in range(0, x.shape[0], L.width):
+        v = vload(L, x, i)
+        vstore(out[0], i, activate(kind, a, b, v))
+        vstore(out[1], i, activation.clip(v, lo, hi))
+    for i in range(x.shape[0]):
+        out[2, i] = activation.clip(x[i], lo, hi)
+
+
+def test_clipping_kinds_are_their_clip(L):
+    """identity, relu and clip are clip(v, *clip_bounds(kind, a, b)), NaN and signs included;
+    the other kinds are not clips."""
+    x = np.concatenate([SPECIAL, mixed(4 * 16, 3)])
+    for name, params in [("identity", {}), ("relu", {}), ("clip", {"clip_min": -0.5}),
+                         ("clip", {"clip_min": -1.0, "clip_max": 6.0})]:  # fmt: skip
+        kind, a, b = encode(name, **params)
+        assert kind in activation.CLIPPING and activation.clips(kind)
+        out = np.empty((3, x.size), np.float32)
+        _clip_kinds(L, kind, a, b, x, out)
+        for row in out[1:]:  # bit for bit (-0 included)
+            np.testing.assert_array_equal(row.view(np.int32), out[0].view(np.int32), name)
+    assert activation.clip_bounds(*encode("relu")) == (0.0, np.inf)
+    assert activation.clip_bounds(*encode("sigmoid")) == (-np.inf, np.inf)
+    others = [k for k in range(len(KINDS)) if k not in activation.CLIPPING]
+    assert not any(activation.clips(k) for k in others)
+
+
+@numba.jit(**HARNESS)
+def _tuples(L, x, out):
+    """out = unpack(pack(x tuple) * 2) + 1, through tuples of W."""
+    w = L.width
+    for i in range(0, x.shape[0], w):
+        t = vunpack(vload(L, x, i) * f32(2.0))
+        for k in range(w):
+            out[i + k] = t[k] + f32(1.0)
+    t8 = (x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7])
+    vstore(out, x.shape[0], vpack(t8) - f32(1.0))
+    vstore(out, x.shape[0] + 8, vpack((1, 2, 3, 4, 5, 6, 7, 8.5)))
+
+
+def test_tuples_pack_and_unpack(L):
+    x = mixed(4 * 16, 5)
+    out = np.empty(x.size + 16, np.float32)
+    _tuples(L, x, out)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(out[: x.size], x * f32(2.0) + f32(1.0))
+        np.testing.assert_array_equal(out[x.size : x.size + 8], x[:8] - f32(1.0))
+    np.testing.assert_array_equal(out[x.size + 8 :], [1, 2, 3, 4, 5, 6, 7, 8.5])
+
+
 def test_encode():
     assert encode() == (activation.IDENTITY, 0.0, 0.0)
     assert encode("leaky_relu") == (activation.LEAKY_RELU, f32(0.01), 0.0)
@@ -642,6 +697,20 @@ try:
 except ValueError as err:
     print("error:", err)
 """
+
+
+@numba.jit(**HARNESS)
+def _width_of(L, x):
+    return L.width + x.shape[0]
+
+
+def test_a_lanes_argument_is_typed_without_python(monkeypatch):
+    """Numba's dispatcher types a Lanes from its _numba_type_ in C: without it, every call of a
+    kernel from Python went back into the interpreter (typeof_pyval), 7 us per call."""
+    x = np.zeros(3, np.float32)
+    assert _width_of(simd.Lanes(8), x) == 11  # compiled
+    monkeypatch.setattr(_width_of, "typeof_pyval", lambda value: pytest.fail(f"typeof {value}"))
+    assert _width_of(simd.Lanes(8), x) == 11
 
 
 @pytest.mark.parametrize(

@@ -38,8 +38,10 @@ emitted into the calling function, none is a call:
     vselect(m, a, b)                a where m, else b (vectors or numbers)
     hsum(v), hmax(v), hmin(v)       a pairwise tree over the lanes; hmax/hmin NaN if any is
     vget(v, k), vset(v, k, s)       lane k
+    vpack(t), vunpack(v)            a tuple of W numbers as a vector, a vector as W float32s
     roundeven(x), ldexp_small(p, k)  the pieces of exp
-    exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v) (activation.py)
+    exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v), clip(v, lo, hi)
+    (activation.py)
 Those that work lane by lane (operators, vfma, vmax, vmin, vselect on a boolean, the fits,
 activate) take float32 scalars too, so one source serves a kernel's vector body and its
 scalar remainder.
@@ -63,19 +65,21 @@ from ._ops import (
     vload_masked,
     vmax,
     vmin,
+    vpack,
     vselect,
     vset,
     vstore,
     vstore_aligned,
     vstore_masked,
+    vunpack,
     vzero,
 )
 from ._types import WIDTHS, Lanes, Mask, Vec, lanes, width
-from .activation import activate, encode
+from .activation import activate, clip, encode
 from .approx import erf, exp, log1p01, sigmoid, tanh
 
-__all__ = ["WIDTHS", "Lanes", "Mask", "Vec", "activate", "activation", "approx", "encode", "erf",
-           "exp", "hmax", "hmin", "hsum", "lanes", "ldexp_small", "log1p01", "roundeven",
+__all__ = ["WIDTHS", "Lanes", "Mask", "Vec", "activate", "activation", "approx", "clip", "encode",
+           "erf", "exp", "hmax", "hmin", "hsum", "lanes", "ldexp_small", "log1p01", "roundeven",
            "sigmoid", "tail_mask", "tanh", "vall", "vany", "vbroadcast", "vfma", "vget", "vload",
-           "vload_aligned", "vload_masked", "vmax", "vmin", "vselect", "vset", "vstore",
-           "vstore_aligned", "vstore_masked", "vzero", "width"]  # fmt: skip
+           "vload_aligned", "vload_masked", "vmax", "vmin", "vpack", "vselect", "vset", "vstore",
+           "vstore_aligned", "vstore_masked", "vunpack", "vzero", "width"]  # fmt: skip

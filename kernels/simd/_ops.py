@@ -14,6 +14,7 @@ from numba.extending import intrinsic, lower_builtin
 from ._types import (
     I1,
     I32,
+    WIDTHS,
     Mask,
     Vec,
     array_arg,
@@ -349,3 +350,37 @@ def _mask_reduction(op, name):
 
 
 vany, vall = _mask_reduction("vany", "or"), _mask_reduction("vall", "and")
+
+
+# ---- tuples ----------------------------------------------------------------------------------
+@intrinsic
+def vpack(typingctx, t):
+    """The tuple t of W numbers as a vector (W in WIDTHS; each converted to float32): how code
+    still written on tuples hands its values to the layer."""
+    ok = isinstance(t, types.BaseTuple) and len(t) in WIDTHS
+    if not ok or not all(isinstance(e, (types.Integer, types.Float)) for e in t):
+        widths = " or ".join(map(str, WIDTHS))
+        raise TypingError(f"vpack takes a tuple of {widths} numbers, got {t}")
+    w = len(t)
+
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(vector_type(w), ir.Undefined)
+        for k, ty in enumerate(sig.args[0]):
+            x = context.cast(builder, builder.extract_value(args[0], k), ty, types.float32)
+            v = builder.insert_element(v, x, I32(k))
+        return v
+
+    return Vec(w)(t), codegen
+
+
+@intrinsic
+def vunpack(typingctx, v):
+    """The lanes of v as a tuple of W float32 (vpack's inverse)."""
+    w = vector_arg(v, "vunpack")
+    tup = types.UniTuple(types.float32, w)
+
+    def codegen(context, builder, sig, args):
+        lanes = [builder.extract_element(args[0], I32(k)) for k in range(w)]
+        return context.make_tuple(builder, tup, lanes)
+
+    return tup(v), codegen

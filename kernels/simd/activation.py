@@ -24,6 +24,11 @@ as onnxruntime's Mul(x, Sigmoid(x))). `kind` is a runtime value, loop-invariant 
 its branch is predicted. encode() turns what patterns.activation reads from a graph into the
 triple (Python side, checked); the kernels only take triples.
 
+Three kinds, CLIPPING (identity, relu, clip), are each a clip: activate(kind, a, b, v) is
+clip(v, *clip_bounds(kind, a, b)). A kernel whose epilogue is mostly one of them (a CNN's)
+writes that clip inline and calls activate for the others: activate is one compiled function
+per type, a call (compiled once, not per call site), best kept out of a register-tiled loop.
+
     >>> kind, a, b = encode("leaky_relu", alpha=0.1)
     >>> activate(kind, a, b, v)          # in a kernel, v a vector or a float32
 """
@@ -33,16 +38,17 @@ import math
 import numba
 import numpy as np
 
-from ..config import JIT_FIT
+from ..config import INLINE, JIT_FIT
 from ._ops import vfma, vmax, vselect
 from .approx import erf, exp, log1p01, sigmoid, tanh
 
-__all__ = ["KINDS", "activate", "encode"]
+__all__ = ["CLIPPING", "KINDS", "activate", "clip", "clip_bounds", "clips", "encode"]
 
 KINDS = ("identity", "relu", "leaky_relu", "clip", "sigmoid", "tanh", "hard_sigmoid", "hard_swish",
          "silu", "gelu", "gelu_tanh", "elu", "selu", "softplus", "softsign")  # fmt: skip
 (IDENTITY, RELU, LEAKY_RELU, CLIP, SIGMOID, TANH, HARD_SIGMOID, HARD_SWISH, SILU, GELU, GELU_TANH,
  ELU, SELU, SOFTPLUS, SOFTSIGN) = range(len(KINDS))  # fmt: skip
+CLIPPING = (IDENTITY, RELU, CLIP)
 DEFAULTS = {
     "leaky_relu": (0.01, 0.0),
     "clip": (-math.inf, math.inf),
@@ -55,6 +61,31 @@ f32 = np.float32
 ZERO, HALF, ONE = f32(0.0), f32(0.5), f32(1.0)
 SIXTH, INV_SQRT2 = f32(1 / 6), f32(1 / math.sqrt(2))
 GELU_C, GELU_CUBIC = f32(math.sqrt(2 / math.pi)), f32(0.044715)
+INF = f32(math.inf)
+
+
+@numba.jit(**INLINE)
+def clip(v, lo, hi):
+    """min(max(v, lo), hi), lo and hi float32, v a vector or a float32. Compares, not
+    min/max: a NaN fails both and passes through, as in onnxruntime's Clip."""
+    return vselect(v > hi, hi, vselect(v < lo, lo, v))
+
+
+@numba.jit(**INLINE)
+def clips(kind):
+    """Whether `kind` is one of CLIPPING."""
+    return kind in CLIPPING
+
+
+@numba.jit(**INLINE)
+def clip_bounds(kind, a, b):
+    """(lo, hi), float32: the clip that `kind` is when clips(kind) (identity -inf, inf; relu
+    0, inf; clip a, b); -inf, inf for another kind (called from Python: two floats).
+
+    >>> lo, hi = clip_bounds(kind, a, b)      # in a kernel; relu: 0, inf
+    """
+    lo = f32(a) if kind == CLIP else (ZERO if kind == RELU else -INF)
+    return lo, f32(b) if kind == CLIP else INF
 
 
 @numba.jit(**JIT_FIT)
@@ -68,7 +99,7 @@ def activate(kind, a, b, v):
     if kind == LEAKY_RELU:
         return vselect(v < ZERO, a * v, v)
     if kind == CLIP:
-        return vselect(v > b, b, vselect(v < a, a, v))  # a NaN fails both
+        return clip(v, a, b)
     if kind == SIGMOID:
         return sigmoid(v)
     if kind == TANH:

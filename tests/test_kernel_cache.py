@@ -1,0 +1,62 @@
+"""kernels/_cache.py: a kernel in Numba's on-disk cache is compiled again when a module it
+imports changes (here the SIMD layer's sigmoid, in another file), not only its own file, and
+is still loaded when a module it does not import changes. Run in fresh processes on a copy of
+the package, so that the copy can be edited."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = """
+import numba
+
+from .config import JIT
+from .simd.approx import sigmoid
+
+
+@numba.jit(**JIT)
+def probe(x):
+    return sigmoid(x)
+"""
+
+RUN = """
+import numpy as np
+import kernels
+import kernels._probe as p
+assert kernels.__file__.startswith({root!r}), kernels.__file__
+print("value", float(p.probe(np.float32(0.0))))
+"""
+
+
+def test_a_change_in_an_imported_module_recompiles_and_one_elsewhere_does_not(tmp_path):
+    package = tmp_path / "kernels"
+    shutil.copytree(ROOT / "kernels", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               NUMBA_DEBUG_CACHE="1")  # fmt: skip
+
+    def run():
+        """(probe(0), whether the probe was compiled, whether it was loaded)"""
+        code = RUN.format(root=str(package))
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        lines = [line for line in done.stdout.splitlines() if "_probe" in line]
+        value = float(done.stdout.split("value")[-1])
+        return value, any("data saved" in x for x in lines), any("data loaded" in x for x in lines)
+
+    assert run() == (0.5, True, False)  # compiled into the empty cache
+    assert run() == (0.5, False, True)  # loaded
+    pool = package / "pool.py"
+    pool.write_text(pool.read_text() + "\n# changed\n")  # the probe does not import it
+    assert run() == (0.5, False, True)
+    approx = package / "simd" / "approx.py"
+    text = approx.read_text()
+    fit = "return vselect(x < ZERO, t * r, r)"
+    assert fit in text
+    approx.write_text(text.replace(fit, f"{fit} + ONE"))  # sigmoid(0) is now 1.5
+    assert run() == (1.5, True, False)  # compiled again, with the new sigmoid
