@@ -463,4 +463,6 @@ def scripted_race(monkeypatch, seconds: dict, load: float | None = 0.0) -> list[
         return race_module.race(scripted, clock=clock, machine=FakeMachine(load), **kw)
 
     monkeypatch.setattr("fusion.runtime.choice.race", fake_race)
+    # the watch of a cached plan measures the machine too: the same machine
+    monkeypatch.setattr("fusion.runtime.choice.Machine", lambda: FakeMachine(load))
     return raced

@@ -12,6 +12,7 @@ import itertools
 import pytest
 from helpers import Clock, FakeMachine
 
+from fusion.runtime.choice import describe_race, race_dict
 from fusion.runtime.race import (
     BUSY_CORES,
     MIN_MARGIN,
@@ -45,14 +46,14 @@ def test_the_clearly_fastest_wins_and_says_so():
     assert verdict.seconds == pytest.approx({"onnxruntime": 0.010, "nchw": 0.009,
                                              "per-node": 0.006})  # fmt: skip
     assert verdict.noise == MIN_MARGIN  # no spread at all: the floor
-    assert "per-node (fastest;" in verdict.describe()
+    assert "runs each node's fastest, the fastest (" in describe_race(race_dict(verdict))
 
 
 def test_a_difference_inside_the_noise_keeps_the_simplest():
     """1% apart is below the 3% floor: onnxruntime, listed first, is kept, and said so."""
     verdict = run_race({"onnxruntime": 0.0100, "per-node": 0.0099})
     assert verdict.chosen == "onnxruntime" and not verdict.decided
-    assert "within 3% noise of the fastest" in verdict.describe()
+    assert "the simplest within the 3% noise of the fastest" in describe_race(race_dict(verdict))
 
 
 def test_load_during_some_rounds_does_not_decide():
@@ -63,9 +64,9 @@ def test_load_during_some_rounds_does_not_decide():
     def disturbed(k):  # call 0 warms up, 1 sizes turns (2 calls of 8 ms); round 3 is quiet
         return 0.008 if k < 2 or (k - 2) // 2 == 3 else 0.072
 
-    verdict = run_race({"onnxruntime": disturbed, "per-node": 0.0244}, rounds=6)
+    verdict = run_race({"onnxruntime": disturbed, "per-node": 0.0244}, rounds=6, load=None)
     assert verdict.chosen == "onnxruntime"
-    assert verdict.busy  # its spread says the machine was disturbed
+    assert verdict.busy  # where /proc cannot say, the deciding pair's spread says it
 
 
 def test_other_processes_load_makes_the_race_provisional():
@@ -125,8 +126,42 @@ def test_turns_are_sized_to_the_call_and_orders_balanced():
 
 def test_judge_and_agrees_on_plain_figures():
     assert judge({"a": [2.0, 2.0], "b": [1.0, 1.0]})[0] == "b"
-    assert judge({"a": [], "b": []})[3] is False  # nothing ran: the first, undecided
+    with pytest.raises(ValueError, match="no candidate ran"):
+        judge({"a": [], "b": []})
     assert agrees(0.010, [0.0102, 0.0101, 0.0104], 0.03)
     assert not agrees(0.024, [0.016, 0.0162, 0.0159], 0.03)  # far faster than recorded
     assert not agrees(0.008, [0.012, 0.0125], 0.03)  # far slower
     assert agrees(0.01, [], 0.03)  # nothing seen yet
+
+
+def jittery(base):
+    """Rounds of base, 3 base, 5 base, ... in turn: a candidate whose spread is huge."""
+
+    def seconds(k):
+        return base * (1 + 2 * ((k // 2) % 3))
+
+    return seconds
+
+
+def test_a_jittery_candidate_does_not_blur_a_clear_difference_between_two_others():
+    """onnxruntime twice as fast as a jittery per-node plan: kept, decided; and a jittery NCHW
+    plan between a steady onnxruntime and a steady per-node plan twice as fast changes nothing:
+    each pair is weighed with its own noise."""
+    verdict = run_race({"onnxruntime": 0.050, "per-node": jittery(0.103)})
+    assert (verdict.chosen, verdict.decided, verdict.noise) == ("onnxruntime", True, MIN_MARGIN)
+    verdict = run_race({"onnxruntime": 0.1, "nchw": jittery(0.08), "per-node": 0.05})
+    assert (verdict.chosen, verdict.decided, verdict.noise) == ("per-node", True, MIN_MARGIN)
+
+
+def test_a_race_whose_candidates_all_fail_after_their_warm_up_raises():
+    clock = Clock()
+
+    def fails_later():
+        fails_later.calls += 1
+        clock.now += 0.01
+        if fails_later.calls > 2:
+            raise RuntimeError("a kernel that breaks on its third call")
+
+    fails_later.calls = 0
+    with pytest.raises(RuntimeError, match="third call"):
+        race({"onnxruntime": fails_later}, clock=clock, machine=FakeMachine())

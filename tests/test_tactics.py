@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -126,7 +127,7 @@ def judged(monkeypatch, tmp_path):
     which provisional verdicts it raced again."""
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(Chooser, "time_tactics", lambda self, *args: NODE_WINS)
-    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())
+    monkeypatch.setattr("fusion.runtime.choice.RERACED", set())
     return tmp_path
 
 
@@ -140,7 +141,7 @@ def test_a_race_under_load_is_provisional_and_raced_again_once_quiet(monkeypatch
     _session(tactics="fastest")  # provisional: raced again (still under load) ...
     _session(tactics="fastest")  # ... but once per process
     assert len(raced) == 2
-    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())  # a later process, quiet
+    monkeypatch.setattr("fusion.runtime.choice.RERACED", set())  # a later process, quiet
     raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
     quiet = _session(tactics="fastest")
     assert (quiet.race["chosen"], quiet.race["busy"], len(raced)) == (ONNXRUNTIME, False, 1)
@@ -169,6 +170,41 @@ def test_a_cached_verdict_its_runs_disagree_with_is_raced_again(monkeypatch, jud
     assert len(raced) == 1  # the new verdict is not watched: it was just measured
 
 
+def test_a_watch_that_runs_under_load_or_in_threads_at_once_judges_nothing(monkeypatch, judged):
+    """The same wrong cached verdict as above, watched while other processes load the machine,
+    or by runs that overlap in two threads: the watch cannot tell, so nothing is raced again."""
+    scripted_race(monkeypatch, {ONNXRUNTIME: 15.0, "nchw": 9.0, "per-node": 5.0})
+    _session(tactics="fastest")
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03},
+                          load=1.0)  # fmt: skip
+    loaded = _session(tactics="fastest")
+    x = np.ones((4, 3), np.float32)
+    for _ in range(WATCH_SKIP + WATCH_RUNS + 2):
+        loaded.run(None, {"x": x})
+    assert not raced and loaded.race["chosen"] == "per-node"
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
+    threaded = _session(tactics="fastest")
+    inside, chooser = threading.Barrier(2), threaded._plans.chooser
+    real_run = chooser.run
+
+    def both_at_once(*args, **kw):  # each run starts with one in the other thread
+        inside.wait(timeout=10)
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(chooser, "run", both_at_once)
+    runs = (WATCH_SKIP + WATCH_RUNS) // 2
+    threads = [threading.Thread(target=lambda: [threaded.run(None, {"x": x})
+                                                for _ in range(runs)])
+               for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    watched = threaded._plans.default.watch
+    assert not watched.open and watched.overlapped
+    assert not raced and threaded.race["chosen"] == "per-node"
+
+
 def test_an_entry_from_before_judged_races_is_raced_again(monkeypatch, judged):
     scripted_race(monkeypatch, {ONNXRUNTIME: 0.05, "nchw": 0.04, "per-node": 0.03})
     _session(tactics="fastest")
@@ -178,7 +214,7 @@ def test_an_entry_from_before_judged_races_is_raced_again(monkeypatch, judged):
         if key.startswith("plan:"):
             data["entries"][key] = {"plans": entry["plans"]}  # what older versions wrote
     path.write_text(json.dumps(data))
-    monkeypatch.setattr("fusion.runtime.choice._RERACED", set())
+    monkeypatch.setattr("fusion.runtime.choice.RERACED", set())
     raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
     assert _session(tactics="fastest").race["chosen"] == ONNXRUNTIME and len(raced) == 1
 
@@ -198,6 +234,8 @@ def test_tune_force_races_again_and_show_says_when_and_under_what_load(capsys, m
     assert re.fullmatch(r"inputs 4x3, threads 1, raced \d{4}-\d\d-\d\d \d\d:\d\d UTC:", out[0])
     assert out[1].startswith("  runs each node's fastest, the fastest (onnxruntime alone 50 ms")
     assert "other processes used 0.60 cores; raced under load: provisional" in out[1]
+    assert main(["tune", str(path), "--show", "--threads", "2"]) == 0  # raced with 1 thread
+    assert capsys.readouterr().out.startswith("no cached whole-plan verdict for ")
     assert main(["tune", "--show"]) == 0
     assert re.match(r"model [0-9a-f]{16}, inputs 4x3", capsys.readouterr().out)
     for argv, message in ((["tune"], "tune needs a MODEL"), (["tune", "--show", "--force"],

@@ -32,6 +32,8 @@ from kernels.machine import cpu_key
 
 NODE = {"times": {"nchw": 1e-3, "onnxruntime": 2e-3}}
 PLAN = {"plans": {"per-node": 1e-3, "onnxruntime": 2e-3}}
+VERDICT = {**PLAN, "chosen": "per-node", "noise": 0.03, "decided": True, "busy": False,
+           "load": 0.01, "rounds": 6}  # fmt: skip
 
 
 def _node(batch: int, version: str = "v1") -> str:
@@ -131,6 +133,12 @@ DAMAGED = [  # (key maker, entry, the reason the warning gives)
     (_plan, {"plans": None}, "'plans' is not an object"),
     (_plan, {"plans": {}}, "'plans' is empty"),
     (_plan, {"plans": {"per-node": None}}, "'plans' holds a value"),
+    (_plan, {"plans": {"per-node": float("inf")}}, "'plans' has no plan that ran"),
+    (_plan, {**VERDICT, "chosen": 3}, "'chosen' is not a plan's name"),
+    (_plan, {**VERDICT, "busy": "no"}, "'busy' is not true or false"),
+    (_plan, {**VERDICT, "load": True}, "'load' is not a number of cores"),
+    (_plan, {k: v for k, v in VERDICT.items() if k != "noise"}, "a verdict without 'noise'"),
+    (_plan, {**VERDICT, "chosen": "nchw"}, "'chosen' names no plan it timed"),
 ]
 
 

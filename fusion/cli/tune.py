@@ -45,7 +45,7 @@ def execute(args) -> int:
     if args.show:
         if args.force or args.batch:
             raise FusionError("--show times nothing: it takes no --force or --batch")
-        return _show(args.model)
+        return _show(args.model, args.threads)
     if args.model is None:
         raise FusionError("tune needs a MODEL (or --show)")
     model, _, checked = load_checked(args.model)
@@ -67,19 +67,20 @@ def execute(args) -> int:
     return 0
 
 
-def _show(path) -> int:
+def _show(path, threads: int | None) -> int:
     model = None
     if path is not None:
         model, _, _ = load_checked(path)
-    rows = cached_races(model)
+    rows = [row for row in cached_races(model)
+            if threads is None or row[0].split("|")[2] == f"t{threads}"]  # fmt: skip
     whose = f"for {path}" if path is not None else "in all"
     if not rows:
         print(f"no cached whole-plan verdict {whose} on this CPU")
     for key, race, written in rows:
-        digest, dims, threads = key.removeprefix("plan:").split("|")[:3]
+        digest, dims, ran = key.removeprefix("plan:").split("|")[:3]
         model_part = "" if path is not None else f"model {digest}, "
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(written)) if written else "?"
-        print(f"{model_part}inputs {dims or '-'}, threads {threads[1:]}, raced {when}:")
+        print(f"{model_part}inputs {dims or '-'}, threads {ran[1:]}, raced {when}:")
         print(f"  {describe_race(race)}")
     print(f"timing cache: {cache_dir()}")
     return 0

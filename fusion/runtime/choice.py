@@ -47,7 +47,7 @@ from fusion.rewriter import rewrite
 from fusion.runtime.feed_checks import FeedCheck
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, is_built_in
 from fusion.runtime.plan import is_fused
-from fusion.runtime.race import Verdict, agrees, race
+from fusion.runtime.race import BUSY_CORES, Machine, Verdict, agrees, race
 from fusion.runtime.tactics import ONNXRUNTIME, preferred, random_inputs, time_call
 from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
 
@@ -56,7 +56,9 @@ PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
               ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
 WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
-_RERACED: set[str] = set()  # plan keys whose provisional verdict this process raced again
+# Plan keys whose provisional verdict this process raced again (once per process: tests
+# replace it to play a new process).
+RERACED: set[str] = set()
 
 
 def describe_race(race: dict | None) -> str:
@@ -71,7 +73,9 @@ def describe_race(race: dict | None) -> str:
     else:
         why = f"the simplest within the {race['noise']:.0%} noise of the fastest"
     load = "" if race.get("load") is None else f"; other processes used {race['load']:.2f} cores"
-    busy = "; raced under load: provisional, raced again on a quiet run" if race.get("busy") else ""
+    loaded = race.get("load") is not None and race["load"] > BUSY_CORES
+    busy = "; raced under load" if loaded else "; a noisy race"
+    busy = f"{busy}: provisional, raced again on a quiet run" if race.get("busy") else ""
     cached = "; from the timing cache" if race.get("cached") else ""
     return f"runs {name(race['chosen'], race['chosen'])}, {why} ({times}{load}{busy}{cached})"
 
@@ -102,32 +106,41 @@ def cached_races(model: onnx.ModelProto | None = None, catalog: Catalog | None =
 
 
 def race_dict(verdict: Verdict, cached: bool = False) -> dict:
-    """Session.race's form of a verdict: what was chosen, every candidate's seconds, the noise,
-    whether the race decided, other processes' load (cores), whether it ran under load, and
-    whether it came from the timing cache."""
-    return {"chosen": verdict.chosen, "seconds": dict(verdict.seconds), "noise": verdict.noise,
-            "decided": verdict.decided, "load": verdict.load, "busy": verdict.busy,
-            "cached": cached}  # fmt: skip
+    """Session.race's form of a verdict: its cache entry's fields (race.Verdict.to_entry) with
+    the candidates' times as "seconds", and whether it came from the timing cache."""
+    entry = verdict.to_entry()
+    return {"seconds": entry.pop("plans"), **entry, "cached": cached}
 
 
 class Watch:
     """The first runs of a plan chosen from the cache, against the time its race recorded
-    (race.agrees). seen(seconds) -> None while watching, then whether they agreed, once."""
+    (race.agrees). seen(seconds) -> None while watching, then once whether they agreed; None
+    too when the watched runs cannot judge: other processes loaded the machine meanwhile, or
+    runs overlapped in threads (each then slows the other)."""
 
     def __init__(self, shapes: dict, recorded: float, noise: float):
         self.shapes, self.recorded, self.noise = shapes, recorded, noise
         self.times: list[float] = []
         self.open = True
+        self.overlapped = False  # set by PlanTable.run when watched runs overlap
         self._skip = WATCH_SKIP
+        self._machine = Machine()
 
     def seen(self, seconds: float) -> bool | None:
+        if not self.open:
+            return None
         if self._skip > 0:
             self._skip -= 1
+            if self._skip == 0:
+                self._machine.start()
             return None
         self.times.append(seconds)
-        if len(self.times) < WATCH_RUNS or not self.open:
+        if len(self.times) < WATCH_RUNS:
             return None
         self.open = False
+        load = self._machine.stop()
+        if self.overlapped or (load is not None and load > BUSY_CORES):
+            return None
         return agrees(self.recorded, self.times, self.noise)
 
 
@@ -165,6 +178,7 @@ class Chooser:
         self.feeds, self.base = feeds, base
         self.build, self.run = build, run
         self._cache: TimingCache | None = None
+        self._retimed: dict[str, dict] = {}  # node key -> entry timed here (retime: not reread)
 
     # ---- per node ----------------------------------------------------------------------------
     def choose(self, shapes: dict, nchw_only: bool = False) -> dict[int, Tactic | None]:
@@ -206,10 +220,10 @@ class Chooser:
 
                 self._cache = TimingCache(cpu_key(), version=timing_version()).load()
             key = node_key(node, ins, self.threads, self._source_version)
-            entry = None if self.retime else self._cache.get(key)
+            entry = self._retimed.get(key) if self.retime else self._cache.get(key)
             if entry is None:
                 entry = {"times": self.time_tactics(node, tactics, ins, consts)}
-                fresh[key] = entry
+                fresh[key] = self._retimed[key] = entry
             times = entry["times"]
             if nchw_only:
                 blocked = {t.name for t in tactics if t.blocked_inputs or t.blocked_outputs}
@@ -282,7 +296,7 @@ class Chooser:
             return Settled(self.build(candidates[cached.chosen]), race_dict(cached, True), watch)
         plans = {name: self.build(c) for name, c in candidates.items()}
         verdict = self._race(plans, values)
-        if self._cache is not None:
+        if self._cache is not None and not (again and verdict.busy):  # keep a quiet verdict
             self._cache.put({key: verdict.to_entry()})
         return Settled(plans[verdict.chosen], race_dict(verdict))
 
@@ -296,8 +310,8 @@ class Chooser:
         verdict = Verdict.from_entry(entry)
         if not set(candidates) <= set(verdict.seconds) or verdict.chosen not in candidates:
             return None
-        if verdict.busy and key not in _RERACED:
-            _RERACED.add(key)
+        if verdict.busy and key not in RERACED:
+            RERACED.add(key)
             return None
         return verdict
 
@@ -345,6 +359,7 @@ class PlanTable:
             _static_shape(view.type_of(v)) is None for v in view.graph_inputs
         )
         self._plans: dict[tuple, Settled] = {}
+        self._watched = 0  # runs of a watched plan under way (their overlap voids the watch)
         self._unsettled = False  # the default plan waits for a first run's feeds to be raced
         build, choose = chooser.build, chooser.choose
         if self._dynamic:
@@ -394,27 +409,46 @@ class PlanTable:
             return self._plans.get(signature, self.default)
 
     def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
-        """One run on `values` with the plan for their shapes (see the chooser's run). A watched
-        plan's run is timed, and the plan raced again when its runs disagree with its race."""
+        """One run on `values` with the plan for their shapes (see the chooser's run). The
+        plain runs of a watched plan are timed, and when they disagree with its race, on a
+        quiet machine, the plan is raced again, once, at the end of the run that showed it (a
+        race: about a second); a profile (`times`) is never watched."""
         settled = self.for_values(values)
         run, watch = self.chooser.run, settled.watch
-        if watch is None or not watch.open:
+        if watch is None or not watch.open or times is not None or keep_all:
             return run(settled.plan, values, times, keep_all)
         feeds = dict(values)  # the run releases values from `values`
+        with self._lock:
+            self._watched += 1
+            watch.overlapped |= self._watched > 1
         start = time.perf_counter()
-        out = run(settled.plan, values, times, keep_all)
+        try:
+            out = run(settled.plan, values)
+        finally:
+            with self._lock:
+                watch.overlapped |= self._watched > 1
+                self._watched -= 1
         if watch.seen(time.perf_counter() - start) is False:
             self._race_again(settled, feeds)
         return out
 
     def _race_again(self, stale: Settled, feeds: dict) -> None:
         """A cached plan whose runs disagree with the time its race recorded (that race ran on
-        a machine unlike this one now): race its shapes again, here, and use the new verdict."""
+        a machine unlike this one now): race its shapes again and use the new verdict, unless
+        this race too ran under load (then the plan and the cached verdict stay). A race that
+        fails leaves the plan as it was, with a warning: the run it ends has succeeded."""
         with self._lock:
             if stale.watch is None:  # another thread did it
                 return
-            fresh = self.chooser.settle(stale.watch.shapes, feeds, again=True)
-            stale.watch = None
+            shapes, stale.watch = stale.watch.shapes, None
+            try:
+                fresh = self.chooser.settle(shapes, feeds, again=True)
+            except Exception as exc:  # noqa: BLE001 (the plan it would replace still works)
+                warnings.warn(f"racing a cached plan again failed: {exc}", FusionWarning,
+                              stacklevel=3)  # fmt: skip
+                return
+            if fresh.race is not None and fresh.race["busy"]:
+                return
             if self.default is stale:
                 self.default = fresh
             for signature, other in list(self._plans.items()):

@@ -2,29 +2,32 @@
 holds on a quiet machine and is not taken at all where the difference is noise.
 
     verdict = race({"onnxruntime": run_ort, "nchw": run_nchw, "per-node": run_per_node})
-    verdict.chosen, verdict.decided, verdict.busy, verdict.describe()
+    verdict.chosen, verdict.decided, verdict.busy, verdict.to_entry()
 
 Candidates are given simplest first: the first is kept whenever the race cannot tell it from the
 fastest (for Session: onnxruntime alone, then kernels in NCHW, then per-node choices).
 
 How a race is run and judged:
-- warm-up, then `rounds` rounds of one turn per candidate, in balanced orders (each candidate
-  follows each other equally often, so whatever one leaves behind falls on all alike); a turn
-  is a burst of calls sized to about `turn_s` seconds, and its median is that round's figure;
+- warm-up, then rounds of one turn per candidate, in balanced orders (each candidate follows
+  each other equally often, so whatever one leaves behind falls on all alike; the rounds are
+  whole sets of those orders); a turn is a burst of calls sized to about `turn_s` seconds, and
+  its median is that round's figure;
 - after every turn the process waits until its own threads go idle (onnxruntime's workers
   spin for tens of milliseconds after a run at its defaults, which would slow the next
   candidate: the candidate runs with the settings it will run with, only its leftovers go);
 - each candidate's figure is the minimum over rounds of its per-round medians: load from other
   processes only ever adds time, so the least-disturbed round is the closest to a quiet machine;
-- the noise is the spread measured in the same race: per candidate, how far its per-round
-  medians sit above its best one (their median relative to the minimum), the largest of all,
-  never below MIN_MARGIN;
-- the fastest wins only when it beats every simpler candidate by more than that noise; else
-  the simplest candidate within the noise of the fastest is kept, and the verdict says so;
+- each candidate's spread is how far its per-round medians sit above its best one (their
+  median relative to the minimum);
+- the fastest wins only when it beats every simpler candidate by more than the noise of that
+  pair (the smaller of their two spreads: only where both spread can they have swapped; never
+  below MIN_MARGIN); else the simplest candidate within the noise of the fastest is kept, and
+  the verdict says so;
 - the race watches the machine: other processes' CPU use during the race (from /proc/stat,
   steal included, less this process's own time), in cores. A race that saw more than
-  BUSY_CORES of it, or noise above BUSY_NOISE, is `busy`: its verdict may serve this process,
-  but a cache should keep it as provisional and race again when the machine is quiet.
+  BUSY_CORES of it (or, where /proc cannot say, whose deciding pair spread beyond BUSY_NOISE)
+  is `busy`: its verdict may serve this process, but a cache should keep it as provisional
+  and race again when the machine is quiet.
 
 Nothing here knows a Session: callers pass run callables (fusion/runtime/choice.py builds
 them from a session's plans; the tests pass clocks and fake machines).
@@ -41,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 MIN_MARGIN = 0.03  # below 3% apart, two plans are called equal whatever the race measured
 BUSY_CORES = 0.25  # other processes' CPU use, in cores, above which a race is "under load"
 BUSY_NOISE = 0.25  # a spread this large says the machine was disturbed, whatever /proc says
-ROUNDS, TURN_S, MAX_CALLS = 5, 0.02, 50  # per candidate: 5 turns of ~20 ms (at most 50 calls)
+ROUNDS, TURN_S, MAX_CALLS = 6, 0.02, 50  # per candidate: 6 turns of ~20 ms (at most 50 calls)
 IDLE_WAIT_S, IDLE_STEP_S, IDLE_SHARE = 0.25, 0.005, 0.2  # waiting for spinning workers to stop
 
 
@@ -126,8 +129,8 @@ class Machine:
 
     def wait_idle(self) -> None:
         """Until this process's threads use less than IDLE_SHARE of a core over IDLE_STEP_S
-        (onnxruntime's workers stop spinning: about 50 ms after a run on a Zen 1 core), at most
-        IDLE_WAIT_S. process_time counts every thread, to the nanosecond."""
+        (onnxruntime's workers stop spinning, bench/NOTES.md), at most IDLE_WAIT_S.
+        process_time counts every thread, to the nanosecond."""
         end = self.clock() + IDLE_WAIT_S
         last = time.process_time()
         while self.clock() < end:
@@ -173,34 +176,36 @@ class Verdict:
         fields = {k: entry[k] for k in ("chosen", "noise", "decided", "load", "busy", "rounds")}
         return cls(seconds=seconds, **fields)
 
-    def describe(self) -> str:
-        """One line: what runs and why, every candidate's time."""
-        times = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.seconds.items())
-        why = "fastest" if self.decided else f"within {self.noise:.0%} noise of the fastest"
-        load = "" if self.load is None else f", other load {self.load:.2f} cores"
-        busy = "; raced under load: provisional" if self.busy else ""
-        return f"{self.chosen} ({why}; {times}{load}{busy})"
+
+def spread(rounds: list[float]) -> float:
+    """How far a candidate's per-round medians sit above its best one: their median over their
+    minimum, less one (0 for fewer than two finite rounds)."""
+    finite = [r for r in rounds if 0 < r < float("inf")]
+    return statistics.median(finite) / min(finite) - 1.0 if len(finite) > 1 else 0.0
 
 
 def judge(figures: Mapping[str, list[float]]) -> tuple[str, dict[str, float], float, bool]:
     """(chosen, per-candidate figure, noise, decided) from each candidate's per-round medians,
-    candidates simplest first (see the module docstring). A candidate with no finite round (it
-    failed) is never chosen."""
+    candidates simplest first (see the module docstring). Each simpler candidate is weighed
+    against the fastest with the noise of that pair: the smaller of their two spreads, at least
+    MIN_MARGIN. Load only adds time, so one candidate's jitter leaves its least disturbed round
+    near its quiet time; only where both spread can their figures have swapped (and a jittery
+    third candidate blurs nothing). `noise` is the margin that decided (the chosen and the
+    fastest). A candidate with no finite round (it failed) is never chosen; with none at all,
+    ValueError."""
     seconds = {name: min(rounds) if rounds else float("inf") for name, rounds in figures.items()}
-    spreads = [
-        statistics.median(r) / min(r) - 1.0
-        for r in figures.values()
-        if r and 0 < min(r) < float("inf") and statistics.median(r) < float("inf")
-    ]
-    noise = max([MIN_MARGIN, *spreads])
+    spreads = {name: spread(rounds) for name, rounds in figures.items()}
     finite = {k: v for k, v in seconds.items() if v < float("inf")}
     if not finite:
-        first = next(iter(figures))
-        return first, seconds, noise, False
+        raise ValueError("no candidate ran to the end of the race")
     best = min(finite, key=finite.get)
-    within = [k for k, v in finite.items() if v <= finite[best] * (1.0 + noise)]
+
+    def margin(name: str) -> float:
+        return max(MIN_MARGIN, min(spreads[name], spreads[best]))
+
+    within = [k for k, v in finite.items() if v <= finite[best] * (1.0 + margin(k))]
     chosen = within[0]  # candidates are simplest first
-    return chosen, seconds, noise, chosen == best and len(within) == 1
+    return chosen, seconds, margin(chosen), chosen == best and len(within) == 1
 
 
 def race(
@@ -230,6 +235,7 @@ def race(
         raise next(iter(failed.values()))
     figures: dict[str, list[float]] = {name: [] for name in names}
     orders = balanced_orders(len(names))
+    rounds = -(-rounds // len(orders)) * len(orders)  # whole sets of balanced orders
     for r in range(rounds):
         for k in orders[r % len(orders)]:
             name = names[k]
@@ -244,8 +250,12 @@ def race(
                 figures[name] = []
             machine.wait_idle()
     load = machine.stop()
+    if not any(figures.values()):  # every candidate failed after its warm-up
+        raise next(iter(failed.values()))
     chosen, seconds, noise, decided = judge(figures)
-    busy = (load is not None and load > BUSY_CORES) or noise > BUSY_NOISE
+    # Under load: other processes took more than BUSY_CORES (where /proc says); where it cannot
+    # say, a spread of the deciding pair above BUSY_NOISE says the machine was disturbed.
+    busy = load > BUSY_CORES if load is not None else noise > BUSY_NOISE
     errors = {name: f"{type(exc).__name__}: {exc}" for name, exc in failed.items()}
     return Verdict(chosen, seconds, noise, decided, load, busy, rounds, errors)
 

@@ -157,7 +157,9 @@ ENTRY_FIELDS = {
 
 
 def damage(key: str, entry) -> str | None:
-    """Why a cache entry cannot be used (None: it can), by the schema of its key's kind."""
+    """Why a cache entry cannot be used (None: it can), by the schema of its key's kind. A plan
+    entry holds a whole verdict or none of it (an entry from before judged races), names a
+    chosen plan among its timings, and has at least one plan that ran (a finite time)."""
     if not isinstance(entry, dict):
         return "an entry is not an object"
     for name, spec in ENTRY_FIELDS["plan" if key.startswith(PLAN) else "node"].items():
@@ -166,6 +168,14 @@ def damage(key: str, entry) -> str | None:
                 return f"{name!r} is missing"
         elif (reason := spec.check(entry[name])) is not None:
             return f"{name!r} {reason}"
+    if key.startswith(PLAN):
+        held = [name for name in _VERDICT if name in entry]
+        if held and len(held) != len(_VERDICT):
+            return f"a verdict without {next(n for n in _VERDICT if n not in entry)!r}"
+        if held and entry["chosen"] not in entry["plans"]:
+            return "'chosen' names no plan it timed"
+        if all(v == float("inf") for v in entry["plans"].values()):
+            return "'plans' has no plan that ran"
     return None
 
 
