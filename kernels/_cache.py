@@ -67,7 +67,8 @@ def imported(path: Path) -> frozenset[Path]:
             anchor = package.split(".")[: len(package.split(".")) - level + 1]
             base = ".".join([*anchor, *([base] if base else [])])
         targets.append(base)
-        targets += [f"{base}.{w}" for w in re.findall(r"\w+", m.group(2).split("#")[0])]
+        names = re.sub(r"#[^\n]*", "", m.group(2))  # comments inside a parenthesized list
+        targets += [f"{base}.{w}" for w in re.findall(r"\w+", names)]
     names = set()
     for target in targets:
         parts = target.split(".")

@@ -81,8 +81,15 @@ def cpu_identity() -> dict:
     return info
 
 
+# Settings that change the code the kernels run on one CPU (the SIMD width, the CPU Numba
+# compiles for): timings taken under them are not this CPU's default code's.
+CODE_SETTINGS = ("FUSION_SIMD_WIDTH", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
+
+
 def cpu_key() -> str:
-    """One line naming the CPU as timing caches key it: model, family/model/stepping, ISA."""
+    """One line naming the CPU as timing caches key it: model, family/model/stepping, ISA, and
+    any of CODE_SETTINGS in force."""
     c = cpu_identity()
+    forced = "".join(f" | {k}={os.environ[k]}" for k in CODE_SETTINGS if os.environ.get(k))
     return (f"{c['model_name']} | {c['vendor']} family {c['family']} model {c['model']} "
-            f"stepping {c['stepping']} | {c['isa']}")  # fmt: skip
+            f"stepping {c['stepping']} | {c['isa']}{forced}")  # fmt: skip

@@ -60,3 +60,35 @@ def test_a_change_in_an_imported_module_recompiles_and_one_elsewhere_does_not(tm
     assert fit in text
     approx.write_text(text.replace(fit, f"{fit} + ONE"))  # sigmoid(0) is now 1.5
     assert run() == (1.5, True, False)  # compiled again, with the new sigmoid
+
+
+def test_names_after_a_comment_in_a_parenthesized_import_are_followed(tmp_path, monkeypatch):
+    """`from . import (\n a,  # why\n b,\n)`: b is imported too (the comment hid it once)."""
+    from kernels import _cache
+
+    package = Path(_cache.PACKAGE)
+    source = package / "_gemm.py"
+    fake = tmp_path / "probe_module.py"
+    fake.write_text("from . import (\n    _gemm,  # the micro-kernel\n    _winograd,\n)\n")
+    monkeypatch.setattr(_cache, "PACKAGE", tmp_path)
+    monkeypatch.setattr(
+        _cache,
+        "module_file",
+        lambda name: {"kernels._gemm": source, "kernels._winograd": package / "_winograd.py"}.get(
+            name
+        ),
+    )
+    _cache.imported.cache_clear()
+    try:
+        assert _cache.imported(fake) == {source, package / "_winograd.py"}
+    finally:
+        _cache.imported.cache_clear()
+
+
+def test_the_timing_cache_key_names_settings_that_change_the_code(monkeypatch):
+    from kernels.machine import cpu_key
+
+    monkeypatch.delenv("FUSION_SIMD_WIDTH", raising=False)
+    plain = cpu_key()
+    monkeypatch.setenv("FUSION_SIMD_WIDTH", "16")
+    assert cpu_key() == plain + " | FUSION_SIMD_WIDTH=16"

@@ -72,8 +72,14 @@ class Lanes:
 
 
 def lanes(w: int | None = None) -> Lanes:
-    """Lanes(w), or Lanes(width()) when w is None: what a kernel's wrapper passes."""
-    return Lanes(width() if w is None else w)
+    """Lanes(w), or Lanes(width()) when w is None: what a kernel's wrapper passes (one object
+    per width: building one, and its Numba type, costs microseconds a small call would pay)."""
+    return _lanes(width() if w is None else w)
+
+
+@functools.cache
+def _lanes(w: int) -> Lanes:
+    return Lanes(w)
 
 
 class Vec(types.Type):
