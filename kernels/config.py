@@ -45,6 +45,7 @@ JIT_GEMM = dict(JIT, fastmath=set(GEMM_FASTMATH))
 JIT_FIT = dict(JIT, fastmath=set(GEMM_FASTMATH))
 INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples become registers
 INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
+INLINE_FIT = dict(JIT_FIT, inline="always")  # a fit copied into a loop whose kind is fixed
 PARALLEL = dict(JIT, parallel=True)
 
 

@@ -16,21 +16,43 @@ import numba
 import numpy as np
 
 from .config import JIT, PARALLEL
-from .epilogue import AFTER, NO_RESIDUAL, finish
+from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
 from .simd import lanes, tail_mask, vload, vload_masked, vstore, vstore_masked
-from .simd.activation import IDENTITY, KINDS, clip_bounds, clips, encode
+from .simd.activation import (
+    GELU,
+    GELU_TANH,
+    IDENTITY,
+    KINDS,
+    clip_bounds,
+    clips,
+    encode,
+    gelu,
+    gelu_tanh,
+)
 
 __all__ = ["SERIAL_GELU", "bias_act", "linear_act"]
 
 
 @numba.jit(**JIT)
 def bias_act_row(L, y, i, b, r, residual, kind, act_a, act_b):
-    """y[i] = act(y[i] + b) (+ r[i]): one row, in place, a vector at a time."""
+    """y[i] = act(y[i] + b) (+ r[i]): one row, in place, a vector at a time. The GELU forms
+    (every transformer MLP) get loops of their own with the fit inlined: the table's activate
+    is a call that tests the kind once per vector, which cost as much as the erf."""
     n, w = y.shape[1], L.width
     simple = clips(kind)
     lo, hi = clip_bounds(kind, act_a, act_b)
     o = i * n
     j = 0
+    if kind == GELU and residual != BEFORE:  # the residual, if any, after the activation
+        while j + w <= n:
+            v = gelu(vload(L, y, o + j) + vload(L, b, j))
+            vstore(y, o + j, v + vload(L, r, o + j) if residual else v)
+            j += w
+    elif kind == GELU_TANH and residual != BEFORE:
+        while j + w <= n:
+            v = gelu_tanh(vload(L, y, o + j) + vload(L, b, j))
+            vstore(y, o + j, v + vload(L, r, o + j) if residual else v)
+            j += w
     while j + w <= n:
         v = vload(L, y, o + j) + vload(L, b, j)
         x = vload(L, r, o + j) if residual else v

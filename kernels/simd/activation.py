@@ -38,7 +38,7 @@ import math
 import numba
 import numpy as np
 
-from ..config import INLINE, JIT_FIT
+from ..config import INLINE, INLINE_FIT, JIT_FIT
 from ._ops import vfma, vmax, vselect
 from .approx import erf, exp, log1p01, sigmoid, tanh
 
@@ -88,6 +88,18 @@ def clip_bounds(kind, a, b):
     return lo, f32(b) if kind == CLIP else INF
 
 
+@numba.jit(**INLINE_FIT)
+def gelu(v):
+    """x (1 + erf(x / sqrt 2)) / 2, inlined where a kernel calls it (a hot loop's fixed kind)."""
+    return HALF * v * (ONE + erf(v * INV_SQRT2))
+
+
+@numba.jit(**INLINE_FIT)
+def gelu_tanh(v):
+    """x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2, inlined like gelu."""
+    return HALF * v * (ONE + tanh(GELU_C * vfma(GELU_CUBIC * v, v * v, v)))
+
+
 @numba.jit(**JIT_FIT)
 def activate(kind, a, b, v):
     """The activation `kind` with parameters a, b (float32) of v (a vector or a float32)."""
@@ -113,9 +125,9 @@ def activate(kind, a, b, v):
     if kind == SILU:
         return v * sigmoid(v)
     if kind == GELU:
-        return HALF * v * (ONE + erf(v * INV_SQRT2))
+        return gelu(v)
     if kind == GELU_TANH:
-        return HALF * v * (ONE + tanh(GELU_C * vfma(GELU_CUBIC * v, v * v, v)))
+        return gelu_tanh(v)
     if kind == ELU:
         return vselect(v < ZERO, a * (exp(v) - ONE), v)
     if kind == SELU:
