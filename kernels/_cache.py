@@ -46,8 +46,9 @@ def _module_name(path: Path) -> str:
 
 
 # `from X import a, b` (names in parentheses over several lines too) and `import X`: read with
-# a pattern rather than parsed (every process stamps every kernel module; ast.parse of them all
-# took 80 ms). A match in a docstring or comment can only add a module, never lose one.
+# a pattern rather than parsed (every process stamps every kernel module: ast.parse of them all
+# costs start-up time, bench/NOTES.md). A match in a docstring or comment can only add a
+# module, never lose one.
 _FROM = re.compile(r"^[ \t]*from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.M)
 _IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+(?:[ \t]*,[ \t]*[\w.]+)*)", re.M)
 

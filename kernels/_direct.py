@@ -156,7 +156,7 @@ def _activate(L, yf, res, y0, n_blocks, ystride, count, residual, kind, act_a, a
     """The rest of the epilogue when the activation is not a clip, in place on `count`
     values (whole vectors) from y0 in each of n_blocks output blocks: the activation (kind,
     act_a, act_b), then a residual added after it. Once per output row, not per tile: a call
-    of activate inside the tile loop slowed every conv by 15%, clips included."""
+    of activate inside the tile loop slowed every conv, clips included (bench/NOTES.md)."""
     for f in range(n_blocks):
         q0 = y0 + u(f) * ystride
         for q in range(q0, q0 + u(count), u(B)):

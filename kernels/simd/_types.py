@@ -64,7 +64,7 @@ class Lanes:
             raise ValueError(f"a vector has {' or '.join(map(str, WIDTHS))} lanes, got {width!r}")
         self.width = int(width)
         # Numba's dispatcher reads this attribute in C; an object without it is typed by a
-        # call back into Python (typeof), 7 us on every call of a kernel from Python
+        # call back into Python (typeof) on every call of a kernel from Python (bench/NOTES.md)
         self._numba_type_ = LanesType(self.width)
 
     def __repr__(self):
