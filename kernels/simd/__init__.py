@@ -42,12 +42,14 @@ emitted into the calling function, none is a call:
     roundeven(x), ldexp_small(p, k)  the pieces of exp
     exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v), clip(v, lo, hi)
     (activation.py)
+    Tile(rows, cols), tile_zeros, tile_fma, tile_load, tile_store: register tiles of
+    accumulators, their shapes from the register file (tile.py: registers, fit_rows, gemm_tile)
 Those that work lane by lane (operators, vfma, vmax, vmin, vselect on a boolean, the fits,
 activate) take float32 scalars too, so one source serves a kernel's vector body and its
 scalar remainder.
 """
 
-from . import activation, approx
+from . import activation, approx, tile
 from ._ops import (
     hmax,
     hmin,
@@ -77,9 +79,12 @@ from ._ops import (
 from ._types import WIDTHS, Lanes, Mask, Vec, lanes, width
 from .activation import activate, clip, encode
 from .approx import erf, exp, log1p01, sigmoid, tanh
+from .tile import Tile, gemm_tile, registers, tile_fma, tile_load, tile_store, tile_zeros
 
-__all__ = ["WIDTHS", "Lanes", "Mask", "Vec", "activate", "activation", "approx", "clip", "encode",
-           "erf", "exp", "hmax", "hmin", "hsum", "lanes", "ldexp_small", "log1p01", "roundeven",
-           "sigmoid", "tail_mask", "tanh", "vall", "vany", "vbroadcast", "vfma", "vget", "vload",
-           "vload_aligned", "vload_masked", "vmax", "vmin", "vpack", "vselect", "vset", "vstore",
+__all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "approx", "clip",
+           "encode", "erf", "exp", "gemm_tile", "hmax", "hmin", "hsum", "lanes",
+           "ldexp_small", "log1p01", "registers", "roundeven", "sigmoid", "tail_mask",
+           "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",
+           "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned",
+           "vload_masked", "vmax", "vmin", "vpack", "vselect", "vset", "vstore",
            "vstore_aligned", "vstore_masked", "vunpack", "vzero", "width"]  # fmt: skip

@@ -43,11 +43,17 @@ def width() -> int:
         if forced.strip() not in ("8", "16"):
             raise ValueError(f"FUSION_SIMD_WIDTH must be 8 or 16, got {forced!r}")
         return int(forced)
+    return 16 if target_isa().startswith("avx512f") else 8
+
+
+@functools.cache
+def target_isa() -> str:
+    """The vector ISA of the CPU Numba compiles for ("avx512f+fma", "avx2+fma", ...: the rule
+    of kernels.machine.vector_isa), read from Numba's code generator."""
     from numba.core.registry import cpu_target  # Numba's codegen: the target it compiles for
 
     _, _, features = cpu_target.target_context.codegen().magic_tuple()
-    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
-    return 16 if vector_isa(enabled).startswith("avx512f") else 8
+    return vector_isa({f[1:] for f in features.split(",") if f.startswith("+")})
 
 
 class Lanes:
