@@ -63,3 +63,65 @@ def absorb_shapes(view: GraphView, nodes: list[int], outputs) -> tuple[list[int]
             ):
                 reads.append(value)
     return sorted(inside | cone), computed, reads
+
+
+Entry = int | tuple[str, int] | None  # a constant, (value, axis): that value's dim, or unknown
+
+
+def shape_entries(view: GraphView, value: str, depth: int = 12) -> list[Entry] | None:
+    """The entries of a 1-D integer shape tensor as the exporters compute it: each a constant,
+    (tensor, axis) when it is the size of `tensor` along `axis` (read by Shape, then Gather,
+    Slice, Unsqueeze, Squeeze, Cast and Concat), or None when it is computed some other way.
+    None when not even the number of entries is known.
+
+    TorchScript writes a head Reshape's target as Concat(Unsqueeze(Gather(Shape(q), 0)), ...,
+    [-1], [8]), dynamo as Concat(Shape(x, start=0, end=1), ...): either way a rule can tell
+    that the target is [q's batch, q's sequence, -1, 8] without knowing those sizes."""
+    const = view.constant(value)
+    if const is not None:
+        return [int(d) for d in const.reshape(-1)] if const.ndim <= 1 else None
+    producer = view.producer.get(value)
+    if producer is None or depth == 0:
+        return None
+    node = view.nodes[producer[0]]
+    op, attrs = node.op_type, view.attributes(node)
+    ins = list(node.input)
+
+    def entries(i):
+        return shape_entries(view, ins[i], depth - 1) if len(ins) > i and ins[i] else None
+
+    if op == "Shape":
+        vt = view.type_of(ins[0])
+        rank = vt.rank if vt is not None else None
+        if rank is None:
+            return None
+        start, end = attrs.get("start", 0), attrs.get("end", rank)
+        return [(ins[0], axis) for axis in range(rank)[slice(start, end)]]
+    if op in ("Cast", "Identity", "Unsqueeze", "Squeeze"):  # a scalar is a list of one here
+        return entries(0)
+    if op == "Concat":
+        parts = [entries(i) for i in range(len(ins))]
+        return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    if op == "Gather":
+        source, index = entries(0), view.constant(ins[1]) if len(ins) > 1 else None
+        if source is None or index is None or index.ndim > 1:
+            return None
+        picked = [int(i) for i in index.reshape(-1)]
+        if any(not -len(source) <= i < len(source) for i in picked):
+            return None
+        return [source[i] for i in picked]
+    if op == "Slice":
+        source = entries(0)
+        bounds = [view.constant(ins[i]) if len(ins) > i and ins[i] else None for i in (1, 2, 3, 4)]
+        starts, ends, axes, steps = bounds
+        if source is None or starts is None or ends is None or starts.size != 1 or ends.size != 1:
+            return None
+        if (axes is not None and int(axes.reshape(-1)[0]) not in (0, -1)) or (
+            steps is not None and steps.size != 1
+        ):
+            return None
+        step = 1 if steps is None else int(steps.reshape(-1)[0])
+        big = 2**62  # INT64 max and min mean "to the end" in Slice
+        start, end = (max(-big, min(big, int(b.reshape(-1)[0]))) for b in (starts, ends))
+        return source[slice(start, end, step)] if step else None
+    return None

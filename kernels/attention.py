@@ -158,8 +158,9 @@ def softmax_rows(L, s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk,
 
 @numba.jit(**JIT)
 def attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
-                 d_len, scale, qp, pp, s, acc, m, lsum):  # fmt: skip
-    """Queries q0 .. q0 + BQ of head h, batch b, against every key: out's rows of them."""
+                 d_len, scale, qp, pp, s, acc, m, lsum, nan_to_zero):  # fmt: skip
+    """Queries q0 .. q0 + BQ of head h, batch b, against every key: out's rows of them. A row
+    whose softmax is NaN (every key -inf, or a NaN score) is NaN, or 0 with nan_to_zero."""
     w = qkv.shape[1]
     g = h // (heads // kv_heads)
     nq = min(BQ, s_len - q0)
@@ -209,13 +210,14 @@ def attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, hea
         pv_tile(pp, n_quads, flat, (row0 + k0) * w + v_col, w, nk, n_dtiles, acc)
     for i in range(nq):
         inv = ONE / lsum[i]
+        zero = nan_to_zero and not lsum[i] > ZERO  # 0 (no key) or NaN: the row's p is NaN
         for d in range(d_len):
-            out[row0 + q0 + i, h * d_len + d] = acc[0, i, d] * inv
+            out[row0 + q0 + i, h * d_len + d] = ZERO if zero else acc[0, i, d] * inv
 
 
 @numba.jit(**PARALLEL)
 def _attention(L, qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_heads, d_len,
-               scale):  # fmt: skip
+               scale, nan_to_zero):  # fmt: skip
     k_col = heads * d_len
     for t in numba.prange(batch * kv_heads):  # K^T, zero-padded to sp keys
         b, g = t // kv_heads, t % kv_heads
@@ -238,7 +240,7 @@ def _attention(L, qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, k
         m = np.empty(BQ, np.float32)
         lsum = np.empty(BQ, np.float32)
         attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
-                     d_len, scale, qp, pp, s, acc, m, lsum)  # fmt: skip
+                     d_len, scale, qp, pp, s, acc, m, lsum, nan_to_zero)  # fmt: skip
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
@@ -252,10 +254,13 @@ def qkv_buffer(rows: int, width: int):
     return flat[0, : rows * width].reshape(rows, width), flat
 
 
-def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask=None):
+def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
+                   nan_to_zero=False):  # fmt: skip
     """The attention of the projected qkv [batch * seq, (heads + 2 kv_heads) head_dim] (Q, then
     K, then V columns, head by head; from qkv_buffer), with an additive mask broadcastable to
-    [batch, heads, seq, seq]: [batch * seq, heads * head_dim], heads merged."""
+    [batch, heads, seq, seq]: [batch * seq, heads * head_dim], heads merged. nan_to_zero: the
+    rows whose softmax is NaN (a query with every key masked by -inf) are 0, as sdpa's export
+    guards them (Where(IsNaN(p), 0, p)); else NaN, as onnxruntime's Softmax gives."""
     width = (heads + 2 * kv_heads) * head_dim
     if qkv.shape != (batch * seq, width) or heads % kv_heads:
         raise ValueError(f"qkv of shape {qkv.shape} is not [{batch * seq}, {width}] "
@@ -277,15 +282,15 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
     out = np.empty((batch * seq, heads * head_dim), np.float32)
     with slp_vectorize():
         _attention(lanes(), qkv, flat, kt, m, mask is not None, out, batch, seq, sp, heads,
-                   kv_heads, head_dim, np.float32(scale))  # fmt: skip
+                   kv_heads, head_dim, np.float32(scale), bool(nan_to_zero))  # fmt: skip
     return out
 
 
 def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None,
-              out_shape=None):  # fmt: skip
+              out_shape=None, nan_to_zero=False):  # fmt: skip
     """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; w_qkv [E, (H + 2 Hkv) D] (Q, K,
     V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N], or out_shape (the same
-    values; the residual broadcasts to it).
+    values; the residual broadcasts to it); nan_to_zero as attention_core's.
 
     >>> y = attention(x, w_qkv, b_qkv, 12, 12, 0.125, w_out, b_out, mask)
     """
@@ -302,7 +307,7 @@ def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, 
     qkv, flat = qkv_buffer(batch * seq, width)
     np.matmul(np.ascontiguousarray(x).reshape(batch * seq, emb), w_qkv, out=qkv)
     bias_act(qkv, b_qkv)
-    o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask)
+    o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero)
     y = np.matmul(o, w_out)
     shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)
     if int(np.prod(shape)) != y.size or shape[-1] != y.shape[1]:

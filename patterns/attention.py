@@ -1,17 +1,26 @@
 """Attention:  y = concat_h(softmax(s Q_h K_h^T + M) V_h) Wo + bo (+ r),  Q = x Wq + bq, ...
 
-as Hugging Face's eager attention exports (BERT, DistilBERT, GPT-2; TorchScript and dynamo):
+as Hugging Face's attention exports, eager or sdpa (torch's scaled_dot_product_attention,
+transformers' default), from BERT, DistilBERT, GPT-2 (TorchScript and dynamo):
 Q, K, V as three linears of one x, or one linear cut by Split (GPT-2's c_attn); each reshaped
-to [B, S, H, D] and transposed to heads (K straight to [B, H, D, S], or transposed twice);
-the scale s as Mul or Div, on the product or on Q; an additive mask M (any value: padding,
-causal or both, built once per model and shared by the layers); Softmax on the last axis (a
-Cast to float after it folds in); times V; heads merged by Transpose + Reshape; the output
-linear; an optional residual Add. Every linear is patterns/linear.py's linear_nd.
+to [B, S, H, D] and transposed to heads. K^T straight to [B, H, D, S], or heads transposed
+again, or (dynamo's sdpa) heads flattened to [B H, S, D], transposed in 3-D and unflattened.
+The scale s as Mul or Div, on the product, on Q, or split as sqrt(s) on Q and on K^T (sdpa);
+an additive mask M (any value: padding, causal or both, built once per model and shared by
+the layers; sdpa's boolean mask made additive by Where(m, 0, -inf) is such a value);
+Softmax on the last axis, then sdpa's guard Where(IsNaN(p), 0, p), which turns the NaN rows
+of queries with every key masked into zeros (one or two Casts to float after it fold in); times V;
+an optional no-op Reshape of the heads' output (TorchScript's sdpa: [B, -1, S, D]); heads
+merged by Transpose + Reshape; the output linear; an optional residual Add. Every linear is
+patterns/linear.py's linear_nd.
 
 The head size comes from the head Reshape's shape: its last entry must be a constant (the
 exporters write [B, S, -1, D] or [B, S, H, D] with D constant). The shapes themselves are
 fused inputs the kernel ignores; where TorchScript reads them from values inside the match
 (Shape of the Split's outputs), the rule absorbs those shape computations (Rule.absorb_shapes).
+The reshapes that only regroup the heads (the flattened K^T, the no-op Reshape) are checked
+entry by entry: each target entry must be the size of the right axis of a head tensor of the
+match (fusion.shapes.shape_entries), so the match is the same computation at every shape.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
+from fusion.shapes import shape_entries
 from patterns.linear import (
     check_linear,
     linear_attributes,
@@ -34,15 +44,18 @@ PROJECTIONS = ("q", "k", "v", "qkv", "o")
 LINEARS = tuple(
     name for p in PROJECTIONS for name in (*linear_inputs(f"W{p}", p), f"{p}_flat", f"{p}_unflat")
 )
-SHAPES = ("q_shape", "k_shape", "v_shape", "merge_shape")
+SHAPES = ("q_shape", "k_shape", "v_shape", "merge_shape", "kt_flat_shape", "kt_shape",
+          "ctx_shape")  # fmt: skip
+SCALES = ("scale", "q_scale", "k_scale")
 
 
 def last_axis(axis) -> str | None:
     return None if axis in (-1, 3) else f"axis={axis}, attention's Softmax is over the keys"
 
 
-def heads(v, tag: str, perm):
-    return op.Transpose(op.Reshape(v, Var(f"{tag}_shape"), _name=f"{tag}_heads"), perm=perm)
+def heads(v, tag: str, perm, name: str | None = None):
+    return op.Transpose(op.Reshape(v, Var(f"{tag}_shape"), _name=f"{tag}_heads"), perm=perm,
+                        _name=name)  # fmt: skip
 
 
 def scaled(v, name: str):
@@ -50,16 +63,29 @@ def scaled(v, name: str):
     return Alt(op.Mul(v, Const(f"{name}_mul")), op.Div(v, Const(f"{name}_div")), v)
 
 
+def transposed_keys(k):
+    """K^T per head, [B, H, D, S]: one Transpose of the [B, S, H, D] keys; heads [B, H, S, D]
+    then their last two axes swapped; or heads flattened to [B H, S, D], swapped in 3-D and
+    unflattened (dynamo's sdpa)."""
+    flat = op.Reshape(heads(k, "k", [0, 2, 1, 3], "k_t"), Var("kt_flat_shape"))
+    return Alt(heads(k, "k", [0, 2, 3, 1]),
+               op.Transpose(heads(k, "k", [0, 2, 1, 3]), perm=[0, 1, 3, 2]),
+               op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), Var("kt_shape")))  # fmt: skip
+
+
 def core(q, k, v):
     """The attention of projections q, k, v ([B, S, H*D] each) with the output linear."""
-    q_heads = scaled(heads(q, "q", [0, 2, 1, 3]), "q_scale")
-    k_t = Alt(heads(k, "k", [0, 2, 3, 1]),
-              op.Transpose(heads(k, "k", [0, 2, 1, 3]), perm=[0, 1, 3, 2]))  # fmt: skip
+    q_heads = scaled(heads(q, "q", [0, 2, 1, 3], "q_t"), "q_scale")
+    k_t = scaled(transposed_keys(k), "k_scale")
     scores = scaled(op.MatMul(q_heads, k_t, _name="qk"), "scale")
     masked = Alt(op.Add(scores, Var("mask", dtype="float32"), _name="mask_add"), scores)
     probs = op.Softmax(masked, axis=last_axis, _name="softmax")
-    context = op.MatMul(Alt(op.Cast(probs, to=1), probs), heads(v, "v", [0, 2, 1, 3]))
-    merged = op.Reshape(op.Transpose(context, perm=[0, 2, 1, 3]), Var("merge_shape"))
+    guarded = Alt(op.Where(op.IsNaN(probs), Const("nan_fill"), probs, _name="nan_guard"), probs)
+    as_float = Alt(op.Cast(op.Cast(guarded, to=1), to=1), op.Cast(guarded, to=1), guarded)
+    context = op.MatMul(as_float, heads(v, "v", [0, 2, 1, 3], "v_t"),
+                        _name="context")  # fmt: skip
+    regrouped = Alt(op.Reshape(context, Var("ctx_shape")), context)
+    merged = op.Reshape(op.Transpose(regrouped, perm=[0, 2, 1, 3]), Var("merge_shape"))
     out = linear_nd(merged, "Wo", "o")
     return Alt(op.Add(out, Var("residual", dtype="float32"), _name="residual_add"), out)
 
@@ -115,7 +141,7 @@ def head_dim(m) -> int | str:
 
 def scale(m) -> float:
     s = 1.0
-    for name in ("scale", "q_scale"):
+    for name in SCALES:
         if m[f"{name}_mul"] is not None:
             s *= float(np.reshape(m.const(f"{name}_mul"), -1)[0])
         if m[f"{name}_div"] is not None:
@@ -131,9 +157,13 @@ def check(m) -> str | None:
     reason = check_linear(m, "Wo", "o") or residual_follows(m, "o")
     if reason:
         return reason
-    for name in ("scale_mul", "scale_div", "q_scale_mul", "q_scale_div"):
+    for name in (f"{s}_{how}" for s in SCALES for how in ("mul", "div")):
         if m[name] is not None and m.const(name).size != 1:
             return f"the scale {m[name]} is not a scalar"
+    if m["nan_fill"] is not None:
+        fill = m.const("nan_fill")
+        if fill.size != 1 or float(fill.reshape(-1)[0]) != 0.0:
+            return f"the Softmax's NaN guard fills {fill.reshape(-1)[:4]}, not 0"
     if "qkv_split" in m.node_index:
         split = m.node("qkv_split")
         sizes = m.const("qkv_sizes") if m["qkv_sizes"] else m.attrs("qkv_split").get("split")
@@ -144,6 +174,9 @@ def check(m) -> str | None:
     d = head_dim(m)
     if isinstance(d, str):
         return d
+    reason = regrouping(m, d)
+    if reason:
+        return reason
     w = widths(m)
     if w["q"] % d or w["k"] % d or w["k"] != w["v"] or (w["q"] // d) % (w["k"] // d):
         return f"Q, K, V widths {w['q']}, {w['k']}, {w['v']} do not form heads of {d}"
@@ -155,6 +188,36 @@ def check(m) -> str | None:
     return None
 
 
+def _target(m, name: str, want: list, constants: dict) -> str | None:
+    """Why Reshape target `name` is not `want` (entry k: one of want[k], (tensor, axis) pairs
+    or -1, or the number constants[k]), else None."""
+    got = shape_entries(m.view, m[name])
+    ok = got is not None and len(got) == len(want)
+    for k, e in enumerate(got if ok else []):
+        ok = ok and (e in want[k] or (k in constants and e == constants[k]))
+    return None if ok else f"the Reshape to {got} regroups the heads' values, not only their axes"
+
+
+def regrouping(m, d: int) -> str | None:
+    """The Reshapes between the head tensors must only regroup axes: K^T's flattening to
+    [B H, S, D] and back to [B, H, D, S], the heads' output reshaped to itself."""
+    if m["kt_shape"] is not None:
+        kt = m.node("k_t").output[0]
+        flat = [[-1], [(kt, 2)], [(kt, 3)]]
+        reason = _target(m, "kt_flat_shape", flat, {2: d})
+        unflat = [[(kt, 0), -1], [(kt, 1), -1], [(kt, 3)], [(kt, 2)]]
+        reason = reason or _target(m, "kt_shape", unflat, {2: d})
+        if reason:
+            return reason
+    if m["ctx_shape"] is not None:
+        q_t, v_t, ctx = (m.node(n).output[0] for n in ("q_t", "v_t", "context"))
+        same = [[(t, k) for t in (q_t, v_t, ctx)] for k in range(4)]
+        same[1] = [(q_t, 1), (ctx, 1), -1]  # V's axis 1 holds the key/value heads
+        heads_ = widths(m)["q"] // d
+        return _target(m, "ctx_shape", same, {1: heads_, 3: d})
+    return None
+
+
 def attributes(m) -> dict:
     d = head_dim(m)
     w = widths(m)
@@ -162,7 +225,8 @@ def attributes(m) -> dict:
     linear = {}
     for p in names:
         linear.update(linear_attributes(m, p))
-    return {"heads": w["q"] // d, "kv_heads": w["k"] // d, "scale": scale(m), **linear}
+    return {"heads": w["q"] // d, "kv_heads": w["k"] // d, "scale": scale(m),
+            "nan_to_zero": int(m["nan_fill"] is not None), **linear}  # fmt: skip
 
 
 def make_kernel(attrs: dict, constants: list):
@@ -181,6 +245,7 @@ def make_kernel(attrs: dict, constants: list):
         b_qkv = np.concatenate([b for _, b in parts])
     w_out, b_out = linear_params(attrs["o_linear"], *(named[k] for k in linear_inputs("Wo", "o")))
     heads_, kv_heads, s = attrs["heads"], attrs["kv_heads"], attrs["scale"]
+    nan_to_zero = bool(attrs.get("nan_to_zero", 0))
     names = ("x", *LINEARS, *SHAPES, "mask", "residual")
 
     def run(x, *rest):
@@ -194,7 +259,7 @@ def make_kernel(attrs: dict, constants: list):
         if given.get("o_unflat") is not None:
             shape = onnx_reshape(np.empty(shape, np.bool_), given["o_unflat"]).shape
         y = attention(x, w_qkv, b_qkv, heads_, kv_heads, s, w_out, b_out, given.get("mask"),
-                      given.get("residual"), out_shape=shape)  # fmt: skip
+                      given.get("residual"), out_shape=shape, nan_to_zero=nan_to_zero)  # fmt: skip
         return (y,)
 
     return run
@@ -209,8 +274,9 @@ RULE = Rule(
     check=check,
     accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=-1,
-    description="multi-head attention: Q, K, V linears (or one + Split), heads, scale, "
-    "additive mask, Softmax, times V, heads merged, output linear, optional residual",
+    description="multi-head attention: Q, K, V linears (or one + Split), heads, scale (on the "
+    "scores, on Q, or on Q and K), additive mask, Softmax (NaN guard optional), times V, heads "
+    "merged, output linear, optional residual",
     explain_after="Softmax",
     absorb_shapes=True,
 )

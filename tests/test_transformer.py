@@ -209,6 +209,28 @@ def test_attention_kernel_gives_nan_for_a_row_that_attends_to_nothing_as_softmax
     assert np.isnan(y[0, 2]).all() and not np.isnan(np.delete(y[0], 2, axis=0)).any()
 
 
+def test_attention_kernel_zeroes_the_rows_sdpa_guards():
+    """sdpa's export guards its Softmax (Where(IsNaN(p), 0, p)): a query with every key masked,
+    or with a NaN score (a NaN key: NaN + -inf is NaN, so every query of its batch), gives a
+    row of zeros before the output linear (its bias here); other rows are the unguarded
+    kernel's."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 37, 8)).astype(np.float32)
+    x[1, 30, 3] = np.nan  # key 30 of batch 1 is NaN: every score against it is
+    w = rng.standard_normal((8, 24)).astype(np.float32)
+    mask = np.zeros((2, 1, 37, 37), np.float32)
+    mask[0, 0, 2] = -np.inf  # query 2 of batch 0 sees no key
+    mask[1, 0, :, 30] = -np.inf
+    b_out = rng.standard_normal(8).astype(np.float32)
+    args = (x, w, np.zeros(24, np.float32), 2, 2, 0.3, np.eye(8, dtype=np.float32), b_out, mask)
+    plain, guarded = attention(*args), attention(*args, nan_to_zero=True)
+    nan_rows = np.zeros((2, 37), bool)
+    nan_rows[0, 2] = nan_rows[1] = True
+    assert (np.isnan(plain).any(axis=2) == nan_rows).all()
+    np.testing.assert_array_equal(guarded[nan_rows], np.broadcast_to(b_out, (38, 8)))
+    np.testing.assert_array_equal(guarded[~nan_rows], plain[~nan_rows])
+
+
 @pytest.mark.parametrize("seed,act", list(enumerate(["identity", "gelu", "gelu_tanh"])))
 @pytest.mark.parametrize("n", [23, SERIAL_GELU // 37 + 1])  # the serial and parallel epilogue
 def test_linear_act_kernel_against_naive(seed, act, n):

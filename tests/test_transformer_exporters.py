@@ -1,19 +1,22 @@
 """Hugging Face models as PyTorch exports them (tests/fixtures/export_transformers.py: tiny
-BERT, DistilBERT, GPT-2, Llama, each by the TorchScript and the dynamo exporter): every layer
-fuses, and fusion.Session agrees with onnxruntime on the unfused graph at batch 1 and 4,
-sequences 64 and 130, with and without padding (padding positions included)."""
+BERT, DistilBERT, GPT-2, Llama, each by the TorchScript and the dynamo exporter, with eager
+and with sdpa attention): every layer fuses, and fusion.Session agrees with onnxruntime on the
+unfused graph at batch 1 and 4, sequences 64 and 130, with and without padding (padding
+positions included; with GPT-2's causal mask a left-padded row's first queries see no key,
+the rows sdpa's NaN guard turns to zeros)."""
 
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_close, fused_ops, run_ort
+from helpers import assert_close, fused_ops, near_miss, run_ort
 
 import fusion
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPORTERS = ("ts17", "dynamo18")
+FORMS = ("", "_sdpa")  # transformers' eager attention, and sdpa (its default)
 LAYERS = 2
 # Per model: the fused nodes of a 2-layer export (embeddings' Add + LayerNorm is SkipLayerNorm).
 ENCODER = {"Attention": LAYERS, "LinearGelu": LAYERS, "LinearResidual": LAYERS,
@@ -23,8 +26,8 @@ EXPECTED = {"bert": ENCODER, "distilbert": ENCODER, "gpt2": ENCODER}
 LAYER_OPS = {"MatMul", "Gemm", "Softmax", "LayerNormalization", "Erf", "Tanh", "Split"}
 
 
-def load(name: str, exporter: str) -> onnx.ModelProto:
-    return onnx.load(FIXTURES / f"{name}_tiny.{exporter}.onnx")
+def load(name: str, exporter: str, form: str = "") -> onnx.ModelProto:
+    return onnx.load(FIXTURES / f"{name}_tiny{form}.{exporter}.onnx")
 
 
 def feeds(batch: int, seq: int, padded: bool, seed: int = 0) -> dict:
@@ -36,10 +39,11 @@ def feeds(batch: int, seq: int, padded: bool, seed: int = 0) -> dict:
     return {"input_ids": rng.integers(0, 64, (batch, seq)).astype(np.int64), "attention_mask": mask}
 
 
+@pytest.mark.parametrize("form", FORMS, ids=["eager", "sdpa"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_every_layer_fuses_and_agrees_with_onnxruntime(name, exporter):
-    model = load(name, exporter)
+def test_every_layer_fuses_and_agrees_with_onnxruntime(name, exporter, form):
+    model = load(name, exporter, form)
     result = fusion.rewrite(model)
     assert result.counts() == EXPECTED[name], result.explain()
     left = {n.op_type for n in result.model.graph.node} & LAYER_OPS
@@ -48,19 +52,21 @@ def test_every_layer_fuses_and_agrees_with_onnxruntime(name, exporter):
     for batch, seq, padded in [(1, 64, False), (4, 64, True), (1, 130, True), (4, 130, False)]:
         f = feeds(batch, seq, padded)
         (got,), (want,) = session.run(None, f), run_ort(model, f)
-        assert_close(got, want, 1e-4, 1e-5, what=f"{name}.{exporter} b{batch} s{seq}")
+        assert_close(got, want, 1e-4, 1e-5, what=f"{name}{form}.{exporter} b{batch} s{seq}")
 
 
+@pytest.mark.parametrize("form", FORMS, ids=["eager", "sdpa"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
-def test_llama_fuses_its_norms_and_residual_linears_and_explains_its_attention(exporter):
-    """Rotary embeddings and grouped-query attention are not matched yet: the explanation names
-    where the Attention pattern stops (the rotary Add before the head transposes)."""
-    model = load("llama", exporter)
+def test_llama_fuses_its_norms_and_residual_linears_and_explains_its_attention(exporter, form):
+    """Rotary embeddings are not matched yet: the explanation names where the Attention pattern
+    stops (the rotary Add before the head transposes)."""
+    model = load("llama", exporter, form)
     result = fusion.rewrite(model)
     assert result.counts() == {"LinearResidual": 2 * LAYERS, "RMSNorm": 2 * LAYERS + 1}
     f = feeds(4, 64, True)
     assert_close(fusion.Session(result.model).run(None, f)[0], run_ort(model, f)[0], 1e-4, 1e-5)
-    assert "Attention: 0 fused" in result.explain("Attention")
+    text = result.explain("Attention")
+    assert "Attention: 0 fused, 2 not fused" in text and "comes from Add" in text, text
 
 
 def break_softmax_axis(model: onnx.ModelProto, layer: int) -> str:
@@ -80,3 +86,64 @@ def test_explain_names_the_node_that_broke_the_attention_of_a_layer(exporter):
     assert fused_ops(result.model).count("Attention") == LAYERS - 1
     text = result.explain("Attention")
     assert f"Softmax {broken}: axis=2, attention's Softmax is over the keys" in text, text
+
+
+# ---- sdpa's forms: near-misses name what differs ---------------------------------------------
+def _nodes(model, op_type: str, name_part: str = "") -> list:
+    return [n for n in model.graph.node if n.op_type == op_type and name_part in n.name]
+
+
+def _constant(model, name: str, value) -> str:
+    model.graph.initializer.append(
+        onnx.numpy_helper.from_array(np.asarray(value, np.float32), name)
+    )
+    return name
+
+
+def test_a_nan_guard_that_fills_other_than_zero_is_not_attention():
+    model = load("bert", "ts17", "_sdpa")
+    for k, guard in enumerate(_nodes(model, "Where", "attention/self/Where_1")):
+        guard.input[1] = _constant(model, f"fill_{k}", [1.0])
+    near_miss(model, "Attention", "the Softmax's NaN guard fills [1.], not 0")
+
+
+def test_a_per_axis_key_scale_is_not_a_scalar_scale():
+    model = load("bert", "dynamo18", "_sdpa")
+    k_scales = [
+        n
+        for n in _nodes(model, "Mul")
+        if n.input[0].startswith("val_")
+        and any(p.output[0] == n.input[0] and p.op_type == "Reshape" for p in model.graph.node)
+    ]
+    assert len(k_scales) == LAYERS  # the Mul on each layer's K^T
+    for k, mul in enumerate(k_scales):
+        mul.input[1] = _constant(model, f"k_scale_{k}", np.full((8, 1), 0.6))
+    near_miss(model, "Attention", "is not a scalar")
+
+
+def test_a_key_reshape_that_regroups_values_is_not_a_transpose():
+    """dynamo's sdpa flattens K's heads, transposes in 3-D and unflattens to [B, H, D, S]: a
+    target that ends in [S, D] instead makes other values, and the match says so."""
+    model = load("bert", "dynamo18", "_sdpa")
+    reshapes = [
+        n
+        for n in _nodes(model, "Reshape")
+        if any(
+            p.op_type == "Transpose"
+            and p.output[0] == n.input[0]
+            and onnx.helper.get_attribute_value(p.attribute[0]) == [0, 2, 1]
+            for p in model.graph.node
+        )
+    ]
+    assert len(reshapes) == LAYERS
+    for reshape in reshapes:
+        target = next(p for p in model.graph.node if reshape.input[1] in p.output)
+        target.input[1], target.input[2] = target.input[2], target.input[1]  # [B, H, S, D]
+    near_miss(model, "Attention", "regroups the heads' values, not only their axes")
+
+
+def test_a_context_reshape_that_regroups_values_is_not_a_no_op():
+    model = load("bert", "ts17", "_sdpa")
+    for concat in _nodes(model, "Concat", "attention/self/Concat_3"):
+        concat.input[2], concat.input[3] = concat.input[3], concat.input[2]  # [B, -1, D, S]
+    near_miss(model, "Attention", "regroups the heads' values, not only their axes")

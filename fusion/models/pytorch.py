@@ -33,9 +33,15 @@ def torch_export(module, args: tuple, path: Path, exporter: str, **kwargs) -> No
                           external_data=False, **kwargs)  # fmt: skip
 
 
-def build(name: str, **config):
-    """The Hugging Face base model `name` from a config (eager attention), seeded, eval mode.
-    Sets HF_HUB_OFFLINE=1 unless set: configs only, the hub is never contacted."""
+ATTENTION = ("eager", "sdpa")  # transformers' attention implementations the exports cover
+
+
+def build(name: str, attention: str = "eager", **config):
+    """The Hugging Face base model `name` from a config, seeded, eval mode, with `attention`
+    one of ATTENTION: "eager" (the attention written out as products and a Softmax) or "sdpa"
+    (torch's scaled_dot_product_attention, transformers' default, which the exporters expand
+    into Q and K scaled apart, a boolean mask turned additive by Where and a NaN guard after
+    the Softmax). Sets HF_HUB_OFFLINE=1 unless set: configs only, the hub is never contacted."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers as tf
@@ -49,7 +55,9 @@ def build(name: str, **config):
     config_class, model_class = classes[name]
     torch.manual_seed(SEED)
     cfg = config_class(**config)
-    cfg._attn_implementation = "eager"
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    cfg._attn_implementation = attention
     if name in ("gpt2", "llama"):
         cfg.use_cache = False  # no past key/values as outputs
     model = model_class(cfg).eval()
