@@ -10,6 +10,7 @@ match's inner value escape. When everything that arithmetic computes is read onl
 from __future__ import annotations
 
 from onnx import TensorProto
+from onnx.numpy_helper import to_array as onnx_numpy
 
 from fusion.graph import GraphView
 
@@ -66,17 +67,25 @@ def absorb_shapes(view: GraphView, nodes: list[int], outputs) -> tuple[list[int]
 
 
 Entry = int | tuple[str, int] | None  # a constant, (value, axis): that value's dim, or unknown
+Known = dict  # (value, axis) -> its size, where a rule knows it (a head tensor's head size)
+_ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+          "Div": lambda a, b: a // b if b else None, "Equal": lambda a, b: int(a == b)}  # fmt: skip
 
 
-def shape_entries(view: GraphView, value: str, depth: int = 12) -> list[Entry] | None:
+def shape_entries(view: GraphView, value: str, known: Known | None = None,
+                  depth: int = 16) -> list[Entry] | None:  # fmt: skip
     """The entries of a 1-D integer shape tensor as the exporters compute it: each a constant,
     (tensor, axis) when it is the size of `tensor` along `axis` (read by Shape, then Gather,
     Slice, Unsqueeze, Squeeze, Cast and Concat), or None when it is computed some other way.
-    None when not even the number of entries is known.
+    None when not even the number of entries is known. Sizes in `known` count as constants,
+    and arithmetic on constants (Add, Sub, Mul, Div, Equal, Where, ConstantOfShape) is done.
 
     TorchScript writes a head Reshape's target as Concat(Unsqueeze(Gather(Shape(q), 0)), ...,
     [-1], [8]), dynamo as Concat(Shape(x, start=0, end=1), ...): either way a rule can tell
-    that the target is [q's batch, q's sequence, -1, 8] without knowing those sizes."""
+    that the target is [q's batch, q's sequence, -1, 8] without knowing those sizes. torch's
+    expand writes its target t as Where(Equal(t, -1), 1, t): a size read from a tensor is
+    never -1, so that is t."""
+    known = known or {}
     const = view.constant(value)
     if const is not None:
         return [int(d) for d in const.reshape(-1)] if const.ndim <= 1 else None
@@ -88,20 +97,52 @@ def shape_entries(view: GraphView, value: str, depth: int = 12) -> list[Entry] |
     ins = list(node.input)
 
     def entries(i):
-        return shape_entries(view, ins[i], depth - 1) if len(ins) > i and ins[i] else None
+        if len(ins) <= i or not ins[i]:
+            return None
+        return shape_entries(view, ins[i], known, depth - 1)
 
     if op == "Shape":
         vt = view.type_of(ins[0])
         rank = vt.rank if vt is not None else None
+        if rank == 1 and not attrs.get("start") and attrs.get("end", 1) >= 1:
+            inner = shape_entries(view, ins[0], known, depth - 1)  # the shape of a shape
+            if inner is not None:
+                return [len(inner)]
         if rank is None:
             return None
         start, end = attrs.get("start", 0), attrs.get("end", rank)
-        return [(ins[0], axis) for axis in range(rank)[slice(start, end)]]
+        dims = [(ins[0], axis) for axis in range(rank)[slice(start, end)]]
+        return [known.get(d, d) for d in dims]
     if op in ("Cast", "Identity", "Unsqueeze", "Squeeze"):  # a scalar is a list of one here
         return entries(0)
+    if op == "Reshape":  # of a shape tensor: only to 1-D
+        target = view.constant(ins[1])
+        return entries(0) if target is not None and target.reshape(-1).tolist() == [-1] else None
     if op == "Concat":
         parts = [entries(i) for i in range(len(ins))]
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    if op == "ConstantOfShape":
+        shape, fill = entries(0), attrs.get("value")
+        fill = 0 if fill is None else int(onnx_numpy(fill).reshape(-1)[0])
+        return None if shape is None or len(shape) != 1 or not isinstance(shape[0], int) else (
+            [fill] * shape[0])  # fmt: skip
+    if op in _ARITH:
+        a, b = entries(0), entries(1)
+        if a is None or b is None:
+            return None
+        if op == "Equal":
+            return _broadcast(_equal, a, b)
+        return _broadcast(lambda x, y: _ARITH[op](x, y) if isinstance(x, int) and
+                          isinstance(y, int) else None, a, b)  # fmt: skip
+    if op == "Where":
+        cond, a, b = entries(0), entries(1), entries(2)
+        if cond is None or a is None or b is None or None in cond:
+            return None
+        n = max(len(cond), len(a), len(b))
+        if any(len(e) not in (1, n) for e in (cond, a, b)):
+            return None
+        pick = [cond[i % len(cond)] for i in range(n)]
+        return [a[i % len(a)] if pick[i] else b[i % len(b)] for i in range(n)]
     if op == "Gather":
         source, index = entries(0), view.constant(ins[1]) if len(ins) > 1 else None
         if source is None or index is None or index.ndim > 1:
@@ -125,3 +166,19 @@ def shape_entries(view: GraphView, value: str, depth: int = 12) -> list[Entry] |
         start, end = (max(-big, min(big, int(b.reshape(-1)[0]))) for b in (starts, ends))
         return source[slice(start, end, step)] if step else None
     return None
+
+
+def _equal(x: Entry, y: Entry) -> int | None:
+    """x == y for entries; a size read from a tensor is never negative."""
+    if isinstance(x, int) and isinstance(y, int):
+        return int(x == y)
+    number = x if isinstance(x, int) else y
+    return 0 if isinstance(number, int) and number < 0 else None
+
+
+def _broadcast(fn, a: list, b: list) -> list | None:
+    """fn entry by entry, a list of one broadcast against the other."""
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    n = max(len(a), len(b))
+    return [fn(a[i % len(a)], b[i % len(b)]) for i in range(n)]

@@ -3,6 +3,9 @@
     Q, K, V = x Wq + bq, x Wk + bk, x Wv + bv      (one GEMM on the concatenated weights)
     O_h = softmax(scale Q_h K_g^T + M) V_g          g = h // (H / Hkv): grouped-query attention
     y = concat_h(O_h) Wo + bo (+ r)
+    with a rotary embedding (Llama), before the scores: Q_h, K_g turned per position s
+    t'[i] = t[i] cos[s, i] - t[i + D/2] sin[s, i],  t'[i + D/2] = t[i + D/2] cos[s, i + D/2]
+    + t[i] sin[s, i + D/2]  (t cos + rotate_half(t) sin, the rotate-half form), i < D/2
 
 x [B, S, E]; M an additive mask broadcastable to [B, H, S, S] (padding, causal, or both, as
 exporters build it: 0 where attended, a large negative value elsewhere); r the residual.
@@ -39,7 +42,7 @@ from .simd import (
     vzero,
 )
 
-__all__ = ["BK", "BQ", "attention", "attention_core"]
+__all__ = ["BK", "BQ", "attention", "attention_core", "rotate"]
 
 BQ, BK = 32, 64  # queries and keys per tile
 MASKED = np.float32(-1e30)  # a mask value below this is "not attended"
@@ -243,6 +246,44 @@ def _attention(L, qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, k
                      d_len, scale, qp, pp, s, acc, m, lsum, nan_to_zero)  # fmt: skip
 
 
+@numba.jit(**PARALLEL)
+def _rotate(qkv, cos3, sin3, seq, turned, d_len):
+    """The rotary embedding in place on the first `turned` heads of every row of qkv (Q's and
+    K's, d_len columns each): row r is position r % seq of batch r // seq; cos3, sin3
+    [1 or batch, seq, d_len]."""
+    half = d_len // 2
+    for r in numba.prange(qkv.shape[0]):
+        b, p = r // seq, r % seq
+        cb = b if cos3.shape[0] > 1 else 0
+        for h in range(turned):
+            c0 = h * d_len
+            for i in range(half):
+                x1, x2 = qkv[r, c0 + i], qkv[r, c0 + half + i]
+                qkv[r, c0 + i] = x1 * cos3[cb, p, i] - x2 * sin3[cb, p, i]
+                qkv[r, c0 + half + i] = x2 * cos3[cb, p, half + i] + x1 * sin3[cb, p, half + i]
+
+
+def rotate(qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
+    """The rotary embedding of Q's and K's heads of qkv [batch * seq, (heads + 2 kv_heads)
+    head_dim] in place; cos and sin broadcastable to [batch, 1, seq, head_dim] (one angle per
+    position and column, shared by the heads)."""
+    if head_dim % 2:
+        raise ValueError(f"a rotary embedding turns halves of the head; head size {head_dim}")
+    tables = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        t = np.asarray(t, np.float32)
+        t4 = t.reshape((1,) * (4 - t.ndim) + t.shape) if t.ndim <= 4 else None
+        if t4 is None or t4.shape[1] != 1 or t4.shape[0] not in (1, batch):
+            raise ValueError(f"{name} of shape {t.shape} is not [batch, 1, {seq}, {head_dim}]")
+        try:
+            t3 = np.broadcast_to(t4[:, 0], (t4.shape[0], seq, head_dim))
+        except ValueError:
+            raise ValueError(f"{name} of shape {t.shape} does not broadcast to [{batch}, 1, "
+                             f"{seq}, {head_dim}]") from None  # fmt: skip
+        tables.append(np.ascontiguousarray(t3))
+    _rotate(qkv, tables[0], tables[1], seq, heads + kv_heads, head_dim)
+
+
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
 
 
@@ -287,10 +328,11 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
 
 
 def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None,
-              out_shape=None, nan_to_zero=False):  # fmt: skip
+              out_shape=None, nan_to_zero=False, rotary=None):  # fmt: skip
     """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; w_qkv [E, (H + 2 Hkv) D] (Q, K,
     V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N], or out_shape (the same
-    values; the residual broadcasts to it); nan_to_zero as attention_core's.
+    values; the residual broadcasts to it); nan_to_zero as attention_core's; rotary: (cos,
+    sin), the rotary embedding of Q and K (rotate).
 
     >>> y = attention(x, w_qkv, b_qkv, 12, 12, 0.125, w_out, b_out, mask)
     """
@@ -307,6 +349,8 @@ def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, 
     qkv, flat = qkv_buffer(batch * seq, width)
     np.matmul(np.ascontiguousarray(x).reshape(batch * seq, emb), w_qkv, out=qkv)
     bias_act(qkv, b_qkv)
+    if rotary is not None:
+        rotate(qkv, *rotary, batch, seq, heads, kv_heads, head_dim)
     o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero)
     y = np.matmul(o, w_out)
     shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)

@@ -44,8 +44,13 @@ PROJECTIONS = ("q", "k", "v", "qkv", "o")
 LINEARS = tuple(
     name for p in PROJECTIONS for name in (*linear_inputs(f"W{p}", p), f"{p}_flat", f"{p}_unflat")
 )
+SLICES = tuple(f"{t}_{half}_{part}" for t in "qk" for half in ("lo", "hi")
+               for part in ("starts", "ends", "axes", "steps"))  # fmt: skip
 SHAPES = ("q_shape", "k_shape", "v_shape", "merge_shape", "kt_flat_shape", "kt_shape",
-          "ctx_shape")  # fmt: skip
+          "ctx_shape", *SLICES, "k_rep_axes", "k_rep_shape", "k_rep_flat", "v_rep_axes",
+          "v_rep_shape", "v_rep_flat")  # fmt: skip
+ROTARY = ("cos", "sin")
+INPUTS = ("x", *LINEARS, *SHAPES, *ROTARY, "mask", "residual")
 SCALES = ("scale", "q_scale", "k_scale")
 
 
@@ -63,27 +68,52 @@ def scaled(v, name: str):
     return Alt(op.Mul(v, Const(f"{name}_mul")), op.Div(v, Const(f"{name}_div")), v)
 
 
-def transposed_keys(k):
+def rotary(t, tag: str, cos, sin):
+    """Llama's rotary embedding of heads t [B, H, S, D] in the rotate-half form,
+    t cos + concat(-t[..., D/2:], t[..., :D/2]) sin, cos and sin [B, 1, S, D] (computed from
+    the positions by the model: fused inputs), or t itself."""
+
+    def half(name):
+        parts = [Var(f"{tag}_{name}_{p}") for p in ("starts", "ends")]
+        return op.Slice(t, *parts, Opt(Var(f"{tag}_{name}_axes")), Opt(Var(f"{tag}_{name}_steps")))
+
+    rotated = op.Concat(op.Neg(half("hi")), half("lo"), axis=last_axis, _name=f"{tag}_rot")
+    return Alt(op.Add(op.Mul(t, cos), op.Mul(rotated, sin), _name=f"{tag}_rope"), t)
+
+
+def repeated(t, tag: str):
+    """Grouped-query heads t [B, Hkv, S, D] repeated to [B, H, S, D] as transformers'
+    repeat_kv writes it (Unsqueeze at 2, Expand to [B, Hkv, H / Hkv, S, D], Reshape), or t."""
+    unsqueezed = op.Unsqueeze(t, Const(f"{tag}_rep_axes"), _name=f"{tag}_rep_unsqueeze")
+    expanded = op.Expand(unsqueezed, Var(f"{tag}_rep_shape"))
+    return Alt(op.Reshape(expanded, Var(f"{tag}_rep_flat"), _name=f"{tag}_rep"), t)
+
+
+def transposed_keys(k, cos, sin):
     """K^T per head, [B, H, D, S]: one Transpose of the [B, S, H, D] keys; heads [B, H, S, D]
-    then their last two axes swapped; or heads flattened to [B H, S, D], swapped in 3-D and
-    unflattened (dynamo's sdpa)."""
-    flat = op.Reshape(heads(k, "k", [0, 2, 1, 3], "k_t"), Var("kt_flat_shape"))
-    return Alt(heads(k, "k", [0, 2, 3, 1]),
-               op.Transpose(heads(k, "k", [0, 2, 1, 3]), perm=[0, 1, 3, 2]),
+    (rotated, repeated) then their last two axes swapped; or flattened to [B H, S, D], swapped
+    in 3-D and unflattened (dynamo's sdpa)."""
+
+    def keys():
+        return repeated(rotary(heads(k, "k", [0, 2, 1, 3], "k_t"), "k", cos, sin), "k")
+
+    flat = op.Reshape(keys(), Var("kt_flat_shape"), _name="kt_flat")
+    return Alt(heads(k, "k", [0, 2, 3, 1]), op.Transpose(keys(), perm=[0, 1, 3, 2]),
                op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), Var("kt_shape")))  # fmt: skip
 
 
 def core(q, k, v):
     """The attention of projections q, k, v ([B, S, H*D] each) with the output linear."""
-    q_heads = scaled(heads(q, "q", [0, 2, 1, 3], "q_t"), "q_scale")
-    k_t = scaled(transposed_keys(k), "k_scale")
+    cos, sin = Var("cos", dtype="float32"), Var("sin", dtype="float32")  # one pair: Q's and K's
+    q_heads = scaled(rotary(heads(q, "q", [0, 2, 1, 3], "q_t"), "q", cos, sin), "q_scale")
+    k_t = scaled(transposed_keys(k, cos, sin), "k_scale")
     scores = scaled(op.MatMul(q_heads, k_t, _name="qk"), "scale")
     masked = Alt(op.Add(scores, Var("mask", dtype="float32"), _name="mask_add"), scores)
     probs = op.Softmax(masked, axis=last_axis, _name="softmax")
     guarded = Alt(op.Where(op.IsNaN(probs), Const("nan_fill"), probs, _name="nan_guard"), probs)
     as_float = Alt(op.Cast(op.Cast(guarded, to=1), to=1), op.Cast(guarded, to=1), guarded)
-    context = op.MatMul(as_float, heads(v, "v", [0, 2, 1, 3], "v_t"),
-                        _name="context")  # fmt: skip
+    values = repeated(heads(v, "v", [0, 2, 1, 3], "v_t"), "v")
+    context = op.MatMul(as_float, values, _name="context")
     regrouped = Alt(op.Reshape(context, Var("ctx_shape")), context)
     merged = op.Reshape(op.Transpose(regrouped, perm=[0, 2, 1, 3]), Var("merge_shape"))
     out = linear_nd(merged, "Wo", "o")
@@ -174,7 +204,7 @@ def check(m) -> str | None:
     d = head_dim(m)
     if isinstance(d, str):
         return d
-    reason = regrouping(m, d)
+    reason = rotation(m, d) or regrouping(m, d)
     if reason:
         return reason
     w = widths(m)
@@ -188,33 +218,98 @@ def check(m) -> str | None:
     return None
 
 
-def _target(m, name: str, want: list, constants: dict) -> str | None:
+def _target(m, name: str, want: list, constants: dict, known=None) -> str | None:
     """Why Reshape target `name` is not `want` (entry k: one of want[k], (tensor, axis) pairs
-    or -1, or the number constants[k]), else None."""
-    got = shape_entries(m.view, m[name])
+    or -1, or the number constants[k]), else None. `known`: sizes to count as constants."""
+    got = shape_entries(m.view, m[name], known)
     ok = got is not None and len(got) == len(want)
     for k, e in enumerate(got if ok else []):
         ok = ok and (e in want[k] or (k in constants and e == constants[k]))
     return None if ok else f"the Reshape to {got} regroups the heads' values, not only their axes"
 
 
+def _batch_or_sequence(m, axis: int) -> list:
+    """Sizes a target may take its batch (axis 0) or sequence (axis 1) from, besides the head
+    tensor's own: those axes of the graph's inputs and of x, all [batch, sequence, ...]. Where
+    such a size comes into the fused node from outside, the kernel checks it (make_kernel)."""
+    values = [i.name for i in m.view.graph.input] + [m["x"]]
+    return [(value, axis) for value in values]
+
+
 def regrouping(m, d: int) -> str | None:
     """The Reshapes between the head tensors must only regroup axes: K^T's flattening to
-    [B H, S, D] and back to [B, H, D, S], the heads' output reshaped to itself."""
+    [B H, S, D] and back to [B, H, D, S], the heads' output reshaped to itself, grouped-query
+    heads repeated to [B, H, S, D]."""
+    w = widths(m)
+    heads_, kv_heads = w["q"] // d, w["k"] // d
     if m["kt_shape"] is not None:
-        kt = m.node("k_t").output[0]
+        kt = m.node("kt_flat").input[0]
         flat = [[-1], [(kt, 2)], [(kt, 3)]]
         reason = _target(m, "kt_flat_shape", flat, {2: d})
         unflat = [[(kt, 0), -1], [(kt, 1), -1], [(kt, 3)], [(kt, 2)]]
-        reason = reason or _target(m, "kt_shape", unflat, {2: d})
+        reason = reason or _target(m, "kt_shape", unflat, {1: heads_, 2: d})
+        if reason:
+            return reason
+    for tag in ("k", "v"):
+        if m[f"{tag}_rep_flat"] is None:
+            continue
+        t = m.node(f"{tag}_rep_unsqueeze").input[0]  # [B, Hkv, S, D]
+        axes = m.const(f"{tag}_rep_axes")
+        if axes is None or axes.reshape(-1).tolist() not in ([2], [-3]):
+            return f"the grouped-query heads are unsqueezed at {axes}, not at axis 2"
+        known = {(t, 1): kv_heads, (t, 3): d}
+        batch, seq = _batch_or_sequence(m, 0), _batch_or_sequence(m, 1)
+        shape = [[(t, 0), *batch], [], [], [(t, 2), *seq], []]
+        consts = {1: kv_heads, 2: heads_ // kv_heads, 4: d}
+        reason = _target(m, f"{tag}_rep_shape", shape, consts, known)
+        flat = [[(t, 0), *batch, -1], [], [(t, 2), *seq], []]
+        reason = reason or _target(m, f"{tag}_rep_flat", flat, {1: heads_, 3: d}, known)
         if reason:
             return reason
     if m["ctx_shape"] is not None:
-        q_t, v_t, ctx = (m.node(n).output[0] for n in ("q_t", "v_t", "context"))
-        same = [[(t, k) for t in (q_t, v_t, ctx)] for k in range(4)]
-        same[1] = [(q_t, 1), (ctx, 1), -1]  # V's axis 1 holds the key/value heads
-        heads_ = widths(m)["q"] // d
+        # every [B, H, S, D] tensor of the match: Q's heads (rotated, scaled), the context;
+        # V's heads as transposed have only Hkv heads, repeated H
+        ctx = m.node("context")
+        q_side = [m.node("q_t").output[0], m.node("qk").input[0], ctx.output[0]]
+        if "q_rope" in m.node_index:
+            q_side.append(m.node("q_rope").output[0])
+        v_side = [m.node("v_t").output[0], ctx.input[1]]
+        same = [[(t, k) for t in q_side + v_side] for k in range(4)]
+        same[1] = [(t, 1) for t in q_side] + [-1]
         return _target(m, "ctx_shape", same, {1: heads_, 3: d})
+    return None
+
+
+def _entry(m, name: str, known: dict, default=None):
+    """The one entry of 1-D input `name` (a Slice's starts, ends, axes or steps), or default."""
+    if m[name] is None:
+        return default
+    got = shape_entries(m.view, m[name], known)
+    return got[0] if got is not None and len(got) == 1 else None
+
+
+def rotation(m, d: int) -> str | None:
+    """The rotary embedding's halves must be [0, D/2) and [D/2, D) of the last axis, on both Q
+    and K, and cos and sin [batch, 1, sequence, D] (or broadcast to it)."""
+    if ("q_rot" in m.node_index) != ("k_rot" in m.node_index):
+        return "the rotary embedding turns only one of Q and K"
+    for tag in "qk" if "q_rot" in m.node_index else ():
+        known = {(m.node(f"{tag}_t").output[0], 3): d}
+        lo, hi = ([_entry(m, f"{tag}_{half}_{p}", known, default)
+                   for p, default in (("starts", None), ("ends", None), ("axes", 0), ("steps", 1))]
+                  for half in ("lo", "hi"))  # fmt: skip
+        ok = (d % 2 == 0 and lo[0] == 0 and lo[1] == d // 2 and hi[0] == d // 2
+              and isinstance(hi[1], int) and hi[1] >= d  # past the end: to the end
+              and lo[2] in (3, -1) and hi[2] in (3, -1) and lo[3] == 1 and hi[3] == 1)  # fmt: skip
+        if not ok:
+            return (f"the rotary halves slice {lo[:2]} and {hi[:2]} of axis {lo[2]}, not [0, "
+                    f"{d // 2}) and [{d // 2}, {d}) of the last")  # fmt: skip
+    for name in ROTARY:
+        vt = m.type(name)
+        shape = None if vt is None else vt.shape
+        if shape is not None and (len(shape) > 4 or shape[-1] not in (d, None)
+                                  or (len(shape) == 4 and shape[1] not in (1, None))):  # fmt: skip
+            return f"{name} of shape {list(shape)} is not [batch, 1, sequence, {d}]"
     return None
 
 
@@ -226,14 +321,36 @@ def attributes(m) -> dict:
     for p in names:
         linear.update(linear_attributes(m, p))
     return {"heads": w["q"] // d, "kv_heads": w["k"] // d, "scale": scale(m),
-            "nan_to_zero": int(m["nan_fill"] is not None), **linear}  # fmt: skip
+            "nan_to_zero": int(m["nan_fill"] is not None), "rotary": int("q_rot" in m.node_index),
+            **linear}  # fmt: skip
+
+
+def repeat_targets(given: dict, batch: int, seq: int, heads_: int, kv_heads: int, d: int):
+    """The grouped-query repeat's Expand and Reshape targets, where they come into the node
+    (dynamo reads them from the attention mask's shape, which the rule cannot prove to be
+    x's batch and sequence): [batch, kv_heads, heads / kv_heads, seq, d] and [batch, heads,
+    seq, d]; a KernelError-worthy ValueError otherwise."""
+    wants = {"rep_shape": [batch, kv_heads, heads_ // kv_heads, seq, d],
+             "rep_flat": [batch, heads_, seq, d]}  # fmt: skip
+    for tag in "kv":
+        for name, want in wants.items():
+            got = given.get(f"{tag}_{name}")
+            if got is None:
+                continue
+            got = [int(e) for e in np.asarray(got).reshape(-1)]
+            unknown = [k for k, e in enumerate(got) if e == -1]
+            if len(unknown) == 1 and len(got) == len(want):
+                rest = int(np.prod([e for e in got if e != -1]))
+                got[unknown[0]] = int(np.prod(want)) // rest if rest else -1
+            if got != want:
+                raise ValueError(f"the grouped-query heads' {name} is {got}, not {want}")
 
 
 def make_kernel(attrs: dict, constants: list):
     """Concatenate the Q, K, V weights once; the kernel runs the whole block."""
     from kernels.attention import attention  # heavy (Numba): at build time
 
-    named = dict(zip(("x", *LINEARS, *SHAPES, "mask", "residual"), constants, strict=False))
+    named = dict(zip(INPUTS, constants, strict=False))
     if "qkv_linear" in attrs:
         w_qkv, b_qkv = linear_params(
             attrs["qkv_linear"], *(named[k] for k in linear_inputs("Wqkv", "qkv"))
@@ -246,11 +363,12 @@ def make_kernel(attrs: dict, constants: list):
     w_out, b_out = linear_params(attrs["o_linear"], *(named[k] for k in linear_inputs("Wo", "o")))
     heads_, kv_heads, s = attrs["heads"], attrs["kv_heads"], attrs["scale"]
     nan_to_zero = bool(attrs.get("nan_to_zero", 0))
-    names = ("x", *LINEARS, *SHAPES, "mask", "residual")
+    rotary, d = bool(attrs.get("rotary", 0)), w_out.shape[0] // heads_
 
     def run(x, *rest):
-        given = dict(zip(names[1:], rest, strict=False))
+        given = dict(zip(INPUTS[1:], rest, strict=False))
         batch, seq, _ = x.shape
+        repeat_targets(given, batch, seq, heads_, kv_heads, d)
         shape = (batch, seq, w_out.shape[0])  # heads merged, then as the Reshapes say
         for name in ("merge_shape", "o_flat"):
             if given.get(name) is not None:
@@ -259,7 +377,8 @@ def make_kernel(attrs: dict, constants: list):
         if given.get("o_unflat") is not None:
             shape = onnx_reshape(np.empty(shape, np.bool_), given["o_unflat"]).shape
         y = attention(x, w_qkv, b_qkv, heads_, kv_heads, s, w_out, b_out, given.get("mask"),
-                      given.get("residual"), out_shape=shape, nan_to_zero=nan_to_zero)  # fmt: skip
+                      given.get("residual"), out_shape=shape, nan_to_zero=nan_to_zero,
+                      rotary=(given["cos"], given["sin"]) if rotary else None)  # fmt: skip
         return (y,)
 
     return run
@@ -268,15 +387,16 @@ def make_kernel(attrs: dict, constants: list):
 RULE = Rule(
     "Attention",
     pattern(),
-    inputs=("x", *LINEARS, *SHAPES, "mask", "residual"),
+    inputs=INPUTS,
     prepare=make_kernel,
     attributes=attributes,
     check=check,
     accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=-1,
-    description="multi-head attention: Q, K, V linears (or one + Split), heads, scale (on the "
-    "scores, on Q, or on Q and K), additive mask, Softmax (NaN guard optional), times V, heads "
-    "merged, output linear, optional residual",
+    description="multi-head attention: Q, K, V linears (or one + Split), heads (rotary "
+    "embedding and grouped-query repeat optional), scale (on the scores, on Q, or on Q and K), "
+    "additive mask, Softmax (NaN guard optional), times V, heads merged, output linear, "
+    "optional residual",
     explain_after="Softmax",
     absorb_shapes=True,
 )

@@ -163,13 +163,22 @@ def test_near_miss_rms_norm_over_two_axes():
 
 
 # ---- kernels against naive NumPy -------------------------------------------------------------
-def naive_attention(x, w_qkv, b_qkv, h, hkv, scale, w_out, b_out, mask):
+def rotate_half(t, cos, sin):
+    """t cos + cat(-t[..., D/2:], t[..., :D/2]) sin, as Llama writes it."""
+    half = t.shape[-1] // 2
+    return t * cos + np.concatenate([-t[..., half:], t[..., :half]], axis=-1) * sin
+
+
+def naive_attention(x, w_qkv, b_qkv, h, hkv, scale, w_out, b_out, mask, rotary=None):
     b, s, _ = x.shape
     d = w_qkv.shape[1] // (h + 2 * hkv)
     qkv = x.reshape(b * s, -1).astype(np.float64) @ w_qkv + b_qkv
     q, k, v = np.split(qkv, [h * d, (h + hkv) * d], axis=1)
     q = q.reshape(b, s, h, d).transpose(0, 2, 1, 3)
-    k, v = (np.repeat(t.reshape(b, s, hkv, d).transpose(0, 2, 1, 3), h // hkv, 1) for t in (k, v))
+    k, v = (t.reshape(b, s, hkv, d).transpose(0, 2, 1, 3) for t in (k, v))
+    if rotary is not None:
+        q, k = (rotate_half(t, *rotary) for t in (q, k))
+    k, v = (np.repeat(t, h // hkv, 1) for t in (k, v))
     scores = q @ k.transpose(0, 1, 3, 2) * scale + (0 if mask is None else mask)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     o = (p / p.sum(-1, keepdims=True)) @ v
@@ -196,6 +205,33 @@ def test_attention_kernel_against_naive(b, s, heads, kv_heads, d):
         got = attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
         want = naive_attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
         assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
+
+
+@pytest.mark.parametrize("b,s,heads,kv_heads,d", [(1, 7, 2, 2, 8), (2, 70, 4, 2, 16)])
+def test_attention_kernel_with_rotary_embeddings_against_naive(b, s, heads, kv_heads, d):
+    """Llama's rotary embedding: cos and sin per position ([1 or B, 1, S, D], as the model
+    computes them from the positions, the same for every head), on Q and K before the scores."""
+    rng = np.random.default_rng(s + 1)
+    e = 24
+    x = rng.standard_normal((b, s, e)).astype(np.float32)
+    w_qkv = (rng.standard_normal((e, (heads + 2 * kv_heads) * d)) * 0.2).astype(np.float32)
+    b_qkv = (rng.standard_normal(w_qkv.shape[1]) * 0.1).astype(np.float32)
+    w_out = (rng.standard_normal((heads * d, e)) * 0.2).astype(np.float32)
+    b_out = (rng.standard_normal(e) * 0.1).astype(np.float32)
+    causal = np.where(np.tril(np.ones((s, s), bool)), 0, -np.inf).astype(np.float32)
+    for batch_of_angles in (1, b):
+        pos = np.arange(s)[None, None, :, None] + rng.integers(0, 9, (batch_of_angles, 1, 1, 1))
+        freqs = pos * (1e-2 ** (np.arange(d // 2) / (d // 2)))
+        angles = np.concatenate([freqs, freqs], axis=-1)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        got = attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, causal,
+                        rotary=(cos, sin))  # fmt: skip
+        want = naive_attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, causal,
+                               rotary=(cos, sin))  # fmt: skip
+        assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
+    with pytest.raises(ValueError, match="not \\[batch, 1,"):
+        attention(x, w_qkv, b_qkv, heads, kv_heads, 0.3, w_out, b_out, None,
+                  rotary=(np.ones((b, 2, s, d), np.float32),) * 2)  # fmt: skip
 
 
 def test_attention_kernel_gives_nan_for_a_row_that_attends_to_nothing_as_softmax_does():

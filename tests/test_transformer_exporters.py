@@ -57,16 +57,21 @@ def test_every_layer_fuses_and_agrees_with_onnxruntime(name, exporter, form):
 
 @pytest.mark.parametrize("form", FORMS, ids=["eager", "sdpa"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
-def test_llama_fuses_its_norms_and_residual_linears_and_explains_its_attention(exporter, form):
-    """Rotary embeddings are not matched yet: the explanation names where the Attention pattern
-    stops (the rotary Add before the head transposes)."""
+def test_llama_fuses_attention_with_rotary_embeddings_and_grouped_query_heads(exporter, form):
+    """Llama's attention: rotary embeddings on Q and K (cos and sin computed from the positions,
+    fused inputs), two key/value heads repeated for four query heads. Its MLP (SwiGLU) is not
+    matched yet: the gate and up products stay in onnxruntime."""
     model = load("llama", exporter, form)
     result = fusion.rewrite(model)
-    assert result.counts() == {"LinearResidual": 2 * LAYERS, "RMSNorm": 2 * LAYERS + 1}
-    f = feeds(4, 64, True)
-    assert_close(fusion.Session(result.model).run(None, f)[0], run_ort(model, f)[0], 1e-4, 1e-5)
-    text = result.explain("Attention")
-    assert "Attention: 0 fused, 2 not fused" in text and "comes from Add" in text, text
+    assert result.counts() == {"Attention": LAYERS, "LinearResidual": LAYERS,
+                               "RMSNorm": 2 * LAYERS + 1}, result.explain()  # fmt: skip
+    left = {n.op_type for n in result.model.graph.node} & LAYER_OPS
+    assert left <= {"MatMul"}, f"left to onnxruntime: {left}"
+    session = fusion.Session(result.model)
+    for batch, seq, padded in [(1, 64, False), (4, 64, True), (1, 130, True)]:
+        f = feeds(batch, seq, padded)
+        (got,), (want,) = session.run(None, f), run_ort(model, f)
+        assert_close(got, want, 1e-4, 1e-5, what=f"llama{form}.{exporter} b{batch} s{seq}")
 
 
 def break_softmax_axis(model: onnx.ModelProto, layer: int) -> str:
@@ -93,10 +98,8 @@ def _nodes(model, op_type: str, name_part: str = "") -> list:
     return [n for n in model.graph.node if n.op_type == op_type and name_part in n.name]
 
 
-def _constant(model, name: str, value) -> str:
-    model.graph.initializer.append(
-        onnx.numpy_helper.from_array(np.asarray(value, np.float32), name)
-    )
+def _constant(model, name: str, value, dtype=np.float32) -> str:
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(value, dtype), name))
     return name
 
 
@@ -147,3 +150,28 @@ def test_a_context_reshape_that_regroups_values_is_not_a_no_op():
     for concat in _nodes(model, "Concat", "attention/self/Concat_3"):
         concat.input[2], concat.input[3] = concat.input[3], concat.input[2]  # [B, -1, D, S]
     near_miss(model, "Attention", "regroups the heads' values, not only their axes")
+
+
+def test_rotary_halves_that_are_not_halves_are_not_attention():
+    model = load("llama", "dynamo18", "_sdpa")
+    three = _constant(model, "three", [3], np.int64)
+    negs = {n.output[0] for n in _nodes(model, "Neg")}
+    halves = {c.input[1] for c in _nodes(model, "Concat") if c.input[0] in negs}
+    firsts = [n for n in _nodes(model, "Slice") if n.output[0] in halves]
+    assert len(firsts) == 2 * LAYERS  # Q's and K's first halves, [0, 4) of 8
+    for first in firsts:
+        first.input[2] = three
+    near_miss(
+        model, "Attention", "the rotary halves slice [0, 3] and [4, ", "not [0, 4) and [4, 8)"
+    )
+
+
+def test_a_grouped_query_repeat_to_other_heads_is_not_attention():
+    model = load("llama", "dynamo18")
+    for expand in _nodes(model, "Expand", "expand_"):
+        target = next(n for n in model.graph.node if expand.input[1] in n.output)
+        target.input[2] = _constant(model, f"one_{expand.name}", [1.0])  # [B, 2, 1, S, 8]
+        model.graph.initializer[-1].CopyFrom(
+            onnx.numpy_helper.from_array(np.array([1], np.int64), model.graph.initializer[-1].name)
+        )
+    near_miss(model, "Attention", "regroups the heads' values")
