@@ -1,4 +1,5 @@
 """Linear layer with its epilogue: y = act(x W + b) + r   (x [M, K], W [K, N], b [N], r [M, N])
+and the gated feed-forward block: y = (act(x Wg + bg) * (x Wu + bu)) Wd + bd + r  (gated_mlp)
 
 act: any activation of kernels/simd/activation.py, as its (kind, a, b) (encode: identity for
 the projections, gelu or gelu_tanh after a transformer's first feed-forward product). The
@@ -17,12 +18,22 @@ import numpy as np
 
 from .config import JIT, PARALLEL
 from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
-from .simd import lanes, tail_mask, vload, vload_masked, vstore, vstore_masked
+from .simd import (
+    activate,
+    lanes,
+    sigmoid,
+    tail_mask,
+    vload,
+    vload_masked,
+    vstore,
+    vstore_masked,
+)
 from .simd.activation import (
     GELU,
     GELU_TANH,
     IDENTITY,
     KINDS,
+    SILU,
     clip_bounds,
     clips,
     encode,
@@ -30,7 +41,7 @@ from .simd.activation import (
     gelu_tanh,
 )
 
-__all__ = ["SERIAL_GELU", "bias_act", "linear_act"]
+__all__ = ["SERIAL_GELU", "bias_act", "gated_mlp", "linear_act"]
 
 
 @numba.jit(**JIT)
@@ -121,3 +132,64 @@ def linear_act(x, w, b, act=_IDENTITY, residual=None):
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as in onnxruntime
         y = np.matmul(x, w)  # BLAS
     return bias_act(y, b, act, residual)
+
+
+@numba.jit(**JIT)
+def gate_row(L, gu, i, b, h, kind, act_a, act_b):
+    """h[i, j] = act(gu[i, j] + b[j]) * (gu[i, n + j] + b[n + j]) for j < n = h.shape[1]: the
+    gate (first n columns of the product) times the up product (the next n), a vector at a
+    time. SiLU, the common gate (Llama), has its loop with the sigmoid inlined."""
+    n, w = h.shape[1], L.width
+    g0, h0 = i * 2 * n, i * n
+    j = 0
+    if kind == SILU:
+        while j + w <= n:
+            g = vload(L, gu, g0 + j) + vload(L, b, j)
+            u = vload(L, gu, g0 + n + j) + vload(L, b, n + j)
+            vstore(h, h0 + j, g * sigmoid(g) * u)
+            j += w
+    while j + w <= n:
+        g = activate(kind, act_a, act_b, vload(L, gu, g0 + j) + vload(L, b, j))
+        vstore(h, h0 + j, g * (vload(L, gu, g0 + n + j) + vload(L, b, n + j)))
+        j += w
+    if j < n:
+        m = tail_mask(L, n - j)
+        g = activate(kind, act_a, act_b, vload_masked(L, gu, g0 + j, m) + vload_masked(L, b, j, m))
+        u = vload_masked(L, gu, g0 + n + j, m) + vload_masked(L, b, n + j, m)
+        vstore_masked(h, h0 + j, g * u, m)
+
+
+@numba.jit(**PARALLEL)
+def _gate(L, gu, b, h, kind, act_a, act_b):
+    for i in numba.prange(h.shape[0]):
+        gate_row(L, gu, i, b, h, kind, act_a, act_b)
+
+
+def gated_mlp(x, w_gate_up, b_gate_up, act, w_down, b_down, residual=None):
+    """(act(x Wg + bg) * (x Wu + bu)) Wd + bd (+ residual) for x [M, E] float32, w_gate_up
+    [E, 2 I] (Wg's columns, then Wu's), b_gate_up [2 I], act a (kind, a, b), w_down [I, N],
+    b_down [N], residual [M, N] or None: [M, N] float32. One product for the gate and the up
+    projection, the gating in one parallel pass, then the down product with its epilogue.
+
+    >>> y = gated_mlp(x, np.hstack([wg, wu]), np.zeros(2 * i, np.float32), encode("silu"), wd, bd)
+    """
+    if x.ndim != 2 or w_gate_up.ndim != 2 or x.shape[1] != w_gate_up.shape[0]:
+        raise ValueError(
+            f"cannot multiply x {x.shape} by the gate and up weights {w_gate_up.shape}"
+        )
+    width = w_gate_up.shape[1] // 2
+    if w_gate_up.shape[1] % 2 or w_down.shape[0] != width or b_gate_up.shape != (2 * width,):
+        raise ValueError(f"gate and up weights {w_gate_up.shape} (bias {b_gate_up.shape}) do not "
+                         f"feed the down weights {w_down.shape}")  # fmt: skip
+    kind, a, c = act
+    if not 0 <= kind < len(KINDS):
+        raise ValueError(f"unknown activation kind {kind} (kernels.simd.activation.encode)")
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as in onnxruntime
+        gu = np.matmul(x, w_gate_up)  # BLAS
+    h = np.empty((x.shape[0], width), np.float32)
+    b = np.ascontiguousarray(b_gate_up, np.float32)
+    if h.size:
+        _gate(lanes(), gu, b, h, int(kind), np.float32(a), np.float32(c))
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.matmul(h, w_down)
+    return bias_act(y, b_down, residual=residual)

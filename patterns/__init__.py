@@ -7,6 +7,7 @@ from patterns import (
     conv_concat,
     dense,
     fire,
+    gated_mlp,
     gru,
     gru_native,
     gru_sequence,
@@ -24,5 +25,5 @@ RULES = [
     conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
     pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE, attention.RULE,
-    *linear_gelu.RULES, *layernorm.RULES,
+    gated_mlp.RULE, *linear_gelu.RULES, *layernorm.RULES,
 ]  # fmt: skip

@@ -9,6 +9,7 @@
     hard_swish    HardSwish(t) = t * HardSigmoid(t, 1/6, 1/2) = t * Relu6(t + 3) / 6
     tanh          Tanh(t)
     gelu          Gelu(t) (opset 20) = t * (1 + erf(t / sqrt 2)) / 2
+    gelu_tanh     Gelu(t, approximate="tanh") = t * (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3))) / 2
     identity      t itself (a projection conv), when asked for
 
 The sub-pattern of every entry with an epilogue (convs, linear heads, BatchNorm + act, the
@@ -29,7 +30,7 @@ import numpy as np
 from fusion.pattern import Alt, Const, Opt, Pattern, op
 
 KINDS = ("relu", "clip", "leaky_relu", "sigmoid", "silu", "hard_sigmoid", "hard_swish", "tanh",
-         "gelu")  # fmt: skip
+         "gelu", "gelu_tanh")  # fmt: skip
 CLIPPING = ("relu", "clip")  # what a kernel with a clip-only epilogue (kernels/conv2d) applies
 
 
@@ -63,6 +64,13 @@ def _forms(t: Pattern, prefix: str) -> dict[str, list[Pattern]]:
     one_erf = op.Add(op.Erf(scaled, _name=f"{prefix}act_erf"),
                      Const(f"{prefix}act_one", where=near(1.0)))  # fmt: skip
     half = Const(f"{prefix}act_half", where=near(0.5))
+    # gelu_tanh: t * (1 + tanh(k (t + c t^3))) * 0.5, the cube as Pow or t t t
+    cube = Alt(op.Pow(t, Const(f"{prefix}act_three_p", where=near(3.0))),
+               op.Mul(op.Mul(t, t), t))  # fmt: skip
+    inner = op.Mul(op.Add(t, op.Mul(cube, Const(f"{prefix}act_c", where=near(0.044715)))),
+                   Const(f"{prefix}act_k", where=near(math.sqrt(2 / math.pi))))  # fmt: skip
+    one_tanh = op.Add(op.Tanh(inner, _name=f"{prefix}act_tanh"),
+                      Const(f"{prefix}act_one_t", where=near(1.0)))  # fmt: skip
     return {
         "relu": [op.Relu(t, _name=name)],
         "clip": [op.Clip(t, *bounds, _name=name)],
@@ -85,6 +93,12 @@ def _forms(t: Pattern, prefix: str) -> dict[str, list[Pattern]]:
             op.Mul(op.Mul(t, half), one_erf, _name=name),
             op.Mul(t, op.Mul(one_erf, half), _name=name),
         ],
+        "gelu_tanh": [
+            op.Gelu(t, approximate="tanh", _name=name),
+            op.Mul(op.Mul(t, one_tanh), half, _name=name),
+            op.Mul(op.Mul(t, half), one_tanh, _name=name),
+            op.Mul(t, op.Mul(one_tanh, half), _name=name),
+        ],
     }
 
 
@@ -104,12 +118,16 @@ def activation_kind(m, prefix: str = "") -> str:
     by_op = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leaky_relu", "Sigmoid": "sigmoid",
              "HardSigmoid": "hard_sigmoid", "HardSwish": "hard_swish", "Tanh": "tanh",
              "Gelu": "gelu"}  # fmt: skip
+    if node.op_type == "Gelu":
+        return "gelu_tanh" if m.attrs(f"{prefix}act").get("approximate") == "tanh" else "gelu"
     if node.op_type in by_op:
         return by_op[node.op_type]
     if f"{prefix}act_sig" in m.node_index:
         return "silu"
     if f"{prefix}act_erf" in m.node_index:
         return "gelu"
+    if f"{prefix}act_tanh" in m.node_index:
+        return "gelu_tanh"
     return "hard_swish"  # the products with HardSigmoid or Relu6
 
 

@@ -1,5 +1,5 @@
-"""Transformer blocks (issue 21): LinearGelu, LinearResidual, LayerNorm, SkipLayerNorm, RMSNorm
-on graphs built here, each fused node against onnxruntime on the unfused graph on several
+"""Transformer blocks (issue 21): LinearGelu, LinearResidual, GatedMLP, LayerNorm, SkipLayerNorm,
+RMSNorm on graphs built here, each fused node against onnxruntime on the unfused graph on several
 shapes, a near-miss per pattern with its reason, and the kernels against naive NumPy."""
 
 import math
@@ -12,7 +12,7 @@ from onnx import helper
 import fusion
 from kernels.attention import attention
 from kernels.layernorm import SERIAL_MAX, layer_norm
-from kernels.linear_act import SERIAL_GELU, linear_act
+from kernels.linear_act import SERIAL_GELU, gated_mlp, linear_act
 from kernels.simd.activation import encode
 
 SHAPES = [(1, 7), (2, 33), (4, 64)]  # (batch, sequence)
@@ -127,6 +127,47 @@ def test_rms_norm_matches_onnxruntime(form):
 
 
 # ---- near-misses -----------------------------------------------------------------------------
+def gated(g, x, act, form, width=N, up_width=None):
+    """act(x Wg + bg) * (x Wu + bu), then the down product back to E (Llama's MLP for SiLU)."""
+    t = linear3d(g, x, E, width, form)
+    gate = g.node("Mul", [t, g.node("Sigmoid", [t])]) if act == "silu" else gelu(g, t, act)
+    h = g.node("Mul", [gate, linear3d(g, x, E, up_width or width, form)])
+    return linear3d(g, h, width, E, form)
+
+
+@pytest.mark.parametrize("act", ["silu", "erf", "tanh"])
+@pytest.mark.parametrize("form", ["matmul", "gemm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_gated_mlp_matches_onnxruntime(act, form, residual):
+    g = GraphBuilder(seed=21)
+    x = g.node("Tanh", ["x"])
+    y = gated(g, x, act, form)
+    y = g.node("Add", [y, x]) if residual else y
+    check_shapes(model_of(g, y), ["GatedMLP"])
+
+
+def test_near_miss_gated_mlp_with_a_narrower_up_product():
+    g = GraphBuilder(seed=22)
+    y = gated(g, g.node("Tanh", ["x"]), "silu", "matmul", up_width=1)  # broadcast over features
+    near_miss(model_of(g, y), "GatedMLP", f"the gate has {N} features, the up product 1")
+
+
+@pytest.mark.parametrize("m,e,i,n", [(1, 3, 17, 5), (33, 24, 40, 24), (100, 17, 3, 1)])
+def test_gated_mlp_kernel_against_naive(m, e, i, n):
+    rng = np.random.default_rng(m + i)
+    x = rng.standard_normal((m, e)).astype(np.float32)
+    wg, wu = (rng.standard_normal((e, i)).astype(np.float32) * 0.3 for _ in range(2))
+    b = rng.standard_normal(2 * i).astype(np.float32) * 0.1
+    wd, bd = rng.standard_normal((i, n)).astype(np.float32) * 0.3, np.ones(n, np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    x[0, 0] = np.nan  # row 0 is NaN everywhere, as onnxruntime's
+    g, u = x.astype(np.float64) @ wg + b[:i], x.astype(np.float64) @ wu + b[i:]
+    for act, f in (("silu", lambda t: t / (1 + np.exp(-t))), ("relu", lambda t: np.maximum(t, 0))):
+        want = (f(g) * u) @ wd + bd + r
+        got = gated_mlp(x, np.hstack([wg, wu]), b, encode(act), wd, bd, r)
+        assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
+
+
 def test_near_miss_gelu_with_a_wrong_constant():
     g = GraphBuilder(seed=8)
     t = linear3d(g, "x", E, N, "matmul")
