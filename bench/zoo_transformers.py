@@ -4,6 +4,7 @@ torch.onnx.export (TorchScript, opset 17) at a fixed sequence length with a dyna
 axis, and each also through onnxruntime's transformers optimizer (the second reference):
 
     HF_HUB_OFFLINE=1 /work/venvs/zoo/bin/python bench/zoo_transformers.py [--only NAMES] [--seq 128]
+        [--attention sdpa|eager] [--exporter ts17|dynamo18]
     python bench/models.py ZOO/bert_base_layer.s128.onnx --batch 1 --native .ortopt.onnx
 
 Models (inputs input_ids, attention_mask [batch, seq]; output last_hidden_state):
@@ -12,6 +13,9 @@ Models (inputs input_ids, attention_mask [batch, seq]; output last_hidden_state)
   distilbert_small  4 layers, hidden 256, 4 heads
   gpt2_small        4 layers, hidden 256, 4 heads
   llama_small       4 layers, hidden 256, 8 heads, 2 key/value heads
+The attention is transformers' default, sdpa, unless --attention eager (those files are named
+NAME_eager.sSEQ...); the exporter TorchScript at opset 17 unless --exporter dynamo18 (.dynamo18
+before .onnx).
 Files go to $FUSION_ZOO or ~/.cache/fusion/zoo as NAME.sSEQ.onnx and NAME.sSEQ.ortopt.onnx
 (the latter by `python -m onnxruntime.transformers.optimizer --model_type bert|gpt2`, run by
 --python, default this Python: the optimizer imports torch, so the zoo venv's, which has the
@@ -27,7 +31,7 @@ import sys
 
 from zoo import zoo_dir  # bench/zoo.py, beside this script: the cache folder
 
-from fusion.models.pytorch import build, export
+from fusion.models.pytorch import ATTENTION, EXPORTERS, build, export
 
 SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              vocab_size=1000, max_position_embeddings=512)  # fmt: skip
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="folder (default $FUSION_ZOO or ~/.cache/fusion/zoo)")
     ap.add_argument("--python", default=sys.executable,
                     help="a Python with onnxruntime for its transformers optimizer")  # fmt: skip
+    ap.add_argument("--attention", choices=ATTENTION, default="sdpa")
+    ap.add_argument("--exporter", choices=list(EXPORTERS), default="ts17")
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(MODELS)
     folder = zoo_dir(args.out)
@@ -67,10 +73,13 @@ def main(argv=None) -> int:
     for name in names:
         family, config = MODELS[name]
         for seq in args.seq:
-            path = folder / f"{name}.s{seq}.onnx"
-            export(build(family, **config), path, "ts17", batch=2, seq=seq, dynamic_sequence=False)
+            form = "" if args.attention == "sdpa" else f"_{args.attention}"
+            tail = "" if args.exporter == "ts17" else f".{args.exporter}"
+            path = folder / f"{name}{form}.s{seq}{tail}.onnx"
+            model = build(family, args.attention, **config)
+            export(model, path, args.exporter, batch=2, seq=seq, dynamic_sequence=False)
             heads, hidden = heads_and_hidden(family, config)
-            opt = folder / f"{name}.s{seq}.ortopt.onnx"
+            opt = path.with_suffix(".ortopt.onnx")
             cmd = [args.python, "-m", "onnxruntime.transformers.optimizer", "--input", str(path),
                    "--output", str(opt), "--model_type", OPTIMIZER_TYPES[family],
                    "--num_heads", str(heads), "--hidden_size", str(hidden)]  # fmt: skip
