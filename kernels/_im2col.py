@@ -44,14 +44,20 @@ def _pack_panel(L, T, x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_le
         and iw0 + (nr - 1) * sw + (kw - 1) * dw < w
     ):
         # Fast path: the NR pixels are one stretch of one output row and every tap column is
-        # inside the image, so only whole tap rows can fall outside (no per-value tests).
+        # inside the image, so only whole tap rows can fall outside (no per-value tests). At
+        # stride 1 a tap row's NR inputs are contiguous too: T.cols vector copies.
         k = 0
         for c in range(cg):
             for i in range(kh):
                 ih = oh * sh - pt + i * dh
+                row = ((n * x.shape[1] + c0 + c) * h + ih) * w  # x[n, c0 + c, ih, 0], flat
                 for j in range(kw):
                     d = u(off + k * nr)
-                    if 0 <= ih < h:
+                    if 0 <= ih < h and sw == 1:
+                        s = row + iw0 + j * dw
+                        for v in range(T.cols):
+                            vstore(dst, d + u(v * L.width), vload(L, x, s + v * L.width))
+                    elif 0 <= ih < h:
                         s = u(iw0 + j * dw)
                         for q in range(nr):
                             dst[d + u(q)] = x[n, c0 + c, ih, s + u(q * sw)]
