@@ -66,27 +66,43 @@ def _pack_panel(L, T, x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_le
                             dst[d + u(q)] = 0.0
                     k += 1
         return
-    # General path (a panel across two output rows, at an image edge, or past P): each
-    # pixel's window origin once per panel, not two integer divisions per value (at 111
-    # output columns, about one panel in seven crosses a row).
-    ih0 = np.empty(nr, np.int64)
-    iw0s = np.empty(nr, np.int64)
-    for q in range(nr):
+    # General path (a panel across output rows, at an image edge, or past P): the panel cut
+    # into runs of one output row each, found once per panel; per tap, the columns of a run
+    # whose input lies inside the image are one range (from the tap's column, no per-value
+    # tests), zeros on either side, and whole runs of zeros for tap rows outside the image.
+    runs = np.empty((3, nr), np.int64)  # per run: first pixel in the panel, output row, column
+    n_runs, q = 0, 0
+    while q < nr and p0 + q < p_len:
         p = p0 + q
-        ih0[q] = (p // ow_len) * sh - pt if p < p_len else -(1 << 40)  # past P: outside
-        iw0s[q] = (p % ow_len) * sw - pl
+        runs[0, n_runs], runs[1, n_runs], runs[2, n_runs] = q, p // ow_len, p % ow_len
+        q += min(nr - q, ow_len - p % ow_len)
+        n_runs += 1
+    end = q  # pixels past it are past P: zero
     k = 0
     for c in range(cg):
         for i in range(kh):
             for j in range(kw):
                 base = off + k * nr
-                for q in range(nr):
-                    ih = ih0[q] + i * dh
-                    iw = iw0s[q] + j * dw
-                    v = np.float32(0.0)
-                    if 0 <= ih < h and 0 <= iw < w:
-                        v = x[n, c0 + c, ih, iw]
-                    dst[base + q] = v
+                shift = j * dw - pl  # input column of output column ow: ow sw + shift
+                first = -(shift // sw)  # the first output column whose input is inside
+                last = (w - 1 - shift) // sw + 1  # past the last one
+                for r in range(n_runs):
+                    q0, ow = runs[0, r], runs[2, r]
+                    q1 = runs[0, r + 1] if r + 1 < n_runs else end
+                    ih = runs[1, r] * sh - pt + i * dh
+                    lo, hi = q0, q0  # dst[base + lo : base + hi] comes from x, the rest is 0
+                    if 0 <= ih < h:
+                        lo = min(q1, max(q0, q0 + first - ow))
+                        hi = max(lo, min(q1, q0 + last - ow))
+                    for t in range(q0, lo):
+                        dst[base + t] = 0.0
+                    col = (ow - q0) * sw + shift  # the input column of pixel t: col + t sw
+                    for t in range(lo, hi):
+                        dst[u(base + t)] = x[n, c0 + c, ih, u(col + t * sw)]
+                    for t in range(hi, q1):
+                        dst[base + t] = 0.0
+                for t in range(end, nr):
+                    dst[base + t] = 0.0
                 k += 1
 
 
