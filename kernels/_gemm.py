@@ -42,7 +42,8 @@ def micro_tile(width=None):
 
 
 def panel_width(T, L):
-    """NR, the columns of a B panel: T.cols vectors of L.width lanes (Python or jitted)."""
+    """NR, the columns of a B panel: T.cols vectors of L.width lanes (jitted code writes
+    T.cols * L.width, a constant there)."""
     return T.cols * L.width
 
 
