@@ -1,27 +1,203 @@
-"""Register-blocked SGEMM micro-kernel shared by the convolution paths.
+"""Register-blocked SGEMM micro-kernel shared by the convolution paths and the LSTM's input
+projection, on the SIMD layer's register tiles (kernels/simd/tile.py).
 
-    tile[i, j] = sum_k A[k, i] * B[k, j]     i < MR = 4 output channels, j < NR = 16 pixels
+    tile[i, j] = sum_k A[k, i] B[k, j]     i < MR = T.rows,  j < NR = T.cols W
 
-A is a packed panel [K, MR] (weights, packed once), B a packed panel [K, NR] (input pixels).
-Per k it reads MR + NR floats and does MR * NR FMAs; the 4x16 accumulators live in eight
-ymm registers as eight 8-tuples, which the SLP vectorizer turns into vector FMAs (see
-config.GEMM_FASTMATH); 4x16 was the fastest tile shape measured (bench/NOTES.md).
+A is a packed panel [K, MR] (weights, packed once by pack_a), B a packed panel [K, NR] (input
+pixels) or NR consecutive columns of a matrix read in place. Per k one rank-1 update
+(tile_fma): MR broadcasts and T.cols vector loads for MR T.cols vector FMAs, the accumulators
+in registers. The shape is the register file's (gemm_tile: 4 x 3 vectors at W = 8 on AVX2,
+14 x 2 on AVX-512), the width the process's (simd.width()); `micro_tile` gives both, a plan
+carries them and every kernel takes them as arguments (a Lanes L and a Tile T: types, so
+MR and NR are constants in the machine code and each width and shape compiles on its own).
 
-Two entry points: gemm_batch returns raw tiles (Winograd transforms them further, the LSTM
-adds its gates); gemm_block fuses bias + activation into the stores (im2col and 1x1
-convolutions). Both index their operands as rows of 2-D arrays (see tile_sum).
+Two entry points: gemm_batch stores raw tiles (Winograd transforms them further, the LSTM adds
+its gates); gemm_block applies bias + clip to each tile in registers and stores it to the
+output (im2col and 1x1 convolutions). Operands are whole arrays indexed by flat offsets, never
+sliced views: a view of an array that both threads use costs an atomic refcount update on a
+shared cache line (Numba's NRT incref/decref), as slow per tile as the FMAs at K = 16
+(bench/NOTES.md, GEMM micro-kernel).
 """
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
 
 from .config import INLINE_GEMM, JIT, JIT_GEMM
+from .simd import clip, gemm_tile, lanes, tail_mask, tile_fma, tile_store, tile_zeros
+from .simd._types import I32, Mask, Vec, llvm_call, vector_type
 
-MR = 4
-NR = 16
+
+def micro_tile(width=None):
+    """(Lanes, Tile) of the micro-kernel: `width` lanes (None: the process's, simd.width())
+    and the tile the register file holds at that width. A plan keeps both.
+
+    >>> L, T = micro_tile()       # Lanes(8), Tile(4, 3) on AVX2: MR = 4, NR = 24
+    """
+    L = lanes(width)
+    return L, gemm_tile(L.width)
 
 
-# 8-tuples of float32 are what the SLP vectorizer turns into one ymm register each.
+def panel_width(T, L):
+    """NR, the columns of a B panel: T.cols vectors of L.width lanes (jitted code writes
+    T.cols * L.width, a constant there)."""
+    return T.cols * L.width
+
+
+@numba.jit(**INLINE_GEMM)
+def panel_sum(L, T, a, ao, b, bo, bs, k_len):
+    """The tile sum_k A[k, i] B[k, j], A[k, i] = a[ao + k MR + i] (a packed panel), B[k, j] =
+    b[bo + k bs + j]: bs = NR for a packed panel, a matrix's row length for its columns read
+    in place (flat offsets into C-contiguous arrays of any rank)."""
+    t = tile_zeros(L, T)
+    for k in range(k_len):
+        t = tile_fma(t, a, ao + k * T.rows, 1, b, bo + k * bs)
+    return t
+
+
+@numba.jit(**JIT_GEMM)
+def gemm_batch(L, T, a, a0, a_step, b, b0, b_step, n_b, k_len, mt):
+    """mt[x, :MR, :NR] = A_x^T B_x for x < n_b: A_x the packed panel at a[a0 + x a_step ...],
+    B_x the packed panel at b[b0 + x b_step ...] (flat offsets): the independent GEMMs of a
+    Winograd transform, or one A against several B (a_step 0), in one call, so the call's
+    argument refcounts are paid once. mt is [n_b, MR, NR] (C-contiguous)."""
+    size = T.rows * T.cols * L.width
+    nr = T.cols * L.width
+    for x in range(n_b):
+        t = panel_sum(L, T, a, a0 + x * a_step, b, b0 + x * b_step, nr, k_len)
+        tile_store(mt, x * size, t)
+
+
+# ---- stores into an output of any layout -----------------------------------------------------
+# The output of a conv may be a channel slice of a bigger buffer (Fire, ConvConcat): Numba types
+# it with layout "A", which the layer's vstore refuses (it takes flat offsets into C arrays).
+# These store a vector at out[n, m, q ...] through the array's strides, its last axis of unit
+# stride (conv2d._check_out makes sure of that).
+
+
+def _row_pointer(context, builder, aty, a, idx, w):
+    """<w x float>* to a[idx[0], ..., idx[-1]], the last axis taken to be contiguous."""
+    arr = context.make_array(aty)(context, builder, a)
+    strides = cgutils.unpack_tuple(builder, arr.strides, aty.ndim)
+    offset = builder.mul(idx[-1], ir.Constant(idx[-1].type, 4))
+    for i, s in zip(idx[:-1], strides[:-1], strict=True):
+        offset = builder.add(offset, builder.mul(i, s))
+    p = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()), [offset])
+    return builder.bitcast(p, vector_type(w).as_pointer())
+
+
+def _store_typing(a, idx, v, op):
+    ok = isinstance(a, types.Array) and a.dtype == types.float32 and a.mutable and a.ndim == 3
+    if not ok:
+        raise TypingError(f"{op} needs a writable 3-D float32 array, got {a}")
+    if not all(isinstance(i, types.Integer) for i in idx) or not isinstance(v, Vec):
+        raise TypingError(f"{op}(out, n, m, q, v): integer indices and a vector, got {idx}, {v}")
+    return v.w
+
+
+def _indices(context, builder, sig, args):
+    """The indices n, m, q of a store as intp."""
+    tys = sig.args[1:4]
+    return [context.cast(builder, x, t, types.intp) for x, t in zip(args[1:4], tys, strict=True)]
+
+
+@intrinsic
+def store_at(typingctx, out, n, m, q, v):
+    """out[n, m, q : q + W] = v."""
+    w = _store_typing(out, (n, m, q), v, "store_at")
+
+    def codegen(context, builder, sig, args):
+        p = _row_pointer(context, builder, sig.args[0], args[0],
+                         _indices(context, builder, sig, args), w)  # fmt: skip
+        builder.store(args[4], p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(out, n, m, q, v), codegen
+
+
+@intrinsic
+def store_at_masked(typingctx, out, n, m, q, v, mask):
+    """out[n, m, q + i] = v[i] for the lanes i of mask; the others are neither written nor
+    touched (no fault past the end)."""
+    w = _store_typing(out, (n, m, q), v, "store_at_masked")
+    if mask != Mask(w):
+        raise TypingError(f"store_at_masked needs a mask{w}, got {mask}")
+
+    def codegen(context, builder, sig, args):
+        p = _row_pointer(context, builder, sig.args[0], args[0],
+                         _indices(context, builder, sig, args), w)  # fmt: skip
+        llvm_call(builder, f"llvm.masked.store.v{w}f32.p0", ir.VoidType(),
+                  [args[4], p, I32(4), args[5]])  # fmt: skip
+        return context.get_dummy_value()
+
+    return types.void(out, n, m, q, v, mask), codegen
+
+
+@numba.jit(**JIT_GEMM)
+def gemm_block(L, T, a, a0, n_mb, b, b0, b_step, bs, n_pan, k_len, out3, n, m0, m_len, p0,
+               p_len, bias, lo, hi):  # fmt: skip
+    """out3[n, m0 + m, p0 + p] = clip(sum_k A[k, m] B[k, p] + bias[m0 + m], lo, hi) for
+    m < m_len and the n_pan input panels: every channel panel mb < n_mb (packed at flat
+    a0 + mb K MR of a) against every input panel j (pixels p0 + j NR ..., up to p_len), all in
+    one call. Panel j is B of panel_sum at flat offset b0 + j b_step of b, row stride bs.
+
+    Each tile gets bias and clip in registers (compares, not min/max: a NaN passes through, as
+    in onnxruntime) and goes straight to out3, a row at a time; the rows past m_len of the last
+    channel panel are not stored, the columns past p_len of the last input panel are masked
+    (a scalar epilogue cost as much as the FMAs at small K). One tile body for the whole
+    block: inlined twice into the parallel im2col driver, it made that driver's compile take
+    minutes."""
+    w, mr = L.width, T.rows
+    nr = T.cols * w
+    for mb in range(n_mb):
+        mm = mb * mr
+        rows = min(mr, m_len - mm)
+        m = m0 + mm
+        ao = a0 + mb * k_len * mr
+        for j in range(n_pan):
+            q0 = p0 + j * nr
+            cols = min(nr, p_len - q0)
+            t = panel_sum(L, T, a, ao, b, b0 + j * b_step, bs, k_len)
+            for r in range(mr):  # unrolled by LLVM: the tile's indices are constants
+                if r < rows:
+                    c_r = bias[m + r]
+                    for c in range(T.cols):
+                        v = clip(t[r][c] + c_r, lo, hi)
+                        if cols == nr:
+                            store_at(out3, n, m + r, q0 + c * w, v)
+                        else:
+                            store_at_masked(out3, n, m + r, q0 + c * w, v,
+                                            tail_mask(L, cols - c * w))  # fmt: skip
+
+
+def pack_a(w2d, mr):
+    """Pack weights [M, K] into mr-row panels [ceil(M / mr), K, mr] (zero rows past M), flat."""
+    m, k = w2d.shape
+    mb = -(-m // mr)
+    padded = np.zeros((mb * mr, k), np.float32)
+    padded[:m] = w2d
+    return np.ascontiguousarray(padded.reshape(mb, mr, k).transpose(0, 2, 1)).ravel()
+
+
+@numba.jit(**JIT)
+def act(v, lo, hi):
+    """Bias-added value clipped to [lo, hi]; relu is lo = 0, no activation is (-inf, inf).
+
+    Written as compares, not min/max, so a NaN passes through unchanged as in onnxruntime.
+    """
+    if v < lo:
+        v = lo
+    if v > hi:
+        v = hi
+    return v
+
+
+# ---- 8-tuples, for the kernels not yet on the SIMD layer --------------------------------------
+# The SLP vectorizer turns each 8-tuple into one ymm register (config.slp_vectorize). Still
+# imported by _direct.py (fma8), attention.py (tile_sum), lstm/gru (the gate math).
 
 
 @numba.jit(**INLINE_GEMM)
@@ -69,150 +245,18 @@ def load8u(m, r, q):
 @numba.jit(**INLINE_GEMM)
 def tile_sum(a2, ar, b2, br, b0, bs, k_len):
     """The 4x16 tile sum_k A[k, i] B[k, j] as eight 8-tuples (r_i: columns 0-7 of row i, s_i:
-    8-15). A is the packed panel a2[ar] ([K, MR] flat); B[k, j] = b2[br, b0 + k * bs + j]
-    (b0, bs unsigned): a packed panel (bs = NR) or, for a 1x1 convolution, 16 pixels of the
-    input's rows in place (bs = H*W).
-
-    Operands are rows of 2-D arrays indexed in place, never sliced views: a view of an array
-    that both threads use costs an atomic refcount update on a shared cache line (Numba's NRT
-    incref/decref), as slow per tile as the FMAs at K = 16."""
+    8-15), for attention.py. A is the packed panel a2[ar] ([K, 4] flat); B[k, j] = b2[br, b0 +
+    k bs + j] (b0, bs unsigned). Operands indexed in place, as panel_sum's."""
     z = np.float32(0.0)
     r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
     o = b0
     for k in range(k_len):
         lo8, hi8 = load8u(b2, br, o), load8u(b2, br, o + np.uint64(8))
         o += bs
-        q = MR * k
+        q = 4 * k
         a0, a1, a2_, a3 = a2[ar, q], a2[ar, q + 1], a2[ar, q + 2], a2[ar, q + 3]
         r0, s0 = fma8(r0, a0, lo8), fma8(s0, a0, hi8)
         r1, s1 = fma8(r1, a1, lo8), fma8(s1, a1, hi8)
         r2, s2 = fma8(r2, a2_, lo8), fma8(s2, a2_, hi8)
         r3, s3 = fma8(r3, a3, lo8), fma8(s3, a3, hi8)
     return r0, r1, r2, r3, s0, s1, s2, s3
-
-
-@numba.jit(**INLINE_GEMM)
-def store8r(m, x, i, q, r):
-    """m[x, i, q : q + 8] = r for a 3-D array, q a constant."""
-    m[x, i, q], m[x, i, q + 1], m[x, i, q + 2], m[x, i, q + 3] = r[0], r[1], r[2], r[3]
-    m[x, i, q + 4], m[x, i, q + 5], m[x, i, q + 6], m[x, i, q + 7] = r[4], r[5], r[6], r[7]
-
-
-@numba.jit(**JIT_GEMM)
-def gemm_batch(a2, a0, a_step, b2, n_b, k_len, mt):
-    """mt[x, :MR, :NR] = A^T B for x < n_b, A the panel a2[a0 + x * a_step] and B the panel
-    b2[x]: the n_b independent GEMMs of a Winograd transform (a_step 1), or one A against
-    several B (a_step 0), in one call, so the call's argument refcounts are paid once."""
-    b0, bs = np.uint64(0), np.uint64(NR)
-    for x in range(n_b):
-        r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(a2, a0 + x * a_step, b2, x, b0, bs, k_len)
-        store8r(mt, x, 0, 0, r0)
-        store8r(mt, x, 0, 8, s0)
-        store8r(mt, x, 1, 0, r1)
-        store8r(mt, x, 1, 8, s1)
-        store8r(mt, x, 2, 0, r2)
-        store8r(mt, x, 2, 8, s2)
-        store8r(mt, x, 3, 0, r3)
-        store8r(mt, x, 3, 8, s3)
-
-
-@numba.jit(**INLINE_GEMM)
-def _act1(v, b, lo, hi):
-    v = v + b
-    v = lo if v < lo else v  # compares, not min/max: a NaN passes through (see act)
-    return hi if v > hi else v
-
-
-@numba.jit(**INLINE_GEMM)
-def store_act8(dst, q, r, b, lo, hi):
-    """dst[q : q + 8] = act(r + b): the epilogue on one ymm register (compare + blend)."""
-    store8(dst, q, (_act1(r[0], b, lo, hi), _act1(r[1], b, lo, hi), _act1(r[2], b, lo, hi),
-                    _act1(r[3], b, lo, hi), _act1(r[4], b, lo, hi), _act1(r[5], b, lo, hi),
-                    _act1(r[6], b, lo, hi), _act1(r[7], b, lo, hi)))  # fmt: skip
-
-
-@numba.jit(**INLINE_GEMM)
-def _store_act8u(out3, n, m, q, r, b, lo, hi):
-    """out3[n, m, q : q + 8] = act(r + b) with q unsigned: no negative-index wraparound select
-    on the pixel index, so the eight stores stay one vector store (and no view of out3)."""
-    u = np.uint64
-    out3[n, m, q], out3[n, m, q + u(1)] = _act1(r[0], b, lo, hi), _act1(r[1], b, lo, hi)
-    out3[n, m, q + u(2)], out3[n, m, q + u(3)] = _act1(r[2], b, lo, hi), _act1(r[3], b, lo, hi)
-    out3[n, m, q + u(4)], out3[n, m, q + u(5)] = _act1(r[4], b, lo, hi), _act1(r[5], b, lo, hi)
-    out3[n, m, q + u(6)], out3[n, m, q + u(7)] = _act1(r[6], b, lo, hi), _act1(r[7], b, lo, hi)
-
-
-@numba.jit(**JIT_GEMM)
-def gemm_block(a2, a0, n_mb, b2, br, b0, b_step, bs, n_pan, k_len, out3, n, m0, m_len, p0,
-               p_len, bias, lo, hi, tile):  # fmt: skip
-    """out3[n, m0 + m, p0 + p] = act(sum_k A[k, m] B[k, p] + bias[m0 + m]) for m < m_len and
-    the n_pan input panels: every channel panel a2[a0 + mb] (mb < n_mb, MR rows each) against
-    every input panel j (pixels p0 + j NR ..., up to p_len), all in one call. Panel j is B of
-    tile_sum at row br, offset b0 + j * b_step and row stride bs (all unsigned).
-
-    A full 4x16 tile gets bias and activation in registers and is stored straight to out3 (a
-    scalar epilogue costs as much as the FMAs at small K); a partial one goes through `tile`
-    and store_tile. One tile body for the whole block: inlined twice into the parallel im2col
-    driver, it made that driver's compile take minutes."""
-    for mb in range(n_mb):
-        mm = mb * MR
-        rows = min(MR, m_len - mm)
-        m = m0 + mm
-        for j in range(n_pan):
-            q0 = p0 + j * NR
-            cols = min(NR, p_len - q0)
-            bj = b0 + np.uint64(j) * b_step
-            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(a2, a0 + mb, b2, br, bj, bs, k_len)
-            if rows == MR and cols == NR:
-                uq, u8 = np.uint64(q0), np.uint64(8)
-                c0, c1, c2, c3 = bias[m], bias[m + 1], bias[m + 2], bias[m + 3]
-                _store_act8u(out3, n, m, uq, r0, c0, lo, hi)
-                _store_act8u(out3, n, m, uq + u8, s0, c0, lo, hi)
-                _store_act8u(out3, n, m + 1, uq, r1, c1, lo, hi)
-                _store_act8u(out3, n, m + 1, uq + u8, s1, c1, lo, hi)
-                _store_act8u(out3, n, m + 2, uq, r2, c2, lo, hi)
-                _store_act8u(out3, n, m + 2, uq + u8, s2, c2, lo, hi)
-                _store_act8u(out3, n, m + 3, uq, r3, c3, lo, hi)
-                _store_act8u(out3, n, m + 3, uq + u8, s3, c3, lo, hi)
-            else:
-                store8(tile[0], 0, r0)
-                store8(tile[0], 8, s0)
-                store8(tile[1], 0, r1)
-                store8(tile[1], 8, s1)
-                store8(tile[2], 0, r2)
-                store8(tile[2], 8, s2)
-                store8(tile[3], 0, r3)
-                store8(tile[3], 8, s3)
-                store_tile(tile, out3, n, m, rows, q0, cols, bias, lo, hi)
-
-
-def pack_a(w2d):
-    """Pack weights [M, K] into MR-row panels [ceil(M/MR), K, MR] (zero rows past M), flat."""
-    m, k = w2d.shape
-    mb = -(-m // MR)
-    padded = np.zeros((mb * MR, k), np.float32)
-    padded[:m] = w2d
-    return np.ascontiguousarray(padded.reshape(mb, MR, k).transpose(0, 2, 1)).ravel()
-
-
-@numba.jit(**JIT)
-def act(v, lo, hi):
-    """Bias-added value clipped to [lo, hi]; relu is lo = 0, no activation is (-inf, inf).
-
-    Written as compares, not min/max, so a NaN passes through unchanged as in onnxruntime.
-    """
-    if v < lo:
-        v = lo
-    if v > hi:
-        v = hi
-    return v
-
-
-@numba.jit(**JIT)
-def store_tile(tile, out3, n, m0, rows, p0, cols, bias, lo, hi):
-    """Epilogue: out3[n, m0 + i, p0 + j] = act(tile[i, j] + bias[m0 + i]) while tile is in L1."""
-    for i in range(rows):
-        b = bias[m0 + i]
-        dst = out3[n, m0 + i]
-        for j in range(cols):
-            dst[p0 + j] = act(tile[i, j] + b, lo, hi)

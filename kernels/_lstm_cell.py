@@ -2,8 +2,9 @@
 
 Row by row (small batches): a block is 8 hidden units; its weights are two packed panels
 [K, 16]: panel 0 holds gates i and f of the 8 units, panel 1 gates g and o. The input
-projection of all T B rows runs the 4x16 micro-kernel of _gemm.py over them (4 rows x 16
-columns in registers); each step (memory-bound) is a GEMV per row over the same panels.
+projection of all T B rows runs the GEMM micro-kernel of _gemm.py over them (a tile of MR rows x
+the panel's 16 columns in registers, see projection_tile); each step (memory-bound) is a GEMV per
+row over the same panels.
 Larger batches: step_cols (below).
 
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
@@ -17,12 +18,21 @@ offset keeps Numba's wraparound select on every load and SLP gives up (see _gemm
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, fma8, gemm_batch, load8, store8, sub8
+from ._gemm import add8, fma8, gemm_batch, load8, store8, sub8
 from .config import INLINE_GEMM, JIT_GEMM
-from .simd import sigmoid, tanh, vpack, vunpack
+from .simd import Tile, sigmoid, tanh, vpack, vunpack
+from .simd.tile import fit_rows
 
 U = 8  # hidden units per block
 BLOCK_COLS = 4 * U  # pre-activation columns per block and row: i, f, g, o of its 8 units
+PANEL = 2 * U  # columns of one of a block's two weight panels: two gates of its 8 units
+
+
+def projection_tile(w):
+    """The micro-kernel's tile for the input projection at w lanes: PANEL columns (one weight
+    panel: PANEL / w vectors) and as many rows as the register file holds beside them."""
+    cols = PANEL // w
+    return Tile(fit_rows(cols, w), cols)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -81,18 +91,18 @@ def gemv(h, w0, w1, k_len, out):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = (z, z, z, z, z, z, z, z)
     for kk in range(k_len // 4):
         k = 4 * kk
-        s, t, o = h[k], h[k + 1], NR * k
+        s, t, o = h[k], h[k + 1], PANEL * k
         a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
         a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
         b0, b1 = fma8(b0, t, load8(w0, o + 16)), fma8(b1, t, load8(w0, o + 24))
         b2, b3 = fma8(b2, t, load8(w1, o + 16)), fma8(b3, t, load8(w1, o + 24))
-        s, t, o = h[k + 2], h[k + 3], NR * k + 2 * NR
+        s, t, o = h[k + 2], h[k + 3], PANEL * k + 2 * PANEL
         a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
         a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
         b0, b1 = fma8(b0, t, load8(w0, o + 16)), fma8(b1, t, load8(w0, o + 24))
         b2, b3 = fma8(b2, t, load8(w1, o + 16)), fma8(b3, t, load8(w1, o + 24))
     for k in range(k_len - k_len % 4, k_len):
-        s, o = h[k], NR * k
+        s, o = h[k], PANEL * k
         a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
         a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
     store8(out, 0, add8(a0, b0))
@@ -102,17 +112,18 @@ def gemv(h, w0, w1, k_len, out):
 
 
 @numba.jit(**JIT_GEMM)
-def project(xp, w, bias, rows, gx, tiles):
-    """gx[r] = x[r] @ Wx_block + bias_block for all rows; xp holds x as [K, 4]-row panels,
-    w the block's two weight panels [2, K * NR]; tiles is [2, MR, NR] scratch."""
-    k_len = w.shape[1] // NR
-    for g in range(xp.shape[0]):
-        gemm_batch(xp, g, 0, w, 2, k_len, tiles)  # x panel g against both weight panels
-        for r in range(min(MR, rows - MR * g)):
-            dst = gx[MR * g + r]
-            for q in range(NR):
+def project(L, T, xp, w, bias, rows, gx, tiles):
+    """gx[r] = x[r] @ Wx_block + bias_block for all rows on the micro-kernel (L, T: its width
+    and tile, T.cols L.width = PANEL); xp holds x as [K, MR]-row panels (MR = T.rows), w the
+    block's two weight panels [2, K * PANEL]; tiles is [2, MR, PANEL] scratch."""
+    k_len, mr = w.shape[1] // PANEL, T.rows
+    for g in range(xp.shape[0]):  # x panel g against both weight panels
+        gemm_batch(L, T, xp, g * xp.shape[1], 0, w, 0, w.shape[1], 2, k_len, tiles)
+        for r in range(min(mr, rows - mr * g)):
+            dst = gx[mr * g + r]
+            for q in range(PANEL):
                 dst[q] = tiles[0, r, q] + bias[q]
-                dst[NR + q] = tiles[1, r, q] + bias[NR + q]
+                dst[PANEL + q] = tiles[1, r, q] + bias[PANEL + q]
 
 
 @numba.jit(**INLINE_GEMM)
@@ -128,12 +139,12 @@ def step(t, b, w, gx, hs, cs, acc, gru):
     """
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        gemv(hs[t, r], w[0], w[1], w.shape[1] // NR, acc)
+        gemv(hs[t, r], w[0], w[1], w.shape[1] // PANEL, acc)
         if gru:
-            gru8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], hs[t, r, j0:],
+            gru8(acc[:PANEL], acc[PANEL:BLOCK_COLS], gx[t * rows + r], hs[t, r, j0:],
                  hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
         else:
-            cell8(acc[:NR], acc[NR:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:],
+            cell8(acc[:PANEL], acc[PANEL:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:],
                   hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
 
 

@@ -13,7 +13,8 @@ so the sum over c becomes 16 independent GEMMs, U[xi] [M, C] x V[xi] [C, tiles],
 computed once in float64 at prepare time. The transforms only add and subtract (and halve, in
 G), so float32 error stays within a few ulps of the direct sum.
 
-One pass, fused per tile panel: a work item takes NR consecutive tiles, transforms their input
+One pass, fused per tile panel: a work item takes NR consecutive tiles (NR, MR: the GEMM
+micro-kernel's tile, _gemm), transforms their input
 patches for all C channels into a private V [16, C + 1, NR] (65 KiB at C = 64, stays in L2),
 runs the 16 GEMMs for every channel panel against it and writes the outputs: no shared buffer,
 no barrier between transform and GEMM. F(4x4) (_winograd4.py, opt-in) has the same structure
@@ -25,21 +26,23 @@ import math
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, add8, gemm_batch, load8, pack_a, store8, store_act8, sub8
-from .config import INLINE, INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
+from ._gemm import gemm_batch, pack_a
+from .config import INLINE, JIT, JIT_GEMM, PARALLEL
+from .simd import clip, vload, vstore
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
-# _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one cache line of padding per xi: at
-# C * NR * 4 bytes = 4 KiB (C = 64) the 16 rows written per tile would share L1 sets and thrash.
+# _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one panel row of padding per xi: at
+# C * NR * 4 bytes a multiple of 4 KiB (C = 64 at NR = 16) the 16 rows written per tile would
+# share L1 sets and thrash.
 
 
-def pack_weights(weight):
-    """U[xi] = (G g G^T)[xi] for every (m, c), packed as GEMM A-panels [M/MR, 16, C, MR], flat:
-    the 16 panels one work item reads are contiguous (at a 4 KiB stride they would all fall in
-    the same L1 sets)."""
+def pack_weights(weight, mr):
+    """U[xi] = (G g G^T)[xi] for every (m, c), packed as GEMM A-panels [M/mr, 16, C, mr], flat
+    (mr: the micro-kernel's MR): the 16 panels one work item reads are contiguous (at a 4 KiB
+    stride they would all fall in the same L1 sets)."""
     u = np.einsum("ai,mcij,bj->abmc", _G, weight.astype(np.float64), _G).astype(np.float32)
     m, c = weight.shape[:2]
-    panels = [pack_a(u[a, b]).reshape(-1, c * MR) for a in range(4) for b in range(4)]
+    panels = [pack_a(u[a, b], mr).reshape(-1, c * mr) for a in range(4) for b in range(4)]
     return np.ascontiguousarray(np.stack(panels, axis=1)).ravel()
 
 
@@ -49,7 +52,7 @@ def gather_tile(x3, n, c, t, t_len, tw_len, pt, pl, h, w, m, d, q):
     of tile t = th * TW + tw of an F(m x m, 3x3) transform, zero outside the image and past
     the last tile. Interior patches index with unsigned offsets, so no load carries Numba's
     negative-index wraparound select; x3 ([N, C, H*W]) is indexed, not sliced (a view of the
-    shared input costs an atomic refcount update, see _gemm.tile_sum)."""
+    shared input costs an atomic refcount update, see _gemm)."""
     a = m + 2
     r = m * (t // tw_len) - pt
     s = m * (t % tw_len) - pl
@@ -65,88 +68,83 @@ def gather_tile(x3, n, c, t, t_len, tw_len, pt, pl, h, w, m, d, q):
                 d[a * i + j, q] = x3[n, c, (r + i) * w + s + j] if inside else np.float32(0.0)
 
 
-@numba.jit(**INLINE_GEMM)
-def _bt4(v, i, c, q, a0, a1, a2, a3):
-    """v[4 i + (0..3), c, q : q + 8] = (a0 - a2, a1 + a2, a2 - a1, a1 - a3), the B^T
-    combination (indices from loop counters: no wraparound selects, so stores stay vectors)."""
-    store8(v[4 * i, c], q, sub8(a0, a2))
-    store8(v[4 * i + 1, c], q, add8(a1, a2))
-    store8(v[4 * i + 2, c], q, sub8(a2, a1))
-    store8(v[4 * i + 3, c], q, sub8(a1, a3))
-
-
 @numba.jit(**JIT_GEMM)
-def _transform_panel(d, v, c):
-    """v[:, c] = B^T d B for the NR patches in d[:16] (row 4 i + j = patch pixel (i, j)),
-    8 patches per ymm register; d[16:32] is scratch for the rows of B^T d.
-
-    Written over 8-tuples for the SLP vectorizer: as a plain loop over patches the loop
-    vectorizer gives up (d and v may alias) and the transform ran scalar."""
-    for q in range(0, NR, 8):
+def _transform_panel(L, T, d, v, c):
+    """v[:, c] = B^T d B for the NR patches in d[:16] (row 4 i + j = patch pixel (i, j)), a
+    vector of W patches at a time; d[16:32] is scratch for the rows of B^T d. d is [32, NR],
+    v [16, C + 1, NR] (flat offsets: row r of d at r NR, v[xi, c] at (xi (C + 1) + c) NR)."""
+    w = L.width
+    nr = T.cols * w
+    vx, vc = v.shape[1] * nr, c * nr  # one xi's stride in v, channel c's offset
+    for q in range(0, nr, w):
         for j in range(4):  # B^T d, column j: rows (0 - 2, 1 + 2) and (2 - 1, 1 - 3)
-            t0, t1 = load8(d[j], q), load8(d[4 + j], q)
-            t2, t3 = load8(d[8 + j], q), load8(d[12 + j], q)
-            store8(d[16 + j], q, sub8(t0, t2))
-            store8(d[20 + j], q, add8(t1, t2))
-            store8(d[24 + j], q, sub8(t2, t1))
-            store8(d[28 + j], q, sub8(t1, t3))
+            t0, t1 = vload(L, d, j * nr + q), vload(L, d, (4 + j) * nr + q)
+            t2, t3 = vload(L, d, (8 + j) * nr + q), vload(L, d, (12 + j) * nr + q)
+            vstore(d, (16 + j) * nr + q, t0 - t2)
+            vstore(d, (20 + j) * nr + q, t1 + t2)
+            vstore(d, (24 + j) * nr + q, t2 - t1)
+            vstore(d, (28 + j) * nr + q, t1 - t3)
         for i in range(4):  # (B^T d) B: the same combination over the columns of row i
-            r = 16 + 4 * i
-            a0, a1 = load8(d[r], q), load8(d[r + 1], q)
-            _bt4(v, i, c, q, a0, a1, load8(d[r + 2], q), load8(d[r + 3], q))
+            r = (16 + 4 * i) * nr + q
+            a0, a1 = vload(L, d, r), vload(L, d, r + nr)
+            a2, a3 = vload(L, d, r + 2 * nr), vload(L, d, r + 3 * nr)
+            o = 4 * i * vx + vc + q
+            vstore(v, o, a0 - a2)
+            vstore(v, o + vx, a1 + a2)
+            vstore(v, o + 2 * vx, a2 - a1)
+            vstore(v, o + 3 * vx, a1 - a3)
 
 
 @numba.jit(**JIT)
-def _input_panel(x3, n, t0, t_len, tw_len, pt, pl, h, w, d, v):
+def _input_panel(L, T, x3, n, t0, t_len, tw_len, pt, pl, h, w, d, v):
     """V = B^T d B for tiles t0 .. t0 + NR - 1 and every channel, into the GEMM B-panels
     v[xi, c, q]. Tiles past the last are zero (their outputs are never stored).
     Channel by channel, the patches are gathered (scalar) and then transformed (vector)."""
     for c in range(x3.shape[1]):
-        for q in range(NR):
+        for q in range(T.cols * L.width):
             gather_tile(x3, n, c, t0 + q, t_len, tw_len, pt, pl, h, w, 2, d, q)
-        _transform_panel(d, v, c)
+        _transform_panel(L, T, d, v, c)
 
 
 @numba.jit(**JIT_GEMM)
-def _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y):
-    """Epilogue: Y = A^T M A for each tile in mt [16, MR, NR], then bias and activation.
+def _output_tiles(L, T, mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y):
+    """Epilogue: Y = A^T M A for each tile in mt [16, MR, NR], then bias and clip.
 
-    The transform runs on 8 tiles per ymm register into y [4, NR] (the four outputs of each
-    tile, bias and activation applied), then each tile's 2x2 block is stored at its place:
-    tile q's top-left output is (ty[q], tx[q]); n_t tiles are real. (Scalar, this transform
-    costs about as much as the 16 GEMMs at small C.)"""
+    The transform runs on W tiles per vector into y [4, NR] (the four outputs of each tile,
+    bias and clip applied), then each tile's 2x2 block is stored at its place: tile q's
+    top-left output is (ty[q], tx[q]); n_t tiles are real. (Scalar, this transform costs
+    about as much as the 16 GEMMs at small C.)"""
+    w, mr = L.width, T.rows
+    nr = T.cols * w
     for i in range(rows):
         b = bias[m0 + i]
-        for q in range(0, NR, 8):
+        for q in range(0, nr, w):
+            o, x = i * nr + q, mr * nr  # mt[xi, i, q] at o + xi x
+            m4, m5, m6, m7 = (vload(L, mt, o + 4 * x), vload(L, mt, o + 5 * x),
+                              vload(L, mt, o + 6 * x), vload(L, mt, o + 7 * x))  # fmt: skip
+            m8, m9, m10, m11 = (vload(L, mt, o + 8 * x), vload(L, mt, o + 9 * x),
+                                vload(L, mt, o + 10 * x), vload(L, mt, o + 11 * x))  # fmt: skip
             # A^T M: rows u (0 + 4 + 8) and l (4 - 8 - 12) of four columns each
-            m4, m5, m6, m7 = (load8(mt[4, i], q), load8(mt[5, i], q), load8(mt[6, i], q),
-                              load8(mt[7, i], q))  # fmt: skip
-            m8, m9, m10, m11 = (load8(mt[8, i], q), load8(mt[9, i], q), load8(mt[10, i], q),
-                                load8(mt[11, i], q))  # fmt: skip
-            u0 = add8(add8(load8(mt[0, i], q), m4), m8)
-            u1 = add8(add8(load8(mt[1, i], q), m5), m9)
-            u2 = add8(add8(load8(mt[2, i], q), m6), m10)
-            u3 = add8(add8(load8(mt[3, i], q), m7), m11)
-            l0 = sub8(sub8(m4, m8), load8(mt[12, i], q))
-            l1 = sub8(sub8(m5, m9), load8(mt[13, i], q))
-            l2 = sub8(sub8(m6, m10), load8(mt[14, i], q))
-            l3 = sub8(sub8(m7, m11), load8(mt[15, i], q))
+            u0, u1 = (vload(L, mt, o) + m4) + m8, (vload(L, mt, o + x) + m5) + m9
+            u2, u3 = (vload(L, mt, o + 2 * x) + m6) + m10, (vload(L, mt, o + 3 * x) + m7) + m11
+            l0, l1 = (m4 - m8) - vload(L, mt, o + 12 * x), (m5 - m9) - vload(L, mt, o + 13 * x)
+            l2, l3 = (m6 - m10) - vload(L, mt, o + 14 * x), (m7 - m11) - vload(L, mt, o + 15 * x)
             # (A^T M) A: columns (0 + 1 + 2) and (1 - 2 - 3)
-            store_act8(y[0], q, add8(add8(u0, u1), u2), b, lo, hi)
-            store_act8(y[1], q, sub8(sub8(u1, u2), u3), b, lo, hi)
-            store_act8(y[2], q, add8(add8(l0, l1), l2), b, lo, hi)
-            store_act8(y[3], q, sub8(sub8(l1, l2), l3), b, lo, hi)
-        m = m0 + i
+            vstore(y, q, clip(((u0 + u1) + u2) + b, lo, hi))
+            vstore(y, nr + q, clip(((u1 - u2) - u3) + b, lo, hi))
+            vstore(y, 2 * nr + q, clip(((l0 + l1) + l2) + b, lo, hi))
+            vstore(y, 3 * nr + q, clip(((l1 - l2) - l3) + b, lo, hi))
+        m_ = m0 + i
         for q in range(n_t):  # cropped at the right and bottom edge for odd output sizes
             y0, x0 = ty[q], tx[q]
             p = y0 * ow_len + x0
-            out3[n, m, p] = y[0, q]
+            out3[n, m_, p] = y[0, q]
             if x0 + 1 < ow_len:
-                out3[n, m, p + 1] = y[1, q]
+                out3[n, m_, p + 1] = y[1, q]
             if y0 + 1 < oh_len:
-                out3[n, m, p + ow_len] = y[2, q]
+                out3[n, m_, p + ow_len] = y[2, q]
                 if x0 + 1 < ow_len:
-                    out3[n, m, p + ow_len + 1] = y[3, q]
+                    out3[n, m_, p + ow_len + 1] = y[3, q]
 
 
 @numba.jit(**JIT)
@@ -154,17 +152,19 @@ def _finite_panel(v, c_len):
     """True when no transformed value is inf or NaN: x * 0 is NaN exactly for those, and a
     NaN makes the sum NaN (fastmath here keeps NaN and inf, see config)."""
     acc = np.float32(0.0)
+    nr = v.shape[2]
     for xi in range(16):
         row = v[xi].reshape(-1)
-        for k in range(c_len * NR):
+        for k in range(c_len * nr):
             acc += row[k] * np.float32(0.0)
     return acc == 0.0
 
 
 @numba.jit(**PARALLEL)
-def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms, bad):
-    """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(2x2, 3x3); each tile panel's
-    channel panels are split into n_ms ranges (see conv2d.m_splits).
+def winograd_conv(x, u_packed, bias, out3, L, T, pt, pl, oh_len, ow_len, lo, hi, n_ms, bad):
+    """out3[N, M, OH*OW] = clip(conv3x3(x) + bias, lo, hi) with F(2x2, 3x3), on the
+    micro-kernel of width L and tile T (MR = T.rows, NR = T.cols W tiles per panel); each
+    tile panel's channel panels are split into n_ms ranges (see conv2d.m_splits).
 
     Sets bad[0] when an inf or NaN reached a transformed tile: out3 is then not what a direct
     convolution gives, and the caller must run im2col instead (see conv2d_bias_act). Checking
@@ -172,35 +172,37 @@ def winograd_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms,
     pass over x cost a parallel region and a read of the whole input."""
     n_len, c_len = x.shape[0], x.shape[1]
     m_len = out3.shape[1]
+    mr, nr = T.rows, T.cols * L.width
     tw_len = (ow_len + 1) // 2
     t_len = ((oh_len + 1) // 2) * tw_len
-    n_pan = (t_len + NR - 1) // NR
-    n_mb = (m_len + MR - 1) // MR
+    n_pan = (t_len + nr - 1) // nr
+    n_mb = (m_len + mr - 1) // mr
     h, w = x.shape[2], x.shape[3]
     x3 = x.reshape(n_len, c_len, h * w)
     mb_per = (n_mb + n_ms - 1) // n_ms
-    u2 = u_packed.reshape(n_mb * 16, c_len * MR)  # row mb * 16 + xi: U[xi]'s channel panel mb
+    a_panel = c_len * mr  # U[xi]'s channel panel mb at (mb * 16 + xi) * a_panel of u_packed
     # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
     for item in numba.prange(n_len * n_pan * n_ms):
         n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
-        v = np.empty((16, c_len + 1, NR), np.float32)  # + 1: see _VPAD
-        v2 = v.reshape(16, (c_len + 1) * NR)  # row xi: the GEMM's B panel [C, NR], then padding
-        d = np.empty((32, NR), np.float32)
-        mt = np.empty((16, MR, NR), np.float32)
-        y = np.empty((4, NR), np.float32)
-        ty = np.empty(NR, np.int64)
-        tx = np.empty(NR, np.int64)
-        n_t = min(NR, t_len - tp * NR)
+        v = np.empty((16, c_len + 1, nr), np.float32)  # + 1: see _VPAD; v[xi]: a B panel
+        d = np.empty((32, nr), np.float32)
+        mt = np.empty((16, mr, nr), np.float32)
+        y = np.empty((4, nr), np.float32)
+        ty = np.empty(nr, np.int64)
+        tx = np.empty(nr, np.int64)
+        n_t = min(nr, t_len - tp * nr)
         for q in range(n_t):
-            ty[q], tx[q] = 2 * ((tp * NR + q) // tw_len), 2 * ((tp * NR + q) % tw_len)
-        _input_panel(x3, n, tp * NR, t_len, tw_len, pt, pl, h, w, d, v)
+            ty[q], tx[q] = 2 * ((tp * nr + q) // tw_len), 2 * ((tp * nr + q) % tw_len)
+        _input_panel(L, T, x3, n, tp * nr, t_len, tw_len, pt, pl, h, w, d, v)
         if not _finite_panel(v, c_len):
             bad[0] = 1  # any item may set it; all set the same value
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            gemm_batch(u2, mb * 16, 1, v2, 16, c_len, mt)
-            m0 = mb * MR
-            rows = min(MR, m_len - m0)
-            _output_tiles(mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo, hi, y)
+            gemm_batch(L, T, u_packed, mb * 16 * a_panel, a_panel, v, 0, (c_len + 1) * nr, 16,
+                       c_len, mt)  # fmt: skip
+            m0 = mb * mr
+            rows = min(mr, m_len - m0)
+            _output_tiles(L, T, mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo,
+                          hi, y)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)

@@ -18,17 +18,18 @@ accuracy: the transforms scale by up to 8 (A) and 5 (B), so float32 rounding gro
 10x F(2x2)'s (bench/NOTES.md, Winograd); so it is opt-in. U is computed once in float64 at
 prepare time.
 
-Same one-pass structure as F(2x2) (_winograd.py): a work item takes NR tiles, transforms their
-patches for all C channels into a private V [36, C + 1, NR], runs the 36 GEMMs per channel panel
-and writes the outputs.
+Same one-pass structure as F(2x2) (_winograd.py): a work item takes NR tiles (the GEMM tile's
+NR), transforms their patches for all C channels into a private V [36, C + 1, NR], runs the 36
+GEMMs per channel panel and writes the outputs.
 """
 
 import numba
 import numpy as np
 
-from ._gemm import MR, NR, act, add8, fma8, gemm_batch, load8, pack_a, store8, sub8
+from ._gemm import act, gemm_batch, pack_a
 from ._winograd import gather_tile
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
+from .simd import vfma, vload, vstore
 
 _G = np.array(
     [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
@@ -37,40 +38,41 @@ _G = np.array(
 _F2, _F4, _F5, _F8 = np.float32(2.0), np.float32(4.0), np.float32(5.0), np.float32(8.0)
 
 
-def pack_weights(weight):
-    """U[xi] = (G g G^T)[xi] for every (m, c), packed as GEMM A-panels [M/MR, 36, C, MR], flat."""
+def pack_weights(weight, mr):
+    """U[xi] = (G g G^T)[xi] for every (m, c), packed as GEMM A-panels [M/mr, 36, C, mr], flat
+    (mr: the micro-kernel's MR)."""
     u = np.einsum("ai,mcij,bj->abmc", _G, weight.astype(np.float64), _G).astype(np.float32)
     c = weight.shape[1]
-    panels = [pack_a(u[a, b]).reshape(-1, c * MR) for a in range(6) for b in range(6)]
+    panels = [pack_a(u[a, b], mr).reshape(-1, c * mr) for a in range(6) for b in range(6)]
     return np.ascontiguousarray(np.stack(panels, axis=1)).ravel()
 
 
 @numba.jit(**INLINE_GEMM)
 def _bt6(z0, z1, z2, z3, z4, z5):
-    """B^T z for six 8-tuples z (one column or row of 8 patches)."""
-    s12, d12 = add8(z1, z2), sub8(z1, z2)
-    s34, d43 = add8(z3, z4), sub8(z4, z3)
-    e, f = sub8(z4, z2), sub8(z3, z1)
+    """B^T z for six vectors z (one column or row of W patches)."""
+    s12, d12 = z1 + z2, z1 - z2
+    s34, d43 = z3 + z4, z4 - z3
+    e, f = z4 - z2, z3 - z1
     return (
-        fma8(fma8(z4, _F4, z0), -_F5, z2),
-        fma8(s34, -_F4, s12),
-        fma8(d43, _F4, d12),
-        fma8(e, _F2, f),
-        fma8(e, -_F2, f),
-        fma8(fma8(z5, _F4, z1), -_F5, z3),
+        vfma(-_F5, z2, vfma(_F4, z0, z4)),
+        vfma(-_F4, s12, s34),
+        vfma(_F4, d12, d43),
+        vfma(_F2, f, e),
+        vfma(-_F2, f, e),
+        vfma(-_F5, z3, vfma(_F4, z1, z5)),
     )
 
 
 @numba.jit(**INLINE_GEMM)
 def _at6(m0, m1, m2, m3, m4, m5):
-    """A^T m for six 8-tuples m."""
-    s12, d12 = add8(m1, m2), sub8(m1, m2)
-    s34, d34 = add8(m3, m4), sub8(m3, m4)
+    """A^T m for six vectors m."""
+    s12, d12 = m1 + m2, m1 - m2
+    s34, d34 = m3 + m4, m3 - m4
     return (
-        add8(add8(m0, s12), s34),
-        fma8(d12, _F2, d34),
-        fma8(s12, _F4, s34),
-        add8(fma8(d12, _F8, d34), m5),
+        (m0 + s12) + s34,
+        vfma(_F2, d34, d12),
+        vfma(_F4, s34, s12),
+        vfma(_F8, d34, d12) + m5,
     )
 
 
@@ -80,7 +82,7 @@ def _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d):
     >= 0, the patch's flat offset, computed once per panel: an integer division per tile and
     channel cost more than the loads) are unrolled; edge tiles go through gather_tile."""
     u = numba.uint64
-    for q in range(NR):
+    for q in range(org.shape[0]):
         o = org[q]
         if o >= 0:
             for i in range(6):
@@ -93,47 +95,60 @@ def _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d):
 
 
 @numba.jit(**JIT_GEMM)
-def _transform_panel(d, v, c):
-    """v[:, c] = B^T d B for the NR patches in d[:36] (row 6 i + j = patch pixel (i, j)),
-    8 patches per ymm register; d[36:72] holds the rows of B^T d."""
-    for q in range(0, NR, 8):
+def _transform_panel(L, T, d, v, c):
+    """v[:, c] = B^T d B for the NR patches in d[:36] (row 6 i + j = patch pixel (i, j)), a
+    vector of W patches at a time; d[36:72] holds the rows of B^T d. d is [72, NR], v
+    [36, C + 1, NR] (flat offsets, as _winograd._transform_panel's)."""
+    w = L.width
+    nr = T.cols * w
+    vx, vc = v.shape[1] * nr, c * nr
+    for q in range(0, nr, w):
         for j in range(6):
-            t = _bt6(load8(d[j], q), load8(d[6 + j], q), load8(d[12 + j], q),
-                     load8(d[18 + j], q), load8(d[24 + j], q), load8(d[30 + j], q))  # fmt: skip
+            o = j * nr + q
+            t = _bt6(vload(L, d, o), vload(L, d, o + 6 * nr), vload(L, d, o + 12 * nr),
+                     vload(L, d, o + 18 * nr), vload(L, d, o + 24 * nr),
+                     vload(L, d, o + 30 * nr))  # fmt: skip
             for k in range(6):  # unrolled by LLVM: tuple index must be constant
-                store8(d[36 + 6 * k + j], q, t[k])
+                vstore(d, (36 + 6 * k + j) * nr + q, t[k])
         for k in range(6):
-            r = 36 + 6 * k
-            t = _bt6(load8(d[r], q), load8(d[r + 1], q), load8(d[r + 2], q),
-                     load8(d[r + 3], q), load8(d[r + 4], q), load8(d[r + 5], q))  # fmt: skip
+            r = (36 + 6 * k) * nr + q
+            t = _bt6(vload(L, d, r), vload(L, d, r + nr), vload(L, d, r + 2 * nr),
+                     vload(L, d, r + 3 * nr), vload(L, d, r + 4 * nr),
+                     vload(L, d, r + 5 * nr))  # fmt: skip
             for j in range(6):
-                store8(v[6 * k + j, c], q, t[j])
+                vstore(v, (6 * k + j) * vx + vc + q, t[j])
 
 
 @numba.jit(**JIT_GEMM)
-def _output_transform(mt, i, ys):
-    """ys[4 r + s, q] = (A^T M A)[r, s] for the NR tiles of output channel row i of mt."""
-    for q in range(0, NR, 8):
+def _output_transform(L, T, mt, i, ys):
+    """ys[4 r + s, q] = (A^T M A)[r, s] for the NR tiles of output channel row i of mt
+    ([36, MR, NR]); ys is [40, NR]."""
+    w = L.width
+    nr = T.cols * w
+    x = T.rows * nr  # mt[xi, i, q] at xi x + i nr + q
+    for q in range(0, nr, w):
         for j in range(6):
-            m0, m1, m2 = load8(mt[j, i], q), load8(mt[6 + j, i], q), load8(mt[12 + j, i], q)
-            m3, m4 = load8(mt[18 + j, i], q), load8(mt[24 + j, i], q)
-            t = _at6(m0, m1, m2, m3, m4, load8(mt[30 + j, i], q))
+            o = j * x + i * nr + q
+            t = _at6(vload(L, mt, o), vload(L, mt, o + 6 * x), vload(L, mt, o + 12 * x),
+                     vload(L, mt, o + 18 * x), vload(L, mt, o + 24 * x),
+                     vload(L, mt, o + 30 * x))  # fmt: skip
             for r in range(4):
-                store8(ys[16 + 6 * r + j], q, t[r])
+                vstore(ys, (16 + 6 * r + j) * nr + q, t[r])
         for r in range(4):
-            k = 16 + 6 * r
-            t = _at6(load8(ys[k], q), load8(ys[k + 1], q), load8(ys[k + 2], q),
-                     load8(ys[k + 3], q), load8(ys[k + 4], q), load8(ys[k + 5], q))  # fmt: skip
+            k = (16 + 6 * r) * nr + q
+            t = _at6(vload(L, ys, k), vload(L, ys, k + nr), vload(L, ys, k + 2 * nr),
+                     vload(L, ys, k + 3 * nr), vload(L, ys, k + 4 * nr),
+                     vload(L, ys, k + 5 * nr))  # fmt: skip
             for s in range(4):
-                store8(ys[4 * r + s], q, t[s])
+                vstore(ys, (4 * r + s) * nr + q, t[s])
 
 
 @numba.jit(**JIT)
 def _store_tiles(ys, dst, dsto, b, lo, hi):
     """dst[dsto[q] + r * OW + s] = act(ys[4 r + s, q] + b) for the tiles' valid outputs; dsto
-    [3, NR] holds per tile the flat offset, valid rows and columns (0 past the last tile)."""
+    [4, NR] holds per tile the flat offset, valid rows and columns (0 past the last tile)."""
     ow_len = dsto[3, 0]
-    for q in range(NR):
+    for q in range(ys.shape[1]):
         p, rows, cols = dsto[0, q], dsto[1, q], dsto[2, q]
         for r in range(rows):
             out = dst[p + r * ow_len :]
@@ -150,7 +165,7 @@ def _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto):
     """Per tile t0 + q: org[q] = flat input offset of an interior patch (-1 at the edges),
     dsto[:3, q] = flat output offset, valid rows, valid columns; dsto[3, 0] = OW."""
     dsto[3, 0] = ow_len
-    for q in range(NR):
+    for q in range(org.shape[0]):
         t = t0 + q
         y0, x0 = 4 * (t // tw_len), 4 * (t % tw_len)
         r, s = y0 - pt, x0 - pl
@@ -162,36 +177,38 @@ def _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto):
 
 
 @numba.jit(**PARALLEL)
-def winograd4_conv(x, u_packed, bias, out3, pt, pl, oh_len, ow_len, lo, hi, n_ms):
-    """out3[N, M, OH*OW] = act(conv3x3(x) + bias) with F(4x4, 3x3); each tile panel's
-    channel panels are split into n_ms ranges (see conv2d.m_splits)."""
+def winograd4_conv(x, u_packed, bias, out3, L, T, pt, pl, oh_len, ow_len, lo, hi, n_ms):
+    """out3[N, M, OH*OW] = clip(conv3x3(x) + bias, lo, hi) with F(4x4, 3x3), on the
+    micro-kernel of width L and tile T; each tile panel's channel panels are split into n_ms
+    ranges (see conv2d.m_splits)."""
     n_len, c_len, h, w = x.shape
     m_len = out3.shape[1]
+    mr, nr = T.rows, T.cols * L.width
     tw_len = (ow_len + 3) // 4
     t_len = ((oh_len + 3) // 4) * tw_len
-    n_pan = (t_len + NR - 1) // NR
-    n_mb = (m_len + MR - 1) // MR
+    n_pan = (t_len + nr - 1) // nr
+    n_mb = (m_len + mr - 1) // mr
     x3 = x.reshape(n_len, c_len, h * w)
     mb_per = (n_mb + n_ms - 1) // n_ms
-    u2 = u_packed.reshape(n_mb * 36, c_len * MR)  # row mb * 36 + xi: U[xi]'s channel panel mb
+    a_panel = c_len * mr  # U[xi]'s channel panel mb at (mb * 36 + xi) * a_panel of u_packed
     # Items are (image, tile panel, channel-panel range): disjoint outputs, private scratch.
     for item in numba.prange(n_len * n_pan * n_ms):
         n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
-        t0 = tp * NR
-        v = np.empty((36, c_len + 1, NR), np.float32)  # + 1 row: no 4 KiB stride (_winograd)
-        v2 = v.reshape(36, (c_len + 1) * NR)
-        d = np.empty((72, NR), np.float32)
-        mt = np.empty((36, MR, NR), np.float32)
-        ys = np.empty((40, NR), np.float32)
-        org = np.empty(NR, np.int64)
-        dsto = np.empty((4, NR), np.int64)
+        t0 = tp * nr
+        v = np.empty((36, c_len + 1, nr), np.float32)  # + 1 row: no 4 KiB stride (_winograd)
+        d = np.empty((72, nr), np.float32)
+        mt = np.empty((36, mr, nr), np.float32)
+        ys = np.empty((40, nr), np.float32)
+        org = np.empty(nr, np.int64)
+        dsto = np.empty((4, nr), np.int64)
         _panel_offsets(t0, t_len, tw_len, pt, pl, h, w, oh_len, ow_len, org, dsto)
         for c in range(c_len):
             _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d)
-            _transform_panel(d, v, c)
+            _transform_panel(L, T, d, v, c)
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            gemm_batch(u2, mb * 36, 1, v2, 36, c_len, mt)
-            m0 = mb * MR
-            for i in range(min(MR, m_len - m0)):
-                _output_transform(mt, i, ys)
+            gemm_batch(L, T, u_packed, mb * 36 * a_panel, a_panel, v, 0, (c_len + 1) * nr, 36,
+                       c_len, mt)  # fmt: skip
+            m0 = mb * mr
+            for i in range(min(mr, m_len - m0)):
+                _output_transform(L, T, mt, i, ys)
                 _store_tiles(ys, out3[n, m0 + i], dsto, bias[m0 + i], lo, hi)

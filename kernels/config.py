@@ -5,9 +5,10 @@ decorated: a cached kernel is stale when any module it imports changes, not only
 
 fastmath is a named flag set: "nsz", "arcp", "contract", "afn", "reassoc" let LLVM fuse a*b+c
 into one FMA and reorder sums, while leaving out "nnan"/"ninf" keeps NaN and inf honest (a NaN
-input still gives a NaN output, as onnxruntime does). GEMM micro-kernels use GEMM_FASTMATH, the
-same set without "reassoc": with it the loop vectorizer turns every register accumulator into a
-strided reduction over k, without it SLP packs the 4x16 block into ymm registers (bench/NOTES.md).
+input still gives a NaN output, as onnxruntime does). Register-tile kernels use GEMM_FASTMATH,
+the same set without "reassoc": with it the loop vectorizer turns every register accumulator of
+the tuple kernels into a strided reduction over k, without it SLP packs their 8-tuples into ymm
+registers (bench/NOTES.md); the SIMD layer's tiles (kernels/simd/tile.py) write their vectors.
 """
 
 import os
@@ -52,8 +53,10 @@ PARALLEL = dict(JIT, parallel=True)
 class slp_vectorize:  # noqa: N801 (used like a function: `with slp_vectorize():`)
     """Compile inside this block with LLVM's SLP vectorizer on (Numba turns it off by default).
 
-    The register-blocked micro-kernel is straight-line code over tuples; only SLP turns it into
-    vector FMAs. The flag is read when a function is compiled, so wrapping the first call is
+    The tuple kernels (the blocked direct conv, attention's products, the LSTM's gate math) are
+    straight-line code over 8-tuples; only SLP turns them into vector FMAs. Kernels on the SIMD
+    layer (kernels/simd: the GEMM micro-kernel, im2col, Winograd) write their vectors and do
+    not need it. The flag is read when a function is compiled, so wrapping the first call is
     enough; later calls (and cache loads) do not depend on it. A compile running in another
     thread at the same moment would also get SLP, which is harmless. A class rather than
     contextlib.contextmanager: it is entered on every kernel call, and costs a third as much.
@@ -64,7 +67,7 @@ class slp_vectorize:  # noqa: N801 (used like a function: `with slp_vectorize():
     Beware: calling a kernel's jitted function directly, outside this block, compiles it
     without SLP, and cache=True then stores that slow code under the same signature for every
     later process (several times slower until kernels/__pycache__ is cleared).
-    Call kernels through their wrappers (conv2d_bias_act), or wrap the call in this block.
+    Call kernels through their wrappers (lstm_sequence), or wrap the call in this block.
     """
 
     __slots__ = ()

@@ -30,7 +30,7 @@ import numba
 import numpy as np
 
 from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
-from .config import JIT, get_threads, slp_vectorize
+from .config import JIT, get_threads
 from .simd.activation import CLIPPING, KINDS, clip_bounds, encode
 from .windows import conv_output_shape as output_shape
 from .windows import window_attributes
@@ -58,6 +58,8 @@ class Conv2DPlan:
     clip: tuple  # (lo, hi) as float32: activation.clip_bounds of the activation
     bias: np.ndarray  # [M] float32, zeros when the node has none
     method: str  # "winograd4", "winograd", "depthwise" or "im2col"
+    lanes: object  # the micro-kernel's width (a simd.Lanes) and tile (a simd.Tile): packed for
+    tile: object  # MR = tile.rows, each kernel's B panels NR = tile.cols * lanes.width wide
     packed: np.ndarray  # weights packed for `method`
     im2col_packed: np.ndarray  # weights packed for im2col: every plan can take that path
     # (input shape, threads) -> _launch(...): the per-call arithmetic done once per shape
@@ -79,13 +81,16 @@ def prepare_conv2d(
     clip_min=-math.inf,
     clip_max=math.inf,
     winograd_tile=2,
+    width=None,
 ):
     """Pack a Conv node's weights once. weight: float32 [M, C/group, kh, kw]; bias: M floats in
     any shape ([M], [M,1,1], [1,M,1,1]); pads in ONNX order (top, left, bottom, right);
     activation, alpha, beta, clip_min, clip_max: as kernels.simd.activation's encode takes
     them, a kind that is a clip (identity, relu, clip).
     winograd_tile: 2 for F(2x2, 3x3), 4 for F(4x4, 3x3) (faster, ~10x larger rounding error,
-    see _WINOGRAD4_MAX_CHANNELS) where a 3x3 stride-1 conv takes the Winograd path."""
+    see _WINOGRAD4_MAX_CHANNELS) where a 3x3 stride-1 conv takes the Winograd path.
+    width: the lanes of the GEMM micro-kernel's vectors, 8 or 16 (None: the process's,
+    kernels.simd.width()); its tile is the register file's at that width (_gemm.micro_tile)."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -106,6 +111,7 @@ def prepare_conv2d(
         raise ValueError(f"conv2d's epilogue is a clip: activation must be {clipping}, got "
                          f"{activation!r} (kernels/pointwise runs the others)")  # fmt: skip
     lo, hi = map(np.float32, clip_bounds(kind, a, b))  # from Python: floats
+    lanes, tile = _gemm.micro_tile(width)
     if winograd_tile not in (2, 4):
         raise ValueError(f"winograd_tile must be 2 or 4, got {winograd_tile!r}")
 
@@ -118,14 +124,14 @@ def prepare_conv2d(
     )
     # per group: [Mg, K] with k = (c * kh + i) * kw + j, packed into MR-row panels
     w2d = weight.reshape(group, m // group, cg * kh * kw)
-    im2col_packed = np.concatenate([_gemm.pack_a(w2d[g]) for g in range(group)])
+    im2col_packed = np.concatenate([_gemm.pack_a(w2d[g], tile.rows) for g in range(group)])
     method, packed = "im2col", im2col_packed
     if group > 1 and cg == 1 and m == group:
         method, packed = "depthwise", np.ascontiguousarray(weight.reshape(m, kh, kw))
     if winograd and winograd_tile == 4 and cg <= _WINOGRAD4_MAX_CHANNELS:
-        method, packed = "winograd4", _winograd4.pack_weights(weight)
+        method, packed = "winograd4", _winograd4.pack_weights(weight, tile.rows)
     elif winograd:
-        method, packed = "winograd", _winograd.pack_weights(weight)
+        method, packed = "winograd", _winograd.pack_weights(weight, tile.rows)
     return Conv2DPlan(
         out_channels=m,
         in_channels=cg * group,
@@ -138,6 +144,8 @@ def prepare_conv2d(
         clip=(lo, hi),
         bias=bias,
         method=method,
+        lanes=lanes,
+        tile=tile,
         packed=packed,
         im2col_packed=im2col_packed,
     )
@@ -164,13 +172,14 @@ def _check_out(out, shape, x):
     return out3
 
 
-def m_splits(tile_panels, m, threads):
+def m_splits(tile_panels, m, threads, mr):
     """Into how many channel-panel ranges to split each tile panel so that every thread gets
     work: with fewer tile panels than 2 per thread (a 13x13 image is one F(4x4) panel) the
     input transform is repeated per range rather than leaving a core idle. Not more often: a
     short last panel costs as much as a full one in the GEMMs, so equal item counts are
-    already balanced, and a split only repeats the input transform (bench/NOTES.md)."""
-    want, n_mb = 2 * threads, -(-m // _gemm.MR)
+    already balanced, and a split only repeats the input transform (bench/NOTES.md). mr: the
+    rows of a channel panel."""
+    want, n_mb = 2 * threads, -(-m // mr)
     return max(1, min(n_mb, -(-want // tile_panels))) if tile_panels < want else 1
 
 
@@ -182,12 +191,12 @@ def _weights_past_l2(m, k):
     return m * k * 4 > HALF_L2
 
 
-def _panel_blocks(images, panels, k, m, threads):
+def _panel_blocks(images, panels, k, m, threads, nr):
     """Pixel-panel blocks per image and group for the im2col path (see im2col_conv): enough
     blocks that every thread gets several (the last one is often short), few enough that the
     weights, streamed once per block, are not re-read for every panel, and each packed block
-    stays within half of L2 (256 KiB of Zen1's 512)."""
-    per_l2 = max(1, HALF_L2 // (k * _gemm.NR * 4))
+    stays within half of L2 (256 KiB of Zen1's 512). nr: the pixels of a panel."""
+    per_l2 = max(1, HALF_L2 // (k * nr * 4))
     big_a = _weights_past_l2(m, k)  # weights come from L3: fewer, bigger blocks
     balance = -(-(2 if big_a else 4) * threads // images)
     per_blk = -(-panels // min(panels, max(balance, -(-panels // per_l2))))
@@ -216,10 +225,12 @@ def _launch(plan, x_shape, threads):
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     direct = (kh, kw, sh, sw, pt, pl) == (1, 1, 1, 1, 0, 0) and shape[2:] == x_shape[2:]
     k = plan.in_channels // plan.group * kh * kw
-    panels = -(-shape[2] * shape[3] // _gemm.NR)
+    L, T = plan.lanes, plan.tile
+    nr = _gemm.panel_width(T, L)
+    panels = -(-shape[2] * shape[3] // nr)
     mg = plan.out_channels // plan.group
     blocks_per_image = shape[0] * plan.group
-    n_blk = _panel_blocks(blocks_per_image, panels, k, mg, threads)
+    n_blk = _panel_blocks(blocks_per_image, panels, k, mg, threads, nr)
     n_ms = 1
     many_channels = direct and mg >= 32 * threads and _weights_past_l2(mg, k)
     if many_channels and _uneven(blocks_per_image, panels, n_blk, threads):
@@ -230,13 +241,14 @@ def _launch(plan, x_shape, threads):
         # conv, whose packing is a plain copy, and with enough channels that the shares are
         # even: a gathered 3x3 im2col or a few channel panels ran slower split (bench/NOTES.md).
         n_ms = threads
-    im2col = (kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, n_ms, direct)
+    im2col = (L, T, kh, kw, sh, sw, dh, dw, pt, pl, shape[3], plan.group, lo, hi, n_blk, n_ms,
+              direct)  # fmt: skip
     fast = None
     if plan.method in ("winograd4", "winograd"):
         m = 4 if plan.method == "winograd4" else 2
         tiles = -(-shape[2] // m) * -(-shape[3] // m)
-        n_ms = m_splits(shape[0] * -(-tiles // _gemm.NR), shape[1], threads)
-        fast = (pt, pl, shape[2], shape[3], lo, hi, n_ms)
+        n_ms = m_splits(shape[0] * -(-tiles // nr), shape[1], threads, T.rows)
+        fast = (L, T, pt, pl, shape[2], shape[3], lo, hi, n_ms)
     elif plan.method == "depthwise":
         fast = (sh, sw, dh, dw, pt, pl, shape[3], lo, hi)
     return shape, fast, im2col
@@ -299,17 +311,16 @@ def conv2d_bias_act(x, plan, out=None):
         out3 = out.reshape(shape[0], shape[1], shape[2] * shape[3])
     else:
         out3 = _check_out(out, shape, x)
-    with slp_vectorize():  # only has an effect when the kernel is compiled
-        # Winograd mixes the pixels of a tile before multiplying: one inf or NaN input would
-        # poison all four outputs of its tile, where a direct convolution poisons only the
-        # outputs whose window holds it. Such inputs take the im2col path, as onnxruntime would:
-        # F(2x2) finds them in its transformed tiles (and is then redone), F(4x4) beforehand.
-        if plan.method == "winograd":
-            winograd_or_im2col(x, out3, kernel_weights(plan), fast, im2col, True)
-        elif plan.method == "winograd4" and _winograd.all_finite(x):
-            _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
-        elif plan.method == "depthwise":
-            _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
-        else:
-            _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
+    # Winograd mixes the pixels of a tile before multiplying: one inf or NaN input would poison
+    # all four outputs of its tile, where a direct convolution poisons only the outputs whose
+    # window holds it. Such inputs take the im2col path, as onnxruntime would: F(2x2) finds
+    # them in its transformed tiles (and is then redone), F(4x4) beforehand.
+    if plan.method == "winograd":
+        winograd_or_im2col(x, out3, kernel_weights(plan), fast, im2col, True)
+    elif plan.method == "winograd4" and _winograd.all_finite(x):
+        _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
+    elif plan.method == "depthwise":
+        _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
+    else:
+        _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
     return out

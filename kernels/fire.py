@@ -25,7 +25,7 @@ import numba
 import numpy as np
 
 from ._im2col import im2col_conv
-from .config import JIT, slp_vectorize
+from .config import JIT
 from .conv2d import (
     Conv2DPlan,
     _check_out,
@@ -95,9 +95,8 @@ def fire(x, plan: FirePlan, out=None):
         yb = _check_out(out[:, ma:], (n, m - ma, oh, ow), x)
     s = np.empty(s_shape, np.float32)
     squeeze = plan.squeeze
-    with slp_vectorize():  # only has an effect when the kernel is compiled
-        _fire_one_call(x, s, s.reshape(s_shape[0], s_shape[1], -1), squeeze.im2col_packed,
-                       squeeze.bias, ya, yb, *args)  # fmt: skip
+    _fire_one_call(x, s, s.reshape(s_shape[0], s_shape[1], -1), squeeze.im2col_packed,
+                   squeeze.bias, ya, yb, *args)  # fmt: skip
     return out
 
 
@@ -119,7 +118,7 @@ def _launch(plan, x_shape, _threads):
 
 def _fast_args(plan, fast):
     """Winograd's arguments, or same-typed placeholders for a conv that has none."""
-    return fast if plan.method == "winograd" else (0, 0, 1, 1, *plan.clip, 1)
+    return fast if plan.method == "winograd" else (plan.lanes, plan.tile, 0, 0, 1, 1, *plan.clip, 1)
 
 
 @numba.jit(**JIT)

@@ -17,12 +17,14 @@ LSTM kernel's input projection, done flags and runs per thread (1 + 2 T stages, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numba
 import numpy as np
 from numba import prange
 
-from ._gemm import MR, NR, add8, fma8, load8, store8, sub8
-from ._lstm_cell import BLOCK_COLS, U, _mul8, _sigmoid8, _tanh8, project
+from ._gemm import add8, fma8, load8, store8, sub8
+from ._lstm_cell import BLOCK_COLS, PANEL, U, _mul8, _sigmoid8, _tanh8, project
 from ._lstm_sync import atomic_load, atomic_store
 from .config import JIT_GEMM, PARALLEL
 from .lstm import (
@@ -39,8 +41,10 @@ from .lstm import (
 )  # fmt: skip
 
 
-def prepare_gru(wx, wh, bias_x=None, bias_h=None, linear_before_reset: int = 1) -> LSTMPlan:
-    """Pack a GRU: wx [I, 3H], wh [H, 3H], biases [3H], gate order z, r, n.
+def prepare_gru(wx, wh, bias_x=None, bias_h=None, linear_before_reset: int = 1, *,
+                width=None) -> LSTMPlan:  # fmt: skip
+    """Pack a GRU: wx [I, 3H], wh [H, 3H], biases [3H], gate order z, r, n; width as
+    prepare_lstm's.
 
     >>> plan = prepare_gru(np.zeros((3, 6), np.float32), np.zeros((2, 6), np.float32))
     """
@@ -55,8 +59,8 @@ def prepare_gru(wx, wh, bias_x=None, bias_h=None, linear_before_reset: int = 1) 
     zr, bn, bhn = bx[: 2 * hidden] + bh[: 2 * hidden], bx[2 * hidden :], bh[2 * hidden :]
     before = not linear_before_reset  # both n biases outside the reset: on n_x's block
     b4 = np.concatenate([zr, bn + bhn if before else bn, 0 * bhn if before else bhn])
-    p = prepare_lstm(w4, r4, b4)
-    return LSTMPlan(p.wx, p.wh, p.bias, p.input_size, hidden, p.wu, p.bu, True, before)
+    return dataclasses.replace(prepare_lstm(w4, r4, b4, width=width), gru=True,
+                               reset_before=before)  # fmt: skip
 
 
 def gru_sequence(x: np.ndarray, h0: np.ndarray, plan: LSTMPlan) -> np.ndarray:
@@ -79,21 +83,23 @@ def gru_sequence(x: np.ndarray, h0: np.ndarray, plan: LSTMPlan) -> np.ndarray:
     out = np.empty((3, steps + 1, batch, units), np.float32)  # hs, z, r h
     if steps > 0 and batch > 0:
         floats, ints, threads = _setup(x, plan, units)
-        _call(_sequence, x, h0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads)
+        _call(_sequence, plan.lanes, plan.tile, x, h0, plan.wx, plan.wh, plan.bias, floats, ints,
+              out, threads)  # fmt: skip
     return np.ascontiguousarray(out[0, 1:, :, :hidden])
 
 
-def _sizes(x, units):
-    """(floats, ints) of the scratch: lstm._start_row's, with 1 + 2 T stages of flags."""
+def _sizes(x, units, mr):
+    """(floats, ints) of the scratch: lstm._start_row's (x in mr-row panels), with 1 + 2 T
+    stages of flags."""
     steps, batch, size = x.shape
     blocks = units // U
-    n_floats = -(-steps * batch // MR) * size * MR + blocks * steps * batch * BLOCK_COLS
+    n_floats = -(-steps * batch // mr) * size * mr + blocks * steps * batch * BLOCK_COLS
     return n_floats, blocks * (1 + 2 * steps)
 
 
 def _setup(x, plan, units):
     """The calling thread's workspace and the threads to run on."""
-    floats, ints = _workspace(*_sizes(x, units))
+    floats, ints = _workspace(*_sizes(x, units, plan.tile.rows))
     macs = x.shape[1] * 3 * plan.hidden * (plan.input_size + plan.hidden)
     return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
 
@@ -105,11 +111,11 @@ def _gemv16(h, w, k_len, out):
     a0 = a1 = b0 = b1 = (z, z, z, z, z, z, z, z)
     for kk in range(k_len // 2):
         k = 2 * kk
-        s, t, o = h[k], h[k + 1], NR * k
+        s, t, o = h[k], h[k + 1], PANEL * k
         a0, a1 = fma8(a0, s, load8(w, o)), fma8(a1, s, load8(w, o + 8))
         b0, b1 = fma8(b0, t, load8(w, o + 16)), fma8(b1, t, load8(w, o + 24))
     if k_len % 2:
-        s, o = h[k_len - 1], NR * (k_len - 1)
+        s, o = h[k_len - 1], PANEL * (k_len - 1)
         a0, a1 = fma8(a0, s, load8(w, o)), fma8(a1, s, load8(w, o + 8))
     store8(out, 0, add8(a0, b0))
     store8(out, 8, add8(a1, b1))
@@ -120,7 +126,7 @@ def _reset(t, b, w, gx, hs, zs, rh, acc):
     """Stage A of step t, block b: z and r h of its units for every row."""
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        _gemv16(hs[t, r], w[0], w.shape[1] // NR, acc)
+        _gemv16(hs[t, r], w[0], w.shape[1] // PANEL, acc)
         g = gx[t * rows + r]
         z = _sigmoid8(add8(load8(acc, 0), load8(g, 0)))
         rg = _sigmoid8(add8(load8(acc, 8), load8(g, 8)))
@@ -133,19 +139,19 @@ def _update(t, b, w, gx, hs, zs, rh, acc):
     """Stage B of step t, block b: n from r h of all units, then h' of its units."""
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        _gemv16(rh[t, r], w[1], w.shape[1] // NR, acc)
+        _gemv16(rh[t, r], w[1], w.shape[1] // PANEL, acc)
         n = _tanh8(add8(load8(acc, 8), load8(gx[t * rows + r], 16)))
         h = load8(hs[t, r, j0:], 0)
         store8(hs[t + 1, r, j0:], 0, add8(n, _mul8(load8(zs[t, r, j0:], 0), sub8(h, n))))
 
 
 @numba.jit(**JIT_GEMM)
-def _run(p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
+def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
     """Thread p's part of the whole sequence, as lstm._run, with stages 2 t + 1 (A) and
     2 t + 2 (B) for step t; stage 0 (the projection) is made by whichever item needs it."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
-    tiles = np.empty((2, MR, NR), np.float32)
-    acc = np.empty(NR, np.float32)
+    tiles = np.empty((2, T.rows, PANEL), np.float32)
+    acc = np.empty(PANEL, np.float32)
     for s in range(2 * steps + 1):
         first = blocks * s
         for k in range(parts if s > 0 else 1):
@@ -156,7 +162,7 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
                 if atomic_load(done, first + b) == DONE:
                     continue
                 if atomic_load(done, b) != DONE:
-                    project(xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
+                    project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
                     atomic_store(done, b, DONE)
                 if s > 0 and s % 2 == 1:
                     _reset((s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
@@ -166,22 +172,22 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
 
 
 @numba.jit(**PARALLEL)
-def _sequence(x, h0, wx, wh, bias, floats, ints, out, threads):
+def _sequence(L, T, x, h0, wx, wh, bias, floats, ints, out, threads):
     """The whole sequence in one call: out[0] is hs [T + 1, B, Hp] (row 0 h0), out[1] z and
     out[2] r h per step (scratch)."""
     blocks, steps = wh.shape[0], x.shape[0]
     parts = min(threads, blocks)
     hs, zs, rh = out[0], out[1], out[2]
-    xp, gx, _ = _start_row(x, h0, h0, floats, ints, hs, zs)
+    xp, gx, _ = _start_row(T, x, h0, h0, floats, ints, hs, zs)
     n_done = blocks * (1 + 2 * steps)
     for i in range(n_done):
         ints[i] = 0
     done = ints[:n_done]
     if parts == 1:
-        _run(0, 1, xp, wx, wh, bias, gx, hs, zs, rh, done)
+        _run(L, T, 0, 1, xp, wx, wh, bias, gx, hs, zs, rh, done)
     else:
         for p in prange(parts):
-            _run(p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done)
+            _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done)
 
 
 def run_part(x, h0, plan: LSTMPlan, part: int, parts: int, started=()):
@@ -189,12 +195,13 @@ def run_part(x, h0, plan: LSTMPlan, part: int, parts: int, started=()):
     whose other threads marked the flags done[started] STARTED and were then descheduled for
     good (a hook for tests). (hs [T, B, H], done flags)."""
     units = plan.wh.shape[0] * U
-    n_floats, n_ints = _sizes(x, units)
+    n_floats, n_ints = _sizes(x, units, plan.tile.rows)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     out = np.zeros((3, x.shape[0] + 1, x.shape[1], units), np.float32)
-    xp, gx, _ = _call(_start_row, x, h0, h0, floats, ints, out[0], out[1])
+    xp, gx, _ = _call(_start_row, plan.tile, x, h0, h0, floats, ints, out[0], out[1])
     done = ints[:n_ints]
     done[:] = 0
     done[started] = STARTED
-    _call(_run, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, out[0], out[1], out[2], done)
+    _call(_run, plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, out[0],
+          out[1], out[2], done)  # fmt: skip
     return out[0, 1:, :, : plan.hidden], done

@@ -45,10 +45,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._gemm import MR, NR
-from ._lstm_cell import BLOCK_COLS, U, project, step, step_cols
+from ._lstm_cell import BLOCK_COLS, PANEL, U, project, projection_tile, step, step_cols
 from ._lstm_sync import atomic_cas, atomic_load, atomic_store, cycles, wait_done
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
+from .simd import lanes as lanes_of
 
 # Below this much work per step (a few us on one core) one thread does it all (a guess; at
 # batch 1, I = 128, H = 256, 0.4M per step, two threads win).
@@ -71,6 +71,8 @@ class LSTMPlan:
     hidden: int
     wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
     bu: np.ndarray  # [Hp, 4] the same unit's biases
+    lanes: object  # the input projection's micro-kernel: width (a simd.Lanes) and tile (a
+    tile: object  # simd.Tile, _lstm_cell.projection_tile): x is packed in tile.rows-row panels
     gru: bool = False  # the GRU cell on the same blocks (kernels/gru.py)
     reset_before: bool = False  # the GRU with linear_before_reset = 0 (kernels/gru.py)
 
@@ -81,11 +83,14 @@ def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
     padded = np.zeros((k, 4, blocks * U), np.float32)
     padded[:, :, :hidden] = w.reshape(k, 4, hidden)
     panels = padded.reshape(k, 2, 2, blocks, U).transpose(3, 1, 0, 2, 4)  # block, panel, k, gate
-    return np.ascontiguousarray(panels).reshape(blocks, 2, k * NR)
+    return np.ascontiguousarray(panels).reshape(blocks, 2, k * PANEL)
 
 
-def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None) -> LSTMPlan:
-    """Pack x Wx + h Wh + bias, with wx [I, 4H], wh [H, 4H], bias [4H], gates i, f, g, o.
+def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None, *,
+                 width=None) -> LSTMPlan:  # fmt: skip
+    """Pack x Wx + h Wh + bias, with wx [I, 4H], wh [H, 4H], bias [4H], gates i, f, g, o;
+    width: the lanes of the input projection's micro-kernel, 8 or 16 (None: the process's,
+    kernels.simd.width()).
 
     >>> plan = prepare_lstm(np.zeros((3, 8), np.float32), np.zeros((2, 8), np.float32))
     """
@@ -96,7 +101,9 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None)
     wx32, wh32, b32 = (np.asarray(a, np.float32) for a in (wx, wh, bias[None]))
     b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
     wu, bu = _unit_panels(wx32, wh32, b32, hidden)
-    return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu)
+    lanes = lanes_of(width)
+    return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu,
+                    lanes, projection_tile(lanes.width))  # fmt: skip
 
 
 def _unit_panels(wx, wh, bias, hidden):
@@ -126,11 +133,11 @@ def _nth(s, k, n, p, parts, items):
 
 
 @numba.jit(**INLINE_GEMM)
-def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru):
+def _item(L, T, s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru):
     """Item b of stage s (block b), then its flag DONE (release: its writes are visible to
     whoever sees the flag). A step item first makes sure its block's input projection exists."""
     if atomic_load(done, b) != DONE:
-        project(xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
+        project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
         atomic_store(done, b, DONE)
     if s > 0:
         step(s - 1, b, wh[b], gx[b], hs, cs, acc, gru)
@@ -138,11 +145,12 @@ def _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru):
 
 
 @numba.jit(**JIT_GEMM)
-def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru):
+def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru):
     """Thread p's part of the whole sequence (any subset of parts may run, in any order).
-    Stage 0 (the projection) is not waited for: a step item projects its block if need be."""
+    Stage 0 (the projection, on the micro-kernel L, T) is not waited for: a step item projects
+    its block if need be."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
-    tiles = np.empty((2, MR, NR), np.float32)
+    tiles = np.empty((2, T.rows, PANEL), np.float32)
     acc = tiles.reshape(-1)
     for s in range(steps + 1):
         first = blocks * s  # stage s's flags (stage 0's: the projections')
@@ -152,29 +160,30 @@ def _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru):
                 if b < 0:
                     break
                 if atomic_load(done, first + b) != DONE:
-                    _item(s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru)
+                    _item(L, T, s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru)
 
 
 @numba.jit(**JIT_GEMM)
-def _start_row(x, h0, c0, floats, ints, hs, cs):
+def _start_row(T, x, h0, c0, floats, ints, hs, cs):
     """Row by row (batch B <= ROWS_MAX): hs[0], cs[0] = h0, c0 (zero past H), and _run's
-    scratch from the workspace: x's T B rows (row t B + r is x[t, r]) as [I, 4]-row panels xp
-    [ceil(T B / 4), I * 4] (zero rows past T B), gx [blocks, T B, BLOCK_COLS], and the done
-    flags, zeroed."""
+    scratch from the workspace: x's T B rows (row t B + r is x[t, r]) as [I, MR]-row panels xp
+    [ceil(T B / MR), I * MR] (MR = T.rows of the projection's tile T; zero rows past T B), gx
+    [blocks, T B, BLOCK_COLS], and the done flags, zeroed."""
     steps, batch, size, hidden = x.shape[0], x.shape[1], x.shape[2], h0.shape[1]
     blocks, n_rows = hs.shape[2] // U, x.shape[0] * x.shape[1]
     for r in range(batch):
         for k in range(hs.shape[2]):
             hs[0, r, k] = h0[r, k] if k < hidden else 0
             cs[0, r, k] = c0[r, k] if k < hidden else 0
-    groups = (n_rows + MR - 1) // MR
-    xp = floats[: groups * size * MR].reshape((groups, size * MR))
+    mr = T.rows
+    groups = (n_rows + mr - 1) // mr
+    xp = floats[: groups * size * mr].reshape((groups, size * mr))
     for g in range(groups):
-        for m in range(MR):
-            n = MR * g + m
+        for m in range(mr):
+            n = mr * g + m
             for k in range(size):
-                xp[g, MR * k + m] = x[n // batch, n % batch, k] if n < n_rows else 0
-    n_xp, n_gx = groups * size * MR, blocks * n_rows * BLOCK_COLS
+                xp[g, mr * k + m] = x[n // batch, n % batch, k] if n < n_rows else 0
+    n_xp, n_gx = groups * size * mr, blocks * n_rows * BLOCK_COLS
     gx = floats[n_xp : n_xp + n_gx].reshape((blocks, n_rows, BLOCK_COLS))
     n_done = blocks * (1 + steps)
     for i in range(n_done):
@@ -183,17 +192,17 @@ def _start_row(x, h0, c0, floats, ints, hs, cs):
 
 
 @numba.jit(**PARALLEL)
-def _sequence(x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
+def _sequence(L, T, x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
     """Row by row, all in one call from Python (as _sequence_cols): out[0], out[1] are hs, cs
     [T + 1, B, Hp] with row 0 the initial state."""
     parts = min(threads, wh.shape[0])
     hs, cs = out[0], out[1]
-    xp, gx, done = _start_row(x, h0, c0, floats, ints, hs, cs)
+    xp, gx, done = _start_row(T, x, h0, c0, floats, ints, hs, cs)
     if parts == 1:
-        _run(0, 1, xp, wx, wh, bias, gx, hs, cs, done, gru)
+        _run(L, T, 0, 1, xp, wx, wh, bias, gx, hs, cs, done, gru)
     else:
         for p in prange(parts):
-            _run(p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru)
+            _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru)
 
 
 @numba.jit(**JIT_GEMM)
@@ -333,11 +342,12 @@ def _workspace(n_floats, n_ints):
     return floats, ints
 
 
-def _workspace_size(x, units):
-    """(floats, ints) that _carve (column tile) or _start_row (row by row) takes for x [T, B, I]."""
+def _workspace_size(x, units, mr):
+    """(floats, ints) that _carve (column tile) or _start_row (row by row, x in mr-row panels)
+    takes for x [T, B, I]."""
     steps, batch, size = x.shape
     if batch <= ROWS_MAX:
-        floats = -(-steps * batch // MR) * size * MR + (units // U) * steps * batch * BLOCK_COLS
+        floats = -(-steps * batch // mr) * size * mr + (units // U) * steps * batch * BLOCK_COLS
         return floats, (units // U) * (1 + steps)
     panels = -(-batch // 8)
     floats = (steps + 1) * panels * (size + 2 * units) * 8
@@ -374,8 +384,8 @@ def _sequence_row(x, h0, c0, plan):
     out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
         floats, ints, threads = _setup(x, plan, units)
-        _call(_sequence, x, h0, c0, plan.wx, plan.wh, plan.bias, floats, ints, out, threads,
-              plan.gru)  # fmt: skip
+        _call(_sequence, plan.lanes, plan.tile, x, h0, c0, plan.wx, plan.wh, plan.bias, floats,
+              ints, out, threads, plan.gru)  # fmt: skip
     if units != hidden:
         return tuple(np.ascontiguousarray(a[1:, :, :hidden]) for a in out)
     return out[0, 1:], out[1, 1:]
@@ -395,7 +405,7 @@ def _sequence_batch(x, h0, c0, plan):
 def _setup(x, plan, units):
     """The calling thread's workspace for x and the threads to run on: one below
     SERIAL_MACS_PER_STEP."""
-    floats, ints = _workspace(*_workspace_size(x, units))
+    floats, ints = _workspace(*_workspace_size(x, units, plan.tile.rows))
     macs = x.shape[1] * 4 * plan.hidden * (plan.input_size + plan.hidden)
     return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
 
@@ -409,7 +419,7 @@ def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):
 # ---- hooks for tests: a call's scratch, one thread's part run alone ------------------------------
 def workspace(x: np.ndarray, plan: LSTMPlan):
     """The calling thread's scratch (floats, ints) that the next call on x will reuse."""
-    return _workspace(*_workspace_size(x, plan.wh.shape[0] * U))
+    return _workspace(*_workspace_size(x, plan.wh.shape[0] * U, plan.tile.rows))
 
 
 def carve(x, h0, c0, plan: LSTMPlan):
@@ -418,11 +428,11 @@ def carve(x, h0, c0, plan: LSTMPlan):
     initial state in row 0), (z, c) for the column tile."""
     steps, batch = x.shape[:2]
     units = plan.wh.shape[0] * U
-    n_floats, n_ints = _workspace_size(x, units)
+    n_floats, n_ints = _workspace_size(x, units, plan.tile.rows)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     if batch <= ROWS_MAX:
         hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
-        xp, gx, done = _call(_start_row, x, h0, c0, floats, ints, hs, cs)
+        xp, gx, done = _call(_start_row, plan.tile, x, h0, c0, floats, ints, hs, cs)
         return (xp, gx, hs, cs), done, n_floats, n_ints
     z, c, done = _call(_carve, x, units, floats, ints)
     return (z, c), done, n_floats, n_ints
@@ -436,7 +446,8 @@ def run_part(x, h0, c0, plan: LSTMPlan, part: int, parts: int, started=()):
     done[started] = STARTED
     if batch <= ROWS_MAX:
         xp, gx, hs, cs = scratch
-        _call(_run, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs, cs, done, plan.gru)
+        _call(_run, plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs,
+              cs, done, plan.gru)  # fmt: skip
         return hs[1:, :, :hidden], cs[1:, :, :hidden], done
     z, c = scratch
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)

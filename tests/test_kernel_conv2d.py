@@ -251,14 +251,17 @@ def test_bad_inputs_raise_value_error(call, message):
 
 
 def test_channel_split_only_where_it_pays():
-    """The classifier-like 1x1 conv takes the channel split (see conv2d._launch); a 3x3 im2col
-    with weights past L2, or a 1x1 with few channel panels, does not."""
+    """A classifier-like 1x1 conv (weights past L2) over 5 pixel panels, which 2 threads cannot
+    share evenly, takes the channel split (see conv2d._launch); a 3x3 im2col with weights past
+    L2, or a 1x1 with few channel panels, does not."""
 
-    def n_ms(name):
+    def n_ms(name, x_shape=None):
         x, wt, b, kwargs = make_case(CASES[name])
-        return launch(prepare_conv2d(wt, b, **kwargs), x.shape)[2][-2]
+        return launch(prepare_conv2d(wt, b, **kwargs), x_shape or x.shape)[2][-2]
 
-    assert n_ms("1x1_classifier_like") == get_threads()  # (1 thread: nothing to split)
+    plan = prepare_conv2d(np.zeros((250, 300, 1, 1), np.float32))
+    five_panels = (1, 300, 5, plan.tile.cols * plan.lanes.width)
+    assert n_ms("1x1_classifier_like", five_panels) == get_threads()  # (1 thread: no split)
     assert n_ms("3x3_s2_big_weights") == 1
     few = prepare_conv2d(np.zeros((12, 3000, 1, 1), np.float32))  # 3 channel panels
     assert launch(few, (1, 3000, 13, 13))[2][-2] == 1
