@@ -10,6 +10,10 @@
     tanh          Tanh(t)
     gelu          Gelu(t) (opset 20) = t * (1 + erf(t / sqrt 2)) / 2
     gelu_tanh     Gelu(t, approximate="tanh") = t * (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3))) / 2
+    elu           Elu(t, alpha)
+    selu          Selu(t, alpha, gamma)
+    softplus      Softplus(t)
+    softsign      Softsign(t)
     identity      t itself (a projection conv), when asked for
 
 The sub-pattern of every entry with an epilogue (convs, linear heads, BatchNorm + act, the
@@ -30,7 +34,7 @@ import numpy as np
 from fusion.pattern import Alt, Const, Opt, Pattern, op
 
 KINDS = ("relu", "clip", "leaky_relu", "sigmoid", "silu", "hard_sigmoid", "hard_swish", "tanh",
-         "gelu", "gelu_tanh")  # fmt: skip
+         "gelu", "gelu_tanh", "elu", "selu", "softplus", "softsign")  # fmt: skip
 CLIPPING = ("relu", "clip")  # what a kernel with a clip-only epilogue (kernels/conv2d) applies
 
 
@@ -93,6 +97,10 @@ def _forms(t: Pattern, prefix: str) -> dict[str, list[Pattern]]:
             op.Mul(op.Mul(t, half), one_erf, _name=name),
             op.Mul(t, op.Mul(one_erf, half), _name=name),
         ],
+        "elu": [op.Elu(t, _name=name)],
+        "selu": [op.Selu(t, _name=name)],
+        "softplus": [op.Softplus(t, _name=name)],
+        "softsign": [op.Softsign(t, _name=name)],
         "gelu_tanh": [
             op.Gelu(t, approximate="tanh", _name=name),
             op.Mul(op.Mul(t, one_tanh), half, _name=name),
@@ -117,7 +125,8 @@ def activation_kind(m, prefix: str = "") -> str:
     node = m.node(f"{prefix}act")
     by_op = {"Relu": "relu", "Clip": "clip", "LeakyRelu": "leaky_relu", "Sigmoid": "sigmoid",
              "HardSigmoid": "hard_sigmoid", "HardSwish": "hard_swish", "Tanh": "tanh",
-             "Gelu": "gelu"}  # fmt: skip
+             "Gelu": "gelu", "Elu": "elu", "Selu": "selu", "Softplus": "softplus",
+             "Softsign": "softsign"}  # fmt: skip
     if node.op_type == "Gelu":
         return "gelu_tanh" if m.attrs(f"{prefix}act").get("approximate") == "tanh" else "gelu"
     if node.op_type in by_op:
@@ -143,10 +152,13 @@ def activation_attributes(m, prefix: str = "") -> dict:
             lo = m.const(f"{prefix}clip_min")
         if m.const(f"{prefix}clip_max") is not None:
             hi = m.const(f"{prefix}clip_max")
-    elif kind in ("leaky_relu", "hard_sigmoid"):
+    elif kind in ("leaky_relu", "hard_sigmoid", "elu", "selu"):
         attrs = m.attrs(f"{prefix}act")
-        alpha = attrs.get("alpha", 0.01 if kind == "leaky_relu" else 0.2)
-        beta = attrs.get("beta", 0.5) if kind == "hard_sigmoid" else 0.0
+        default_alpha = {"leaky_relu": 0.01, "hard_sigmoid": 0.2, "elu": 1.0,
+                         "selu": 1.67326319217681884765625}  # fmt: skip
+        alpha = attrs.get("alpha", default_alpha[kind])
+        beta = {"hard_sigmoid": attrs.get("beta", 0.5),
+                "selu": attrs.get("gamma", 1.05070102214813232421875)}.get(kind, 0.0)  # fmt: skip
     return {"activation": kind, "alpha": float(alpha), "beta": float(beta),
             "clip_min": float(lo), "clip_max": float(hi)}  # fmt: skip
 

@@ -44,15 +44,29 @@ def activation(g: GraphBuilder, t: str, kind: str) -> str:
     if kind == "gelu_erf":  # t * (1 + erf(t / sqrt 2)) * 0.5
         erf = g.node("Erf", [g.node("Div", [t, c(math.sqrt(2))])])
         return g.node("Mul", [g.node("Mul", [t, g.node("Add", [erf, c(1.0)])]), c(0.5)])
+    if kind == "gelu_tanh":  # the op (opset 20)
+        return g.node("Gelu", [t], approximate="tanh")
+    if kind == "gelu_tanh_written":  # t * 0.5 * (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3)))
+        cube = g.node("Mul", [g.node("Pow", [t, c(3.0)]), c(0.044715)])
+        inner = g.node("Mul", [g.node("Add", [t, cube]), c(math.sqrt(2 / math.pi))])
+        one = g.node("Add", [g.node("Tanh", [inner]), c(1.0)])
+        return g.node("Mul", [g.node("Mul", [t, c(0.5)]), one])
+    if kind == "elu":
+        return g.node("Elu", [t], alpha=0.7)
+    if kind == "selu":
+        return g.node("Selu", [t])
+    if kind in ("softplus", "softsign"):
+        return g.node(kind.capitalize(), [t])
     raise ValueError(kind)
 
 
 KINDS = ["none", "relu", "clip", "leaky_relu", "sigmoid", "silu", "hard_sigmoid", "hard_swish",
-         "hard_swish_hs", "hard_swish_relu6", "tanh", "gelu", "gelu_erf"]  # fmt: skip
+         "hard_swish_hs", "hard_swish_relu6", "tanh", "gelu", "gelu_erf", "gelu_tanh",
+         "gelu_tanh_written", "elu", "selu", "softplus", "softsign"]  # fmt: skip
 
 
 def opset_for(kind: str) -> int:
-    return 20 if kind == "gelu" else GELU_ERF_OPSET
+    return 20 if kind in ("gelu", "gelu_tanh") else GELU_ERF_OPSET
 
 
 def batch_norm(g: GraphBuilder, t: str, channels: int, name: str = "/bn") -> str:
