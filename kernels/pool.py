@@ -194,8 +194,8 @@ def maxpool_nchwc(L, xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw
             vstore(yf, yo + u(ow * b), m)
 
 
-def _blocks(xb, what: str) -> int:
-    """The block of a blocked float32 array [N, CB, H, W, b] (b a vector width), or ValueError."""
+def _blocks(xb) -> int:
+    """The block b of a blocked float32 array [N, CB, H, W, b], b a vector width, or ValueError."""
     if (
         not isinstance(xb, np.ndarray)
         or xb.dtype != np.float32
@@ -203,14 +203,14 @@ def _blocks(xb, what: str) -> int:
         or xb.shape[4] not in WIDTHS
     ):
         raise ValueError(f"x must be a blocked float32 [N, CB, H, W, b] array, b one of "
-                         f"{WIDTHS}{what}, got {getattr(xb, 'shape', xb)!r}")  # fmt: skip
+                         f"{WIDTHS}, got {getattr(xb, 'shape', xb)!r}")  # fmt: skip
     return xb.shape[4]
 
 
 def maxpool_blocked(xb, plan, out=None):
     """MaxPool of a blocked float32 x [N, CB, H, W, b] (kernels/blocked.py, b = 8 or 16);
     returns the blocked output [N, CB, OH, OW, b] (`out` if given)."""
-    b = _blocks(xb, "")
+    b = _blocks(xb)
     n, cb, h, w, _ = xb.shape
     (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * b, h, w), plan)
     if min(oh, ow) < 1:
@@ -274,7 +274,7 @@ def _block_means(x4, y):
 def global_average_pool_blocked(xb, channels: int):
     """GlobalAveragePool of a blocked float32 x [N, CB, H, W, b] holding `channels` channels,
     flattened: [N, channels], plain (a classifier's input)."""
-    b = _blocks(xb, f" holding {channels} channels")
+    b = _blocks(xb)
     n, cb, h, w, _ = xb.shape
     if h * w == 0 or -(-channels // b) != cb:
         raise ValueError(f"x must be a non-empty blocked float32 [N, CB, H, W, b] array of "
