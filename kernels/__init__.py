@@ -16,7 +16,7 @@ _EXPORTS = {
     "conv2d": ("Conv2DPlan", "conv2d_bias_act", "output_shape", "prepare_conv2d"),
     "fire": ("FirePlan", "prepare_fire"),
     "conv_nchwc": ("ConvPlan", "prepare_conv_nchwc", "tile_options"),
-    "blocked": ("block_size", "blocked_shape", "from_blocked", "to_blocked"),
+    "blocked": ("block", "block_size", "blocked_shape", "from_blocked", "to_blocked"),
     "pool": (
         "MaxPoolPlan",
         "global_average_pool",

@@ -1,19 +1,24 @@
 """The blocked channel layout (NCHWc) that fused convolutions, pools and adds pass between them.
 
-    x[n, c, h, w]  ->  xb[n, c // b, h, w, c % b]        b = BLOCK, or C when C < BLOCK
+    x[n, c, h, w]  ->  xb[n, c // b, h, w, c % b]        b = block(), or C when C < block()
 
 A blocked tensor is float32 [N, ceil(C/b), H, W, b], C-contiguous; the channels past C in the
 last block are zero, so a consumer may read whole blocks. With the b channels of a pixel side by
 side, a convolution broadcasts one input value against a vector of b output channels and a
 depthwise conv or a pool works on b channels per vector instruction: the layout onnxruntime's
-NCHWc transformer and oneDNN use. b = 8 fills an AVX2 register with float32. An input with
-fewer channels than a block (an RGB image) is stored with b = C (that is NHWC), so a stem conv
-does no work on padding channels.
+NCHWc transformer and oneDNN use. The block is the width of the kernels' vectors
+(kernels.simd.width()), so that one block fills one register with float32: NCHW16c with
+AVX-512, NCHW8c with AVX2. An input with fewer channels than a block (an RGB image) is stored
+with b = C (that is NHWC), so a stem conv does no work on padding channels.
+
+The block is chosen per process, never per file: a rewritten model says nothing of it, and the
+kernels read b from the last dimension of their arrays (compiled once per width), so a model
+rewritten on one machine runs blocked at the width of another.
 
 Conversions happen only where a blocked region of the graph meets the rest (graph inputs and
 outputs, onnxruntime islands); both are one parallel pass over the tensor.
 
-    >>> xb = to_blocked(x)                  # [1, 64, 56, 56] -> [1, 8, 56, 56, 8]
+    >>> xb = to_blocked(x)                  # [1, 64, 56, 56] -> [1, 8, 56, 56, 8] with AVX2
     >>> np.array_equal(from_blocked(xb, 64), x)
     True
 """
@@ -22,17 +27,25 @@ import numba
 import numpy as np
 
 from .config import PARALLEL
+from .simd import width
 
-BLOCK = 8
+
+def block() -> int:
+    """Channels per block in this process: the SIMD width, 16 with AVX-512F, else 8
+    (FUSION_SIMD_WIDTH forces it). Python side only: a jitted kernel takes its block from
+    its Lanes argument or its arrays' shapes, never from a global (see kernels/simd)."""
+    return width()
 
 
-def block_size(channels: int) -> int:
-    """The block of a tensor with `channels` channels: BLOCK, or the channel count below it."""
-    return BLOCK if channels >= BLOCK else max(1, int(channels))
+def block_size(channels: int, block: int | None = None) -> int:
+    """The block of a tensor with `channels` channels: `block` (default block()), or the
+    channel count below it."""
+    b = width() if block is None else int(block)
+    return b if channels >= b else max(1, int(channels))
 
 
 def blocked_shape(shape, block: int | None = None) -> tuple:
-    """[N, ceil(C/b), H, W, b] for an NCHW shape."""
+    """[N, ceil(C/b), H, W, b] for an NCHW shape; b = block_size(C) unless given."""
     n, c, h, w = shape
     b = block_size(c) if block is None else block
     return (n, -(-c // b), h, w, b)

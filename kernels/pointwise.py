@@ -9,8 +9,9 @@ activation, any activation of kernels/simd/activation.py). One kernel serves:
 - the multiply by a per-image channel gate (squeeze-excitation): gate [N, C];
 - the rest of a conv's epilogue after a kernel that only clips (kernels/conv2d).
 
-Blocked tensors ([N, CB, H, W, 8], kernels/blocked.py) run a pixel's 8 channels as one vector;
-NCHW ones a channel plane at a time, in vectors of 8 pixels. Work items are (image, channel
+Blocked tensors ([N, CB, H, W, b], kernels/blocked.py, b = 8 or 16) run a pixel's b channels
+as one vector of b lanes (the kernel compiled for that width); NCHW ones a channel plane at a
+time, in vectors of this process's width. Work items are (image, channel
 block) or (image, channel): disjoint outputs. The loops index arrays in place (no per-row
 views, see kernels/_gemm.py).
 
@@ -24,21 +25,22 @@ import math
 import numba
 import numpy as np
 
-from .blocked import BLOCK
 from .config import INLINE, PARALLEL
 from .epilogue import RESIDUALS, finish
-from .simd import Lanes, tail_mask, vfma, vload, vload_masked, vstore, vstore_masked
+from .simd import WIDTHS, lanes, tail_mask, vfma, vload, vload_masked, vstore, vstore_masked
 from .simd.activation import clip_bounds, clips, encode
 
 _NONE = np.zeros(1, np.float32)  # an absent operand (the kernel does not read it)
-LANES = Lanes(BLOCK)  # a blocked pixel's channels; NCHW planes run in vectors of as many
+# A plan's per-channel vectors are padded to whole blocks of the widest vector: one plan then
+# serves a blocked tensor of any block (a block's vector load reads within the padding).
+PAD = max(WIDTHS)
 u = np.uint64
 
 
 @dataclasses.dataclass(frozen=True)
 class PointwisePlan:
     channels: int
-    scale: np.ndarray  # [C padded to whole blocks] float32 (zeros past C)
+    scale: np.ndarray  # [C padded to whole blocks of PAD] float32 (zeros past C)
     shift: np.ndarray
     act: tuple  # (kind, a, b): kernels/simd/activation.py
     residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
@@ -46,11 +48,11 @@ class PointwisePlan:
 
 
 def _padded(v, channels, name, default):
-    """v (1 or C values, or None: `default`) as float32 padded with zeros to whole blocks."""
+    """v (1 or C values, or None: `default`) as float32 padded with zeros to whole PADs."""
     v = np.asarray(default if v is None else v, np.float32).reshape(-1)
     if v.size not in (1, channels):
         raise ValueError(f"{name} must have 1 or {channels} values, got {v.size}")
-    out = np.zeros(-(-channels // BLOCK) * BLOCK, np.float32)
+    out = np.zeros(-(-channels // PAD) * PAD, np.float32)
     out[:channels] = np.broadcast_to(v, channels)
     return out
 
@@ -94,38 +96,39 @@ def _span(L, xf, yf, rf, q, n, s, t, residual, simple, lo, hi, kind, a, b):
 
 
 @numba.jit(**PARALLEL)
-def _pointwise(L, xf, yf, rf, sc, s_stride, sh, n_len, c_len, p_len, lanes, residual, kind, a, b):
-    """y = epilogue(x sc + sh) over every (image, channel block) of a flat x: [N, C/lanes, P,
-    lanes] (blocked: lanes = W, a pixel's W channels side by side, one vector; NCHW: lanes =
+def _pointwise(L, xf, yf, rf, sc, s_stride, sh, n_len, c_len, p_len, per, residual, kind, a, b):
+    """y = epilogue(x sc + sh) over every (image, channel block) of a flat x: [N, C/per, P,
+    per] (blocked: per = L.width, a pixel's W channels side by side, one vector; NCHW: per =
     1, a plane of P pixels in vectors). Image n's channel scales start at sc[n s_stride] (0:
     shared; C: a gated scale per image). The activation is (kind, a, b)."""
     simple = clips(kind)
     lo, hi = clip_bounds(kind, a, b)
-    cb_len = c_len // lanes
+    cb_len = c_len // per
     for item in numba.prange(n_len * cb_len):
         n, cb = item // cb_len, item % cb_len
-        c0 = u(cb * lanes)
+        c0 = u(cb * per)
         s0 = u(n * s_stride) + c0
-        q = u(item * p_len * lanes)
-        if lanes == 1:
+        q = u(item * p_len * per)
+        if per == 1:
             _span(L, xf, yf, rf, q, p_len, sc[s0], sh[c0], residual, simple, lo, hi, kind, a, b)
         else:
             s, t = vload(L, sc, s0), vload(L, sh, c0)
-            _span(L, xf, yf, rf, q, p_len * lanes, s, t, residual, simple, lo, hi, kind, a, b)
+            _span(L, xf, yf, rf, q, p_len * per, s, t, residual, simple, lo, hi, kind, a, b)
 
 
-def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
-    """Validate, allocate and run one layout's kernel; x is [N, CB, ..., 8] or [N, C, ...]."""
-    want = -(-plan.channels // BLOCK) if blocked else plan.channels
+def _run(x, plan: PointwisePlan, residual, gate, out, block: int):
+    """Validate, allocate and run one layout's kernel; x is [N, CB, ..., block] (blocked) or
+    [N, C, ...] (block 0)."""
+    want = -(-plan.channels // block) if block else plan.channels
     if x.shape[1] != want:
-        raise ValueError(f"x has {x.shape[1]} channel {'blocks' if blocked else 'planes'}, "
+        raise ValueError(f"x has {x.shape[1]} channel {'blocks' if block else 'planes'}, "
                          f"the plan is for {plan.channels} channels")  # fmt: skip
     x = np.ascontiguousarray(x)
     if out is None:
         out = np.empty_like(x)
     elif out.shape != x.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {x.shape}")
-    lanes = BLOCK if blocked else 1
+    per = block or 1  # channels side by side in a pixel: a block, or 1 (NCHW planes)
     n = x.shape[0]
 
     res = _NONE
@@ -133,7 +136,7 @@ def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
         if not isinstance(residual, np.ndarray) or residual.shape != x.shape:
             raise ValueError(f"the residual must be an array of shape {x.shape}")
         res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
-    c_len = want * lanes
+    c_len = want * per
     sc, s_stride = plan.scale, 0
     if plan.gated:  # the per-image channel scale: scale times gate (zero past C)
         g = np.asarray(gate, np.float32)
@@ -143,19 +146,22 @@ def _run(x, plan: PointwisePlan, residual, gate, out, blocked: bool):
         sc[:, : plan.channels] = plan.scale[: plan.channels] * g.reshape(n, plan.channels)
         sc, s_stride = sc.reshape(-1), c_len
     if x.size:
-        _pointwise(LANES, x.reshape(-1), out.reshape(-1), res, sc, s_stride, plan.shift, n,
-                   c_len, x.size // (n * c_len), lanes, plan.residual, *plan.act)  # fmt: skip
+        _pointwise(lanes(block or None), x.reshape(-1), out.reshape(-1), res, sc, s_stride,
+                   plan.shift, n, c_len, x.size // (n * c_len), per, plan.residual,
+                   *plan.act)  # fmt: skip
     return out
 
 
 def pointwise_blocked(xb, plan: PointwisePlan, residual=None, gate=None, out=None):
-    """The op on a blocked float32 x [N, CB, H, W, 8]; returns the blocked result. residual:
-    blocked, x's shape, when the plan adds one; gate: [N, C] when the plan is gated."""
+    """The op on a blocked float32 x [N, CB, H, W, b] (b = 8 or 16); returns the blocked
+    result. residual: blocked, x's shape, when the plan adds one; gate: [N, C] when the plan
+    is gated."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
-    if xb.shape[-1] != BLOCK:
-        raise ValueError(f"x has blocks of {xb.shape[-1]} channels, the kernel reads {BLOCK}")
-    return _run(xb, plan, residual, gate, out, True)
+    if xb.shape[-1] not in WIDTHS:
+        raise ValueError(f"x has blocks of {xb.shape[-1]} channels, the kernel reads blocks of "
+                         f"a vector's width ({', '.join(map(str, WIDTHS))})")  # fmt: skip
+    return _run(xb, plan, residual, gate, out, xb.shape[-1])
 
 
 def pointwise(x, plan: PointwisePlan, residual=None, gate=None, out=None):
@@ -163,4 +169,4 @@ def pointwise(x, plan: PointwisePlan, residual=None, gate=None, out=None):
     out may be x itself (in place)."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim < 2:
         raise ValueError(f"x must be a float32 [N, C, ...] array, got {getattr(x, 'shape', x)!r}")
-    return _run(x, plan, residual, gate, out, False)
+    return _run(x, plan, residual, gate, out, 0)

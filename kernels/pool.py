@@ -23,6 +23,7 @@ import numpy as np
 
 from .config import INLINE, PARALLEL
 from .conv2d import cached_launch
+from .simd import WIDTHS, lanes, vbroadcast, vload, vselect, vstore
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
 
@@ -164,31 +165,23 @@ def maxpool2d(x, plan, out=None):
     return out
 
 
-@numba.jit(**INLINE)
-def _max8(m, xf, q):
-    """Lane by lane max(m, x[q : q + 8]): one vmaxps over a blocked pixel's 8 channels."""
-    u = np.uint64
-    return (
-        _max(m[0], xf[q]), _max(m[1], xf[q + u(1)]), _max(m[2], xf[q + u(2)]),
-        _max(m[3], xf[q + u(3)]), _max(m[4], xf[q + u(4)]), _max(m[5], xf[q + u(5)]),
-        _max(m[6], xf[q + u(6)]), _max(m[7], xf[q + u(7)]),
-    )  # fmt: skip
-
-
 @numba.jit(**PARALLEL)
-def maxpool_nchwc(xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw, dh, dw, pt, pl):
+def maxpool_nchwc(L, xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw, dh, dw, pt,
+                  pl):  # fmt: skip
     """y[n, cb, oh, ow, :] = max over the taps inside the image of x[n, cb, ih, iw, :], on
-    flat blocked arrays ([N, CB, H, W, 8]): the 8 channels of a block are the vector lanes,
-    so a window is kh kw vector maxima, no column-wise pass needed. An item is one output row
-    of one block."""
+    flat blocked arrays ([N, CB, H, W, b], b = L.width): the b channels of a block are the
+    vector lanes, so a window is kh kw vector maxima, no column-wise pass needed. An item is
+    one output row of one block. The maximum is _max's, lane by lane (one vmaxps: a NaN in
+    the new value wins, one in the running maximum does not)."""
     u = np.uint64
-    lo = LOWEST
+    b = L.width
+    lo = vbroadcast(L, LOWEST)
     for item in numba.prange(n_len * cb_len * oh_len):
         plane, oh = item // oh_len, item % oh_len
-        x0 = plane * h * w * 8
-        yo = u(((plane * oh_len) + oh) * ow_len * 8)
+        x0 = plane * h * w * b
+        yo = u(((plane * oh_len) + oh) * ow_len * b)
         for ow in range(ow_len):
-            m = (lo, lo, lo, lo, lo, lo, lo, lo)
+            m = lo
             for i in range(kh):
                 ih = oh * sh - pt + i * dh
                 if ih < 0 or ih >= h:
@@ -196,37 +189,48 @@ def maxpool_nchwc(xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw, d
                 for j in range(kw):
                     iw = ow * sw - pl + j * dw
                     if 0 <= iw < w:
-                        m = _max8(m, xf, u(x0 + (ih * w + iw) * 8))
-            q = yo + u(ow * 8)
-            yf[q], yf[q + u(1)], yf[q + u(2)], yf[q + u(3)] = m[0], m[1], m[2], m[3]
-            yf[q + u(4)], yf[q + u(5)], yf[q + u(6)], yf[q + u(7)] = m[4], m[5], m[6], m[7]
+                        v = vload(L, xf, u(x0 + (ih * w + iw) * b))
+                        m = vselect(m > v, m, v)
+            vstore(yf, yo + u(ow * b), m)
 
 
-def maxpool_blocked(xb, plan, out=None):
-    """MaxPool of a blocked float32 x [N, CB, H, W, 8] (kernels/blocked.py); returns the
-    blocked output [N, CB, OH, OW, 8] (`out` if given)."""
+def _blocks(xb) -> int:
+    """The block b of a blocked float32 array [N, CB, H, W, b], b a vector width, or ValueError."""
     if (
         not isinstance(xb, np.ndarray)
         or xb.dtype != np.float32
         or xb.ndim != 5
-        or (xb.shape[4] != 8)
+        or xb.shape[4] not in WIDTHS
     ):
-        raise ValueError(f"x must be a blocked float32 [N, CB, H, W, 8] array, got "
-                         f"{getattr(xb, 'shape', xb)!r}")  # fmt: skip
+        raise ValueError(f"x must be a blocked float32 [N, CB, H, W, b] array, b one of "
+                         f"{WIDTHS}, got {getattr(xb, 'shape', xb)!r}")  # fmt: skip
+    return xb.shape[4]
+
+
+def maxpool_blocked(xb, plan, out=None):
+    """MaxPool of a blocked float32 x [N, CB, H, W, b] (kernels/blocked.py, b = 8 or 16);
+    returns the blocked output [N, CB, OH, OW, b] (`out` if given)."""
+    b = _blocks(xb)
     n, cb, h, w, _ = xb.shape
-    (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * 8, h, w), plan)
+    (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * b, h, w), plan)
     if min(oh, ow) < 1:
         raise ValueError(f"MaxPool output is empty for input {xb.shape}")
-    shape = (n, cb, oh, ow, 8)
+    shape = (n, cb, oh, ow, b)
     if out is None:
         out = np.empty(shape, np.float32)
-    elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
-        raise ValueError(f"out must be a float32 array of shape {shape}")
+    elif (
+        not isinstance(out, np.ndarray)
+        or out.shape != shape
+        or out.dtype != np.float32
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
     if n == 0:
         return out
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     xf = np.ascontiguousarray(xb).reshape(-1)
-    maxpool_nchwc(xf, out.reshape(-1), n, cb, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
+    maxpool_nchwc(lanes(b), xf, out.reshape(-1), n, cb, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt,
+                  pl)  # fmt: skip
     return out
 
 
@@ -254,30 +258,27 @@ def global_average_pool(x):
 
 @numba.jit(**PARALLEL)
 def _block_means(x4, y):
-    """y[n, cb * 8 + l] = mean of x4[n, cb, :, l] for the channels y has, summed in float64."""
-    cb_len, p_len, c_len = x4.shape[1], x4.shape[2], y.shape[1]
+    """y[n, cb * b + l] = mean of x4[n, cb, :, l] for the channels y has (b = x4's last
+    dimension), summed in float64."""
+    cb_len, p_len, b, c_len = x4.shape[1], x4.shape[2], x4.shape[3], y.shape[1]
     for item in numba.prange(x4.shape[0] * cb_len):
         n, cb = item // cb_len, item % cb_len
-        s = np.zeros(8, np.float64)
+        s = np.zeros(b, np.float64)
         for p in range(p_len):
-            for lane in range(8):
+            for lane in range(b):
                 s[lane] += x4[n, cb, p, lane]
-        for lane in range(min(8, c_len - cb * 8)):
-            y[n, cb * 8 + lane] = s[lane] / p_len
+        for lane in range(min(b, c_len - cb * b)):
+            y[n, cb * b + lane] = s[lane] / p_len
 
 
 def global_average_pool_blocked(xb, channels: int):
-    """GlobalAveragePool of a blocked float32 x [N, CB, H, W, 8] holding `channels` channels,
+    """GlobalAveragePool of a blocked float32 x [N, CB, H, W, b] holding `channels` channels,
     flattened: [N, channels], plain (a classifier's input)."""
-    if (
-        not isinstance(xb, np.ndarray)
-        or xb.dtype != np.float32
-        or xb.ndim != 5
-        or (xb.shape[4] != 8 or xb.shape[2] * xb.shape[3] == 0 or -(-channels // 8) != xb.shape[1])
-    ):
-        raise ValueError(f"x must be a non-empty blocked float32 [N, CB, H, W, 8] array of "
-                         f"{channels} channels, got {getattr(xb, 'shape', xb)!r}")  # fmt: skip
+    b = _blocks(xb)
     n, cb, h, w, _ = xb.shape
+    if h * w == 0 or -(-channels // b) != cb:
+        raise ValueError(f"x must be a non-empty blocked float32 [N, CB, H, W, b] array of "
+                         f"{channels} channels, got {xb.shape!r}")  # fmt: skip
     y = np.empty((n, channels), np.float32)
-    _block_means(np.ascontiguousarray(xb).reshape(n, cb, h * w, 8), y)
+    _block_means(np.ascontiguousarray(xb).reshape(n, cb, h * w, b), y)
     return y

@@ -107,24 +107,25 @@ def _gru():
 
 
 def _pool():
-    from .blocked import to_blocked
+    from .blocked import block, to_blocked
     from .pool import global_average_pool, maxpool2d, maxpool_blocked, prepare_maxpool
 
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 9), dtype=np.float32)
     maxpool2d(x, prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
-    maxpool_blocked(to_blocked(x, block=8), prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
+    maxpool_blocked(to_blocked(x, block=block()), prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
     global_average_pool(x)
 
 
 def _pointwise():
-    from .blocked import to_blocked
+    from .blocked import block, to_blocked
     from .dense import dense
     from .pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
     x = np.random.default_rng(0).standard_normal((1, 8, 3, 3), dtype=np.float32)
     plan = prepare_pointwise(8, activation="silu", residual="after")  # one loop for every kind
     pointwise(x, plan, residual=x)
-    pointwise_blocked(to_blocked(x), plan, residual=to_blocked(x))
+    xb = to_blocked(x, block=block())  # the process's block, as the runtime converts to
+    pointwise_blocked(xb, plan, residual=xb)
     dense(x.reshape(8, 9), x.reshape(8, 9))
 
 
@@ -185,7 +186,8 @@ def _blocked_depthwise():
     rng = np.random.default_rng(0)
     plan = prepare_conv_nchwc(rng.standard_normal((8, 1, 3, 3), dtype=np.float32), group=8,
                               pads=(1, 1, 1, 1), activation="relu")  # fmt: skip
-    conv_nchwc(to_blocked(rng.standard_normal((1, 8, 6, 7), dtype=np.float32)), plan)
+    x = rng.standard_normal((1, 8, 6, 7), dtype=np.float32)
+    conv_nchwc(to_blocked(x, block=plan.in_block), plan)
 
 
 def _blocked_layout():

@@ -3,9 +3,11 @@
 The Concat that ConvConcat leaves: DenseNet's feature concatenation before each layer (its
 inputs a pool, earlier layers' convs), ShuffleNet's branch merge. Unfused, each is an
 onnxruntime island of one copy between kernels. As a kernel the copy stays in process, and in
-the blocked layout ([N, C/8, H, W, 8]) it is a concatenation of channel blocks when every input
-but the last has whole blocks (a multiple of 8 channels, known from the model's shapes);
-otherwise it runs NCHW.
+the blocked layout ([N, C/b, H, W, b]) it is a concatenation of channel blocks when every input
+but the last has whole blocks (a multiple of b channels, known from the model's shapes);
+otherwise it runs NCHW. The block b is the running process's (kernels/blocked.py: 8 with AVX2,
+16 with AVX-512), so the rewrite does not depend on it: the fused node is the same on every
+machine, and the choice of a blocked tactic is made when the kernel is built.
 
 A Concat has any number of inputs, which a pattern cannot state: a finder anchored on Concat,
 at stage 1 after ConvConcat (which removes the copy altogether when every input is a conv's).
@@ -18,8 +20,6 @@ import numpy as np
 from fusion.catalog import Rule, Tactic
 from fusion.graph import GraphView
 from fusion.matcher import Match
-
-BLOCK = 8  # kernels/blocked.BLOCK (not imported: Numba loads only when a kernel is built)
 
 
 def find_concat(view: GraphView, index: int) -> list[Match] | str | None:
@@ -49,18 +49,37 @@ def concat(*parts):
     return (np.concatenate(parts, axis=1),)
 
 
+def why_not_blocked(rank: int, channels: list, block: int) -> str | None:
+    """Why the concatenation cannot run on blocks of `block` channels, or None when it can:
+    the blocks of input k + 1 must start where input k's end, so every input but the last
+    fills whole blocks (the last one's padding is the output's)."""
+    if rank != 4:
+        return f"rank {rank}: the blocked layout is 4-D"
+    for k, c in enumerate(channels):
+        if c <= 0:
+            return f"input {k} has {'no' if c == 0 else 'an unknown number of'} channels"
+    partial = [(k, c) for k, c in enumerate(channels[:-1]) if c % block]
+    if partial:
+        k, c = partial[0]
+        return f"input {k} has {c} channels, not whole blocks of {block}"
+    return None
+
+
 class ConcatKernel:
-    """Tactics: blocked when every input but the last fills whole blocks, then NCHW. The same
-    copy serves both: blocked, the channel blocks of each input follow one another."""
+    """Tactics: blocked when every input but the last fills whole blocks of this process's
+    block, then NCHW (`nchw_only` says why, when it does). The same copy serves both: blocked,
+    the channel blocks of each input follow one another."""
 
     def __init__(self, attrs: dict, constants: list):
-        channels = list(attrs["channels"])
+        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
+
+        channels, b = list(attrs["channels"]), block()
         self.tactics = [Tactic("nchw", concat)]
-        whole = all(c > 0 for c in channels) and all(c % BLOCK == 0 for c in channels[:-1])
-        if attrs["rank"] == 4 and whole:
+        self.nchw_only = why_not_blocked(attrs["rank"], channels, b)
+        if self.nchw_only is None:
             k = len(channels)
             self.tactics.insert(0, Tactic("blocked", concat, blocked_inputs=tuple(range(k)),
-                                          in_blocks=(BLOCK,) * k, blocked_outputs=(0,),
+                                          in_blocks=(b,) * k, blocked_outputs=(0,),
                                           out_channels=(sum(channels),)))  # fmt: skip
 
     def __call__(self, *parts):

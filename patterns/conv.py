@@ -258,7 +258,7 @@ class ConvKernel:
             return Tactic(
                 f"blocked-f{plan.fb}", run_blocked,
                 blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
-                in_blocks=(plan.in_block, 8) if residual else (plan.in_block,),
+                in_blocks=(plan.in_block, plan.block) if residual else (plan.in_block,),
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
             )  # fmt: skip
 

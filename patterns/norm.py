@@ -41,6 +41,7 @@ class BatchNormKernel:
     """Tactics: blocked (a 4-D x), then NCHW."""
 
     def __init__(self, attrs: dict, constants: list):
+        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
         from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
         s, t = bn_affine(*constants[1:5], attrs["epsilon"])
@@ -50,7 +51,7 @@ class BatchNormKernel:
         if attrs.get("rank") == 4:
             blocked = lambda xb, *_constants: (pointwise_blocked(xb, plan),)  # noqa: E731
             self.tactics.insert(0, Tactic(
-                "blocked", blocked, blocked_inputs=(0,), in_blocks=(8,), blocked_outputs=(0,),
+                "blocked", blocked, blocked_inputs=(0,), in_blocks=(block(),), blocked_outputs=(0,),
                 out_channels=(s.size,),
             ))  # fmt: skip
 

@@ -34,14 +34,14 @@ def known_channels(m) -> dict:
 def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True):
     """`run` (NCHW) with its tactics: first `blocked_run` on the blocked layout (output blocked
     too when `keeps_layout`) if the channel count is known, then `run` itself."""
-    from kernels.blocked import BLOCK  # heavy (Numba): only when a kernel is built
+    from kernels.blocked import block  # heavy (Numba): only when a kernel is built
 
     run.tactics = [Tactic("nchw", run)]
     channels = attrs.get("channels")
     if channels:
         out = dict(blocked_outputs=(0,), out_channels=(channels,)) if keeps_layout else {}
         run.tactics.insert(0, Tactic("blocked", blocked_run, blocked_inputs=(0,),
-                                     in_blocks=(BLOCK,), **out))  # fmt: skip
+                                     in_blocks=(block(),), **out))  # fmt: skip
     return run
 
 
@@ -207,7 +207,7 @@ def check_avg(m) -> str | None:
 
 
 def make_avg_kernel(attrs: dict, constants: list):
-    """The window means as a reshape: NCHW, and blocked ([N, CB, H, W, 8]) when the channel
+    """The window means as a reshape: NCHW, and blocked ([N, CB, H, W, b]) when the channel
     count is known."""
     kh, kw = attrs["kernel_shape"]
 

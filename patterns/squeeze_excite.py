@@ -73,6 +73,7 @@ class SqueezeExciteKernel:
     NCHW. Both compute the gate the same way from the plane means."""
 
     def __init__(self, attrs: dict, constants: list):
+        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
         from kernels.dense import dense
         from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
@@ -98,7 +99,7 @@ class SqueezeExciteKernel:
 
         self.run = run
         self.tactics = [
-            Tactic("blocked", run_blocked, blocked_inputs=(0,), in_blocks=(8,),
+            Tactic("blocked", run_blocked, blocked_inputs=(0,), in_blocks=(block(),),
                    blocked_outputs=(0,), out_channels=(self.channels,)),
             Tactic("nchw", run),
         ]  # fmt: skip

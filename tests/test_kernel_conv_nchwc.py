@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels.blocked import BLOCK, from_blocked, to_blocked
+from kernels.blocked import block, from_blocked, to_blocked
 from kernels.conv_nchwc import (
     conv_nchwc,
     output_shape,
@@ -89,7 +89,7 @@ def run_blocked(x, w, b, attrs, activation=None, residual=None, r=None, tile=Non
         residual=residual, tile=tile, **ACTS[activation][1],
     )  # fmt: skip
     xb = to_blocked(x, block=plan.in_block)
-    rb = to_blocked(r, block=BLOCK) if residual else None
+    rb = to_blocked(r, block=block()) if residual else None  # the output's block
     yb = conv_nchwc(xb, plan, residual=rb)
     assert yb.shape == output_shape(xb.shape, plan)
     return from_blocked(yb, w.shape[0])
@@ -171,7 +171,7 @@ def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width):
 def test_layout_round_trip(c, size):
     x = np.random.default_rng(c).standard_normal((2, c, *size), dtype=np.float32)
     xb = to_blocked(x)
-    assert xb.shape[-1] == (BLOCK if c >= BLOCK else c)
+    assert xb.shape[-1] == (block() if c >= block() else c)
     assert np.array_equal(from_blocked(xb, c), x)
     assert not xb[:, -1, ..., c % xb.shape[-1] or xb.shape[-1] :].any()  # padding is zero
     assert np.array_equal(from_blocked(to_blocked(x, block=8), c), x)

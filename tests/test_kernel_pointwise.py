@@ -1,6 +1,7 @@
 """kernels/pointwise.py against a naive NumPy version: per-channel scale and shift, a per-image
-gate, a residual before or after, every activation; NCHW, [N, C, L] and blocked tensors, with
-channel counts that do and do not fill whole blocks."""
+gate, a residual before or after, every activation; NCHW, [N, C, L] and blocked tensors at
+blocks of 8 and 16 (both widths in one process), with channel counts that fill whole blocks
+of both (32), of 8 only (8, 24), and of neither (5, 12)."""
 
 import math
 
@@ -25,6 +26,8 @@ ACTS = {
 }
 PARAMS = {"leaky_relu": dict(alpha=0.1), "hard_sigmoid": dict(alpha=0.3, beta=0.4),
           "clip": dict(clip_min=-0.5, clip_max=0.7)}  # fmt: skip
+BLOCKS = [8, 16]
+SHAPES = [(2, 12, 5, 7), (1, 8, 3, 3), (3, 5, 11), (1, 32, 2, 3), (2, 24, 3, 1), (1, 5, 4, 4)]
 
 
 def naive(x, scale, shift, act, residual, r, gate):
@@ -45,7 +48,7 @@ def naive(x, scale, shift, act, residual, r, gate):
 @pytest.mark.parametrize("residual", [None, "before", "after"])
 def test_matches_naive(act, residual):
     rng = np.random.default_rng(0)
-    for shape in [(2, 12, 5, 7), (1, 8, 3, 3), (3, 5, 11)]:
+    for shape in SHAPES:
         c = shape[1]
         x = rng.standard_normal(shape).astype(np.float32)
         r = rng.standard_normal(shape).astype(np.float32)
@@ -55,10 +58,12 @@ def test_matches_naive(act, residual):
         want = naive(x, scale, shift, act, residual, r, None)
         got = pointwise(x, plan, residual=r if residual else None)
         assert_close(got, want, 1e-5, 1e-5, check_dtype=False, what=f"NCHW {shape}")
-        if x.ndim == 4:
-            rb = to_blocked(r) if residual else None
-            got = from_blocked(pointwise_blocked(to_blocked(x), plan, residual=rb), c)
-            assert_close(got, want, 1e-5, 1e-5, check_dtype=False, what=f"blocked {shape}")
+        for block in BLOCKS if x.ndim == 4 else []:
+            rb = to_blocked(r, block=block) if residual else None
+            yb = pointwise_blocked(to_blocked(x, block=block), plan, residual=rb)
+            assert yb.shape[-1] == block
+            got = from_blocked(yb, c)
+            assert_close(got, want, 1e-5, 1e-5, check_dtype=False, what=f"block {block} {shape}")
 
 
 def test_gate_in_place_and_errors():
@@ -69,8 +74,9 @@ def test_gate_in_place_and_errors():
     scale, shift = np.full(12, 1.0), np.zeros(12)
     plan = prepare_pointwise(12, gated=True)
     want = naive(x, scale, shift, None, None, None, gate)
-    got = from_blocked(pointwise_blocked(to_blocked(x), plan, gate=gate), 12)
-    assert_close(got, want, 1e-6, 1e-6, check_dtype=False)
+    for block in BLOCKS:
+        got = from_blocked(pointwise_blocked(to_blocked(x, block=block), plan, gate=gate), 12)
+        assert_close(got, want, 1e-6, 1e-6, check_dtype=False, what=f"block {block}")
     y = x.copy()
     assert pointwise(y, plan, gate=gate, out=y) is y
     assert_close(y, want, 1e-6, 1e-6, check_dtype=False)
@@ -80,5 +86,7 @@ def test_gate_in_place_and_errors():
         pointwise(x, prepare_pointwise(12, residual="after"), residual=x[:1])
     with pytest.raises(ValueError, match="channel planes, the plan is for 8"):
         pointwise(x, prepare_pointwise(8))
+    with pytest.raises(ValueError, match="blocks of 3 channels"):
+        pointwise_blocked(to_blocked(x, block=3), plan, gate=gate)
     with pytest.raises(ValueError, match="residual must be one of"):
         prepare_pointwise(8, residual="sideways")

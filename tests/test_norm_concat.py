@@ -8,7 +8,8 @@ import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
-from patterns.concat import ConcatKernel
+from kernels.blocked import block
+from patterns.concat import ConcatKernel, why_not_blocked
 
 
 def batch_norm(g, x, channels, name="/bn"):
@@ -70,12 +71,27 @@ def test_dense_block_fuses_whole():
     check_tactics(model, [(1, 16, 6, 6), (2, 16, 9, 5)])
 
 
-def test_concat_blocked_only_with_whole_blocks():
-    names = lambda channels: [t.name for t in ConcatKernel({"rank": 4, "channels": channels}, [])  # noqa: E731
-                              .tactics]  # fmt: skip
-    assert names([16, 8, 3]) == ["blocked", "nchw"]  # the last input may fill part of a block
-    assert names([4, 8]) == ["nchw"]
-    assert names([8, -1]) == ["nchw"]  # a channel count the model does not give
+@pytest.mark.parametrize("b", [8, 16])
+def test_concat_blocked_only_with_whole_blocks(b):
+    assert why_not_blocked(4, [16, 32, 3], b) is None  # the last input may fill part of a block
+    assert why_not_blocked(4, [16, 8, 3], b) == (
+        None if b == 8 else "input 1 has 8 channels, not whole blocks of 16"
+    )
+    assert why_not_blocked(4, [4, 8], b) == f"input 0 has 4 channels, not whole blocks of {b}"
+    assert why_not_blocked(4, [8, -1], b) == "input 1 has an unknown number of channels"
+    assert why_not_blocked(3, [16, 16], b) == "rank 3: the blocked layout is 4-D"
+
+
+def test_concat_kernel_takes_the_block_of_the_process():
+    """The rewrite leaves the block open; the kernel, built in this process, offers the
+    blocked tactic for whole blocks of this process's block (8 with AVX2, 16 with AVX-512)."""
+    b = block()
+    kernel = ConcatKernel({"rank": 4, "channels": [2 * b, b, 3]}, [])
+    assert [t.name for t in kernel.tactics] == ["blocked", "nchw"]
+    assert kernel.tactics[0].in_blocks == (b, b, b) and kernel.nchw_only is None
+    kernel = ConcatKernel({"rank": 4, "channels": [b // 2, b]}, [])
+    assert [t.name for t in kernel.tactics] == ["nchw"]
+    assert kernel.nchw_only == f"input 0 has {b // 2} channels, not whole blocks of {b}"
 
 
 def test_concat_of_odd_channels_runs():

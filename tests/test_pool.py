@@ -10,9 +10,10 @@ from helpers import GraphBuilder, assert_close, conv_block, fused_ops, near_miss
 import fusion
 from fusion.runtime import Session
 from kernels.blocked import from_blocked, to_blocked
-from kernels.pool import maxpool2d, maxpool_blocked, prepare_maxpool
+from kernels.pool import global_average_pool_blocked, maxpool2d, maxpool_blocked, prepare_maxpool
 
 CATALOG = fusion.default_catalog()
+BLOCKS = [8, 16]  # the blocked kernels at either SIMD width, whatever this process's is
 
 # (input shape, MaxPool attributes)
 CASES = [
@@ -107,16 +108,42 @@ def test_random_configurations_match_onnxruntime_exactly():
         if want is None or want.size == 0:
             with pytest.raises(ValueError):
                 maxpool2d(x, plan)
-            with pytest.raises(ValueError):
-                maxpool_blocked(to_blocked(x, block=8), plan)
+            for block in BLOCKS:
+                with pytest.raises(ValueError):
+                    maxpool_blocked(to_blocked(x, block=block), plan)
             continue
         got = maxpool2d(x, plan)
         assert got.shape == want.shape, (shape, attrs)
         assert_close(got, want, rtol=0, atol=0, what=str((shape, attrs)))
-        got = from_blocked(maxpool_blocked(to_blocked(x, block=8), plan), shape[1])
-        assert_close(got, want, rtol=0, atol=0, what=f"blocked {(shape, attrs)}")
+        for block in BLOCKS:
+            got = from_blocked(maxpool_blocked(to_blocked(x, block=block), plan), shape[1])
+            assert_close(got, want, rtol=0, atol=0, what=f"block {block} {(shape, attrs)}")
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("channels", [5, 16, 20, 32])
+def test_blocked_kernels_at_either_block(channels, block):
+    """MaxPool and the head on blocks of 8 and 16 channels, with channel counts that fill whole
+    blocks of both (32), of 8 only (16), and of neither (5, 20: a zero-padded last block)."""
+    shape = (2, channels, 11, 12)
+    x = np.random.default_rng(channels).standard_normal(shape).astype(np.float32)
+    xb = to_blocked(x, block=block)
+    padded = dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    dilated = dict(kernel_shape=[3, 2], strides=[1, 2], dilations=[2, 1], ceil_mode=1)
+    for attrs in (padded, dilated):
+        (want,) = run_ort(pool_model(shape, attrs), {"x": x})
+        plan = prepare_maxpool(attrs["kernel_shape"], attrs["strides"],
+                               attrs.get("pads", (0, 0, 0, 0)), attrs.get("dilations", (1, 1)),
+                               attrs.get("ceil_mode", 0))  # fmt: skip
+        yb = maxpool_blocked(xb, plan)
+        assert yb.shape == (*xb.shape[:2], *want.shape[2:], block)
+        assert_close(from_blocked(yb, channels), want, rtol=0, atol=0, what=str(attrs))
+    (want,) = run_ort(head_model(shape), {"x": x})
+    assert_close(global_average_pool_blocked(xb, channels), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="blocked float32"):
+        global_average_pool_blocked(xb, channels + block)  # one block more than x holds
 
 
 def test_windows_without_nan_are_exact():

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from fusion.errors import FusionError, one_line
 
 NCHW = "nchw"
-OUT_BLOCK = 8  # what every blocked kernel writes: kernels.blocked.BLOCK channels per block
+
+
+def out_block() -> int:
+    """The block every blocked kernel writes: this process's (kernels.blocked.block(), the SIMD
+    width), asked when a run is planned; a rewritten model does not fix it."""
+    from kernels.blocked import block  # heavy: Numba
+
+    return block()
 
 
 def blocked_name(value: str, block: int) -> str:

@@ -25,7 +25,7 @@ from fusion.errors import KernelError, one_line
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.ort import ISLAND, Settings, inference_session
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, kernel_name
-from fusion.runtime.layout import NCHW, OUT_BLOCK, Layouts, convert
+from fusion.runtime.layout import NCHW, Layouts, convert, out_block
 from fusion.runtime.plan import (
     IslandPlan,
     KernelPlan,
@@ -307,6 +307,8 @@ def assemble(
     plans = plan(view, lambda node: id(node) in chosen)
     island_inputs = {v for p in plans if isinstance(p, IslandPlan) for v in p.inputs}
     layouts = Layouts()
+    # the block of every blocked output (the process's: asked only when a kernel writes one)
+    written = out_block() if any(t.blocked_outputs for t in chosen.values()) else None
     steps: list = []
     for p in plans:
         if isinstance(p, IslandPlan):
@@ -319,7 +321,7 @@ def assemble(
             continue
         tactic = chosen[id(p.node)]
         checks = [
-            OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/8, H, W, 8]
+            OutputCheck(v, np.dtype(np.float32), 5, ())  # blocked: [N, C/b, H, W, b]
             if k in tactic.blocked_outputs
             else OutputCheck.of(v, view.type_of(v) if v else None, sizes=v in island_inputs)
             for k, v in enumerate(p.outputs)
@@ -340,7 +342,7 @@ def assemble(
         out_channels = dict(zip(tactic.blocked_outputs, tactic.out_channels, strict=True))
         for pos, value in enumerate(p.outputs):
             if value:
-                form = OUT_BLOCK if pos in out_channels else NCHW
+                form = written if pos in out_channels else NCHW
                 step.outputs[pos] = layouts.made(value, form, out_channels.get(pos))
         steps.append(step)
     for value in outputs:

@@ -1,0 +1,133 @@
+"""kernels/_dwconv.py, the depthwise conv on blocked tensors, at blocks 8 and 16 in one process,
+against onnxruntime running the unfused Conv (group = C) [+ Add] [+ activation] graph.
+
+The kernel is driven here with its own packing ([CB, KH, KW, b] weights, [CB b] bias) and
+geometry, the contract conv_nchwc keeps, so that both widths are tested whatever block the
+process's conv_nchwc packs for. Channel counts that fill whole blocks of 8 and 16 (32), of 8
+only (24), and neither (5, 20); widths that leave part of a tile (1, 13, 17), strides,
+dilations, asymmetric pads, several row items per block.
+"""
+
+import numpy as np
+import pytest
+from helpers import assert_close, run_ort
+from onnx import TensorProto, helper, numpy_helper
+
+from kernels import _direct as d
+from kernels._dwconv import dwconv_nchwc, scratch_size
+from kernels.blocked import from_blocked, to_blocked
+from kernels.config import slp_vectorize
+from kernels.epilogue import RESIDUALS
+from kernels.simd import lanes
+from kernels.simd.activation import encode
+from kernels.workspace import per_thread
+
+RTOL, ATOL = 1e-4, 1e-5
+BLOCKS = [8, 16]
+
+node = helper.make_node
+# activation -> (ONNX nodes from "t" to "a", the kernel's encode() keywords); relu and clip
+# are the clipping kinds (the epilogue in the tile), silu and hard_swish the others (_activate)
+ACTS = {
+    None: ([node("Identity", ["t"], ["a"])], {}),
+    "relu": ([node("Relu", ["t"], ["a"])], {}),
+    "clip": ([node("Clip", ["t", "lo", "hi"], ["a"])], {"clip_min": -0.5, "clip_max": 0.75}),
+    "silu": ([node("Sigmoid", ["t"], ["s"]), node("Mul", ["t", "s"], ["a"])], {}),
+    "hard_swish": ([node("HardSwish", ["t"], ["a"])], {}),
+}
+
+
+def reference(x, w, b, conv, activation, residual, r):
+    """onnxruntime: Conv, then Add(r) before or after the activation."""
+    nodes = [node("Conv", ["x", "w", "b"], ["c"], group=x.shape[1], **conv)]
+    nodes.append(node("Add", ["c", "r"], ["t"]) if residual == "before" else
+                 node("Identity", ["c"], ["t"]))  # fmt: skip
+    nodes += ACTS[activation][0]
+    out = "a"
+    if residual == "after":
+        nodes.append(node("Add", ["a", "r"], ["y"]))
+        out = "y"
+    consts = {"w": w, "b": b, "lo": np.float32(-0.5), "hi": np.float32(0.75)}
+    feeds = {"x": x, "r": r} if residual else {"x": x}
+    inputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape))
+              for k, v in feeds.items()]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "dw", inputs, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return run_ort(model, feeds)[0]
+
+
+def run_kernel(block, x, w, b, conv, activation, residual, r, rows):
+    """The kernel at `block` lanes on x [N, C, H, W]: packed and laid out as conv_nchwc does."""
+    n, c, h, wd = x.shape
+    kh, kw = w.shape[2:]
+    (sh, sw), (dh, dw) = conv.get("strides", (1, 1)), conv.get("dilations", (1, 1))
+    pt, pl, pb, pr = conv.get("pads", (0, 0, 0, 0))
+    oh = (h + pt + pb - (kh - 1) * dh - 1) // sh + 1
+    ow = (wd + pl + pr - (kw - 1) * dw - 1) // sw + 1
+    cb = -(-c // block)
+    wp = np.zeros((cb * block, kh, kw), np.float32)
+    wp[:c] = w.reshape(c, kh, kw)
+    packed = np.ascontiguousarray(wp.reshape(cb, block, kh, kw).transpose(0, 2, 3, 1)).ravel()
+    bias = np.zeros(cb * block, np.float32)
+    bias[:c] = b
+    kind, act_a, act_b = encode(activation, **ACTS[activation][1])
+    g = np.zeros(d.N_GEO, np.int64)
+    values = {d.N: n, d.CB: cb, d.BI: block, d.H: h, d.W: wd, d.KH: kh, d.KW: kw, d.SH: sh,
+              d.SW: sw, d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.OH: oh, d.OW: ow,
+              d.ROWS: min(rows, oh), d.RESIDUAL: RESIDUALS[residual], d.ACT: kind}  # fmt: skip
+    for k, v in values.items():
+        g[k] = v
+    xf = to_blocked(x, block=block).reshape(-1)
+    yb = np.empty((n, cb, oh, ow, block), np.float32)
+    yf = yb.reshape(-1)
+    res = to_blocked(r, block=block).reshape(-1) if residual else yf
+    with slp_vectorize():  # compiled as conv_nchwc compiles it (the cache keeps one entry)
+        dwconv_nchwc(lanes(block), xf, packed, bias, yf, res, g, act_a, act_b,
+                     per_thread(scratch_size(g)))  # fmt: skip
+    return from_blocked(yb, c)
+
+
+def case(n, c, h, w, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    kh, kw = (k, k) if isinstance(k, int) else k
+    wt = rng.standard_normal((c, 1, kh, kw), dtype=np.float32) / np.float32(np.sqrt(kh * kw))
+    return x, wt, rng.standard_normal(c, dtype=np.float32)
+
+
+SHAPES = [
+    # n, c, h, w, kernel, conv attributes, output rows per item
+    (1, 20, 13, 13, 3, {"pads": (1, 1, 1, 1)}, 4),
+    (2, 32, 17, 17, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1)}, 3),
+    (1, 5, 7, 30, 5, {"pads": (2, 2, 2, 2)}, 7),
+    (1, 24, 9, 9, 5, {"strides": (2, 2), "pads": (2, 1, 2, 3)}, 2),
+    (1, 16, 10, 10, 3, {"pads": (2, 2, 2, 2), "dilations": (2, 2)}, 5),
+    (2, 24, 1, 1, 3, {"pads": (1, 1, 1, 1)}, 1),
+    (1, 40, 6, 17, (1, 3), {"pads": (0, 1, 0, 1)}, 2),
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
+def test_against_onnxruntime(shape, block):
+    n, c, h, w, k, conv, rows = shape
+    x, wt, b = case(n, c, h, w, k)
+    want = reference(x, wt, b, conv, "relu", None, None)
+    got = run_kernel(block, x, wt, b, conv, "relu", None, None, rows)
+    assert_close(got, want, RTOL, ATOL, what=f"block {block}")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("residual", [None, "before", "after"])
+@pytest.mark.parametrize("activation", list(ACTS))
+def test_every_epilogue(activation, residual, block):
+    conv = {"pads": (1, 1, 1, 1)}
+    x, wt, b = case(2, 20, 9, 11, 3, seed=3)
+    oh, ow = x.shape[2:]
+    r = np.random.default_rng(4).standard_normal((2, 20, oh, ow), dtype=np.float32)
+    want = reference(x, wt, b, conv, activation, residual, r)
+    got = run_kernel(block, x, wt, b, conv, activation, residual, r, 3)
+    assert_close(got, want, RTOL, ATOL, what=f"{activation} {residual} block {block}")
