@@ -38,9 +38,10 @@ from numba.extending import intrinsic
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
 from .simd import activate, tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
-from .simd.activation import IDENTITY, clip_bounds, clips
+from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
+ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to every row
 
 # Indices into the geometry array.
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
@@ -72,6 +73,42 @@ def _run(t, xs, x0, xstep, wf, tx, tw, n_taps, bi, wstep):
         for ci in range(bi):
             t = tile_fma(t, xs, xo + ci, xstep, wf, wo + ci * wstep)
     return t
+
+
+@numba.jit(**INLINE_GEMM)
+def _run_split(t, t2, xs, wf, tx, tw, n_taps, bi, wstep):
+    """One pixel's 1 x FB tile plus its taps, on two independent tiles (even taps into t, odd
+    into t2, summed by the caller): FB chains of FMAs alone would wait on FMA latency."""
+    for k in range(0, n_taps - 1, 2):
+        xo, xo2, wo, wo2 = tx[k], tx[k + 1], tw[k], tw[k + 1]
+        for ci in range(bi):
+            t = tile_fma(t, xs, xo + ci, 0, wf, wo + ci * wstep)
+            t2 = tile_fma(t2, xs, xo2 + ci, 0, wf, wo2 + ci * wstep)
+    if n_taps % 2:
+        xo, wo = tx[n_taps - 1], tw[n_taps - 1]
+        for ci in range(bi):
+            t = tile_fma(t, xs, xo + ci, 0, wf, wo + ci * wstep)
+    return t, t2
+
+
+@numba.jit(**INLINE_GEMM)
+def _store(L, tbuf, npx, fb, nb, yf, yo, ystride, res, residual, lo, hi):
+    """A tile parked in tbuf (vector k = p fb + f, the bias included) into y for pixels
+    p < npx and blocks f < nb: _finish's epilogue without the bias, the loop without a
+    residual apart (npx and fb are the tile's constants: the loops unroll)."""
+    w = L.width
+    if residual == NO_RESIDUAL:
+        for f in range(nb):
+            for p in range(npx):
+                v = vload(L, tbuf, (p * fb + f) * w)
+                vstore(yf, yo + p * w + f * ystride, clip(v, lo, hi))
+    else:
+        for f in range(nb):
+            for p in range(npx):
+                q = yo + p * w + f * ystride
+                v = vload(L, tbuf, (p * fb + f) * w)
+                vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO,
+                                     ZERO))  # fmt: skip
 
 
 @numba.jit(**INLINE_GEMM)
@@ -175,6 +212,9 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
     for c0 in range(0, cbg, g[CHUNK]):
         c1 = min(cbg, c0 + g[CHUNK])
         carry, last = c0 > 0, c1 == cbg
+        # The first chunk starts from the bias (each column's block of it, in every row).
+        zero, zero1 = tile_fma(tile_zeros(L, T), ONE, 0, 0, bf, bo), tile_zeros(L, T1)
+        bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
         for oh in range(r0, r1):
             n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
             yo = (((n * g[MB] + ob0) * oh_len + oh) * ow_len) * w
@@ -186,12 +226,11 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 else:
                     ow0 = col_b - pw
                     ao = extra_slots + (oh - r0) * pw * wstep
-                a = tile_load(L, T, acc, ao) if carry else tile_zeros(L, T)
+                a = tile_load(L, T, acc, ao) if carry else zero
                 a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
                 if last:
                     tile_store(tbuf, 0, a)
-                    _finish(L, tbuf, pw, fb, nb, yf, yo + ow0 * w, ystride, res, bf, bo, early,
-                            lo, hi)  # fmt: skip
+                    _store(L, tbuf, pw, fb, nb, yf, yo + ow0 * w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, a)
             for ow in range(ow_len):
@@ -199,12 +238,13 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                     continue
                 m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)
                 ao = ao_row + ow * wstep
-                p = tile_load(L, T1, acc, ao) if carry else tile_zeros(L, T1)
-                p = _run(p, xf, 0, 0, wf, sx, sw_, m, bi, wstep)
+                p = tile_load(L, T1, acc, ao) if carry else bias1
+                p, p2 = _run_split(p, zero1, xf, wf, sx, sw_, m, bi, wstep)
+                tile_store(tbuf, 0, p2)
+                p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
                 if last:
                     tile_store(tbuf, 0, p)
-                    _finish(L, tbuf, 1, fb, nb, yf, yo + ow * w, ystride, res, bf, bo, early, lo,
-                            hi)  # fmt: skip
+                    _store(L, tbuf, 1, fb, nb, yf, yo + ow * w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, p)
             if last and not simple:
