@@ -17,14 +17,18 @@ shape), the tile is a nest of LLVM vectors, and its offsets fold.
 
 Taps are listed per output row (the rows inside the image, every column) as pairs of offsets
 (input, packed weights); a tile is one loop over the list. Columns whose every tap is inside the
-row [COL_A, COL_B) run in whole tiles, reading the input in place (what is left of the interior
+row [COL_A, COL_B) run in whole tiles along the row, reading the input in place (what is left
 after whole tiles runs as one more tile overlapping the last, recomputing a few pixels rather
-than taking them one at a time, on a chain of FB accumulators that waits on FMA latency); the
-others (at a padded edge, or in a row narrower than a tile) run one pixel at a time (a 1 x FB
-tile) with that pixel's own taps, so no loop tests a bound. When a group's weights do not fit
-in half of L2, K is cut into chunks of input blocks, and a work item sweeps all its rows per
-chunk with the accumulators parked in a small buffer between chunks (the overlapping tile in
-slots of its own).
+than taking them one at a time). The other columns (at a padded edge, or all of a row narrower
+than a tile) run as the same tiles down the rows, where every vertical tap is inside the image
+[ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x apart. What remains (the
+corners, the edges of a work item with fewer rows than a tile) runs one pixel at a time, a
+1 x FB tile on that pixel's own taps split over two tiles (FB chains alone wait on FMA
+latency); each weight vector then feeds FB FMAs, where a tile's feeds PW FB, and a narrow
+image's edges, run that way, waited on the weights' traffic from L2. No loop tests a bound.
+When a group's weights do not fit in half of L2, K is cut into chunks of input blocks, and a
+work item sweeps all its rows per chunk with the accumulators parked in a small buffer between
+chunks (overlapping tiles in slots of their own).
 
 Work items are (image, group, filter group of FB blocks, block of rows): disjoint outputs.
 The geometry comes in one int64 array (see conv_nchwc), one argument to unbox per call.
@@ -45,7 +49,7 @@ ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to
 
 # Indices into the geometry array.
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, N_GEO) = range(29)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, N_GEO) = range(31)  # fmt: skip
 
 
 @intrinsic
@@ -92,20 +96,21 @@ def _run_split(t, t2, xs, wf, tx, tw, n_taps, bi, wstep):
 
 
 @numba.jit(**INLINE_GEMM)
-def _store(L, tbuf, npx, fb, nb, yf, yo, ystride, res, residual, lo, hi):
+def _store(L, tbuf, npx, fb, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     """A tile parked in tbuf (vector k = p fb + f, the bias included) into y for pixels
-    p < npx and blocks f < nb: _finish's epilogue without the bias, the loop without a
-    residual apart (npx and fb are the tile's constants: the loops unroll)."""
+    p < npx (ps floats apart in y) and blocks f < nb: _finish's epilogue without the bias,
+    the loop without a residual apart (npx and fb are the tile's constants: the loops
+    unroll)."""
     w = L.width
     if residual == NO_RESIDUAL:
         for f in range(nb):
             for p in range(npx):
                 v = vload(L, tbuf, (p * fb + f) * w)
-                vstore(yf, yo + p * w + f * ystride, clip(v, lo, hi))
+                vstore(yf, yo + p * ps + f * ystride, clip(v, lo, hi))
     else:
         for f in range(nb):
             for p in range(npx):
-                q = yo + p * w + f * ystride
+                q = yo + p * ps + f * ystride
                 v = vload(L, tbuf, (p * fb + f) * w)
                 vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO,
                                      ZERO))  # fmt: skip
@@ -184,22 +189,41 @@ def _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_):
 
 
 @numba.jit(**JIT_GEMM)
+def _cover(a, b, pw):
+    """Tiles of pw over [a, b): (whole tiles from a, 1 if one more ends at b overlapping the
+    last, the end of what they cover). The overlap recomputes a few pixels rather than leave
+    them to the one-pixel path: the pixels both tiles hold get the same whole sum twice."""
+    n_whole = (b - a) // pw if b > a else 0
+    extra = 1 if n_whole > 0 and a + n_whole * pw < b else 0
+    return n_whole, extra, b if extra else a + n_whole * pw
+
+
+@numba.jit(**JIT_GEMM)
 def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
           act_b, ci):  # fmt: skip
-    """Output rows r0 <= oh < r1 of filter group og in group grp of image n."""
+    """Output rows r0 <= oh < r1 of filter group og in group grp of image n.
+
+    Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
+    edges, or every column of a row narrower than a tile) run as column tiles down the rows
+    [cr0, r_end) whose vertical taps are all inside the image, [ROW_A, ROW_B): those pixels
+    of a column share their taps, PW rows apart in x (SH W BI), so one weight vector serves
+    PW pixels there too (one pixel at a time, each weight load feeds FB FMAs, and a narrow
+    image's edges would wait on the weights' traffic). What is left (the top and bottom rows'
+    edges, and columns of an item with fewer rows than a tile) runs one pixel at a time."""
     w, pw, fb = L.width, T.rows, T.cols
     bi = _count(ci)
     oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
-    col_a, col_b = g[COL_A], g[COL_B]
-    n_whole = (col_b - col_a) // pw
-    # The interior's remainder runs as one more tile ending at col_b, overlapping the one
-    # before it: the pixels both hold get the same whole sum twice, stored twice. With K in
-    # chunks its accumulators park in slots of their own past the row buffer (PW FB vectors
-    # per row), so no parked sum is added to twice.
-    extra = 1 if n_whole > 0 and col_a + n_whole * pw < col_b else 0
-    tiled_end = col_b if extra else col_a + n_whole * pw  # tiles cover [col_a, tiled_end)
+    col_a = g[COL_A]
+    n_whole, extra, c_end = _cover(col_a, g[COL_B], pw)
+    cr0 = max(r0, g[ROW_A])
+    n_down, down_extra, r_end = _cover(cr0, min(r1, g[ROW_B]), pw)
     wstep = fb * w  # floats of packed weights per (tap, input channel)
+    # The parking buffer (K in chunks): [rows, OW, FB, W] for the row tiles' and single
+    # pixels' accumulators, then slots of their own for tiles that overlap (so no parked sum
+    # is added to twice): each row's overlapping tile, [rows, PW, FB, W]; each edge column's
+    # column tiles, [edges, tiles, PW, FB, W].
     extra_slots = g[ROWS] * ow_len * wstep
+    col_slots = extra_slots + g[ROWS] * pw * wstep
     nb = min(fb, g[MBG] - og * fb)
     ob0 = grp * g[MBG] + og * fb
     ystride = oh_len * ow_len * w
@@ -207,8 +231,9 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
     lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
-    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
-    xstep = g[SW] * bi
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
+    xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
+    y0 = (n * g[MB] + ob0) * ystride
     for c0 in range(0, cbg, g[CHUNK]):
         c1 = min(cbg, c0 + g[CHUNK])
         carry, last = c0 > 0, c1 == cbg
@@ -217,24 +242,22 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
         bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
         for oh in range(r0, r1):
             n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
-            yo = (((n * g[MB] + ob0) * oh_len + oh) * ow_len) * w
-            ao_row = (oh - r0) * ow_len * wstep  # the parking buffer: [rows, OW, FB, W]
+            yo = y0 + oh * ow_len * w
+            ao_row = (oh - r0) * ow_len * wstep
             for t in range(n_whole + extra):
-                if t < n_whole:
-                    ow0 = col_a + t * pw
-                    ao = ao_row + ow0 * wstep
-                else:
-                    ow0 = col_b - pw
-                    ao = extra_slots + (oh - r0) * pw * wstep
+                ow0 = col_a + t * pw if t < n_whole else c_end - pw
+                ao = ao_row + ow0 * wstep if t < n_whole else extra_slots + (oh - r0) * pw * wstep
                 a = tile_load(L, T, acc, ao) if carry else zero
                 a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
                 if last:
                     tile_store(tbuf, 0, a)
-                    _store(L, tbuf, pw, fb, nb, yf, yo + ow0 * w, ystride, res, early, lo, hi)
+                    _store(L, tbuf, pw, fb, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, a)
+            if n_down > 0 and cr0 <= oh < r_end:
+                continue  # its edges are in column tiles
             for ow in range(ow_len):
-                if col_a <= ow < tiled_end:
+                if col_a <= ow < c_end:
                     continue
                 m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)
                 ao = ao_row + ow * wstep
@@ -244,10 +267,32 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
                 if last:
                     tile_store(tbuf, 0, p)
-                    _store(L, tbuf, 1, fb, nb, yf, yo + ow * w, ystride, res, early, lo, hi)
+                    _store(L, tbuf, 1, fb, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, p)
-            if last and not simple:
+        if n_down > 0:
+            n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
+            e = 0
+            for ow in range(ow_len):
+                if col_a <= ow < c_end:
+                    continue
+                m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)  # for pixel (cr0, ow)
+                for t in range(n_down + down_extra):
+                    oh0 = cr0 + t * pw if t < n_down else r_end - pw
+                    ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
+                    a = tile_load(L, T, acc, ao) if carry else zero
+                    a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
+                    if last:
+                        tile_store(tbuf, 0, a)
+                        yt = y0 + (oh0 * ow_len + ow) * w
+                        _store(L, tbuf, pw, fb, nb, yf, yt, ow_len * w, ystride, res, early, lo,
+                               hi)  # fmt: skip
+                    else:
+                        tile_store(acc, ao, a)
+                e += 1
+        if last and not simple:
+            for oh in range(r0, r1):
+                yo = y0 + oh * ow_len * w
                 _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
 
 
@@ -258,18 +303,22 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     packed weights [G, OGG, CBG, KH, KW, BI, FB W], bias [G OGG FB W]; ci: BI, or L when
     BI = W (the channel loop unrolled); g: the geometry (the indices above), its ACT the
     activation's kind, act_a and act_b its parameters."""
-    ogg, rows, w, fb = g[OGG], g[ROWS], L.width, T.cols
+    ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, T.cols, T.rows
     rb_len = (g[OH] + rows - 1) // rows
     per_image = g[G] * ogg * rb_len
     chunk_taps = g[CHUNK] * g[KH] * g[KW]
     multi = g[CHUNK] < g[CBG]
+    _, _, c_end = _cover(g[COL_A], g[COL_B], pw)
+    n_edges = g[OW] - (c_end - g[COL_A])
+    # _item's parking buffer: rows and their overlapping tiles, and column tiles
+    park = (rows * (g[OW] + pw) + n_edges * (rows + pw)) * fb * w if multi else 1
     for item in numba.prange(g[N] * per_image):
         n, rest = item // per_image, item % per_image
         grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
         r1 = min(g[OH], r0 + rows)
-        acc = np.empty(rows * (g[OW] + T.rows) * fb * w if multi else 1, np.float32)
+        acc = np.empty(park, np.float32)
         tbuf = np.empty(T.rows * fb * w, np.float32)
         tx = np.empty(chunk_taps, np.int64)
         tw = np.empty(chunk_taps, np.int64)

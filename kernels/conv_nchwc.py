@@ -261,16 +261,21 @@ def _budgets():
     return l2 // 2, l2 // 4
 
 
+def _inside(size, k, s, dil, pad, out):
+    """[a, b): the outputs along one axis whose every tap is inside the input."""
+    a = min(out, -(-pad // s))
+    last = size - 1 - (k - 1) * dil + pad
+    return a, max(a, min(out, last // s + 1)) if last >= 0 else a
+
+
 def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     n, cb, h, w, bi = x_shape
     (_, _, oh, ow), (pt, pl, _, _) = conv_output_shape((n, plan.in_channels, h, w), plan)
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     fb, block = plan.fb, plan.block
     ogg = -(-plan.out_blocks_per_group // fb)
-    # Columns whose every tap is inside the row: ow >= a, ow < b.
-    a = min(ow, -(-pl // sw))
-    last = w - 1 - (kw - 1) * dw + pl
-    b = max(a, min(ow, last // sw + 1)) if last >= 0 else a
+    a, b = _inside(w, kw, sw, dw, pl, ow)
+    row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
     pw = _dwconv.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
     whole, part = _budgets()
     per_block = kh * kw * bi * fb * block * 4  # bytes of packed weights per input block
@@ -288,7 +293,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.MB: plan.out_blocks, d.OH: oh, d.OW: ow,
         d.G: plan.group, d.CBG: cbg, d.MBG: plan.out_blocks_per_group, d.FB: fb, d.PW: pw,
         d.OGG: ogg, d.COL_A: a, d.COL_B: b, d.CHUNK: chunk, d.ROWS: rows,
-        d.RESIDUAL: plan.residual, d.ACT: plan.act[0],
+        d.RESIDUAL: plan.residual, d.ACT: plan.act[0], d.ROW_A: row_a, d.ROW_B: row_b,
     }  # fmt: skip
     for k, v in values.items():
         g[k] = v

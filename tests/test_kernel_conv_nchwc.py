@@ -10,6 +10,7 @@ register files (AVX2's 16, AVX-512's 32). The tolerance is the rules' (1e-4 rela
 absolute) on outputs of order 1.
 """
 
+import numba
 import numpy as np
 import pytest
 from helpers import assert_close, run_ort
@@ -18,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kernels.conv_nchwc as conv_module
 from kernels import _dwconv
 from kernels.blocked import block_size, from_blocked, to_blocked
+from kernels.config import get_threads, set_threads
 from kernels.conv_nchwc import (
     conv_nchwc,
     output_shape,
@@ -324,6 +326,42 @@ def test_output_widths_at_the_rule_s_tiles(block, width, c, m, attrs):
     got = run_blocked(x, wt, b, attrs, "clip", block=block)
     assert got.shape[-1] == width
     assert_close(got, reference(x, wt, b, attrs, "clip"), RTOL, ATOL)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel split into work items of all rows (1 thread) or of a few (2)."""
+    before = get_threads()
+    set_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield request.param
+    set_threads(before)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("chunks", [False, True], ids=["whole-K", "K-in-chunks"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (4, 16, 32, 11, 7, 3, {"pads": (1, 1, 1, 1)}),  # a late layer's 7-wide rows
+        (2, 8, 24, 9, 3, 3, {"pads": (1, 1, 1, 1)}),  # 3 wide: no row tile, all columns down
+        (3, 20, 16, 27, 9, 3, {"pads": (2, 1, 2, 1), "strides": (2, 1), "dilations": (2, 1)}),
+        (2, 16, 40, 14, 14, (5, 3), {"pads": (2, 0, 2, 0)}),  # no edge columns: none down
+    ],
+    ids=lambda s: f"{s[:6]}{s[6]}",
+)
+def test_edge_columns_run_down_the_rows(threads, monkeypatch, block, chunks, shape):
+    # An edge column's pixels in rows whose vertical taps are all inside run as tiles down the
+    # rows (and an overlapping one), in work items of every row or of a few; the rest (top and
+    # bottom rows, short items) one pixel at a time; with K in chunks they park in slots of
+    # their own.
+    if chunks:
+        monkeypatch.setattr(conv_module, "_budgets", lambda: (1, 1))
+    n, c, m, h, w, k, attrs = shape
+    x, wt, b, attrs = case(n, c, m, h, w, k, seed=12, **attrs)
+    want = reference(x, wt, b, attrs, "tanh")
+    r = np.random.default_rng(13).standard_normal(want.shape, dtype=np.float32)
+    got = run_blocked(x, wt, b, attrs, "tanh", "after", r, block=block)
+    assert_close(got, reference(x, wt, b, attrs, "tanh", "after", r), RTOL, ATOL)
 
 
 def test_tile_options():
