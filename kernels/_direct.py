@@ -34,10 +34,12 @@ Work items are (image, group, filter group of FB blocks, block of rows): disjoin
 The geometry comes in one int64 array (see conv_nchwc), one argument to unbox per call.
 """
 
+import functools
+
 import numba
 import numpy as np
 from numba.core import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
@@ -96,24 +98,51 @@ def _run_split(t, t2, xs, wf, tx, tw, n_taps, bi, wstep):
 
 
 @numba.jit(**INLINE_GEMM)
-def _store(L, tbuf, npx, fb, nb, yf, yo, ps, ystride, res, residual, lo, hi):
-    """A tile parked in tbuf (vector k = p fb + f, the bias included) into y for pixels
-    p < npx (ps floats apart in y) and blocks f < nb: _finish's epilogue without the bias,
-    the loop without a residual apart (npx and fb are the tile's constants: the loops
-    unroll)."""
-    w = L.width
-    if residual == NO_RESIDUAL:
-        for f in range(nb):
-            for p in range(npx):
-                v = vload(L, tbuf, (p * fb + f) * w)
-                vstore(yf, yo + p * ps + f * ystride, clip(v, lo, hi))
-    else:
-        for f in range(nb):
-            for p in range(npx):
-                q = yo + p * ps + f * ystride
-                v = vload(L, tbuf, (p * fb + f) * w)
-                vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO,
-                                     ZERO))  # fmt: skip
+def _put_clip(v, r, f, nb, yf, yo, ps, ystride, lo, hi):
+    """Accumulator v of pixel r, block f into y: the clip (no residual)."""
+    if f < nb:
+        vstore(yf, yo + r * ps + f * ystride, clip(v, lo, hi))
+
+
+@numba.jit(**JIT_GEMM)  # LLVM inlines it; Numba's inlining of `finish` once per accumulator
+def _put_finish(L, v, r, f, nb, yf, yo, ps, ystride, res, residual, lo, hi):  # trips an IR check
+    """Accumulator v of pixel r, block f into y: the residual and the clip (epilogue.finish)."""
+    if f < nb:
+        q = yo + r * ps + f * ystride
+        vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO, ZERO))
+
+
+def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
+    """Tile t (its shape T, the bias included) into y: accumulator (r, f) to pixel r (ps floats
+    apart in y) of block f < nb, with _finish's epilogue but the bias. Straight from the
+    registers: one statement per accumulator, its (r, f) constants (_store_source), where a
+    loop over t[r][f] that LLVM does not unroll in full (past about 10 rows, or 6x4) would
+    pick each vector through a switch; the stores without a residual apart."""
+
+
+@functools.cache
+def _store_source(rows: int, cols: int):
+    """_store at one tile shape: Python source generated with t[r][f] written out, compiled
+    where it is called (the overload below, inlined). Missing from kernels.simd.tile: a way to
+    apply a function to each accumulator of a tile with its (r, c) known."""
+    clip_lines = [f"        _put_clip(t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, lo, hi)"
+                  for r in range(rows) for f in range(cols)]  # fmt: skip
+    finish_lines = [f"        _put_finish(L, t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, res,"
+                    " residual, lo, hi)" for r in range(rows) for f in range(cols)]  # fmt: skip
+    source = "\n".join([
+        "def store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):",
+        "    if residual == NO_RESIDUAL:", *clip_lines, "    else:", *finish_lines,
+    ])  # fmt: skip
+    names = {"_put_clip": _put_clip, "_put_finish": _put_finish, "NO_RESIDUAL": NO_RESIDUAL}
+    exec(compile(source, f"<_direct._store {rows}x{cols}>", "exec"), names)
+    return names["store"]
+
+
+@overload(
+    _store, inline="always", jit_options={k: JIT_GEMM[k] for k in ("fastmath", "error_model")}
+)
+def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
+    return _store_source(T.rows, T.cols)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -250,8 +279,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 a = tile_load(L, T, acc, ao) if carry else zero
                 a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
                 if last:
-                    tile_store(tbuf, 0, a)
-                    _store(L, tbuf, pw, fb, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
+                    _store(L, T, a, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, a)
             if n_down > 0 and cr0 <= oh < r_end:
@@ -266,8 +294,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 tile_store(tbuf, 0, p2)
                 p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
                 if last:
-                    tile_store(tbuf, 0, p)
-                    _store(L, tbuf, 1, fb, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
+                    _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, p)
         if n_down > 0:
@@ -283,10 +310,8 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                     a = tile_load(L, T, acc, ao) if carry else zero
                     a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
                     if last:
-                        tile_store(tbuf, 0, a)
                         yt = y0 + (oh0 * ow_len + ow) * w
-                        _store(L, tbuf, pw, fb, nb, yf, yt, ow_len * w, ystride, res, early, lo,
-                               hi)  # fmt: skip
+                        _store(L, T, a, nb, yf, yt, ow_len * w, ystride, res, early, lo, hi)
                     else:
                         tile_store(acc, ao, a)
                 e += 1
@@ -319,7 +344,7 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         r0 = rb * rows
         r1 = min(g[OH], r0 + rows)
         acc = np.empty(park, np.float32)
-        tbuf = np.empty(T.rows * fb * w, np.float32)
+        tbuf = np.empty(fb * w, np.float32)  # the one-pixel path's second tile
         tx = np.empty(chunk_taps, np.int64)
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)
