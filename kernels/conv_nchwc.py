@@ -103,11 +103,17 @@ def _padding(fb: int, mbg: int) -> int:
     return -(-mbg // fb) * fb - mbg
 
 
+def _per_vector(w: int) -> int:
+    """Registers (and FMA and load instructions) per vector of w lanes: 2 for 16 lanes on AVX2."""
+    return -(-w // tiles.registers()[1])
+
+
 def _merit(fb: int, mbg: int, w: int) -> float:
-    """Useful FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB),
-    times the share of its blocks that are not padding."""
-    pw = tiles.fit_rows(fb, w)
-    return pw * fb / (pw + fb) * mbg / (mbg + _padding(fb, mbg))
+    """Useful FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB) (v PW
+    FB / (PW + v FB) in instructions when a vector takes v registers: one broadcast serves
+    every register of a row), times the share of its blocks that are not padding."""
+    pw, v = tiles.fit_rows(fb, w), _per_vector(w)
+    return v * pw * fb / (pw + v * fb) * mbg / (mbg + _padding(fb, mbg))
 
 
 def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
@@ -137,11 +143,11 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
     the margin). 14x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
     one pixel at a time; 3x4 keeps 3 at 5 columns (two tiles overlapping one); 6x4 at 16
     lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
-    top = tiles.fit_rows(fb, w)
+    top, v = tiles.fit_rows(fb, w), _per_vector(w)
     costs, pw = {}, top
     while True:
         if pw <= interior:
-            costs[pw] = -(-interior // pw) * pw / min(1.0, pw * fb / CHAINS)
+            costs[pw] = -(-interior // pw) * pw / min(1.0, v * pw * fb / CHAINS)
         if pw <= 2:
             break
         pw = -(-pw // 2)
