@@ -1,152 +1,165 @@
-"""Direct convolution on blocked tensors (NCHWc in, NCHWc out), register-tiled.
+"""Direct convolution on blocked tensors (NCHWc in, NCHWc out), on register tiles at the SIMD
+width W (L.width: 8 with AVX2, 16 with AVX-512).
 
-For output pixel (oh, ow) of output block ob (8 channels) in group g:
+For output pixel (oh, ow) of output block ob (W channels) in group g:
 
-    y[n, ob, oh, ow, :] = epilogue(sum_{cb, i, j, ci} x[n, cb, ih, iw, ci] W[ob, cb, i, j, ci, :])
+    y[n, ob, oh, ow, :] = epilogue(sum_{cb, i, j, ci} x[n, cb, ih, iw, ci] Wt[ob, cb, i, j, ci, :])
     ih = oh sh - pt + i dh,   iw = ow sw - pl + j dw        (taps outside the image add nothing)
 
-cb runs over the group's input blocks, ci over a block's BI channels (8, or C for a small
-input). One input value times a vector of 8 output channels is one FMA. A tile holds PW pixels
-x FB output blocks = 12 vector accumulators (3 x 4, 6 x 2 or 12 x 1): twelve independent FMA
-chains hide the FMA latency on two FMA ports, and 12 accumulators + the operands fit AVX2's 16
-registers. Per (tap, ci) a tile loads PW broadcasts and FB weight vectors for its 12 FMAs. One
-source serves the three shapes: FB is a compile-time constant in each entry point, so the
-pixel and block offsets of accumulator k (k // FB, k % FB) fold to constants and repeated loads
-merge.
+cb runs over the group's input blocks, ci over a block's BI channels (W, or C for a small
+input). One input value times a vector of W output channels is one FMA. A register tile
+T = Tile(PW, FB) holds PW pixels x FB output blocks: per (tap, ci) one rank-1 update
+(simd.tile_fma) broadcasts the PW pixels' x (rows, SW BI apart in x) against the FB weight
+vectors (columns, contiguous in the packed layout), PW FB independent FMA chains for PW + FB
+loads. The shape is a type chosen in Python (conv_nchwc: from the register file, and narrower
+for narrow rows), so inside the kernel PW and FB are constants: one source compiles per (W,
+shape), the tile is a nest of LLVM vectors, and its offsets fold.
 
 Taps are listed per output row (the rows inside the image, every column) as pairs of offsets
 (input, packed weights); a tile is one loop over the list. Columns whose every tap is inside the
-row [COL_A, COL_B) run in whole tiles, reading the input in place (what is left of the interior
+row [COL_A, COL_B) run in whole tiles along the row, reading the input in place (what is left
 after whole tiles runs as one more tile overlapping the last, recomputing a few pixels rather
-than taking them one at a time, on a chain of FB accumulators that waits on FMA latency); the
-others (at a padded edge, or in a row narrower than a tile) run one pixel at a time with that
-pixel's own taps, so no loop tests a bound. When a group's weights do not fit in half of L2, K
-is cut into chunks of input blocks, and a work item sweeps all its rows per chunk with the
-accumulators parked in a small buffer between chunks (the overlapping tile in slots of its own).
+than taking them one at a time). The other columns (at a padded edge, or all of a row narrower
+than a tile) run as the same tiles down the rows, where every vertical tap is inside the image
+[ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x apart. What remains (the
+corners, the edges of a work item with fewer rows than a tile) runs one pixel at a time, a
+1 x FB tile on that pixel's own taps split over two tiles (FB chains alone wait on FMA
+latency); each weight vector then feeds FB FMAs, where a tile's feeds PW FB, and a narrow
+image's edges, run that way, waited on the weights' traffic from L2. No loop tests a bound.
+When a group's weights do not fit in half of L2, K is cut into chunks of input blocks, and a
+work item sweeps all its rows per chunk with the accumulators parked in a small buffer between
+chunks (overlapping tiles in slots of their own).
 
 Work items are (image, group, filter group of FB blocks, block of rows): disjoint outputs.
 The geometry comes in one int64 array (see conv_nchwc), one argument to unbox per call.
 """
 
+import functools
+
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic, overload
 
-from ._gemm import fma8
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
-from .simd import activate, vload, vstore
-from .simd.activation import IDENTITY, clip_bounds, clips
+from .simd import activate, tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
+from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
-u = np.uint64
 ZERO = np.float32(0.0)
-B = 8  # output block: channels per vector
-ACC = 12  # vector accumulators per tile
+ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to every row
 
 # Indices into the geometry array.
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, N_GEO) = range(29)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, N_GEO) = range(31)  # fmt: skip
+
+
+@intrinsic
+def _count(typingctx, ci):
+    """The channels of an input block, from the kernel's `ci` argument: an integer (a small
+    input's C) as it is, or a Lanes (whole blocks of its width) as a compile-time constant, so
+    that the loop over a block's channels unrolls."""
+    if isinstance(ci, types.Integer):
+        return types.intp(ci), lambda context, builder, sig, args: context.cast(
+            builder, args[0], sig.args[0], types.intp
+        )
+    w = getattr(ci, "w", None)
+    if w is None:
+        raise numba.core.errors.TypingError(f"ci: an integer or a Lanes, got {ci}")
+    return types.intp(ci), lambda context, builder, sig, args: context.get_constant(types.intp, w)
 
 
 @numba.jit(**INLINE_GEMM)
-def load8(v, q):
-    return (v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)], v[q + u(4)], v[q + u(5)], v[q + u(6)],
-            v[q + u(7)])  # fmt: skip
+def _run(t, xs, x0, xstep, wf, tx, tw, n_taps, bi, wstep):
+    """t plus the products of its taps: for tap k and channel ci, the rank-1 update of pixel
+    r's x[tx[k] + x0 + r xstep + ci] against the weight vectors from tw[k] + ci wstep."""
+    for k in range(n_taps):
+        xo = tx[k] + x0
+        wo = tw[k]
+        for ci in range(bi):
+            t = tile_fma(t, xs, xo + ci, xstep, wf, wo + ci * wstep)
+    return t
 
 
 @numba.jit(**INLINE_GEMM)
-def store8(v, q, r):
-    v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)] = r[0], r[1], r[2], r[3]
-    v[q + u(4)], v[q + u(5)], v[q + u(6)], v[q + u(7)] = r[4], r[5], r[6], r[7]
+def _run_split(t, t2, xs, wf, tx, tw, n_taps, bi, wstep):
+    """One pixel's 1 x FB tile plus its taps, on two independent tiles (even taps into t, odd
+    into t2, summed by the caller): FB chains of FMAs alone would wait on FMA latency."""
+    for k in range(0, n_taps - 1, 2):
+        xo, xo2, wo, wo2 = tx[k], tx[k + 1], tw[k], tw[k + 1]
+        for ci in range(bi):
+            t = tile_fma(t, xs, xo + ci, 0, wf, wo + ci * wstep)
+            t2 = tile_fma(t2, xs, xo2 + ci, 0, wf, wo2 + ci * wstep)
+    if n_taps % 2:
+        xo, wo = tx[n_taps - 1], tw[n_taps - 1]
+        for ci in range(bi):
+            t = tile_fma(t, xs, xo + ci, 0, wf, wo + ci * wstep)
+    return t, t2
 
 
 @numba.jit(**INLINE_GEMM)
-def _load12(acc, ao):
-    return (load8(acc, ao), load8(acc, ao + u(8)), load8(acc, ao + u(16)), load8(acc, ao + u(24)),
-            load8(acc, ao + u(32)), load8(acc, ao + u(40)), load8(acc, ao + u(48)),
-            load8(acc, ao + u(56)), load8(acc, ao + u(64)), load8(acc, ao + u(72)),
-            load8(acc, ao + u(80)), load8(acc, ao + u(88)))  # fmt: skip
+def _put_clip(v, r, f, nb, yf, yo, ps, ystride, lo, hi):
+    """Accumulator v of pixel r, block f into y: the clip (no residual)."""
+    if f < nb:
+        vstore(yf, yo + r * ps + f * ystride, clip(v, lo, hi))
 
 
-@numba.jit(**INLINE_GEMM)
-def _store12(a, acc, ao):
-    store8(acc, ao, a[0])
-    store8(acc, ao + u(8), a[1])
-    store8(acc, ao + u(16), a[2])
-    store8(acc, ao + u(24), a[3])
-    store8(acc, ao + u(32), a[4])
-    store8(acc, ao + u(40), a[5])
-    store8(acc, ao + u(48), a[6])
-    store8(acc, ao + u(56), a[7])
-    store8(acc, ao + u(64), a[8])
-    store8(acc, ao + u(72), a[9])
-    store8(acc, ao + u(80), a[10])
-    store8(acc, ao + u(88), a[11])
+@numba.jit(**JIT_GEMM)  # LLVM inlines it; Numba's inlining of `finish` once per accumulator
+def _put_finish(L, v, r, f, nb, yf, yo, ps, ystride, res, residual, lo, hi):  # trips an IR check
+    """Accumulator v of pixel r, block f into y: the residual and the clip (epilogue.finish)."""
+    if f < nb:
+        q = yo + r * ps + f * ystride
+        vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
 
-@numba.jit(**INLINE_GEMM)
-def _fma(a, k, xs, xo, xstep, wf, wo, fb):
-    """a + x[pixel k // fb] * w[block k % fb] (constant offsets once fb is a constant)."""
-    return fma8(a, xs[xo + u(k // fb) * xstep], load8(wf, wo + u((k % fb) * B)))
+def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
+    """Tile t (its shape T, the bias included) into y: accumulator (r, f) to pixel r (ps floats
+    apart in y) of block f < nb, with _finish's epilogue but the bias. Straight from the
+    registers: one statement per accumulator, its (r, f) constants (_store_source), where a
+    loop over t[r][f] that LLVM does not unroll in full (past about 10 rows, or 6x4) would
+    pick each vector through a switch; the stores without a residual apart."""
 
 
-@numba.jit(**INLINE_GEMM)
-def _tile(xs, x0, xstep, wf, tx, tw, n_taps, bi, fb, a):
-    """The 12 accumulators of a PW x FB tile plus its taps; accumulator k is pixel k // fb,
-    block k % fb. Statements go block by block, so one weight vector is live at a time."""
-    a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11 = a
-    for t in range(n_taps):
-        xo = u(tx[t] + x0)
-        wo = u(tw[t])
-        for _ in range(bi):
-            a0 = _fma(a0, 0, xs, xo, xstep, wf, wo, fb)
-            a4 = _fma(a4, 4, xs, xo, xstep, wf, wo, fb)
-            a8 = _fma(a8, 8, xs, xo, xstep, wf, wo, fb)
-            a1 = _fma(a1, 1, xs, xo, xstep, wf, wo, fb)
-            a5 = _fma(a5, 5, xs, xo, xstep, wf, wo, fb)
-            a9 = _fma(a9, 9, xs, xo, xstep, wf, wo, fb)
-            a2 = _fma(a2, 2, xs, xo, xstep, wf, wo, fb)
-            a6 = _fma(a6, 6, xs, xo, xstep, wf, wo, fb)
-            a10 = _fma(a10, 10, xs, xo, xstep, wf, wo, fb)
-            a3 = _fma(a3, 3, xs, xo, xstep, wf, wo, fb)
-            a7 = _fma(a7, 7, xs, xo, xstep, wf, wo, fb)
-            a11 = _fma(a11, 11, xs, xo, xstep, wf, wo, fb)
-            wo += u(fb * B)
-            xo += u(1)
-    return a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11
+@functools.cache
+def _store_source(rows: int, cols: int):
+    """_store at one tile shape: Python source generated with t[r][f] written out, compiled
+    where it is called (the overload below, inlined). Missing from kernels.simd.tile: a way to
+    apply a function to each accumulator of a tile with its (r, c) known."""
+    clip_lines = [f"        _put_clip(t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, lo, hi)"
+                  for r in range(rows) for f in range(cols)]  # fmt: skip
+    finish_lines = [f"        _put_finish(L, t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, res,"
+                    " residual, lo, hi)" for r in range(rows) for f in range(cols)]  # fmt: skip
+    source = "\n".join([
+        "def store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):",
+        "    if residual == NO_RESIDUAL:", *clip_lines, "    else:", *finish_lines,
+    ])  # fmt: skip
+    names = {"_put_clip": _put_clip, "_put_finish": _put_finish, "NO_RESIDUAL": NO_RESIDUAL}
+    exec(compile(source, f"<_direct._store {rows}x{cols}>", "exec"), names)
+    return names["store"]
 
 
-@numba.jit(**INLINE_GEMM)
-def _pixel(xs, wf, tx, tw, n_taps, bi, fb, a):
-    """One pixel x FB blocks (four accumulators, those past fb unused); taps absolute."""
-    a0, a1, a2, a3 = a
-    for t in range(n_taps):
-        xo = u(tx[t])
-        wo = u(tw[t])
-        for _ in range(bi):
-            v = xs[xo]
-            a0 = fma8(a0, v, load8(wf, wo))
-            if fb > 1:
-                a1 = fma8(a1, v, load8(wf, wo + u(8)))
-            if fb > 2:
-                a2 = fma8(a2, v, load8(wf, wo + u(16)))
-                a3 = fma8(a3, v, load8(wf, wo + u(24)))
-            wo += u(fb * B)
-            xo += u(1)
-    return a0, a1, a2, a3
+@overload(
+    _store, inline="always", jit_options={k: JIT_GEMM[k] for k in ("fastmath", "error_model")}
+)
+def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
+    return _store_source(T.rows, T.cols)
 
 
 @numba.jit(**INLINE_GEMM)
 def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
-    """Accumulators parked in tbuf (k = p fb + f, for pixels p < npx and blocks f < nb) into
-    y, one vector of a block's 8 channels at a time: the bias of its block, the residual
-    (kernels/epilogue.py), the clip [lo, hi]; the whole epilogue when the activation is a
-    clip, else its part before the activation (_activate does the rest)."""
+    """Accumulators parked in tbuf (vector k = p fb + f, for pixels p < npx and blocks f < nb)
+    into y, one vector of a block's W = L.width channels at a time: the bias of its block, the
+    residual (kernels/epilogue.py), the clip [lo, hi]; the whole epilogue when the activation
+    is a clip, else its part before the activation (_activate does the rest). Offsets are
+    flat element offsets, signed or not."""
+    w = L.width
+    yo, ystride, bo = np.int64(yo), np.int64(ystride), np.int64(bo)
     for k in range(npx * fb):
         p, f = k // fb, k % fb
         if f >= nb:
             continue
-        q = yo + u(p * B) + u(f) * ystride
-        v = vload(L, tbuf, u(k * B)) + vload(L, bf, bo + u(f * B))
+        q = yo + p * w + f * ystride
+        v = vload(L, tbuf, k * w) + vload(L, bf, bo + f * w)
         r = vload(L, res, q) if residual else v
         vstore(yf, q, finish(v, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
@@ -154,20 +167,24 @@ def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi
 @numba.jit(**JIT)
 def _activate(L, yf, res, y0, n_blocks, ystride, count, residual, kind, act_a, act_b):
     """The rest of the epilogue when the activation is not a clip, in place on `count`
-    values (whole vectors) from y0 in each of n_blocks output blocks: the activation (kind,
-    act_a, act_b), then a residual added after it. Once per output row, not per tile: a call
-    of activate inside the tile loop slowed every conv, clips included (bench/NOTES.md)."""
+    values (whole vectors of L.width) from y0 in each of n_blocks output blocks: the
+    activation (kind, act_a, act_b), then a residual added after it. Once per output row, not
+    per tile: a call of activate inside the tile loop slowed every conv, clips included
+    (bench/NOTES.md)."""
+    w = L.width
+    y0, ystride, count = np.int64(y0), np.int64(ystride), np.int64(count)
     for f in range(n_blocks):
-        q0 = y0 + u(f) * ystride
-        for q in range(q0, q0 + u(count), u(B)):
+        q0 = y0 + f * ystride
+        for q in range(q0, q0 + count, w):
             v = activate(kind, act_a, act_b, vload(L, yf, q))
             vstore(yf, q, v + vload(L, res, q) if residual == AFTER else v)
 
 
 @numba.jit(**JIT_GEMM)
-def _taps(g, n, grp, og, oh, c0, c1, tx, tw, fb):
+def _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep):
     """The taps of output row oh for input blocks c0 <= cb < c1 of group grp: input offsets of
-    column 0 of the row, packed-weight offsets. Returns their count."""
+    column 0 of the row, packed-weight offsets (wstep = FB W floats per input channel).
+    Returns their count."""
     bi, h, w, kh, kw = g[BI], g[H], g[W], g[KH], g[KW]
     cbg = g[CBG]
     k = 0
@@ -179,7 +196,7 @@ def _taps(g, n, grp, og, oh, c0, c1, tx, tw, fb):
             row = ((n * g[CB] + grp * cbg + cb) * h + ih) * w
             for j in range(kw):
                 tx[k] = (row + j * g[DW] - g[PL]) * bi
-                tw[k] = ((((grp * g[OGG] + og) * cbg + cb) * kh + i) * kw + j) * bi * fb * B
+                tw[k] = ((((grp * g[OGG] + og) * cbg + cb) * kh + i) * kw + j) * bi * wstep
                 k += 1
     return k
 
@@ -201,148 +218,153 @@ def _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_):
 
 
 @numba.jit(**JIT_GEMM)
-def _item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, act_a, act_b, fb,
-          bi):  # fmt: skip
-    """Output rows r0 <= oh < r1 of filter group og in group grp of image n."""
-    pw = ACC // fb
+def _cover(a, b, pw):
+    """Tiles of pw over [a, b): (whole tiles from a, 1 if one more ends at b overlapping the
+    last, the end of what they cover). The overlap recomputes a few pixels rather than leave
+    them to the one-pixel path: the pixels both tiles hold get the same whole sum twice."""
+    n_whole = (b - a) // pw if b > a else 0
+    extra = 1 if n_whole > 0 and a + n_whole * pw < b else 0
+    return n_whole, extra, b if extra else a + n_whole * pw
+
+
+@numba.jit(**JIT_GEMM)
+def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
+          act_b, ci):  # fmt: skip
+    """Output rows r0 <= oh < r1 of filter group og in group grp of image n.
+
+    Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
+    edges, or every column of a row narrower than a tile) run as column tiles down the rows
+    [cr0, r_end) whose vertical taps are all inside the image, [ROW_A, ROW_B): those pixels
+    of a column share their taps, PW rows apart in x (SH W BI), so one weight vector serves
+    PW pixels there too (one pixel at a time, each weight load feeds FB FMAs, and a narrow
+    image's edges would wait on the weights' traffic). What is left (the top and bottom rows'
+    edges, and columns of an item with fewer rows than a tile) runs one pixel at a time."""
+    w, pw, fb = L.width, T.rows, T.cols
+    bi = _count(ci)
     oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
-    col_a, col_b = g[COL_A], g[COL_B]
-    n_whole = (col_b - col_a) // pw
-    # The interior's remainder runs as one more tile ending at col_b, overlapping the one
-    # before it: the pixels both hold get the same whole sum twice, stored twice. With K in
-    # chunks its accumulators park in slots of their own past the row buffer (ACC vectors per
-    # row), so no parked sum is added to twice.
-    extra = 1 if n_whole > 0 and col_a + n_whole * pw < col_b else 0
-    tiled_end = col_b if extra else col_a + n_whole * pw  # tiles cover [col_a, tiled_end)
-    extra_slots = g[ROWS] * ow_len * fb * B
+    col_a = g[COL_A]
+    n_whole, extra, c_end = _cover(col_a, g[COL_B], pw)
+    cr0 = max(r0, g[ROW_A])
+    n_down, down_extra, r_end = _cover(cr0, min(r1, g[ROW_B]), pw)
+    wstep = fb * w  # floats of packed weights per (tap, input channel)
+    # The parking buffer (K in chunks): [rows, OW, FB, W] for the row tiles' and single
+    # pixels' accumulators, then slots of their own for tiles that overlap (so no parked sum
+    # is added to twice): each row's overlapping tile, [rows, PW, FB, W]; each edge column's
+    # column tiles, [edges, tiles, PW, FB, W].
+    extra_slots = g[ROWS] * ow_len * wstep
+    col_slots = extra_slots + g[ROWS] * pw * wstep
     nb = min(fb, g[MBG] - og * fb)
     ob0 = grp * g[MBG] + og * fb
-    ystride = u(oh_len * ow_len * B)
-    bo = u((grp * g[OGG] + og) * fb * B)
+    ystride = oh_len * ow_len * w
+    bo = (grp * g[OGG] + og) * wstep
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
     lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
-    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
-    xstep = u(g[SW] * bi)
-    tbuf = np.empty(ACC * B, np.float32)
-    z = np.float32(0.0)
-    z8 = (z, z, z, z, z, z, z, z)
-    zero = (z8, z8, z8, z8, z8, z8, z8, z8, z8, z8, z8, z8)
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
+    xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
+    y0 = (n * g[MB] + ob0) * ystride
     for c0 in range(0, cbg, g[CHUNK]):
         c1 = min(cbg, c0 + g[CHUNK])
         carry, last = c0 > 0, c1 == cbg
+        # The first chunk starts from the bias (each column's block of it, in every row).
+        zero, zero1 = tile_fma(tile_zeros(L, T), ONE, 0, 0, bf, bo), tile_zeros(L, T1)
+        bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
         for oh in range(r0, r1):
-            n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, fb)
-            yo = u((((n * g[MB] + ob0) * oh_len + oh) * ow_len) * B)
-            ao_row = (oh - r0) * ow_len * fb * B  # carry buffer: [rows, OW, fb, 8]
+            n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
+            yo = y0 + oh * ow_len * w
+            ao_row = (oh - r0) * ow_len * wstep
             for t in range(n_whole + extra):
-                if t < n_whole:
-                    ow0 = col_a + t * pw
-                    ao = u(ao_row + ow0 * fb * B)
-                else:
-                    ow0 = col_b - pw
-                    ao = u(extra_slots + (oh - r0) * ACC * B)
-                a = _load12(acc, ao) if carry else zero
-                a = _tile(xf, ow0 * g[SW] * bi, xstep, wf, tx, tw, n_taps, bi, fb, a)
-                _store12(a, acc if not last else tbuf, ao if not last else u(0))
+                ow0 = col_a + t * pw if t < n_whole else c_end - pw
+                ao = ao_row + ow0 * wstep if t < n_whole else extra_slots + (oh - r0) * pw * wstep
+                a = tile_load(L, T, acc, ao) if carry else zero
+                a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
                 if last:
-                    yt = yo + u(ow0 * B)
-                    _finish(L, tbuf, pw, fb, nb, yf, yt, ystride, res, bf, bo, early, lo, hi)
+                    _store(L, T, a, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
+                else:
+                    tile_store(acc, ao, a)
+            if n_down > 0 and cr0 <= oh < r_end:
+                continue  # its edges are in column tiles
             for ow in range(ow_len):
-                if col_a <= ow < tiled_end:
+                if col_a <= ow < c_end:
                     continue
                 m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)
-                ao = u(ao_row + ow * fb * B)
-                if carry:
-                    p = (load8(acc, ao), load8(acc, ao + u(8)), load8(acc, ao + u(16)),
-                         load8(acc, ao + u(24)))  # fmt: skip
-                else:
-                    p = (z8, z8, z8, z8)
-                p = _pixel(xf, wf, sx, sw_, m, bi, fb, p)
-                dst, do = (acc, ao) if not last else (tbuf, u(0))
-                store8(dst, do, p[0])
-                if fb > 1:
-                    store8(dst, do + u(8), p[1])
-                if fb > 2:
-                    store8(dst, do + u(16), p[2])
-                    store8(dst, do + u(24), p[3])
+                ao = ao_row + ow * wstep
+                p = tile_load(L, T1, acc, ao) if carry else bias1
+                p, p2 = _run_split(p, zero1, xf, wf, sx, sw_, m, bi, wstep)
+                tile_store(tbuf, 0, p2)
+                p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
                 if last:
-                    yt = yo + u(ow * B)
-                    _finish(L, tbuf, 1, fb, nb, yf, yt, ystride, res, bf, bo, early, lo, hi)
-            if last and not simple:
-                _activate(L, yf, res, yo, nb, ystride, ow_len * B, residual, kind, act_a, act_b)
+                    _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
+                else:
+                    tile_store(acc, ao, p)
+        if n_down > 0:
+            n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
+            e = 0
+            for ow in range(ow_len):
+                if col_a <= ow < c_end:
+                    continue
+                m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)  # for pixel (cr0, ow)
+                for t in range(n_down + down_extra):
+                    oh0 = cr0 + t * pw if t < n_down else r_end - pw
+                    ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
+                    a = tile_load(L, T, acc, ao) if carry else zero
+                    a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
+                    if last:
+                        yt = y0 + (oh0 * ow_len + ow) * w
+                        _store(L, T, a, nb, yf, yt, ow_len * w, ystride, res, early, lo, hi)
+                    else:
+                        tile_store(acc, ao, a)
+                e += 1
+        if last and not simple:
+            for oh in range(r0, r1):
+                yo = y0 + oh * ow_len * w
+                _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
 
 
 @numba.jit(**PARALLEL)
-def _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, fb, bi):
-    """y = epilogue(conv(x)) on flat blocked arrays; g: the geometry (see the indices above),
-    its ACT the activation's kind, act_a and act_b its parameters; L: Lanes(B)."""
-    ogg, rows = g[OGG], g[ROWS]
+def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
+    """y = epilogue(conv(x)) on flat blocked arrays, x [N, CB, H, W, BI], y [N, MB, OH, OW, W],
+    W = L.width; T = Tile(PW, FB), the register tile, T1 = Tile(1, FB), the one-pixel path's;
+    packed weights [G, OGG, CBG, KH, KW, BI, FB W], bias [G OGG FB W]; ci: BI, or L when
+    BI = W (the channel loop unrolled); g: the geometry (the indices above), its ACT the
+    activation's kind, act_a and act_b its parameters."""
+    ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, T.cols, T.rows
     rb_len = (g[OH] + rows - 1) // rows
     per_image = g[G] * ogg * rb_len
     chunk_taps = g[CHUNK] * g[KH] * g[KW]
     multi = g[CHUNK] < g[CBG]
+    _, _, c_end = _cover(g[COL_A], g[COL_B], pw)
+    n_edges = g[OW] - (c_end - g[COL_A])
+    # _item's parking buffer: rows and their overlapping tiles, and column tiles
+    park = (rows * (g[OW] + pw) + n_edges * (rows + pw)) * fb * w if multi else 1
     for item in numba.prange(g[N] * per_image):
         n, rest = item // per_image, item % per_image
         grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
         r1 = min(g[OH], r0 + rows)
-        acc = np.empty(rows * (g[OW] * fb + ACC) * B if multi else 1, np.float32)
+        acc = np.empty(park, np.float32)
+        tbuf = np.empty(fb * w, np.float32)  # the one-pixel path's second tile
         tx = np.empty(chunk_taps, np.int64)
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)
         sw_ = np.empty(chunk_taps, np.int64)
-        _item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tx, tw, sx, sw_, act_a, act_b,
-              fb, bi)  # fmt: skip
+        _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
+              act_a, act_b, ci)  # fmt: skip
 
 
-# Entry points: fb (output blocks per tile) is a compile-time constant in each, so the tile
-# compiles to its 3 x 4, 6 x 2 or 12 x 1 shape; with bi = 8 constant too, the loop over a
-# block's channels is unrolled. (Constants passed from a jitted caller specialize the callee;
-# numba.literally at the Python boundary would re-dispatch on every call.)
+# ---- for _dwconv.py until it runs on the SIMD layer (8-lane tuples, uint64 offsets) -----------
+u = np.uint64
+B = 8
 
 
-@numba.jit(**JIT)
-def conv_f4_b8(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 4, 8)
+@numba.jit(**INLINE_GEMM)
+def load8(v, q):
+    return (v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)], v[q + u(4)], v[q + u(5)], v[q + u(6)],
+            v[q + u(7)])  # fmt: skip
 
 
-@numba.jit(**JIT)
-def conv_f2_b8(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 2, 8)
-
-
-@numba.jit(**JIT)
-def conv_f1_b8(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 1, 8)
-
-
-@numba.jit(**JIT)
-def conv_f4(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 4, bi)
-
-
-@numba.jit(**JIT)
-def conv_f2(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 2, bi)
-
-
-@numba.jit(**JIT)
-def conv_f1(L, xf, wf, bf, yf, res, g, act_a, act_b, bi):
-    _drive(L, xf, wf, bf, yf, res, g, act_a, act_b, 1, bi)
-
-
-ENTRIES = {
-    (4, True): conv_f4_b8,
-    (2, True): conv_f2_b8,
-    (1, True): conv_f1_b8,
-    (4, False): conv_f4,
-    (2, False): conv_f2,
-    (1, False): conv_f1,
-}
-
-
-def entry(fb: int, bi: int):
-    """The compiled entry point for fb output blocks per tile and bi channels per input block."""
-    return ENTRIES[(fb, bi == B)]
+@numba.jit(**INLINE_GEMM)
+def store8(v, q, r):
+    v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)] = r[0], r[1], r[2], r[3]
+    v[q + u(4)], v[q + u(5)], v[q + u(6)], v[q + u(7)] = r[4], r[5], r[6], r[7]

@@ -3,14 +3,24 @@
     y = epilogue(conv2d(x, W)),  x, y blocked (kernels/blocked.py), epilogue as in
     kernels/epilogue.py (bias, residual before or after, any activation of the table)
 
-prepare_conv_nchwc packs the weights once for the register tile (_direct.py); conv_nchwc
-validates an input, works out the geometry for its shape (cached per shape and thread count)
-and runs the parallel kernel. Groups are supported when each group's input and output channels
-are whole blocks (a depthwise conv has its own kernel, _dwconv.py); with one group any channel
-counts work (the last block is zero-padded).
+prepare_conv_nchwc packs the weights once for the register tile (_direct.py) at a block b,
+the SIMD width the kernel computes at (default kernels.simd.width(): 8 with AVX2, 16 with
+AVX-512); conv_nchwc validates an input, works out the geometry and the tile for its shape
+(cached per shape and thread count) and runs the parallel kernel. Groups are supported when
+each group's input and output channels are whole blocks (a depthwise conv has its own kernel,
+_dwconv.py); with one group any channel counts work (the last block is zero-padded).
 
     >>> plan = prepare_conv_nchwc(w, b, pads=(1, 1, 1, 1), activation="relu")
-    >>> yb = conv_nchwc(to_blocked(x), plan)       # [N, ceil(M/8), OH, OW, 8]
+    >>> yb = conv_nchwc(to_blocked(x, block=plan.in_block), plan)  # [N, ceil(M/b), OH, OW, b]
+
+Register tiles. A tile is PW pixels x FB output blocks of accumulators (simd.Tile); per input
+channel and tap it does PW FB FMAs for PW broadcasts of x and FB weight vectors. For each FB in
+(4, 2, 1), capped at the output blocks per group, PW is the most the register file holds
+(simd.tile.fit_rows: 3x4, 6x2, 14x1 with AVX2 at 8 lanes; 6x4, 14x2, 30x1 with AVX-512 at 16),
+and the tiles rank by useful FMAs per load: PW FB / (PW + FB) times the share of the FB-block
+filter groups that is not padding (M = 24 at 8 lanes: 4x3, no padding, before a padded 3x4).
+The plan packs for FB; PW is chosen per input shape, narrower when a row's interior is narrow
+(tile_rows: a 7-wide output is not left to the one-pixel path by a 14-pixel tile).
 """
 
 import dataclasses
@@ -21,22 +31,20 @@ import numpy as np
 
 from . import _direct as d
 from . import _dwconv
-from .blocked import BLOCK, block_size
 from .config import get_threads, slp_vectorize
 from .epilogue import RESIDUALS
 from .machine import cache_bytes
-from .simd import Lanes
+from .simd import lanes, width
+from .simd import tile as tiles
 from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
 from .workspace import per_thread
 
-# Relative speed of the three register tiles (3x4, 6x2, 12x1) when none computes padding: per
-# 12 FMAs the 3x4 tile loads 3 broadcasts and 4 weight vectors, the 12x1 tile 12 broadcasts
-# and 1 vector. Only the order matters (which tile to try first); where another tile wastes
-# fewer slots, both are offered and timed (tile_options; bench/NOTES.md, "Blocked layout and
-# tactics").
-_TILE_SPEED = {4: 1.0, 2: 0.6, 1: 0.4}
-LANES = Lanes(BLOCK)  # the epilogue's vectors: one block's channels
+TILE_BLOCKS = (4, 2, 1)  # output blocks per register tile worth considering (FB)
+# Independent FMA chains that keep a core's FMA units busy (two ports x 4-5 cycles of latency):
+# a tile with fewer accumulators waits on latency, in proportion.
+CHAINS = 10
+NARROW_GAIN = 1.15  # what a narrower tile than the tallest must save (tile_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +59,15 @@ class ConvPlan:
     dilations: tuple
     pads: tuple  # (top, left, bottom, right)
     auto_pad: str
-    in_block: int  # BI: channels per input block
+    block: int  # b: channels per output block, the SIMD width the kernel computes at
+    in_block: int  # BI: channels per input block (b, or C when C < b and group = 1)
     out_blocks_per_group: int  # MBG
     in_blocks_per_group: int  # CBG
     fb: int  # output blocks per register tile
+    pixels: int | None  # pixels per register tile when forced, else chosen per input shape
     depthwise: bool  # group == C == M: the depthwise kernel (_dwconv.py)
-    packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*8] flat; depthwise: [CB, KH, KW, 8]
-    bias: np.ndarray  # [G * OGG * FB * 8]
+    packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*b] flat; depthwise: [CB, KH, KW, b]
+    bias: np.ndarray  # [G * OGG * FB * b]
     act: tuple  # (kind, a, b): kernels/simd/activation.py
     residual: int  # epilogue.NO_RESIDUAL / BEFORE / AFTER
     geometry: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -65,7 +75,7 @@ class ConvPlan:
     @property
     def out_blocks(self) -> int:
         if self.depthwise:
-            return -(-self.out_channels // BLOCK)
+            return -(-self.out_channels // self.block)
         return self.group * self.out_blocks_per_group
 
 
@@ -75,33 +85,76 @@ def is_depthwise(weight_shape, group: int) -> bool:
     return group > 1 and cg == 1 and m == group
 
 
-def supports(weight_shape, group: int) -> str | None:
-    """Why the blocked kernels cannot run this conv, or None when they can."""
+def supports(weight_shape, group: int, block: int | None = None) -> str | None:
+    """Why the blocked kernels cannot run this conv at `block` channels per block (default
+    the process's width), or None when they can."""
     m, cg, _, _ = weight_shape
     if group == 1 or is_depthwise(weight_shape, group):
         return None
-    if cg % BLOCK or (m // group) % BLOCK:
+    b = width() if block is None else block
+    if cg % b or (m // group) % b:
         return (f"grouped conv with {cg} input and {m // group} output channels per group: the "
-                f"blocked kernel needs whole blocks of {BLOCK}")  # fmt: skip
+                f"blocked kernel needs whole blocks of {b}")  # fmt: skip
     return None
 
 
-def _pick_fb(mbg: int) -> int:
-    """Output blocks per tile: the fewest tile-slots (padding included) per unit of speed."""
-    return min((4, 2, 1), key=lambda fb: (-(-mbg // fb) * fb / _TILE_SPEED[fb], -fb))
+def _padding(fb: int, mbg: int) -> int:
+    """Output blocks of padding that filter groups of fb blocks compute for mbg blocks."""
+    return -(-mbg // fb) * fb - mbg
 
 
-def tile_options(weight_shape, group: int = 1) -> tuple[int, ...]:
-    """Output blocks per register tile worth timing for a conv, likeliest first: the pick by
-    speed, and the tile that computes the fewest padding slots when that is another one (M =
-    24: 3x4 with a padded block, or 12x1 with none; which wins depends on the CPU)."""
-    m = weight_shape[0]
+def _per_vector(w: int) -> int:
+    """Registers (and FMA and load instructions) per vector of w lanes: 2 for 16 lanes on AVX2."""
+    return -(-w // tiles.registers()[1])
+
+
+def _merit(fb: int, mbg: int, w: int) -> float:
+    """Useful FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB) (v PW
+    FB / (PW + v FB) in instructions when a vector takes v registers: one broadcast serves
+    every register of a row), times the share of its blocks that are not padding."""
+    pw, v = tiles.fit_rows(fb, w), _per_vector(w)
+    return v * pw * fb / (pw + v * fb) * mbg / (mbg + _padding(fb, mbg))
+
+
+def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
+    """Output blocks per tile (FB) worth timing for mbg output blocks per group at w lanes,
+    likeliest first: the best by _merit, and the one that computes the fewest padding blocks
+    when that is another (M = 40 at 8 lanes: 6x2 with a padded block, or 14x1 with none;
+    which wins depends on the CPU, and the session times both)."""
+    fbs = sorted({min(fb, mbg) for fb in TILE_BLOCKS}, reverse=True)
+    first = max(fbs, key=lambda fb: (_merit(fb, mbg, w), fb))
+    tight = min(fbs, key=lambda fb: (_padding(fb, mbg), -_merit(fb, mbg, w), -fb))
+    return (first,) if tight == first else (first, tight)
+
+
+def tile_options(weight_shape, group: int = 1, block: int | None = None) -> tuple[int, ...]:
+    """tile_blocks for a conv at `block` channels per block (default the process's width)."""
     if is_depthwise(weight_shape, group):
         return (1,)
-    mbg = -(-(m // group) // BLOCK)
-    first = _pick_fb(mbg)
-    tight = min((4, 2, 1), key=lambda fb: (-(-mbg // fb) * fb, -fb))
-    return (first,) if tight == first else (first, tight)
+    b = width() if block is None else block
+    return tile_blocks(-(-(weight_shape[0] // group) // b), b)
+
+
+def tile_rows(fb: int, w: int, interior: int) -> int:
+    """Pixels per tile (PW) for a row whose `interior` columns run in tiles: the tallest that
+    fits (fit_rows), unless a narrower one, halving, covers the interior in fewer than
+    1 / NARROW_GAIN of its accumulator-slots per unit of speed (a tile of fewer than CHAINS
+    accumulators waits on FMA latency; a taller one streams fewer weight bytes per FMA, hence
+    the margin). 14x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
+    one pixel at a time; 3x4 keeps 3 at 5 columns (two tiles overlapping one); 6x4 at 16
+    lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
+    top, v = tiles.fit_rows(fb, w), _per_vector(w)
+    costs, pw = {}, top
+    while True:
+        if pw <= interior:
+            costs[pw] = -(-interior // pw) * pw / min(1.0, v * pw * fb / CHAINS)
+        if pw <= 2:
+            break
+        pw = -(-pw // 2)
+    if not costs:  # no tile fits: the one-pixel path takes the row
+        return top
+    cheapest = min(costs.values())
+    return max(pw for pw, cost in costs.items() if cost <= NARROW_GAIN * cheapest)
 
 
 def prepare_conv_nchwc(
@@ -120,19 +173,26 @@ def prepare_conv_nchwc(
     clip_max=math.inf,
     residual=None,
     tile=None,
+    block=None,
 ):
     """Pack a Conv's weights [M, C/group, kh, kw] (float32) and bias for conv_nchwc.
 
     activation, alpha, beta, clip_min, clip_max: the activation, as kernels.simd.activation's
     encode takes it; residual: None, "before" (added before the activation) or "after"; tile:
-    output blocks per register tile (4, 2 or 1; default the first of tile_options)."""
+    output blocks per register tile (FB: 1 to 4; default the first of tile_options), or a
+    shape (pixels, blocks) to force (the pixels are otherwise chosen per input shape); block:
+    channels per block, the SIMD width the kernel computes at (8 or 16; default the process's,
+    kernels.simd.width())."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
     group = int(group)
     if group < 1 or m % group or min(weight.shape) < 1:
         raise ValueError(f"bad weight shape {weight.shape} for group={group}: M % group must be 0")
-    reason = supports(weight.shape, group)
+    block = width() if block is None else block
+    if block not in (8, 16):
+        raise ValueError(f"block must be 8 or 16 channels, got {block!r}")
+    reason = supports(weight.shape, group, block)
     if reason:
         raise ValueError(reason)
     strides, dilations, pads = window_attributes(strides, dilations, pads, auto_pad)
@@ -146,44 +206,55 @@ def prepare_conv_nchwc(
     common = dict(
         in_channels=cg * group, out_channels=m, group=group, kernel=(kh, kw), strides=strides,
         dilations=dilations, pads=pads, auto_pad=auto_pad, act=act,
-        residual=RESIDUALS[residual],
+        residual=RESIDUALS[residual], block=block,
     )  # fmt: skip
     if is_depthwise(weight.shape, group):
-        blocks = -(-m // BLOCK)
-        wp = np.zeros((blocks * BLOCK, kh, kw), np.float32)
+        blocks = -(-m // block)
+        wp = np.zeros((blocks * block, kh, kw), np.float32)
         wp[:m] = weight.reshape(m, kh, kw)
-        bp = np.zeros(blocks * BLOCK, np.float32)
+        bp = np.zeros(blocks * block, np.float32)
         bp[:m] = 0 if bias is None else bias.reshape(m)
-        packed = wp.reshape(blocks, BLOCK, kh, kw).transpose(0, 2, 3, 1)
+        packed = wp.reshape(blocks, block, kh, kw).transpose(0, 2, 3, 1)
         return ConvPlan(
-            **common, in_block=BLOCK, out_blocks_per_group=1, in_blocks_per_group=1, fb=1,
-            depthwise=True, packed=np.ascontiguousarray(packed).ravel(), bias=bp,
+            **common, in_block=block, out_blocks_per_group=1, in_blocks_per_group=1, fb=1,
+            pixels=None, depthwise=True, packed=np.ascontiguousarray(packed).ravel(), bias=bp,
         )  # fmt: skip
     c = cg * group
-    bi = block_size(c) if group == 1 else BLOCK
+    bi = (block if c >= block else c) if group == 1 else block
     mg = m // group
-    cbg, mbg = -(-cg // bi), -(-mg // BLOCK)
-    fb = _pick_fb(mbg) if tile is None else int(tile)
-    if fb not in _TILE_SPEED:
-        raise ValueError(f"tile must be one of {sorted(_TILE_SPEED)} output blocks, got {tile!r}")
+    cbg, mbg = -(-cg // bi), -(-mg // block)
+    fb, pixels = _tile_argument(tile, mbg, block)
     ogg = -(-mbg // fb)
-    wp = np.zeros((group, ogg * fb * BLOCK, cbg * bi, kh, kw), np.float32)
+    wp = np.zeros((group, ogg * fb * block, cbg * bi, kh, kw), np.float32)
     wp[:, :mg, :cg] = weight.reshape(group, mg, cg, kh, kw)
-    wp = wp.reshape(group, ogg, fb * BLOCK, cbg, bi, kh, kw).transpose(0, 1, 3, 5, 6, 4, 2)
-    bp = np.zeros((group, ogg * fb * BLOCK), np.float32)
+    wp = wp.reshape(group, ogg, fb * block, cbg, bi, kh, kw).transpose(0, 1, 3, 5, 6, 4, 2)
+    bp = np.zeros((group, ogg * fb * block), np.float32)
     if bias is not None:
         bp[:, :mg] = bias.reshape(group, mg)
     return ConvPlan(
         **common, in_block=bi, out_blocks_per_group=mbg, in_blocks_per_group=cbg, fb=fb,
-        depthwise=False, packed=np.ascontiguousarray(wp).ravel(), bias=bp.ravel(),
+        pixels=pixels, depthwise=False, packed=np.ascontiguousarray(wp).ravel(),
+        bias=bp.ravel(),
     )  # fmt: skip
 
 
+def _tile_argument(tile, mbg: int, block: int) -> tuple[int, int | None]:
+    """(FB, the forced PW or None) from prepare_conv_nchwc's `tile`."""
+    if tile is None:
+        return tile_blocks(mbg, block)[0], None
+    pw, fb = tuple(tile) if isinstance(tile, (tuple, list)) and len(tile) == 2 else (None, tile)
+    ints = all(isinstance(v, (int, np.integer)) for v in (fb, 1 if pw is None else pw))
+    if not (ints and 1 <= fb <= max(TILE_BLOCKS) and (pw is None or 1 <= pw <= 64)):
+        raise ValueError(f"tile must be 1 to {max(TILE_BLOCKS)} output blocks, or a shape "
+                         f"(1 to 64 pixels, blocks), got {tile!r}")  # fmt: skip
+    return int(fb), None if pw is None else int(pw)
+
+
 def output_shape(x_shape, plan: ConvPlan):
-    """The blocked output shape [N, MB, OH, OW, 8] for a blocked input shape."""
+    """The blocked output shape [N, MB, OH, OW, b] for a blocked input shape."""
     n, _, h, w, _ = x_shape
     (_, _, oh, ow), _ = conv_output_shape((n, plan.in_channels, h, w), plan)
-    return (n, plan.out_blocks, oh, ow, BLOCK)
+    return (n, plan.out_blocks, oh, ow, plan.block)
 
 
 @functools.lru_cache(maxsize=8)
@@ -196,26 +267,31 @@ def _budgets():
     return l2 // 2, l2 // 4
 
 
+def _inside(size, k, s, dil, pad, out):
+    """[a, b): the outputs along one axis whose every tap is inside the input."""
+    a = min(out, -(-pad // s))
+    last = size - 1 - (k - 1) * dil + pad
+    return a, max(a, min(out, last // s + 1)) if last >= 0 else a
+
+
 def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     n, cb, h, w, bi = x_shape
     (_, _, oh, ow), (pt, pl, _, _) = conv_output_shape((n, plan.in_channels, h, w), plan)
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-    fb = plan.fb
-    pw = _dwconv.TILE if plan.depthwise else d.ACC // fb
+    fb, block = plan.fb, plan.block
     ogg = -(-plan.out_blocks_per_group // fb)
-    # Columns whose every tap is inside the row: ow >= a, ow < b.
-    a = min(ow, -(-pl // sw))
-    last = w - 1 - (kw - 1) * dw + pl
-    b = max(a, min(ow, last // sw + 1)) if last >= 0 else a
+    a, b = _inside(w, kw, sw, dw, pl, ow)
+    row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
+    pw = _dwconv.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
     whole, part = _budgets()
-    per_block = kh * kw * bi * fb * BLOCK * 4  # bytes of packed weights per input block
+    per_block = kh * kw * bi * fb * block * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows = -(-oh // rb_len)
     if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2
-        row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * BLOCK * 4 * sh
+        row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * block * 4 * sh
         rows = max(1, min(rows, cache_bytes(2) // 4 // max(1, row_bytes)))
     g = np.zeros(d.N_GEO, np.int64)
     values = {
@@ -223,7 +299,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.MB: plan.out_blocks, d.OH: oh, d.OW: ow,
         d.G: plan.group, d.CBG: cbg, d.MBG: plan.out_blocks_per_group, d.FB: fb, d.PW: pw,
         d.OGG: ogg, d.COL_A: a, d.COL_B: b, d.CHUNK: chunk, d.ROWS: rows,
-        d.RESIDUAL: plan.residual, d.ACT: plan.act[0],
+        d.RESIDUAL: plan.residual, d.ACT: plan.act[0], d.ROW_A: row_a, d.ROW_B: row_b,
     }  # fmt: skip
     for k, v in values.items():
         g[k] = v
@@ -232,14 +308,20 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class _Launch:
-    """What a call on one input shape needs, worked out on the first such call."""
+    """What a call on one input shape needs, worked out on the first such call: the kernel is
+    called as run(*head, x, packed weights, bias, y, residual, geometry, act_a, act_b, tail)."""
 
     shape: tuple  # the output's
     geometry: np.ndarray
     run: object  # the compiled entry point
+    head: tuple  # its first arguments: the Lanes, and the direct kernel's two Tiles
+    tail: object  # its last: the direct kernel's input channels; the depthwise one's scratch
     scratch: int  # floats of per-thread scratch (depthwise), else 0
     empty: bool  # batch 0: nothing to compute
-    warm: bool = False  # called once: compiled, so no need for the SLP switch
+    # Whether the first call is done. The depthwise kernel is written on tuples that only LLVM's
+    # SLP vectorizer turns into vector code: its first call (which compiles) runs with SLP on.
+    # The direct kernel is written on vectors and needs none.
+    warm: bool = False
 
 
 def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
@@ -257,16 +339,22 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
     if min(shape[2:]) < 1:
         raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
     g = _geometry(plan, xb.shape, threads)
+    L = lanes(plan.block)
     if plan.depthwise:
-        return _Launch(shape, g, _dwconv.dwconv_nchwc, _dwconv.scratch_size(g), n == 0)
-    return _Launch(shape, g, d.entry(plan.fb, plan.in_block), 0, n == 0)
+        return _Launch(shape, g, _dwconv.dwconv_nchwc, (L,), None, _dwconv.scratch_size(g), n == 0)
+    head = (L, tiles.tile(int(g[d.PW]), plan.fb), tiles.tile(1, plan.fb))
+    # Whole blocks of input channels: their count is L's width, a constant the channel loop
+    # unrolls on; fewer (a small-C stem): a number.
+    ci = L if plan.in_block == plan.block else plan.in_block
+    return _Launch(shape, g, d.conv_direct, head, ci, 0, n == 0, warm=True)
 
 
 def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
 
     residual: a blocked array of the output's shape when the plan adds one. The per-shape work
-    (checks, geometry) is done on a shape's first call; a later call costs a dict look-up."""
+    (checks, geometry, the tile) is done on a shape's first call; a later call costs a dict
+    look-up."""
     key = (xb.shape, get_threads()) if isinstance(xb, np.ndarray) else None
     launch = plan.geometry.get(key)
     if launch is None or xb.dtype != np.float32:
@@ -287,11 +375,11 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
         res = yf  # not read
     _, a, b = plan.act
     g = launch.geometry
-    last = per_thread(launch.scratch) if launch.scratch else plan.in_block
+    last = per_thread(launch.scratch) if launch.scratch else launch.tail
     if launch.warm:
-        launch.run(LANES, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+        launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
         return out
     with slp_vectorize():  # the first call may compile: with LLVM's SLP vectorizer
-        launch.run(LANES, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+        launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
     launch.warm = True
     return out

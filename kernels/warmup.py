@@ -129,19 +129,20 @@ def _pointwise():
     dense(x.reshape(8, 9), x.reshape(8, 9))
 
 
-def _blocked_conv(fb_channels):
-    """The blocked direct conv with fb output blocks per tile (fb_channels: output channels
-    that pick that tile), from a blocked input (8 per block) and from a 3-channel one."""
+def _blocked_conv(fb):
+    """The blocked direct conv with fb output blocks per tile, at the tallest tile (rows wide
+    enough for it: conv_nchwc.tile_rows), from whole input blocks and from a 3-channel input."""
 
     def compile_group():
         from .blocked import to_blocked
         from .conv_nchwc import conv_nchwc, prepare_conv_nchwc
+        from .simd import width
 
         rng = np.random.default_rng(0)
-        for c in (8, 3):
-            w = rng.standard_normal((fb_channels, c, 3, 3), dtype=np.float32)
-            plan = prepare_conv_nchwc(w, pads=(1, 1, 1, 1), activation="relu")
-            x = rng.standard_normal((1, c, 6, 7), dtype=np.float32)
+        for c in (width(), 3):
+            w = rng.standard_normal((fb * width(), c, 3, 3), dtype=np.float32)
+            plan = prepare_conv_nchwc(w, pads=(1, 1, 1, 1), activation="relu", tile=fb)
+            x = rng.standard_normal((1, c, 2, 62), dtype=np.float32)
             conv_nchwc(to_blocked(x, block=plan.in_block), plan)
 
     return compile_group
@@ -209,9 +210,9 @@ GROUPS = {
     "pool": _pool,
     "pointwise": _pointwise,
     "blocked_layout": _blocked_layout,
-    "blocked_conv_f4": _blocked_conv(32),
-    "blocked_conv_f2": _blocked_conv(16),
-    "blocked_conv_f1": _blocked_conv(8),
+    "blocked_conv_f4": _blocked_conv(4),
+    "blocked_conv_f2": _blocked_conv(2),
+    "blocked_conv_f1": _blocked_conv(1),
     "transformer": _transformer,
     "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,

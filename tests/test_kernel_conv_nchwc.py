@@ -1,27 +1,41 @@
 """kernels.conv_nchwc (the blocked direct conv with its fused epilogue) and kernels.blocked (the
 layout conversions), against onnxruntime running the unfused Conv [+ Add] [+ activation] graph.
 
-Odd shapes on purpose: channel counts that are not multiples of a block (1, 3, 5, 17, 100),
-images of width 1, 7, 13, 17, asymmetric pads, pads wider than the kernel, dilations, strides,
-groups of whole blocks, batch 2, and every epilogue (activations, a residual before or after).
-The tolerance is the rules' (1e-4 relative plus 1e-5 absolute) on outputs of order 1.
+Odd shapes on purpose: channel counts that are not multiples of a block (1, 3, 5, 17, 20, 100),
+images of width 1, 7, 13, 17, 56, asymmetric pads, pads wider than the kernel, dilations,
+strides, groups of whole blocks, batch 2, and every epilogue (activations, a residual before or
+after). Every case runs at both blocks, 8 and 16 channels (the SIMD width the kernel computes
+at: 16-lane code runs on AVX2 too, as pairs of registers), and the register tiles of both
+register files (AVX2's 16, AVX-512's 32). The tolerance is the rules' (1e-4 relative plus 1e-5
+absolute) on outputs of order 1.
 """
 
+import numba
 import numpy as np
 import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels.blocked import block, from_blocked, to_blocked
+import kernels.conv_nchwc as conv_module
+from kernels import _dwconv
+from kernels.blocked import block_size, from_blocked, to_blocked
+from kernels.config import get_threads, set_threads
 from kernels.conv_nchwc import (
     conv_nchwc,
     output_shape,
     prepare_conv_nchwc,
     supports,
+    tile_blocks,
     tile_options,
+    tile_rows,
 )
+from kernels.simd import width
 
 RTOL, ATOL = 1e-4, 1e-5
+BLOCKS = (8, 16)
+# The depthwise kernel (_dwconv.py) computes 8 lanes until it runs on the SIMD layer at its
+# Lanes' width (it then no longer takes the 8-lane helpers B, load8, store8 from _direct.py).
+DEPTHWISE_BLOCKS = BLOCKS if not hasattr(_dwconv, "load8") else (8,)
 
 node = helper.make_node
 # activation name -> ONNX nodes applying it to "t", writing "a" (and its kernel parameters)
@@ -81,17 +95,19 @@ def reference(x, w, b, attrs, activation=None, residual=None, r=None):
     return run_ort(model, feeds)[0]
 
 
-def run_blocked(x, w, b, attrs, activation=None, residual=None, r=None, tile=None):
+def run_blocked(x, w, b, attrs, activation=None, residual=None, r=None, tile=None, block=None):
     group = attrs.get("group", 1)
     plan = prepare_conv_nchwc(
         w, b, strides=attrs.get("strides", (1, 1)), pads=attrs.get("pads", (0, 0, 0, 0)),
         dilations=attrs.get("dilations", (1, 1)), group=group, activation=activation,
-        residual=residual, tile=tile, **ACTS[activation][1],
+        residual=residual, tile=tile, block=block, **ACTS[activation][1],
     )  # fmt: skip
+    assert plan.block == (width() if block is None else block)
     xb = to_blocked(x, block=plan.in_block)
-    rb = to_blocked(r, block=block()) if residual else None  # the output's block
+    rb = to_blocked(r, block=plan.block) if residual else None
     yb = conv_nchwc(xb, plan, residual=rb)
     assert yb.shape == output_shape(xb.shape, plan)
+    assert yb.shape[-1] == plan.block and yb.shape[1] == -(-w.shape[0] // plan.block)
     return from_blocked(yb, w.shape[0])
 
 
@@ -125,6 +141,9 @@ SHAPES = [
     (1, 17, 9, 13, 7, (1, 3), {"pads": (0, 2, 0, 1)}),  # asymmetric pads, a 1x3 kernel
     (1, 12, 40, 1, 17, (1, 5), {"pads": (0, 2, 0, 2)}),  # a Conv1d written as H = 1
     (2, 100, 8, 17, 1, 3, {"pads": (1, 1, 1, 1)}),  # width 1
+    (1, 20, 24, 6, 56, 3, {"pads": (1, 1, 1, 1)}),  # width 56: a ResNet row
+    (1, 20, 24, 9, 7, 3, {"pads": (1, 1, 1, 1), "dilations": (1, 2)}),  # 5 wide: 1 interior
+    (1, 32, 32, 8, 8, 3, {"pads": (1, 1, 1, 1), "group": 2}),  # groups of 16 channels
     # depthwise (group == C == M): its own kernel
     (1, 20, 20, 13, 13, 3, {"pads": (1, 1, 1, 1), "group": 20}),
     (2, 32, 32, 17, 17, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1), "group": 32}),
@@ -135,35 +154,79 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:6]}{s[6]}")
-def test_against_onnxruntime(shape):
+def blocks_of(shape):
+    """The blocks a case runs at: both, and the depthwise kernel's (see DEPTHWISE_BLOCKS)."""
+    n, c, m, _, _, _, attrs = shape
+    group = attrs.get("group", 1)
+    return DEPTHWISE_BLOCKS if group > 1 and group == c == m else BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [(s, b) for s in SHAPES for b in blocks_of(s)],
+    ids=lambda v: f"{v[:6]}{v[6]}" if isinstance(v, tuple) else f"b{v}",
+)
+def test_against_onnxruntime(shape, block):
     n, c, m, h, w, k, attrs = shape
     x, wt, b, attrs = case(n, c, m, h, w, k, **attrs)
-    assert_close(
-        run_blocked(x, wt, b, attrs, "relu"), reference(x, wt, b, attrs, "relu"), RTOL, ATOL
-    )
+    if supports(wt.shape, attrs["group"], block):  # groups of 8 channels: not whole 16s
+        pytest.skip(supports(wt.shape, attrs["group"], block))
+    got = run_blocked(x, wt, b, attrs, "relu", block=block)
+    assert_close(got, reference(x, wt, b, attrs, "relu"), RTOL, ATOL)
 
 
 @pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("residual", [None, "before", "after"])
-@pytest.mark.parametrize("depthwise", [False, True], ids=["direct", "depthwise"])
-def test_every_epilogue(activation, residual, depthwise):
+@pytest.mark.parametrize(
+    ("depthwise", "block"),
+    [(False, b) for b in BLOCKS] + [(True, b) for b in DEPTHWISE_BLOCKS],
+    ids=lambda v: ("depthwise" if v else "direct") if isinstance(v, bool) else f"b{v}",
+)
+def test_every_epilogue(activation, residual, depthwise, block):
     c, group = (20, 20) if depthwise else (12, 1)
     x, wt, b, attrs = case(2, c, 20, 9, 7, 3, seed=3, group=group, pads=(1, 1, 1, 1))
     r = np.random.default_rng(4).standard_normal((2, 20, 9, 7), dtype=np.float32)
-    got = run_blocked(x, wt, b, attrs, activation, residual, r)
+    got = run_blocked(x, wt, b, attrs, activation, residual, r, block=block)
     assert_close(got, reference(x, wt, b, attrs, activation, residual, r), RTOL, ATOL)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("width", [6, 7, 9])
-def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width):
-    # 512 input channels, 3x3: 590 KB of packed weights per group of 4 output blocks is past
-    # half of any L2 here, so K is cut into chunks and the accumulators wait in the per-item
-    # buffer; widths 6 and 7 leave an interior remainder (an overlapping tile), 9 none.
+def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width, block):
+    # 512 input channels, 3x3, 5 output blocks at 8 lanes (6x2 tiles) or 3 at 16 (6x1 with
+    # AVX2's registers): 295 KB of packed weights per filter group, past half of a 512 KB L2,
+    # so K is cut into chunks and the accumulators wait in the per-item buffer; widths 6 and 7
+    # leave an interior remainder (an overlapping tile), 9 none at 7 pixels.
     x, wt, b, attrs = case(1, 512, 40, 5, width, 3, seed=5, pads=(1, 1, 1, 1))
+    fb = tile_options(wt.shape, block=block)[0]
+    if 512 * 9 * fb * block * 4 <= conv_module._budgets()[0]:
+        pytest.skip("an L2 this large holds these weights: K is not cut (see the next test)")
     r = np.random.default_rng(8).standard_normal((1, 40, 5, width), dtype=np.float32)
-    got = run_blocked(x, wt, b, attrs, "silu", "before", r)
+    got = run_blocked(x, wt, b, attrs, "silu", "before", r, block=block)
     assert_close(got, reference(x, wt, b, attrs, "silu", "before", r), RTOL, ATOL)
+
+
+CHUNK_CASES = [
+    # (tile at 8 lanes, at 16), (n, c, m, h, w, kernel, attrs): widths of the output
+    (((3, 4), (6, 4)), (1, 32, 40, 5, 13, 3, {"pads": (1, 1, 1, 1)})),
+    (((14, 1), (30, 1)), (1, 32, 16, 4, 65, 3, {"pads": (1, 1, 1, 1), "strides": (1, 2)})),
+    ((2, 2), (2, 20, 24, 3, 7, 1, {})),  # 6x2 and 2x2, or narrower
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(("tiles", "shape"), CHUNK_CASES, ids=str)
+def test_k_in_chunks_of_one_block_for_every_tile(monkeypatch, block, tiles, shape):
+    # A budget of one input block's weights per chunk: every chunk boundary parks and reloads
+    # every tile, the overlapping tile and the one-pixel path.
+    monkeypatch.setattr(conv_module, "_budgets", lambda: (1, 1))
+    n, c, m, h, w, k, attrs = shape
+    x, wt, b, attrs = case(n, c, m, h, w, k, seed=9, **attrs)
+    oh, ow = h, (w + 2 * attrs.get("pads", (0,) * 4)[1] - k) // attrs.get("strides", (1, 1))[1] + 1
+    r = np.random.default_rng(10).standard_normal((n, m, oh, ow), dtype=np.float32)
+    tile = tiles[BLOCKS.index(block)]
+    got = run_blocked(x, wt, b, attrs, "hard_swish", "after", r, tile=tile, block=block)
+    assert_close(got, reference(x, wt, b, attrs, "hard_swish", "after", r), RTOL, ATOL)
 
 
 @pytest.mark.parametrize("c", [1, 3, 5, 8, 17, 100])
@@ -171,62 +234,173 @@ def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width):
 def test_layout_round_trip(c, size):
     x = np.random.default_rng(c).standard_normal((2, c, *size), dtype=np.float32)
     xb = to_blocked(x)
-    assert xb.shape[-1] == (block() if c >= block() else c)
+    assert xb.shape[-1] == block_size(c)
     assert np.array_equal(from_blocked(xb, c), x)
     assert not xb[:, -1, ..., c % xb.shape[-1] or xb.shape[-1] :].any()  # padding is zero
-    assert np.array_equal(from_blocked(to_blocked(x, block=8), c), x)
+    for b in BLOCKS:
+        assert np.array_equal(from_blocked(to_blocked(x, block=b), c), x)
 
 
-def test_nan_and_inf_pass_through_like_onnxruntime():
-    x, wt, b, attrs = case(1, 8, 8, 6, 6, 3, pads=(1, 1, 1, 1))
-    x[0, 2, 3, 3], x[0, 5, 0, 0] = np.nan, np.inf
-    got = run_blocked(x, wt, b, attrs, "relu")
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("where", ["interior", "edge"])
+def test_nan_and_inf_pass_through_like_onnxruntime(block, where):
+    x, wt, b, attrs = case(1, 20, 24, 6, 13, 3, pads=(1, 1, 1, 1))
+    col = 6 if where == "interior" else 0  # a tile's column, or the one-pixel path's
+    x[0, 2, 3, col], x[0, 17, 0, 12 - col] = np.nan, np.inf
+    got = run_blocked(x, wt, b, attrs, "relu", block=block)
     want = reference(x, wt, b, attrs, "relu")
-    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want))
     assert_close(got, want, RTOL, ATOL)
 
 
 def test_refusals_say_why():
-    assert "whole blocks of 8" in supports((12, 3, 3, 3), group=4)
-    assert supports((16, 8, 3, 3), group=2) is None
+    assert "whole blocks of 8" in supports((12, 3, 3, 3), group=4, block=8)
+    assert supports((16, 8, 3, 3), group=2, block=8) is None
+    assert "whole blocks of 16" in supports((16, 8, 3, 3), group=2, block=16)
+    assert supports((32, 16, 3, 3), group=2, block=16) is None
     with pytest.raises(ValueError, match="whole blocks"):
         prepare_conv_nchwc(np.ones((12, 3, 3, 3), np.float32), group=4)
-    plan = prepare_conv_nchwc(np.ones((8, 16, 3, 3), np.float32))
-    with pytest.raises(ValueError, match="reads 16 channels"):
-        conv_nchwc(to_blocked(np.ones((1, 8, 5, 5), np.float32)), plan)
-    with pytest.raises(ValueError, match="empty"):
-        conv_nchwc(to_blocked(np.ones((1, 16, 2, 2), np.float32)), plan)
+    with pytest.raises(ValueError, match="whole blocks of 16"):
+        prepare_conv_nchwc(np.ones((16, 8, 3, 3), np.float32), group=2, block=16)
+    with pytest.raises(ValueError, match="block"):
+        prepare_conv_nchwc(np.ones((8, 8, 3, 3), np.float32), block=4)
+    for block in BLOCKS:
+        plan = prepare_conv_nchwc(np.ones((8, 32, 3, 3), np.float32), block=block)
+        with pytest.raises(ValueError, match="reads 32 channels"):
+            conv_nchwc(to_blocked(np.ones((1, 16, 5, 5), np.float32), block=block), plan)
+        with pytest.raises(ValueError, match="reads 32 channels"):  # the other block
+            conv_nchwc(to_blocked(np.ones((1, 32, 5, 5), np.float32), block=24 - block), plan)
+        with pytest.raises(ValueError, match="empty"):
+            conv_nchwc(to_blocked(np.ones((1, 32, 2, 2), np.float32), block=block), plan)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("group", [1, 8], ids=["direct", "depthwise"])
-def test_batch_0_gives_an_empty_output(group):
+def test_batch_0_gives_an_empty_output(group, block):
     x, wt, b, attrs = case(1, 8, 8, 6, 6, 3, group=group, pads=(1, 1, 1, 1))
-    got = run_blocked(x[:0], wt, b, attrs, "relu")
+    got = run_blocked(x[:0], wt, b, attrs, "relu", block=block)
     assert got.shape == (0, 8, 6, 6)
 
 
-@pytest.mark.parametrize("tile", [4, 2, 1])
+# The tiles the rule gives with AVX2's 16 registers (3x4, 4x3, 6x2, 14x1 at 8 lanes; 1x4, 2x2,
+# 6x1 at 16) and with AVX-512's 32 (6x4, 9x3, 14x2, 30x1 at 16 lanes), forced: on a CPU with
+# fewer registers LLVM spills, and the sums are the same.
+TILES = {8: [(3, 4), (4, 3), (6, 2), (14, 1)], 16: [(6, 4), (9, 3), (14, 2), (30, 1), (1, 4),
+                                                    (2, 2), (6, 1)]}  # fmt: skip
+
+
+@pytest.mark.parametrize(("block", "tile"), [(b, t) for b in BLOCKS for t in TILES[b]], ids=str)
 @pytest.mark.parametrize(
     "shape",
     [
-        (1, 12, 24, 5, 17, 3, {"pads": (1, 1, 1, 1)}),  # interior 15: whole tiles + an overlap
-        (2, 16, 40, 3, 30, 1, {}),  # 1x1: every column interior
-        (1, 8, 8, 4, 5, 3, {"pads": (1, 1, 1, 1)}),  # a row narrower than most tiles
+        (1, 16, 40, 5, 17, 3, {"pads": (1, 1, 1, 1)}),  # interior 15: whole tiles + an overlap
+        (2, 32, 72, 3, 47, 1, {}),  # 1x1: every column interior
+        (1, 16, 8, 4, 5, 3, {"pads": (1, 1, 1, 1)}),  # a row narrower than most tiles
     ],
-    ids=lambda s: f"{s[:6]}" if isinstance(s, tuple) else str(s),
+    ids=lambda s: f"{s[:6]}",
 )
-def test_every_register_tile(shape, tile):
+def test_every_register_tile(shape, block, tile):
     n, c, m, h, w, k, attrs = shape
     x, wt, b, attrs = case(n, c, m, h, w, k, seed=6, **attrs)
     r = np.random.default_rng(7).standard_normal((n, m, h, w), dtype=np.float32)
-    got = run_blocked(x, wt, b, attrs, "sigmoid", "after", r, tile=tile)
+    got = run_blocked(x, wt, b, attrs, "sigmoid", "after", r, tile=tile, block=block)
     assert_close(got, reference(x, wt, b, attrs, "sigmoid", "after", r), RTOL, ATOL)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("width", [1, 7, 13, 56])
+@pytest.mark.parametrize(
+    ("c", "m", "attrs"),
+    [
+        (3, 24, {"pads": (1, 1, 1, 1)}),  # a stem: input blocks of 3 channels
+        (20, 24, {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+        (20, 16, {"pads": (2, 2, 2, 2), "dilations": (2, 2)}),
+        (16, 8, {}),  # 1x1 below: 8 channels, one block padded at 16 lanes
+    ],
+    ids=str,
+)
+def test_output_widths_at_the_rule_s_tiles(block, width, c, m, attrs):
+    k = 1 if not attrs else 3
+    x, wt, b, attrs = case(1, c, m, 3, width * attrs.get("strides", (1, 1))[1], k, seed=11,
+                           **attrs)  # fmt: skip
+    got = run_blocked(x, wt, b, attrs, "clip", block=block)
+    assert got.shape[-1] == width
+    assert_close(got, reference(x, wt, b, attrs, "clip"), RTOL, ATOL)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel split into work items of all rows (1 thread) or of a few (2)."""
+    before = get_threads()
+    set_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield request.param
+    set_threads(before)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("chunks", [False, True], ids=["whole-K", "K-in-chunks"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (4, 16, 32, 11, 7, 3, {"pads": (1, 1, 1, 1)}),  # a late layer's 7-wide rows
+        (2, 8, 24, 9, 3, 3, {"pads": (1, 1, 1, 1)}),  # 3 wide: no row tile, all columns down
+        (3, 20, 16, 27, 9, 3, {"pads": (2, 1, 2, 1), "strides": (2, 1), "dilations": (2, 1)}),
+        (2, 16, 40, 14, 14, (5, 3), {"pads": (2, 0, 2, 0)}),  # no edge columns: none down
+    ],
+    ids=lambda s: f"{s[:6]}{s[6]}",
+)
+def test_edge_columns_run_down_the_rows(threads, monkeypatch, block, chunks, shape):
+    # An edge column's pixels in rows whose vertical taps are all inside run as tiles down the
+    # rows (and an overlapping one), in work items of every row or of a few; the rest (top and
+    # bottom rows, short items) one pixel at a time; with K in chunks they park in slots of
+    # their own.
+    if chunks:
+        monkeypatch.setattr(conv_module, "_budgets", lambda: (1, 1))
+    n, c, m, h, w, k, attrs = shape
+    x, wt, b, attrs = case(n, c, m, h, w, k, seed=12, **attrs)
+    want = reference(x, wt, b, attrs, "tanh")
+    r = np.random.default_rng(13).standard_normal(want.shape, dtype=np.float32)
+    got = run_blocked(x, wt, b, attrs, "tanh", "after", r, block=block)
+    assert_close(got, reference(x, wt, b, attrs, "tanh", "after", r), RTOL, ATOL)
+
+
 def test_tile_options():
-    assert tile_options((64, 64, 3, 3)) == (4,)  # 8 blocks: no tile computes padding
-    assert tile_options((24, 16, 1, 1)) == (4, 1)  # 3 blocks: 3x4 padded, or 12x1 tight
-    assert tile_options((8, 16, 1, 1)) == (1,)
+    assert tile_options((64, 64, 3, 3), block=8) == (4,)  # 8 blocks: no tile computes padding
+    assert tile_options((24, 16, 1, 1), block=8) == (3,)  # 3 blocks: 4x3, no padding
+    assert tile_options((40, 16, 1, 1), block=8) == (2, 1)  # 5: 6x2 padded, or 14x1 tight
+    assert tile_options((8, 16, 1, 1), block=8) == (1,)
+    assert tile_options((16, 16, 1, 1), block=16) == (1,)
     assert tile_options((32, 1, 3, 3), group=32) == (1,)  # depthwise: its own kernel
+    assert tile_options((64, 64, 3, 3)) == tile_options((64, 64, 3, 3), block=width())
     with pytest.raises(ValueError, match="tile"):
-        prepare_conv_nchwc(np.ones((8, 8, 1, 1), np.float32), tile=3)
+        prepare_conv_nchwc(np.ones((8, 8, 1, 1), np.float32), tile=5)
+    with pytest.raises(ValueError, match="tile"):
+        prepare_conv_nchwc(np.ones((8, 8, 1, 1), np.float32), tile=(0, 2))
+
+
+def test_tile_blocks_rank_by_fmas_per_load(monkeypatch):
+    # With AVX-512's 32 registers of 16 lanes: 6x4 (2.4 FMAs per load), 9x3, 14x2, 30x1.
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
+    assert [conv_module.tiles.fit_rows(fb, 16) for fb in (4, 3, 2, 1)] == [6, 9, 14, 30]
+    assert tile_blocks(8, 16) == (4,)
+    assert tile_blocks(3, 16) == (3,)
+    assert tile_blocks(6, 16) == (4, 2)  # 6x4 with a quarter padding, or 14x2 tight
+    assert tile_blocks(5, 16) == (4, 1)  # 6x4 with 3 padded of 8, or 30x1 tight
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
+    assert [conv_module.tiles.fit_rows(fb, 8) for fb in (4, 3, 2, 1)] == [3, 4, 6, 14]
+
+
+def test_tile_rows_narrow_for_narrow_rows(monkeypatch):
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
+    assert tile_rows(4, 8, 54) == 3  # a 56-wide 3x3 row: 18 tiles of 3
+    assert tile_rows(1, 8, 56) == 14
+    assert tile_rows(1, 8, 5) == 4  # 7 wide, 3x3: two tiles of 4 overlapping
+    assert tile_rows(1, 8, 12) == 7
+    assert tile_rows(2, 8, 5) == 3
+    assert tile_rows(4, 8, 1) == 3  # no tile fits: the one-pixel path
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
+    assert tile_rows(4, 16, 5) == 3  # 7x7 late layers at 16 lanes: 2 tiles of 3x4, not 6x4
+    assert tile_rows(4, 16, 54) == 6
+    assert tile_rows(4, 16, 56) == 6  # 60 slots, 3x4 57: not worth twice the weight traffic
+    assert tile_rows(4, 16, 13) == 3  # 18 slots, 3x4 15
+    assert tile_rows(1, 16, 26) == 15
