@@ -16,6 +16,7 @@ import onnx
 
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.pattern import Alt, Const, Op, Opt, Output, Pattern, Var
+from fusion.shapes import shape_entries
 
 FULL_MATCH = 1000  # score bonus of a failure found after the whole pattern matched
 
@@ -88,6 +89,13 @@ class Match:
 
     def attrs(self, name: str) -> dict:
         return self.view.attributes(self.node(name))
+
+    def shape_entries(self, name: str, known: dict | None = None) -> list | None:
+        """The entries of the 1-D shape tensor captured as `name`, each a constant or the
+        size of some tensor's axis (fusion.shapes.shape_entries; `known`: sizes the rule
+        knows). None when it is absent or computed some other way."""
+        value = self.values.get(name)
+        return None if value is None else shape_entries(self.view, value, known)
 
     def type(self, name: str) -> ValueType | None:
         value = self.values.get(name)

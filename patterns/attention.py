@@ -20,7 +20,7 @@ fused inputs the kernel ignores; where TorchScript reads them from values inside
 (Shape of the Split's outputs), the rule absorbs those shape computations (Rule.absorb_shapes).
 The reshapes that only regroup the heads (the flattened K^T, the no-op Reshape) are checked
 entry by entry: each target entry must be the size of the right axis of a head tensor of the
-match (fusion.shapes.shape_entries), so the match is the same computation at every shape.
+match (Match.shape_entries), so the match is the same computation at every shape.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
-from fusion.shapes import shape_entries
 from patterns.linear import (
     check_linear,
     linear_attributes,
@@ -221,7 +220,7 @@ def check(m) -> str | None:
 def _target(m, name: str, want: list, constants: dict, known=None) -> str | None:
     """Why Reshape target `name` is not `want` (entry k: one of want[k], (tensor, axis) pairs
     or -1, or the number constants[k]), else None. `known`: sizes to count as constants."""
-    got = shape_entries(m.view, m[name], known)
+    got = m.shape_entries(name, known)
     ok = got is not None and len(got) == len(want)
     for k, e in enumerate(got if ok else []):
         ok = ok and (e in want[k] or (k in constants and e == constants[k]))
@@ -284,7 +283,7 @@ def _entry(m, name: str, known: dict, default=None):
     """The one entry of 1-D input `name` (a Slice's starts, ends, axes or steps), or default."""
     if m[name] is None:
         return default
-    got = shape_entries(m.view, m[name], known)
+    got = m.shape_entries(name, known)
     return got[0] if got is not None and len(got) == 1 else None
 
 
