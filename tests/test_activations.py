@@ -135,7 +135,7 @@ def test_every_kind_through_the_depthwise_epilogue(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_through_the_elementwise_epilogue(kind, residual):
     """y = act(x s + t) (+ r) per channel, NCHW planes of 35 pixels (4 vectors and a tail) and
-    blocked pixels, 12 channels (a partial block)."""
+    blocked pixels in blocks of 8 and 16, 12 channels (a partial block)."""
     rng = np.random.default_rng(KINDS.index(kind))
     x = with_specials((2, 12, 5, 7), 2)
     s = rng.uniform(0.5, 2.0, 12).astype(np.float32) * rng.choice([-1, 1], 12).astype(np.float32)
@@ -149,9 +149,10 @@ def test_every_kind_through_the_elementwise_epilogue(kind, residual):
     plan = prepare_pointwise(12, s, t, activation=kind, residual=residual, **ONNX[kind][1])
     r = feeds.get("r")
     assert_close(pointwise(x, plan, residual=r), want, RTOL, ATOL, what=f"NCHW {kind}")
-    rb = None if r is None else to_blocked(r)
-    got = from_blocked(pointwise_blocked(to_blocked(x), plan, residual=rb), 12)
-    assert_close(got, want, RTOL, ATOL, what=f"blocked {kind}")
+    for b in (8, 16):  # both SIMD widths' blocks, whatever this process's width
+        rb = None if r is None else to_blocked(r, block=b)
+        got = from_blocked(pointwise_blocked(to_blocked(x, block=b), plan, residual=rb), 12)
+        assert_close(got, want, RTOL, ATOL, what=f"blocked {kind} block {b}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -43,6 +43,7 @@ from fusion.cli import main
 from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
 from fusion.models.builder import GraphBuilder
+from kernels.blocked import block
 from patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
@@ -230,9 +231,10 @@ def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     ]  # fmt: skip
     assert all(r["fusion_gflops"] > 0 and r["ort-all_gflops"] > 0 for r in rows)
     # a fused conv's kernel is timed alone, in its own layout, and named (the 1x1's 16 output
-    # channels are two blocks: its tile is f2)
+    # channels are two blocks of 8 with AVX2, one of 16 with AVX-512: its tile is f2 or f1)
+    fb = -(-16 // block())
     assert [r.get("kernel", "") for r in rows] == ["ConvBiasRelu (blocked-f1)"] * 2 + [
-        "ConvBiasRelu (blocked-f2)"
+        f"ConvBiasRelu (blocked-f{fb})"
     ]
     classes = {c["class"]: c for c in doc["batches"]["1"]["classes"]}
     assert sum(c["flop_share"] for c in classes.values()) == pytest.approx(1.0)
