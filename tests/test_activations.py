@@ -118,7 +118,7 @@ def test_every_kind_through_the_blocked_conv_epilogue(kind, residual):
     x, w, b, r, attrs, want = conv_case(kind, residual, depthwise=False)
     plan = prepare_conv_nchwc(w, b, activation=kind, residual=residual, **ONNX[kind][1])
     yb = conv_nchwc(to_blocked(x, block=plan.in_block), plan,
-                    residual=None if r is None else to_blocked(r))  # fmt: skip
+                    residual=None if r is None else to_blocked(r, block=plan.block))  # fmt: skip
     assert_close(from_blocked(yb, 12), want, RTOL, ATOL, what=f"{kind} {residual}")
 
 
@@ -127,7 +127,7 @@ def test_every_kind_through_the_depthwise_epilogue(kind):
     x, w, b, _, attrs, want = conv_case(kind, None, depthwise=True)
     plan = prepare_conv_nchwc(w, b, pads=(1, 1, 1, 1), group=12, activation=kind,
                               **ONNX[kind][1])  # fmt: skip
-    got = from_blocked(conv_nchwc(to_blocked(x), plan), 12)
+    got = from_blocked(conv_nchwc(to_blocked(x, block=plan.in_block), plan), 12)
     assert_close(got, want, RTOL, ATOL, what=kind)
 
 
