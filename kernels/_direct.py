@@ -21,11 +21,12 @@ row [COL_A, COL_B) run in whole tiles along the row, reading the input in place 
 after whole tiles runs as one more tile overlapping the last, recomputing a few pixels rather
 than taking them one at a time). The other columns (at a padded edge, or all of a row narrower
 than a tile) run as the same tiles down the rows, where every vertical tap is inside the image
-[ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x apart. What remains (the
-corners, the edges of a work item with fewer rows than a tile) runs one pixel at a time, a
-1 x FB tile on that pixel's own taps split over two tiles (FB chains alone wait on FMA
-latency); each weight vector then feeds FB FMAs, where a tile's feeds PW FB, and a narrow
-image's edges, run that way, waited on the weights' traffic from L2. No loop tests a bound.
+[ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x apart, so a weight
+vector loaded feeds PW FMAs there too. What remains (the corners, the edges of a work item with
+fewer rows than a tile) runs one pixel at a time, a 1 x FB tile on that pixel's own taps, split
+over two tiles (FB chains alone wait on FMA latency): there each weight vector feeds one FMA,
+and a narrow image's edges run that way waited on the weights' traffic from L2. No loop tests
+a bound.
 When a group's weights do not fit in half of L2, K is cut into chunks of input blocks, and a
 work item sweeps all its rows per chunk with the accumulators parked in a small buffer between
 chunks (overlapping tiles in slots of their own).
@@ -147,11 +148,11 @@ def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
 
 @numba.jit(**INLINE_GEMM)
 def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
-    """Accumulators parked in tbuf (vector k = p fb + f, for pixels p < npx and blocks f < nb)
-    into y, one vector of a block's W = L.width channels at a time: the bias of its block, the
-    residual (kernels/epilogue.py), the clip [lo, hi]; the whole epilogue when the activation
-    is a clip, else its part before the activation (_activate does the rest). Offsets are
-    flat element offsets, signed or not."""
+    """(The depthwise kernel's, _dwconv.py.) Accumulators parked in tbuf (vector k = p fb + f,
+    for pixels p < npx and blocks f < nb) into y, one vector of a block's W = L.width channels
+    at a time: the bias of its block, the residual (kernels/epilogue.py), the clip [lo, hi];
+    the whole epilogue when the activation is a clip, else its part before the activation
+    (_activate does the rest). Offsets are flat element offsets, signed or not."""
     w = L.width
     yo, ystride, bo = np.int64(yo), np.int64(ystride), np.int64(bo)
     for k in range(npx * fb):
@@ -235,10 +236,9 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
     Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
     edges, or every column of a row narrower than a tile) run as column tiles down the rows
     [cr0, r_end) whose vertical taps are all inside the image, [ROW_A, ROW_B): those pixels
-    of a column share their taps, PW rows apart in x (SH W BI), so one weight vector serves
-    PW pixels there too (one pixel at a time, each weight load feeds FB FMAs, and a narrow
-    image's edges would wait on the weights' traffic). What is left (the top and bottom rows'
-    edges, and columns of an item with fewer rows than a tile) runs one pixel at a time."""
+    of a column share their taps, SH W BI floats of x apart from row to row. What is left
+    (the top and bottom rows' edges, and columns of an item with fewer rows than a tile) runs
+    one pixel at a time."""
     w, pw, fb = L.width, T.rows, T.cols
     bi = _count(ci)
     oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
@@ -283,7 +283,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 else:
                     tile_store(acc, ao, a)
             if n_down > 0 and cr0 <= oh < r_end:
-                continue  # its edges are in column tiles
+                continue  # its edges are in column tiles, its activation after them
             for ow in range(ow_len):
                 if col_a <= ow < c_end:
                     continue
@@ -297,6 +297,8 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                     _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
                 else:
                     tile_store(acc, ao, p)
+            if last and not simple:  # while the row is in cache
+                _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
         if n_down > 0:
             n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
             e = 0
@@ -315,8 +317,8 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                     else:
                         tile_store(acc, ao, a)
                 e += 1
-        if last and not simple:
-            for oh in range(r0, r1):
+        if last and not simple and n_down > 0:
+            for oh in range(cr0, r_end):
                 yo = y0 + oh * ow_len * w
                 _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
 
