@@ -205,15 +205,17 @@ def _dense(L, T, x, xp, w, y, r, has_r, bias, kind, act_a, act_b, n_rb, n_cb, kc
     mr = T.rows
     row_tiles = -(-m_len // mr)
     panels = -(-y.shape[1] // (T.cols * L.width))
+    lw = L.width
     for i in numba.prange(row_tiles):  # xp[(i K + k) MR + j] = x[i MR + j, k], 0 past M
         base, m0 = i * k_len * mr, i * mr
-        for j in range(mr):
-            if m0 + j < m_len:
-                for k in range(k_len):
-                    xp[base + k * mr + j] = x[m0 + j, k]
-            else:
-                for k in range(k_len):
-                    xp[base + k * mr + j] = 0.0
+        k = 0
+        if m0 + mr <= m_len:
+            while k + lw <= k_len:
+                _gemm.interleave_rows(L, T, x, m0 * k_len + k, k_len, xp, base + k * mr)
+                k += lw
+        for kk in range(k, k_len):
+            for j in range(mr):
+                xp[base + kk * mr + j] = x[m0 + j, kk] if m0 + j < m_len else 0.0
     for item in numba.prange(n_rb * n_cb):
         cb, rb = item // n_rb, item % n_rb
         i0, i1 = rb * row_tiles // n_rb, (rb + 1) * row_tiles // n_rb
@@ -246,17 +248,20 @@ def _makespan(row_tiles, panels, n_rb, n_cb, threads):
 def blocking(m, k, n, mr, nr, threads):
     """(row blocks, column blocks, kc) for an [M, K] x [K, N] product on MR x NR tiles:
 
-    kc   the K block: a panel's kc x NR weights in half of L1, K cut into equal blocks;
-    rows blocks of row tiles with kc x Mc of x in half of L2;
+    kc   the K block, K cut into equal blocks of at most a quarter of L2 per panel's kc x NR
+         weights: a panel stays in L2 while every row tile of the item passes, and K is
+         rarely cut (each cut reloads and stores the item's partial sums, 3-5% per cut at
+         kc = 256: a panel in L1 did not pay for it, bench/NOTES.md);
+    rows blocks of row tiles whose packed kc x Mc of x fits L2 (it passes once per panel);
     the split with the least tiles on the busiest thread (prange's equal item counts), then
     the fewest items (each re-reads its x block), then the fewest row blocks (each re-reads
     its W block)."""
-    l1, l2 = cache_bytes(1), cache_bytes(2)
-    kc_max = max(16, l1 // 2 // (nr * 4))
+    l2 = cache_bytes(2)
+    kc_max = max(16, l2 // 4 // (nr * 4))
     n_kb = max(1, -(-k // kc_max))
     kc = max(1, -(-k // n_kb))
     row_tiles, panels = max(1, -(-m // mr)), max(1, -(-n // nr))
-    tiles_per_block = max(1, l2 // 2 // (kc * 4 * mr))
+    tiles_per_block = max(1, l2 // (kc * 4 * mr))
     least_rb = -(-row_tiles // tiles_per_block)
     best = None
     for n_rb in range(least_rb, min(row_tiles, max(4 * least_rb, 2 * threads)) + 1):
