@@ -158,26 +158,36 @@ def dense_item(L, T, xp, k_len, w, y, r, has_r, bias, kind, act_a, act_b, i0, i1
                 rows = min(mr, m_len - m0)
                 t = _gemm.panel_sum(L, T, xp, (i * k_len + k0) * mr, w, wo, nr, kl)
                 yo = m0 * n_len + n0
-                for ir in range(mr):  # unrolled: the tile's indices are constants
-                    for c in range(T.cols):
-                        left = cols - c * wd
-                        if ir < rows and left > 0:
+                if rows == mr and cols == nr and first and last:  # most tiles: fewer tests
+                    for ir in range(mr):  # unrolled: the tile's indices are constants
+                        for c in range(T.cols):
                             q = yo + ir * n_len + c * wd
-                            full = left >= wd
-                            m = tail_mask(L, left)
-                            v = t[ir][c]
-                            if not first:
-                                v += vload(L, y, q) if full else vload_masked(L, y, q, m)
-                            if last:
-                                v += vload(L, bias, n0 + c * wd)
-                                if simple:
-                                    v = clip(v, lo, hi)
-                                    if has_r:
-                                        v += vload(L, r, q) if full else vload_masked(L, r, q, m)
-                            if full:
-                                vstore(y, q, v)
-                            else:
-                                vstore_masked(y, q, v, m)
+                            v = t[ir][c] + vload(L, bias, n0 + c * wd)
+                            if simple:
+                                v = clip(v, lo, hi)
+                                if has_r:
+                                    v += vload(L, r, q)
+                            vstore(y, q, v)
+                else:  # an edge tile, or K in blocks (masked loads: rare, and cheap)
+                    for ir in range(mr):
+                        for c in range(T.cols):
+                            left = cols - c * wd
+                            if ir < rows and left > 0:
+                                q = yo + ir * n_len + c * wd
+                                m = tail_mask(L, left)
+                                v = t[ir][c]
+                                if not first:
+                                    v += vload_masked(L, y, q, m)
+                                if last:
+                                    v += vload(L, bias, n0 + c * wd)
+                                    if simple:
+                                        v = clip(v, lo, hi)
+                                        if has_r:
+                                            v += vload_masked(L, r, q, m)
+                                if left >= wd:  # a store under a mask costs more
+                                    vstore(y, q, v)
+                                else:
+                                    vstore_masked(y, q, v, m)
                 if last and not simple:
                     for ir in range(rows):
                         for c in range(T.cols):
