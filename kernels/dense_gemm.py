@@ -20,11 +20,12 @@ MR rows at a time, ran at 80% of the packed speed: bench/NOTES.md). Blocking, BL
 
 Work items are cut so that prange's equal split of them gives every thread the same number
 of tiles (blocking()), column blocks outermost: each thread reads its own share of W once.
-The epilogue keeps the common kinds (GELU in both forms, SiLU, the clips) in code of their
-own with the fit inlined, the others through the table's activate (a call per vector costs
-as much as the erf in a row pass, bench/NOTES.md). Rows past M and columns past N are not
-stored (masked stores). A NaN or inf in x reaches every column of its row (NaN * w and inf *
-0 are NaN, inf * w is inf), as onnxruntime's MLAS gives.
+The epilogue: bias, a clip (identity, relu, clip) and the residual on the tile's registers;
+another activation on the stored tile while it is in L1, GELU in both forms and SiLU with
+their fits inlined, the rest through the table's activate (a call per vector costs as much
+as the erf, bench/NOTES.md). Rows past M and columns past N are not stored (masked stores).
+A NaN or inf in x reaches every column of its row (NaN * w and inf * 0 are NaN, inf * w is
+inf), as onnxruntime's MLAS gives.
 
 Why not NumPy's BLAS: OpenBLAS's idle workers spin on the cores the next kernel needs, it
 cannot fuse the epilogue, and it packs W again on every call.
@@ -137,8 +138,8 @@ def dense_item(L, T, xp, k_len, w, y, r, has_r, bias, kind, act_a, act_b, i0, i1
     and stored. Another activation goes over the stored tile while it is in L1, one copy of
     its code per kernel (in the registers' loop, unrolled per accumulator, LLVM left the loop
     rolled and picked each accumulator through a jump table). Everything per tile is in this
-    one function: a call with array arguments increfs them (an atomic on a line that both
-    threads share), unless Numba can prune the pair, which a call inside the callee stops."""
+    one function: a callee taking the arrays increfed them on every call (an atomic on a line
+    that both threads share; Numba prunes the pair only in simple functions)."""
     m_len, n_len = y.shape
     mr, wd = T.rows, L.width
     nr = T.cols * wd
