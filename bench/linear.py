@@ -57,6 +57,7 @@ RULE = Rule(
     check=check,
     accumulates=True,
     priority=2,  # after the catalog's own linear rules (LinearAct takes classifier heads)
+    from_last=True,  # the Add first: a match rooted at the MatMul would leave the bias out
     description="bench only: a 2-D MatMul/Gemm + bias on the dense GEMM",
 )
 
