@@ -3,9 +3,9 @@
 One family per module, each with its validating wrapper(s), all exported here by name. The
 exports load on first use: a family module compiles (or loads from the cache) Numba code,
 which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
-A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense, pointwise,
-linear_act) is reached through the module, `kernels.fire.fire`: exporting it by name would
-shadow the module (`import kernels.fire as m` would then give the function).
+A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense, dense_gemm,
+pointwise, linear_act) is reached through the module, `kernels.fire.fire`: exporting it by
+name would shadow the module (`import kernels.fire as m` would then give the function).
 
     from kernels import conv2d_bias_act, prepare_conv2d, set_threads
 """
@@ -26,7 +26,8 @@ _EXPORTS = {
         "prepare_maxpool",
     ),  # fmt: skip
     "pointwise": ("PointwisePlan", "pointwise_blocked", "prepare_pointwise"),
-    "linear_act": ("bias_act",),
+    "dense_gemm": ("DensePlan", "prepare_dense"),
+    "linear_act": ("GatedMLPPlan", "gated_mlp", "prepare_gated_mlp"),
     "attention": ("attention_core",),
     "layernorm": ("layer_norm",),
     "lstm": ("LSTMPlan", "lstm_cell", "lstm_sequence", "prepare_lstm"),

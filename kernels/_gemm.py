@@ -28,7 +28,18 @@ from numba.extending import intrinsic
 
 from .config import INLINE_GEMM, JIT, JIT_GEMM
 from .simd import clip, gemm_tile, lanes, tail_mask, tile_fma, tile_store, tile_zeros
-from .simd._types import I32, Mask, Vec, llvm_call, vector_type
+from .simd._types import (
+    I32,
+    Mask,
+    Vec,
+    array_arg,
+    index_arg,
+    lanes_arg,
+    llvm_call,
+    pointer,
+    vector_type,
+)
+from .simd.tile import TileType
 
 
 def micro_tile(width=None):
@@ -134,6 +145,45 @@ def store_at_masked(typingctx, out, n, m, q, v, mask):
         return context.get_dummy_value()
 
     return types.void(out, n, m, q, v, mask), codegen
+
+
+@intrinsic
+def interleave_rows(typingctx, L, T, x, xo, ldx, xp, po):
+    """xp[po + k MR + j] = x[xo + j ldx + k] for k < W, j < MR: W columns of MR rows of a
+    row-major matrix into the micro-kernel's A panel layout ([K, MR], packing x for the dense
+    GEMM), MR vector loads and MR vector stores (LLVM's shuffles in between) where element by
+    element it took two cycles a value. Flat offsets into C-contiguous arrays, unchecked."""
+    w = lanes_arg(L, "interleave_rows")
+    if not isinstance(T, TileType):
+        raise TypingError(f"interleave_rows: the shape must be a Tile, got {T}")
+    mr = T.rows
+    array_arg(x, "interleave_rows")
+    array_arg(xp, "interleave_rows", store=True)
+    for i in (xo, ldx, po):
+        index_arg(i, "interleave_rows")
+
+    def codegen(context, builder, sig, args):
+        _, _, xty, xot, ldt, pty, pot = sig.args
+        _, _, xv, xov, ldv, pv, pov = args
+        x0 = context.cast(builder, xov, xot, types.intp)
+        ld = context.cast(builder, ldv, ldt, types.intp)
+        p0 = context.cast(builder, pov, pot, types.intp)
+        rows = []
+        for j in range(mr):
+            off = builder.add(x0, builder.mul(ld, ir.Constant(ld.type, j)))
+            rows.append(builder.load(pointer(context, builder, xty, xv, types.intp, off, w),
+                                     align=4))  # fmt: skip
+        for q in range(mr):
+            vec = ir.Constant(vector_type(w), ir.Undefined)
+            for lane in range(w):
+                k, j = divmod(q * w + lane, mr)
+                vec = builder.insert_element(vec, builder.extract_element(rows[j], I32(k)),
+                                             I32(lane))  # fmt: skip
+            off = builder.add(p0, ir.Constant(p0.type, q * w))
+            builder.store(vec, pointer(context, builder, pty, pv, types.intp, off, w), align=4)
+        return context.get_dummy_value()
+
+    return types.void(L, T, x, xo, ldx, xp, po), codegen
 
 
 @numba.jit(**JIT_GEMM)

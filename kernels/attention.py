@@ -21,6 +21,9 @@ along a row of scores. A key block whose mask entries are all below -1e30 for ev
 of the block is skipped when every query row has some key above it (then exp underflows to
 exactly 0 there, as in onnxruntime's Softmax): a causal mask costs half the work.
 The driver is parallel over (batch, head, query block); each task has its own scratch.
+The two projections are kernels/dense_gemm.py's GEMM on weights packed once (the caller's
+plans), their biases and the residual applied in its epilogue; the QKV product is stored
+straight into the buffer the core reads.
 """
 
 import numba
@@ -28,7 +31,7 @@ import numpy as np
 
 from ._gemm import tile_sum
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, slp_vectorize
-from .linear_act import bias_act
+from .dense_gemm import dense_gemm
 from .simd import (
     exp,
     hsum,
@@ -327,35 +330,36 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
     return out
 
 
-def attention(x, w_qkv, b_qkv, heads, kv_heads, scale, w_out, b_out, mask=None, residual=None,
+def attention(x, qkv_plan, heads, kv_heads, scale, out_plan, mask=None, residual=None,
               out_shape=None, nan_to_zero=False, rotary=None):  # fmt: skip
-    """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; w_qkv [E, (H + 2 Hkv) D] (Q, K,
-    V columns), b_qkv its bias, w_out [H D, N], b_out [N]: [B, S, N], or out_shape (the same
-    values; the residual broadcasts to it); nan_to_zero as attention_core's; rotary: (cos,
-    sin), the rotary embedding of Q and K (rotate).
+    """y = MHA(x) Wo + bo (+ residual) for x [B, S, E] float32; qkv_plan = prepare_dense(w_qkv,
+    b_qkv) with w_qkv [E, (H + 2 Hkv) D] (Q, K, V columns), out_plan = prepare_dense(w_out,
+    b_out) with w_out [H D, N] (kernels/dense_gemm.py: weights packed once): [B, S, N], or
+    out_shape (the same values; the residual broadcasts to it); nan_to_zero as
+    attention_core's; rotary: (cos, sin), the rotary embedding of Q and K (rotate).
 
-    >>> y = attention(x, w_qkv, b_qkv, 12, 12, 0.125, w_out, b_out, mask)
+    >>> y = attention(x, prepare_dense(w_qkv, b_qkv), 12, 12, 0.125,
+    ...               prepare_dense(w_out, b_out), mask)
     """
     x = np.asarray(x)
     if x.dtype != np.float32 or x.ndim != 3:
         raise ValueError(f"x must be [batch, sequence, embedding] float32, got {x.dtype} {x.shape}")
     batch, seq, emb = x.shape
-    width = w_qkv.shape[1]
+    width = qkv_plan.n
     head_dim = width // (heads + 2 * kv_heads)
-    if w_qkv.shape[0] != emb or head_dim * (heads + 2 * kv_heads) != width:
-        raise ValueError(f"w_qkv of shape {w_qkv.shape} does not fit x {x.shape}")
-    if w_out.shape[0] != heads * head_dim:
-        raise ValueError(f"w_out of shape {w_out.shape} does not take {heads * head_dim} inputs")
+    if qkv_plan.k != emb or head_dim * (heads + 2 * kv_heads) != width:
+        raise ValueError(f"Q, K, V weights [{qkv_plan.k}, {width}] do not fit x {x.shape}")
+    if out_plan.k != heads * head_dim:
+        raise ValueError(f"output weights [{out_plan.k}, {out_plan.n}] do not take "
+                         f"{heads * head_dim} inputs")  # fmt: skip
+    n = out_plan.n
+    shape = (batch, seq, n) if out_shape is None else tuple(out_shape)
+    if int(np.prod(shape)) != batch * seq * n or shape[-1] != n:
+        raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {n}]")
     qkv, flat = qkv_buffer(batch * seq, width)
-    np.matmul(np.ascontiguousarray(x).reshape(batch * seq, emb), w_qkv, out=qkv)
-    bias_act(qkv, b_qkv)
+    dense_gemm(x.reshape(batch * seq, emb), qkv_plan, out=qkv)
     if rotary is not None:
         rotate(qkv, *rotary, batch, seq, heads, kv_heads, head_dim)
     o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero)
-    y = np.matmul(o, w_out)
-    shape = (batch, seq, y.shape[1]) if out_shape is None else tuple(out_shape)
-    if int(np.prod(shape)) != y.size or shape[-1] != y.shape[1]:
-        raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {y.shape[1]}]")
-    r = None if residual is None else np.broadcast_to(residual, shape).reshape(y.shape)
-    bias_act(y, b_out, residual=r)
-    return y.reshape(shape)
+    r = None if residual is None else np.broadcast_to(residual, shape).reshape(-1, n)
+    return dense_gemm(o, out_plan, r).reshape(shape)

@@ -149,17 +149,19 @@ def _blocked_conv(fb):
 
 
 def _transformer():
-    """Linear + GELU / residual epilogues, (skip) LayerNorm and RMSNorm."""
+    """The dense GEMM with its epilogues (a clip kind, another, a residual), the gated block,
+    (skip) LayerNorm and RMSNorm."""
+    from .dense_gemm import prepare_dense
     from .layernorm import SERIAL_MAX, layer_norm
-    from .linear_act import SERIAL_GELU, linear_act
+    from .linear_act import gated_mlp, linear_act, prepare_gated_mlp
     from .simd.activation import encode
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 8), dtype=np.float32)
     w, b = rng.standard_normal((8, 16), dtype=np.float32), np.zeros(16, np.float32)
-    linear_act(x, w, b, encode("gelu"), residual=np.ones((6, 16), np.float32))  # any kind
-    wide = np.zeros((8, SERIAL_GELU // 6 + 1), np.float32)  # the parallel epilogue
-    linear_act(x, wide, wide[0], encode("gelu"))
+    for act in (encode(), encode("gelu")):  # every kind takes one of these two paths
+        linear_act(x, prepare_dense(w, b, act), residual=np.ones((6, 16), np.float32))
+    gated_mlp(x, prepare_gated_mlp(w, b, encode("silu"), w[:, :8].T.copy(), b[:8]))
     g = np.ones(8, np.float32)
     layer_norm(x, g, g, 1e-5)
     layer_norm(x, g, None, 1e-5, rms=True)
@@ -170,14 +172,16 @@ def _transformer():
 
 def _attention():
     from .attention import attention
+    from .dense_gemm import prepare_dense
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 5, 16), dtype=np.float32)
     w_qkv = rng.standard_normal((16, 48), dtype=np.float32)
     w_out, b = rng.standard_normal((16, 16), dtype=np.float32), np.zeros(48, np.float32)
+    qkv, out = prepare_dense(w_qkv, b), prepare_dense(w_out, b[:16])
     mask = np.zeros((2, 1, 1, 5), np.float32)
     for m in (None, mask):
-        attention(x, w_qkv, b, 2, 2, 0.25, w_out, b[:16], m, x)
+        attention(x, qkv, 2, 2, 0.25, out, m, x)
 
 
 def _blocked_depthwise():

@@ -29,3 +29,16 @@ def per_thread(n: int) -> np.ndarray:
         if 4 * need <= KEEP_MAX:
             _AREA.floats = area
     return area[:need].reshape(threads, -1)
+
+
+def shared(n: int) -> np.ndarray:
+    """A float32 scratch of n values for one call from this Python thread, shared by its Numba
+    threads (uninitialized), reused between calls like per_thread's area (a separate one: a
+    kernel may take both)."""
+    need = max(1, int(n))
+    area = getattr(_AREA, "shared", None)
+    if area is None or area.size < need:
+        area = np.empty(need, np.float32)
+        if 4 * need <= KEEP_MAX:
+            _AREA.shared = area
+    return area[:need]

@@ -346,8 +346,10 @@ def repeat_targets(given: dict, batch: int, seq: int, heads_: int, kv_heads: int
 
 
 def make_kernel(attrs: dict, constants: list):
-    """Concatenate the Q, K, V weights once; the kernel runs the whole block."""
+    """Concatenate the Q, K, V weights and pack both projections once; the kernel runs the
+    whole block."""
     from kernels.attention import attention  # heavy (Numba): at build time
+    from kernels.dense_gemm import prepare_dense
 
     named = dict(zip(INPUTS, constants, strict=False))
     if "qkv_linear" in attrs:
@@ -360,22 +362,23 @@ def make_kernel(attrs: dict, constants: list):
         w_qkv = np.ascontiguousarray(np.concatenate([w for w, _ in parts], axis=1))
         b_qkv = np.concatenate([b for _, b in parts])
     w_out, b_out = linear_params(attrs["o_linear"], *(named[k] for k in linear_inputs("Wo", "o")))
+    qkv_plan, out_plan = prepare_dense(w_qkv, b_qkv), prepare_dense(w_out, b_out)
     heads_, kv_heads, s = attrs["heads"], attrs["kv_heads"], attrs["scale"]
     nan_to_zero = bool(attrs.get("nan_to_zero", 0))
-    rotary, d = bool(attrs.get("rotary", 0)), w_out.shape[0] // heads_
+    rotary, d = bool(attrs.get("rotary", 0)), out_plan.k // heads_
 
     def run(x, *rest):
         given = dict(zip(INPUTS[1:], rest, strict=False))
         batch, seq, _ = x.shape
         repeat_targets(given, batch, seq, heads_, kv_heads, d)
-        shape = (batch, seq, w_out.shape[0])  # heads merged, then as the Reshapes say
+        shape = (batch, seq, out_plan.k)  # heads merged, then as the Reshapes say
         for name in ("merge_shape", "o_flat"):
             if given.get(name) is not None:
                 shape = onnx_reshape(np.empty(shape, np.bool_), given[name]).shape
-        shape = (*shape[:-1], w_out.shape[1])
+        shape = (*shape[:-1], out_plan.n)
         if given.get("o_unflat") is not None:
             shape = onnx_reshape(np.empty(shape, np.bool_), given["o_unflat"]).shape
-        y = attention(x, w_qkv, b_qkv, heads_, kv_heads, s, w_out, b_out, given.get("mask"),
+        y = attention(x, qkv_plan, heads_, kv_heads, s, out_plan, given.get("mask"),
                       given.get("residual"), out_shape=shape, nan_to_zero=nan_to_zero,
                       rotary=(given["cos"], given["sin"]) if rotary else None)  # fmt: skip
         return (y,)

@@ -63,8 +63,9 @@ def attributes(m) -> dict:
 
 
 def make_kernel(attrs: dict, constants: list):
-    """The gate and up weights side by side once; one kernel for the block."""
-    from kernels.linear_act import gated_mlp  # heavy (Numba): at build time
+    """The gate and up weights side by side, every product packed once; one kernel for the
+    block."""
+    from kernels.linear_act import gated_mlp, prepare_gated_mlp  # heavy (Numba): at build time
     from kernels.simd.activation import encode
 
     named = dict(zip(INPUTS, constants, strict=False))
@@ -72,21 +73,20 @@ def make_kernel(attrs: dict, constants: list):
         linear_params(attrs[f"{p}_linear"], *(named[k] for k in linear_inputs(f"W{p}", p)))
         for p in ("gate", "up", "down")
     )
-    w_gate_up = np.ascontiguousarray(np.concatenate([wg, wu], axis=1))
-    b_gate_up = np.concatenate([bg, bu]).astype(np.float32)
     act = encode(**activation_keywords(attrs))
+    plan = prepare_gated_mlp(np.concatenate([wg, wu], axis=1), np.concatenate([bg, bu]), act,
+                             wd, bd)  # fmt: skip
 
     def run(x, *rest):
         given = dict(zip(INPUTS[1:], rest, strict=False))
-        e, n = wg.shape[0], wd.shape[1]
+        e, n = plan.gate_up.k, plan.down.n
         rows = x.size // e
         shape = (*x.shape[:-1], n)  # the Gemm form's Reshape back, when computed inside
         if given.get("down_unflat") is not None:
             shape = onnx_reshape(np.empty((rows, n), np.bool_), given["down_unflat"]).shape
         r = given.get("residual")
         r = None if r is None else np.broadcast_to(r, shape).reshape(-1, n)
-        x2 = np.ascontiguousarray(x).reshape(-1, e)
-        return (gated_mlp(x2, w_gate_up, b_gate_up, act, wd, bd, r).reshape(shape),)
+        return (gated_mlp(x.reshape(-1, e), plan, r).reshape(shape),)
 
     return run
 

@@ -115,14 +115,15 @@ def attributes(m) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack W and the bias once; the kernel reshapes as the matched Reshapes did."""
-    from kernels.linear_act import linear_act  # heavy (Numba): at build time
+    from kernels.dense_gemm import prepare_dense  # heavy (Numba): at build time
+    from kernels.linear_act import linear_act
     from kernels.simd.activation import encode
 
     weight, bias = linear_params(attrs["fc_linear"], *constants[1:4])
-    act = encode(**activation_keywords(attrs))
+    plan = prepare_dense(weight, bias, encode(**activation_keywords(attrs)))
 
     def run(x, _w, _c, _b, flat=None, unflat=None, residual=None):
-        k, n = weight.shape
+        k, n = plan.k, plan.n
         x2 = onnx_reshape(x, flat) if flat is not None else x.reshape(-1, k)
         shape = x.shape[:-1] + (n,) if flat is None else (x2.shape[0], n)
         r = None
@@ -130,7 +131,7 @@ def make_kernel(attrs: dict, constants: list):
             final = onnx_reshape(np.empty(shape, np.bool_), unflat).shape if unflat is not None \
                 else shape  # fmt: skip
             r = np.broadcast_to(residual, final).reshape(-1, n)
-        y = linear_act(np.ascontiguousarray(x2), weight, bias, act, r)
+        y = linear_act(x2, plan, r)
         return (onnx_reshape(y, unflat) if unflat is not None else y.reshape(shape),)
 
     return run

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fusion
 from kernels.blocked import from_blocked, to_blocked
 from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+from kernels.dense_gemm import prepare_dense
 from kernels.linear_act import linear_act
 from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 from kernels.simd.activation import KINDS, encode
@@ -172,7 +173,7 @@ def test_every_kind_through_linear_act(kind):
         r = rng.standard_normal((37, 23)).astype(np.float32)
         first = [node("MatMul", ["x", "w"], ["xw"]), node("Add", ["xw", "bias"], ["t0"])]
         want = reference(kind, first, {"x": x, "r": r}, "after", {"w": w, "bias": b})
-        got = linear_act(x, w, b, encode(kind, **ONNX[kind][1]), r)
+        got = linear_act(x, prepare_dense(w, b, encode(kind, **ONNX[kind][1])), r)
         assert_close(got, want, RTOL, ATOL, what=f"{kind} K={k}")
 
 

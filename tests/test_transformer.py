@@ -11,8 +11,9 @@ from onnx import helper
 
 import fusion
 from kernels.attention import attention
+from kernels.dense_gemm import prepare_dense
 from kernels.layernorm import SERIAL_MAX, layer_norm
-from kernels.linear_act import SERIAL_GELU, gated_mlp, linear_act
+from kernels.linear_act import gated_mlp, linear_act, prepare_gated_mlp
 from kernels.simd.activation import encode
 
 SHAPES = [(1, 7), (2, 33), (4, 64)]  # (batch, sequence)
@@ -164,7 +165,7 @@ def test_gated_mlp_kernel_against_naive(m, e, i, n):
     g, u = x.astype(np.float64) @ wg + b[:i], x.astype(np.float64) @ wu + b[i:]
     for act, f in (("silu", lambda t: t / (1 + np.exp(-t))), ("relu", lambda t: np.maximum(t, 0))):
         want = (f(g) * u) @ wd + bd + r
-        got = gated_mlp(x, np.hstack([wg, wu]), b, encode(act), wd, bd, r)
+        got = gated_mlp(x, prepare_gated_mlp(np.hstack([wg, wu]), b, encode(act), wd, bd), r)
         assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
 
 
@@ -243,7 +244,8 @@ def test_attention_kernel_against_naive(b, s, heads, kv_heads, d):
     causal = np.where(np.tril(np.ones((s, s), bool)), 0, lowest).astype(np.float32)
     both = np.where((padding < 0) | (causal < 0), lowest, 0).astype(np.float32)  # HF's: 0 or lowest
     for mask in (None, padding, causal, both):
-        got = attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
+        got = attention(x, prepare_dense(w_qkv, b_qkv), heads, kv_heads, d**-0.5,
+                        prepare_dense(w_out, b_out), mask)  # fmt: skip
         want = naive_attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, mask)
         assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
 
@@ -265,13 +267,14 @@ def test_attention_kernel_with_rotary_embeddings_against_naive(b, s, heads, kv_h
         freqs = pos * (1e-2 ** (np.arange(d // 2) / (d // 2)))
         angles = np.concatenate([freqs, freqs], axis=-1)
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        got = attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, causal,
-                        rotary=(cos, sin))  # fmt: skip
+        got = attention(x, prepare_dense(w_qkv, b_qkv), heads, kv_heads, d**-0.5,
+                        prepare_dense(w_out, b_out), causal, rotary=(cos, sin))  # fmt: skip
         want = naive_attention(x, w_qkv, b_qkv, heads, kv_heads, d**-0.5, w_out, b_out, causal,
                                rotary=(cos, sin))  # fmt: skip
         assert_close(got, want, 1e-4, 1e-5, check_dtype=False)
     with pytest.raises(ValueError, match="not \\[batch, 1,"):
-        attention(x, w_qkv, b_qkv, heads, kv_heads, 0.3, w_out, b_out, None,
+        attention(x, prepare_dense(w_qkv, b_qkv), heads, kv_heads, 0.3,
+                  prepare_dense(w_out, b_out), None,
                   rotary=(np.ones((b, 2, s, d), np.float32),) * 2)  # fmt: skip
 
 
@@ -281,8 +284,8 @@ def test_attention_kernel_gives_nan_for_a_row_that_attends_to_nothing_as_softmax
     w = rng.standard_normal((8, 24)).astype(np.float32)
     mask = np.zeros((1, 1, 5, 5), np.float32)
     mask[0, 0, 2] = -np.inf
-    y = attention(x, w, np.zeros(24, np.float32), 1, 1, 0.3, np.eye(8, dtype=np.float32),
-                  np.zeros(8, np.float32), mask)  # fmt: skip
+    y = attention(x, prepare_dense(w), 1, 1, 0.3, prepare_dense(np.eye(8, dtype=np.float32)),
+                  mask)  # fmt: skip
     assert np.isnan(y[0, 2]).all() and not np.isnan(np.delete(y[0], 2, axis=0)).any()
 
 
@@ -299,7 +302,8 @@ def test_attention_kernel_zeroes_the_rows_sdpa_guards():
     mask[0, 0, 2] = -np.inf  # query 2 of batch 0 sees no key
     mask[1, 0, :, 30] = -np.inf
     b_out = rng.standard_normal(8).astype(np.float32)
-    args = (x, w, np.zeros(24, np.float32), 2, 2, 0.3, np.eye(8, dtype=np.float32), b_out, mask)
+    args = (x, prepare_dense(w), 2, 2, 0.3, prepare_dense(np.eye(8, dtype=np.float32), b_out),
+            mask)  # fmt: skip
     plain, guarded = attention(*args), attention(*args, nan_to_zero=True)
     nan_rows = np.zeros((2, 37), bool)
     nan_rows[0, 2] = nan_rows[1] = True
@@ -309,7 +313,7 @@ def test_attention_kernel_zeroes_the_rows_sdpa_guards():
 
 
 @pytest.mark.parametrize("seed,act", list(enumerate(["identity", "gelu", "gelu_tanh"])))
-@pytest.mark.parametrize("n", [23, SERIAL_GELU // 37 + 1])  # the serial and parallel epilogue
+@pytest.mark.parametrize("n", [23, 1000])  # one column panel, many work items
 def test_linear_act_kernel_against_naive(seed, act, n):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((37, 19)) * 3).astype(np.float32)
@@ -321,8 +325,9 @@ def test_linear_act_kernel_against_naive(seed, act, n):
         t = 0.5 * t * (1 + np.vectorize(math.erf)(t / math.sqrt(2)))
     elif act == "gelu_tanh":
         t = 0.5 * t * (1 + np.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3)))
-    assert_close(linear_act(x, w, b, encode(act), r), t + r, 1e-4, 1e-4, check_dtype=False)
-    y = linear_act(np.full((2, 19), np.nan, np.float32), w, b, encode(act))
+    plan = prepare_dense(w, b, encode(act))
+    assert_close(linear_act(x, plan, r), t + r, 1e-4, 1e-4, check_dtype=False)
+    y = linear_act(np.full((2, 19), np.nan, np.float32), plan)
     assert np.isnan(y).all()  # NaN passes through the clamps
 
 
@@ -342,10 +347,10 @@ def test_layer_norm_kernel_against_naive(n):
 
 def test_kernels_refuse_bad_shapes():
     with pytest.raises(ValueError, match="cannot multiply"):
-        linear_act(np.ones((2, 3), np.float32), np.ones((4, 5), np.float32), np.ones(5, np.float32))
+        linear_act(np.ones((2, 3), np.float32), prepare_dense(np.ones((4, 5), np.float32)))
     with pytest.raises(ValueError, match="does not broadcast"):
-        attention(np.ones((1, 4, 8), np.float32), np.ones((8, 24), np.float32),
-                  np.zeros(24, np.float32), 1, 1, 1.0, np.ones((8, 8), np.float32),
-                  np.zeros(8, np.float32), np.zeros((1, 1, 3, 4), np.float32))  # fmt: skip
+        attention(np.ones((1, 4, 8), np.float32), prepare_dense(np.ones((8, 24), np.float32)),
+                  1, 1, 1.0, prepare_dense(np.ones((8, 8), np.float32)),
+                  np.zeros((1, 1, 3, 4), np.float32))  # fmt: skip
     with pytest.raises(ValueError, match="float32"):
         layer_norm(np.ones((2, 3)), np.ones(3))
