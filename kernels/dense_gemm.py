@@ -130,8 +130,8 @@ def act_vector(kind, act_a, act_b, v):
 @numba.jit(**JIT_GEMM)
 def dense_item(L, T, xp, k_len, w, y, r, has_r, bias, kind, act_a, act_b, i0, i1, p0, p1, kc):
     """Row tiles i0 .. i1 (MR rows each) against column panels p0 .. p1 (NR columns each),
-    K in blocks of kc: y's block [i0 MR, i1 MR) x [p0 NR, p1 NR) within [M, N]. The last row
-    tile, if short, reads xt (its rows, zero-padded to MR) instead of x.
+    K in blocks of kc: y's block [i0 MR, i1 MR) x [p0 NR, p1 NR) within [M, N]; x comes
+    packed, xp its row panels [ceil(M / MR), K, MR] (zero rows past M), of K = k_len.
 
     Each tile, in registers: plus y's partial sums after the first K block; after the last,
     plus the bias, then a clip (identity, relu, clip: activation.clips) and the residual,
@@ -261,8 +261,9 @@ def blocking(m, k, n, mr, nr, threads):
 
     kc   the K block, K cut into equal blocks of at most a quarter of L2 per panel's kc x NR
          weights: a panel stays in L2 while every row tile of the item passes, and K is
-         rarely cut (each cut reloads and stores the item's partial sums, 3-5% per cut at
-         kc = 256: a panel in L1 did not pay for it, bench/NOTES.md);
+         rarely cut (each cut reloads and stores the partial sums: in blocks of 256 an item
+         ran at 95% of the bare tile loop, uncut at 97%; a panel in L1 did not pay for it,
+         bench/NOTES.md);
     rows blocks of row tiles whose packed kc x Mc of x fits L2 (it passes once per panel);
     the split with the least tiles on the busiest thread (prange's equal item counts), then
     the fewest items (each re-reads its x block), then the fewest row blocks (each re-reads

@@ -112,7 +112,7 @@ def test_nan_and_inf_as_onnxruntime(width):
     assert_close(got[finite], want[finite], 1e-5, 1e-5)
 
 
-def test_into_a_given_output_and_refusals():
+def test_into_a_given_output_empty_sizes_and_refusals():
     x, w, b = operands(6, 8, 10, seed=9)
     plan = prepare_dense(w, b)
     buffer = np.full(70, 7.0, np.float32)
@@ -131,6 +131,9 @@ def test_into_a_given_output_and_refusals():
     with pytest.raises(ValueError, match="activation kind"):
         prepare_dense(w, act=(99, 0.0, 0.0))
     assert dense_gemm(np.ones((0, 8), np.float32), plan).shape == (0, 10)
+    bias = np.arange(5, dtype=np.float32)
+    no_k = dense_gemm(np.ones((3, 0), np.float32), prepare_dense(np.zeros((0, 5)), bias))
+    np.testing.assert_array_equal(no_k, np.broadcast_to(bias, (3, 5)))  # K = 0: the bias
 
 
 def test_the_same_bits_at_any_thread_count():
