@@ -353,20 +353,3 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         sw_ = np.empty(chunk_taps, np.int64)
         _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
               act_a, act_b, ci)  # fmt: skip
-
-
-# ---- for _dwconv.py until it runs on the SIMD layer (8-lane tuples, uint64 offsets) -----------
-u = np.uint64
-B = 8
-
-
-@numba.jit(**INLINE_GEMM)
-def load8(v, q):
-    return (v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)], v[q + u(4)], v[q + u(5)], v[q + u(6)],
-            v[q + u(7)])  # fmt: skip
-
-
-@numba.jit(**INLINE_GEMM)
-def store8(v, q, r):
-    v[q], v[q + u(1)], v[q + u(2)], v[q + u(3)] = r[0], r[1], r[2], r[3]
-    v[q + u(4)], v[q + u(5)], v[q + u(6)], v[q + u(7)] = r[4], r[5], r[6], r[7]

@@ -17,7 +17,6 @@ from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import kernels.conv_nchwc as conv_module
-from kernels import _dwconv
 from kernels.blocked import block_size, from_blocked, to_blocked
 from kernels.config import get_threads, set_threads
 from kernels.conv_nchwc import (
@@ -33,9 +32,7 @@ from kernels.simd import width
 
 RTOL, ATOL = 1e-4, 1e-5
 BLOCKS = (8, 16)
-# The depthwise kernel (_dwconv.py) computes 8 lanes until it runs on the SIMD layer at its
-# Lanes' width (it then no longer takes the 8-lane helpers B, load8, store8 from _direct.py).
-DEPTHWISE_BLOCKS = BLOCKS if not hasattr(_dwconv, "load8") else (8,)
+DEPTHWISE_BLOCKS = BLOCKS  # the depthwise kernel runs at its Lanes' width too
 
 node = helper.make_node
 # activation name -> ONNX nodes applying it to "t", writing "a" (and its kernel parameters)
