@@ -9,7 +9,8 @@ W is packed once, when the plan is built (prepare_dense), into the micro-kernel'
 panels [ceil(N / NR), K, NR] (zero columns past N); x is packed per call into its row panels
 [ceil(M / MR), K, MR] (zero rows past M: one parallel pass, M K copies against M K N FMAs),
 so that the micro-kernel (_gemm.panel_sum) reads both operands contiguously (x read in place,
-MR rows at a time, ran at 80% of the packed speed: bench/NOTES.md). Blocking, BLIS's order:
+MR rows at a time, was slower than packing it: bench/NOTES.md, "Dense GEMM"). Blocking, BLIS's
+order:
 
     for each work item (a block of row tiles x a block of column panels), in parallel:
       for each block of kc of K:
@@ -261,9 +262,8 @@ def blocking(m, k, n, mr, nr, threads):
 
     kc   the K block, K cut into equal blocks of at most a quarter of L2 per panel's kc x NR
          weights: a panel stays in L2 while every row tile of the item passes, and K is
-         rarely cut (each cut reloads and stores the partial sums: in blocks of 256 an item
-         ran at 95% of the bare tile loop, uncut at 97%; a panel in L1 did not pay for it,
-         bench/NOTES.md);
+         rarely cut (each cut reloads and stores the partial sums; a panel sized for L1 did
+         not pay for it: bench/NOTES.md, "Dense GEMM");
     rows blocks of row tiles whose packed kc x Mc of x fits L2 (it passes once per panel);
     the split with the least tiles on the busiest thread (prange's equal item counts), then
     the fewest items (each re-reads its x block), then the fewest row blocks (each re-reads
