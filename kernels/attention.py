@@ -14,10 +14,12 @@ The core is flash attention on the CPU: per (batch, head, block of BQ queries) a
 maximum m, row sum l and output accumulator, updated one block of BK keys at a time:
     s = scale q k^T + M;  m' = max(m, max_j s);  p = exp(s - m')
     l = l e^(m - m') + sum_j p;  acc = acc e^(m - m') + p V;   O = acc / l
-Both products run on the project's 4x16 register-blocked micro-kernel (_gemm.tile_sum): the
-packed queries against K^T (transposed once per call), the packed probabilities against V read
-in place. exp is the SIMD layer's (kernels/simd/approx.py), on vectors of the CPU's width
-along a row of scores. A key block whose mask entries are all below -1e30 for every query
+Both products are register-tile GEMMs on the SIMD layer (kernels/simd/tile.py: the GEMM
+micro-kernel's MR x NR tile at the CPU's width, any head size): s = (scale Q) K^T with Q's rows
+broadcast against K^T's rows (K transposed and V packed once per (batch, kv head), zero-padded
+to whole tiles), then acc e^(m - m') + P V with P's rows broadcast against V's, the rescale
+fused into the tile's store. The softmax runs along a row of scores in vectors (exp of
+kernels/simd/approx.py), its tail and the head size's under lane masks. A key block whose mask entries are all below -1e30 for every query
 of the block is skipped when every query row has some key above it (then exp underflows to
 exactly 0 there, as in onnxruntime's Softmax): a causal mask costs half the work.
 The driver is parallel over (batch, head, query block); each task has its own scratch.
@@ -26,227 +28,199 @@ plans), their biases and the residual applied in its epilogue; the QKV product i
 straight into the buffer the core reads.
 """
 
+
 import numba
 import numpy as np
 
-from ._gemm import tile_sum
-from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, slp_vectorize
+from . import _gemm
+from .config import JIT_GEMM, PARALLEL
 from .dense_gemm import dense_gemm
 from .simd import (
     exp,
+    hmax,
     hsum,
-    lanes,
     tail_mask,
+    tile_fma,
+    tile_zeros,
+    vbroadcast,
+    vfma,
     vload,
     vload_masked,
+    vmax,
     vselect,
     vstore,
     vstore_masked,
     vzero,
 )
 
-__all__ = ["BK", "BQ", "attention", "attention_core", "rotate"]
+__all__ = ["attention", "attention_blocks", "attention_core", "rotate"]
 
-BQ, BK = 32, 64  # queries and keys per tile
 MASKED = np.float32(-1e30)  # a mask value below this is "not attended"
 f32 = np.float32
 ONE, ZERO = f32(1.0), f32(0.0)
 NEG_INF = f32(-np.inf)
 
 
-@numba.jit(**INLINE_GEMM)
-def _add8(m, x, i, q, r):
-    """m[x, i, q : q + 8] += r."""
-    m[x, i, q] += r[0]
-    m[x, i, q + 1] += r[1]
-    m[x, i, q + 2] += r[2]
-    m[x, i, q + 3] += r[3]
-    m[x, i, q + 4] += r[4]
-    m[x, i, q + 5] += r[5]
-    m[x, i, q + 6] += r[6]
-    m[x, i, q + 7] += r[7]
-
-
-@numba.jit(**INLINE_GEMM)
-def _put8(m, x, i, q, r):
-    """m[x, i, q : q + 8] = r."""
-    m[x, i, q], m[x, i, q + 1], m[x, i, q + 2], m[x, i, q + 3] = r[0], r[1], r[2], r[3]
-    m[x, i, q + 4], m[x, i, q + 5], m[x, i, q + 6], m[x, i, q + 7] = r[4], r[5], r[6], r[7]
+def attention_blocks(T, L):
+    """(BQ, BK): queries and keys per block at tile T and width L, whole tiles of about 32
+    queries and 64 keys (BQ a multiple of MR, BK of NR): the block's scores, [BQ, BK] float32,
+    stay in L1 (8 KB) beside its K^T and V panels."""
+    mr, nr = T.rows, _gemm.panel_width(T, L)
+    return mr * -(-32 // mr), nr * -(-64 // nr)
 
 
 @numba.jit(**JIT_GEMM)
-def scores_tile(qp, n_quads, kt, kr, k0, sp, d_len, n_tiles, s):
-    """s[0, 4 c + i, 16 t + j] = sum_d qp[c, 4 d + i] kt[kr, d sp + k0 + 16 t + j]: the scores
-    of n_quads packed query quads against n_tiles x 16 keys from k0."""
-    u = np.uint64
-    for c in range(n_quads):
-        for t in range(n_tiles):
-            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(qp, c, kt, kr, u(k0 + 16 * t), u(sp), d_len)
-            row, col = 4 * c, 16 * t
-            _put8(s, 0, row, col, r0)
-            _put8(s, 0, row, col + 8, s0)
-            _put8(s, 0, row + 1, col, r1)
-            _put8(s, 0, row + 1, col + 8, s1)
-            _put8(s, 0, row + 2, col, r2)
-            _put8(s, 0, row + 2, col + 8, s2)
-            _put8(s, 0, row + 3, col, r3)
-            _put8(s, 0, row + 3, col + 8, s3)
+def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp, heads,
+                 kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr, nan_to_zero):  # fmt: skip
+    """Queries q0 .. q0 + bq of head h, batch b, against every key: out's rows of them. A row
+    whose softmax is NaN (every key -inf, or a NaN score) is NaN, or 0 with nan_to_zero.
 
-
-@numba.jit(**JIT_GEMM)
-def pv_tile(pp, n_quads, flat, v0, w, k_len, n_dtiles, acc):
-    """acc[0, 4 c + i, 16 t + j] += sum_k pp[c, 4 k + i] V[k, 16 t + j], V[k, d] read in place
-    as flat[0, v0 + k w + d]."""
-    u = np.uint64
-    for c in range(n_quads):
-        for t in range(n_dtiles):
-            r0, r1, r2, r3, s0, s1, s2, s3 = tile_sum(pp, c, flat, 0, u(v0 + 16 * t), u(w), k_len)
-            row, col = 4 * c, 16 * t
-            _add8(acc, 0, row, col, r0)
-            _add8(acc, 0, row, col + 8, s0)
-            _add8(acc, 0, row + 1, col, r1)
-            _add8(acc, 0, row + 1, col + 8, s1)
-            _add8(acc, 0, row + 2, col, r2)
-            _add8(acc, 0, row + 2, col + 8, s2)
-            _add8(acc, 0, row + 3, col, r3)
-            _add8(acc, 0, row + 3, col + 8, s3)
-
-
-@numba.jit(**JIT)
-def softmax_rows(L, s, mask, has_mask, mb, mh, mq0, mq_step, q_base, k0, nq, nk, m, lsum, acc,
-                 d_len, pp):  # fmt: skip
-    """The online-softmax update of rows i < nq by keys k0 .. k0 + nk: adds the mask, moves the
-    running maximum, rescales l and acc, and packs p into pp (zeros for rows nq .. 4 ceil(nq/4))."""
-    w = L.width
-    for i in range(nq):
-        mq = mq0 + (q_base + i) * mq_step
-        rowmax = m[i]
-        if has_mask:
-            for j in range(nk):
-                v = s[0, i, j] + mask[mb, mh, mq, k0 + j]
-                s[0, i, j] = v
-                rowmax = v if v > rowmax else rowmax
-        else:
-            for j in range(nk):
-                v = s[0, i, j]
-                rowmax = v if v > rowmax else rowmax
-        c, ii = i // 4, i % 4
-        if rowmax == NEG_INF:  # every key so far is -inf: nothing to add yet
-            for j in range(nk):
-                pp[c, 4 * j + ii] = ZERO
-            continue
-        corr = exp(m[i] - rowmax)
-        o = i * s.shape[2]  # s[0, i, j] = p = e^(s - m'), a vector of keys at a time
-        sums = vzero(L)
-        j = 0
-        while j + w <= nk:
-            e = exp(vload(L, s, o + j) - rowmax)
-            vstore(s, o + j, e)
-            sums += e
-            j += w
-        total = hsum(sums)
-        if j < nk:
-            tail = tail_mask(L, nk - j)
-            e = vselect(tail, exp(vload_masked(L, s, o + j, tail) - rowmax), ZERO)
-            vstore_masked(s, o + j, e, tail)
-            total += hsum(e)
-        for j in range(nk):
-            pp[c, 4 * j + ii] = s[0, i, j]
-        lsum[i] = lsum[i] * corr + total
-        m[i] = rowmax
-        for d in range(d_len):
-            acc[0, i, d] *= corr
-    for i in range(nq, 4 * ((nq + 3) // 4)):
-        c, ii = i // 4, i % 4
-        for j in range(nk):
-            pp[c, 4 * j + ii] = ZERO
-
-
-@numba.jit(**JIT)
-def attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
-                 d_len, scale, qp, pp, s, acc, m, lsum, nan_to_zero):  # fmt: skip
-    """Queries q0 .. q0 + BQ of head h, batch b, against every key: out's rows of them. A row
-    whose softmax is NaN (every key -inf, or a NaN score) is NaN, or 0 with nan_to_zero."""
-    w = qkv.shape[1]
+    qs [bq, d_len]: the block's queries times scale (rows past the sequence 0); s [bq, bk]:
+    the scores of one key block, then their e^(s - m'); acc [bq, dp]: the running P V."""
+    w, mr = L.width, T.rows
+    nr = T.cols * w
+    width = qkv.shape[1]
     g = h // (heads // kv_heads)
-    nq = min(BQ, s_len - q0)
-    n_quads = (nq + 3) // 4
+    bg = b * kv_heads + g
+    nq = min(bq, s_len - q0)
     row0 = b * s_len
-    for c in range(n_quads):
+    for i in range(bq):
         for d in range(d_len):
-            for ii in range(4):
-                i = 4 * c + ii
-                qp[c, 4 * d + ii] = qkv[row0 + q0 + i, h * d_len + d] * scale if i < nq else ZERO
-    for i in range(BQ):
-        m[i] = NEG_INF
-        lsum[i] = ZERO
-        for d in range(acc.shape[2]):
-            acc[0, i, d] = ZERO
-    mb = b if mask.shape[0] > 1 else 0
-    mh = h if mask.shape[1] > 1 else 0
-    mq_step = 1 if mask.shape[2] > 1 else 0
-    # Skipping a fully masked key block is exact only if every query row attends to some key.
+            qs[i * d_len + d] = qkv[row0 + q0 + i, h * d_len + d] * scale if i < nq else ZERO
+        m[i], lsum[i], corr[i] = NEG_INF, ZERO, ONE
+        for d in range(0, dp, w):
+            vstore(acc, i * dp + d, vzero(L))
+    n0, n1, n2 = mshape
+    mq_step = 1 if n2 > 1 else 0
+    mrow = ((b if n0 > 1 else 0) * n1 + (h if n1 > 1 else 0)) * n2  # query q's: mrow + q mq_step
+    # Skipping a fully masked key block is exact only if every query row attends to some key
+    # (then e^(s - m') underflows to exactly 0 there, as in onnxruntime's Softmax).
     skip = has_mask
     if has_mask:
         for i in range(nq):
+            o = (mrow + (q0 + i) * mq_step) * s_len
             seen = False
             for j in range(s_len):
-                if mask[mb, mh, (q0 + i) * mq_step, j] >= MASKED:
+                if mask[o + j] >= MASKED:
                     seen = True
                     break
             skip = skip and seen
-    v_col = (heads + kv_heads) * d_len + g * d_len
-    n_dtiles = (d_len + 15) // 16
-    for k0 in range(0, s_len, BK):
-        nk = min(BK, s_len - k0)
+    kto = bg * d_len * sp  # K^T [d_len, sp] of this (batch, kv head)
+    for k0 in range(0, s_len, bk):
+        nk = min(bk, s_len - k0)
         if skip:
             masked = True
             for i in range(nq):
+                o = (mrow + (q0 + i) * mq_step) * s_len + k0
                 for j in range(nk):
-                    if mask[mb, mh, (q0 + i) * mq_step, k0 + j] >= MASKED:
+                    if mask[o + j] >= MASKED:
                         masked = False
                         break
                 if not masked:
                     break
             if masked:
                 continue
-        scores_tile(qp, n_quads, kt, b * kv_heads + g, k0, sp, d_len, (nk + 15) // 16, s)
-        softmax_rows(L, s, mask, has_mask, mb, mh, 0, mq_step, q0, k0, nq, nk, m, lsum, acc,
-                     d_len, pp)  # fmt: skip
-        pv_tile(pp, n_quads, flat, (row0 + k0) * w + v_col, w, nk, n_dtiles, acc)
+        # s = (scale Q) K^T + M: MR x NR register tiles, Q's rows broadcast, K^T's row read
+        for i0 in range(0, bq, mr):
+            for j0 in range(0, nk, nr):
+                t = tile_zeros(L, T)
+                for d in range(d_len):
+                    t = tile_fma(t, qs, i0 * d_len + d, d_len, kt, kto + d * sp + k0 + j0)
+                for r in range(mr):  # unrolled: the tile's indices are constants
+                    mo = (mrow + (q0 + i0 + r) * mq_step) * s_len + k0 + j0
+                    for c in range(T.cols):
+                        v = t[r][c]
+                        if has_mask and i0 + r < nq:
+                            v += vload_masked(L, mask, mo + c * w, tail_mask(L, nk - j0 - c * w))
+                        vstore(s, (i0 + r) * bk + j0 + c * w, v)
+        # the online softmax of each row: m' = max(m, max_j s), p = e^(s - m'), l rescaled
+        nkw = nk - nk % w
+        tail = tail_mask(L, nk - nkw)
+        for i in range(nq):
+            o = i * bk
+            top = vbroadcast(L, NEG_INF)
+            for j in range(0, nkw, w):
+                top = vmax(top, vload(L, s, o + j))
+            if nkw < nk:
+                top = vmax(top, vselect(tail, vload(L, s, o + nkw), NEG_INF))
+            mx = vmax(m[i], hmax(top))  # NaN if any score is
+            if mx == NEG_INF:  # every key so far is -inf: nothing to add yet
+                for j in range(0, nk, w):
+                    vstore(s, o + j, vzero(L))
+                corr[i] = ONE
+                continue
+            sums = vzero(L)
+            for j in range(0, nkw, w):
+                e = exp(vload(L, s, o + j) - mx)
+                vstore(s, o + j, e)
+                sums += e
+            if nkw < nk:
+                e = vselect(tail, exp(vload(L, s, o + nkw) - mx), ZERO)
+                vstore(s, o + nkw, e)
+                sums += e
+            c = exp(m[i] - mx)
+            corr[i] = c
+            lsum[i] = lsum[i] * c + hsum(sums)
+            m[i] = mx
+        # acc = acc e^(m - m') + P V: P's rows broadcast, V's packed rows read
+        vo = (bg * sp + k0) * dp
+        for i0 in range(0, bq, mr):
+            for d0 in range(0, dp, nr):
+                t = tile_zeros(L, T)
+                for k in range(nk):
+                    t = tile_fma(t, s, i0 * bk + k, bk, vp, vo + k * dp + d0)
+                for r in range(mr):
+                    cr = corr[i0 + r]
+                    for c in range(T.cols):
+                        q = (i0 + r) * dp + d0 + c * w
+                        vstore(acc, q, vfma(vload(L, acc, q), cr, t[r][c]))
+    ow = out.shape[1]
+    dw = d_len - d_len % w
+    dtail = tail_mask(L, d_len - dw)
     for i in range(nq):
         inv = ONE / lsum[i]
         zero = nan_to_zero and not lsum[i] > ZERO  # 0 (no key) or NaN: the row's p is NaN
-        for d in range(d_len):
-            out[row0 + q0 + i, h * d_len + d] = ZERO if zero else acc[0, i, d] * inv
+        oo = (row0 + q0 + i) * ow + h * d_len
+        for d in range(0, dw, w):
+            v = vload(L, acc, i * dp + d) * inv
+            vstore(out, oo + d, vselect(zero, ZERO, v))
+        if dw < d_len:
+            v = vload(L, acc, i * dp + dw) * inv
+            vstore_masked(out, oo + dw, vselect(zero, ZERO, v), dtail)
 
 
 @numba.jit(**PARALLEL)
-def _attention(L, qkv, flat, kt, mask, has_mask, out, batch, s_len, sp, heads, kv_heads, d_len,
-               scale, nan_to_zero):  # fmt: skip
+def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp, dp, heads, kv_heads,
+               d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
     k_col = heads * d_len
-    for t in numba.prange(batch * kv_heads):  # K^T, zero-padded to sp keys
+    v_col = (heads + kv_heads) * d_len
+    for t in numba.prange(batch * kv_heads):  # K^T [d, sp] and V [sp, dp], zero-padded, once
         b, g = t // kv_heads, t % kv_heads
         for d in range(d_len):
-            base = d * sp
+            base = (t * d_len + d) * sp
             for j in range(s_len):
-                kt[t, base + j] = qkv[b * s_len + j, k_col + g * d_len + d]
+                kt[base + j] = qkv[b * s_len + j, k_col + g * d_len + d]
             for j in range(s_len, sp):
-                kt[t, base + j] = ZERO
-    n_qb = (s_len + BQ - 1) // BQ
-    dp = 16 * ((d_len + 15) // 16)
+                kt[base + j] = ZERO
+        for j in range(sp):
+            base = (t * sp + j) * dp
+            for d in range(dp):
+                inside = j < s_len and d < d_len
+                vp[base + d] = qkv[b * s_len + j, v_col + g * d_len + d] if inside else ZERO
+    n_qb = (s_len + bq - 1) // bq
+    dq = max(d_len, 1)
     for t in numba.prange(batch * heads * n_qb):
         b = t // (heads * n_qb)
         h = (t // n_qb) % heads
-        q0 = (t % n_qb) * BQ
-        qp = np.empty((BQ // 4, 4 * d_len), np.float32)
-        pp = np.empty((BQ // 4, 4 * BK), np.float32)
-        s = np.empty((1, BQ, BK), np.float32)
-        acc = np.empty((1, BQ, dp), np.float32)
-        m = np.empty(BQ, np.float32)
-        lsum = np.empty(BQ, np.float32)
-        attend_block(L, qkv, flat, kt, mask, has_mask, out, b, h, q0, s_len, sp, heads, kv_heads,
-                     d_len, scale, qp, pp, s, acc, m, lsum, nan_to_zero)  # fmt: skip
+        q0 = (t % n_qb) * bq
+        qs = np.empty(bq * dq, np.float32)
+        s = np.empty(bq * bk, np.float32)
+        acc = np.empty(bq * dp, np.float32)
+        m = np.empty(bq, np.float32)
+        lsum = np.empty(bq, np.float32)
+        corr = np.empty(bq, np.float32)
+        attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp, heads,
+                     kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr, nan_to_zero)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
@@ -287,29 +261,28 @@ def rotate(qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
     _rotate(qkv, tables[0], tables[1], seq, heads + kv_heads, head_dim)
 
 
-_NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
+_NO_MASK = np.zeros(1, np.float32)
 
 
-def qkv_buffer(rows: int, width: int):
-    """(qkv [rows, width], flat [1, rows * width + 16]): the same memory; the padding lets the
-    last head's 16-wide V tiles read past a head dimension below 16."""
-    flat = np.empty((1, rows * width + 16), np.float32)
-    flat[0, rows * width :] = 0.0
-    return flat[0, : rows * width].reshape(rows, width), flat
-
-
-def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
-                   nan_to_zero=False):  # fmt: skip
+def attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
+                   nan_to_zero=False, width=None):  # fmt: skip
     """The attention of the projected qkv [batch * seq, (heads + 2 kv_heads) head_dim] (Q, then
-    K, then V columns, head by head; from qkv_buffer), with an additive mask broadcastable to
-    [batch, heads, seq, seq]: [batch * seq, heads * head_dim], heads merged. nan_to_zero: the
-    rows whose softmax is NaN (a query with every key masked by -inf) are 0, as sdpa's export
-    guards them (Where(IsNaN(p), 0, p)); else NaN, as onnxruntime's Softmax gives."""
-    width = (heads + 2 * kv_heads) * head_dim
-    if qkv.shape != (batch * seq, width) or heads % kv_heads:
-        raise ValueError(f"qkv of shape {qkv.shape} is not [{batch * seq}, {width}] "
+    K, then V columns, head by head), with an additive mask broadcastable to [batch, heads,
+    seq, seq]: [batch * seq, heads * head_dim], heads merged. nan_to_zero: the rows whose
+    softmax is NaN (a query with every key masked by -inf) are 0, as sdpa's export guards them
+    (Where(IsNaN(p), 0, p)); else NaN, as onnxruntime's Softmax gives. width: the lanes, 8 or
+    16 (None: the process's, kernels.simd.width()).
+
+    >>> o = attention_core(qkv, 1, 128, 12, 12, 64, 0.125, mask)
+    """
+    qkv = np.ascontiguousarray(qkv, np.float32)
+    width_ = (heads + 2 * kv_heads) * head_dim
+    if (qkv.shape != (batch * seq, width_) or heads < 1 or kv_heads < 1 or heads % kv_heads
+            or head_dim < 1):  # fmt: skip
+        raise ValueError(f"qkv of shape {qkv.shape} is not [{batch * seq}, {width_}] "
                          f"({heads} heads, {kv_heads} key/value heads of {head_dim})")  # fmt: skip
     m = _NO_MASK
+    mshape = (1, 1, 1)
     if mask is not None:
         mask = np.asarray(mask, np.float32)
         if mask.ndim > 4:
@@ -320,13 +293,19 @@ def attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask
         except ValueError:
             raise ValueError(f"mask of shape {mask.shape} does not broadcast to "
                              f"[{batch}, {heads}, {seq}, {seq}]") from None  # fmt: skip
-        m = np.ascontiguousarray(np.broadcast_to(m4, (*m4.shape[:3], seq)))
-    sp = 16 * ((seq + 15) // 16)
-    kt = np.empty((batch * kv_heads, head_dim * sp), np.float32)
+        m = np.ascontiguousarray(np.broadcast_to(m4, (*m4.shape[:3], seq))).reshape(-1)
+        mshape = m4.shape[:3]
     out = np.empty((batch * seq, heads * head_dim), np.float32)
-    with slp_vectorize():
-        _attention(lanes(), qkv, flat, kt, m, mask is not None, out, batch, seq, sp, heads,
-                   kv_heads, head_dim, np.float32(scale), bool(nan_to_zero))  # fmt: skip
+    if out.size == 0:
+        return out
+    L, T = _gemm.micro_tile(width)
+    nr = _gemm.panel_width(T, L)
+    bq, bk = attention_blocks(T, L)
+    sp, dp = nr * -(-seq // nr), nr * -(-head_dim // nr)
+    kt = np.empty(batch * kv_heads * head_dim * sp, np.float32)
+    vp = np.empty(batch * kv_heads * sp * dp, np.float32)
+    _attention(L, T, qkv, kt, vp, m, mshape, mask is not None, out, batch, seq, sp, dp, heads,
+               kv_heads, head_dim, np.float32(scale), bq, bk, bool(nan_to_zero))  # fmt: skip
     return out
 
 
@@ -356,10 +335,12 @@ def attention(x, qkv_plan, heads, kv_heads, scale, out_plan, mask=None, residual
     shape = (batch, seq, n) if out_shape is None else tuple(out_shape)
     if int(np.prod(shape)) != batch * seq * n or shape[-1] != n:
         raise ValueError(f"out_shape {shape} does not hold [{batch * seq}, {n}]")
-    qkv, flat = qkv_buffer(batch * seq, width)
-    dense_gemm(x.reshape(batch * seq, emb), qkv_plan, out=qkv)
+    qkv = np.empty((batch * seq, width), np.float32)
+    if qkv.size:
+        dense_gemm(x.reshape(batch * seq, emb), qkv_plan, out=qkv)
     if rotary is not None:
         rotate(qkv, *rotary, batch, seq, heads, kv_heads, head_dim)
-    o = attention_core(qkv, flat, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero)
+    o = attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero,
+                       qkv_plan.lanes.width)
     r = None if residual is None else np.broadcast_to(residual, shape).reshape(-1, n)
     return dense_gemm(o, out_plan, r).reshape(shape)
