@@ -19,15 +19,15 @@ micro-kernel's MR x NR tile at the CPU's width, any head size): s = (scale Q) K^
 broadcast against K^T's rows (K transposed and V packed once per (batch, kv head), zero-padded
 to whole tiles), then acc e^(m - m') + P V with P's rows broadcast against V's, the rescale
 fused into the tile's store. The softmax runs along a row of scores in vectors (exp of
-kernels/simd/approx.py), its tail and the head size's under lane masks. A key block whose mask entries are all below -1e30 for every query
-of the block is skipped when every query row has some key above it (then exp underflows to
-exactly 0 there, as in onnxruntime's Softmax): a causal mask costs half the work.
+kernels/simd/approx.py), its tail and the head size's under lane masks. A key block whose
+mask entries are all below -1e30 for every query of the block is skipped when every query row
+has some key above it (then exp underflows to exactly 0 there, as in onnxruntime's Softmax):
+a causal mask costs half the work.
 The driver is parallel over (batch, head, query block); each task has its own scratch.
 The two projections are kernels/dense_gemm.py's GEMM on weights packed once (the caller's
 plans), their biases and the residual applied in its epilogue; the QKV product is stored
 straight into the buffer the core reads.
 """
-
 
 import numba
 import numpy as np
@@ -70,8 +70,9 @@ def attention_blocks(T, L):
 
 
 @numba.jit(**JIT_GEMM)
-def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp, heads,
-                 kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr, nan_to_zero):  # fmt: skip
+def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp,
+                 heads, kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr,
+                 nan_to_zero):  # fmt: skip
     """Queries q0 .. q0 + bq of head h, batch b, against every key: out's rows of them. A row
     whose softmax is NaN (every key -inf, or a NaN score) is NaN, or 0 with nan_to_zero.
 
@@ -79,7 +80,6 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
     the scores of one key block, then their e^(s - m'); acc [bq, dp]: the running P V."""
     w, mr = L.width, T.rows
     nr = T.cols * w
-    width = qkv.shape[1]
     g = h // (heads // kv_heads)
     bg = b * kv_heads + g
     nq = min(bq, s_len - q0)
@@ -190,8 +190,8 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
 
 
 @numba.jit(**PARALLEL)
-def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp, dp, heads, kv_heads,
-               d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
+def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp, dp, heads,
+               kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
     k_col = heads * d_len
     v_col = (heads + kv_heads) * d_len
     for t in numba.prange(batch * kv_heads):  # K^T [d, sp] and V [sp, dp], zero-padded, once
@@ -219,8 +219,9 @@ def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp,
         m = np.empty(bq, np.float32)
         lsum = np.empty(bq, np.float32)
         corr = np.empty(bq, np.float32)
-        attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp, heads,
-                     kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr, nan_to_zero)  # fmt: skip
+        attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp,
+                     heads, kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr,
+                     nan_to_zero)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
@@ -340,7 +341,7 @@ def attention(x, qkv_plan, heads, kv_heads, scale, out_plan, mask=None, residual
         dense_gemm(x.reshape(batch * seq, emb), qkv_plan, out=qkv)
     if rotary is not None:
         rotate(qkv, *rotary, batch, seq, heads, kv_heads, head_dim)
-    o = attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero,
-                       qkv_plan.lanes.width)
+    w = qkv_plan.lanes.width
+    o = attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask, nan_to_zero, w)
     r = None if residual is None else np.broadcast_to(residual, shape).reshape(-1, n)
     return dense_gemm(o, out_plan, r).reshape(shape)
