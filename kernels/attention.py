@@ -52,6 +52,7 @@ from .simd import (
     vstore_masked,
     vzero,
 )
+from .workspace import shared
 
 __all__ = ["attention", "attention_blocks", "attention_core", "rotate"]
 
@@ -194,19 +195,28 @@ def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp,
                kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
     k_col = heads * d_len
     v_col = (heads + kv_heads) * d_len
+    w = L.width
+    dw = d_len - d_len % w
     for t in numba.prange(batch * kv_heads):  # K^T [d, sp] and V [sp, dp], zero-padded, once
         b, g = t // kv_heads, t % kv_heads
+        kto, vpo = t * d_len * sp, t * sp * dp
+        # Key by key: qkv's rows are read along (a row is (H + 2 Hkv) D floats apart, so a
+        # column walk would touch a new page per element), K^T's d_len rows written side by
+        # side.
+        for j in range(s_len):
+            row = b * s_len + j
+            for d in range(d_len):
+                kt[kto + d * sp + j] = qkv[row, k_col + g * d_len + d]
+            vo = row * qkv.shape[1] + v_col + g * d_len
+            for d in range(0, dw, w):
+                vstore(vp, vpo + j * dp + d, vload(L, qkv, vo + d))
+            for d in range(dw, dp, w):  # lanes past d_len are 0 (not read)
+                vstore(vp, vpo + j * dp + d, vload_masked(L, qkv, vo + d, tail_mask(L, d_len - d)))
         for d in range(d_len):
-            base = (t * d_len + d) * sp
-            for j in range(s_len):
-                kt[base + j] = qkv[b * s_len + j, k_col + g * d_len + d]
             for j in range(s_len, sp):
-                kt[base + j] = ZERO
-        for j in range(sp):
-            base = (t * sp + j) * dp
-            for d in range(dp):
-                inside = j < s_len and d < d_len
-                vp[base + d] = qkv[b * s_len + j, v_col + g * d_len + d] if inside else ZERO
+                kt[kto + d * sp + j] = ZERO
+        for j in range(s_len * dp, sp * dp, w):
+            vstore(vp, vpo + j, vzero(L))
     n_qb = (s_len + bq - 1) // bq
     dq = max(d_len, 1)
     for t in numba.prange(batch * heads * n_qb):
@@ -303,8 +313,9 @@ def attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
     nr = _gemm.panel_width(T, L)
     bq, bk = attention_blocks(T, L)
     sp, dp = nr * -(-seq // nr), nr * -(-head_dim // nr)
-    kt = np.empty(batch * kv_heads * head_dim * sp, np.float32)
-    vp = np.empty(batch * kv_heads * sp * dp, np.float32)
+    n_kt = batch * kv_heads * head_dim * sp
+    packed = shared(n_kt + batch * kv_heads * sp * dp)  # reused: fresh pages fault (workspace)
+    kt, vp = packed[:n_kt], packed[n_kt:]
     _attention(L, T, qkv, kt, vp, m, mshape, mask is not None, out, batch, seq, sp, dp, heads,
                kv_heads, head_dim, np.float32(scale), bq, bk, bool(nan_to_zero))  # fmt: skip
     return out
