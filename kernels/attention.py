@@ -19,10 +19,10 @@ micro-kernel's MR x NR tile at the CPU's width, any head size): s = (scale Q) K^
 broadcast against K^T's rows (K transposed and V packed once per (batch, kv head), zero-padded
 to whole tiles), then acc e^(m - m') + P V with P's rows broadcast against V's, the rescale
 fused into the tile's store. The softmax runs along a row of scores in vectors (exp of
-kernels/simd/approx.py), its tail and the head size's under lane masks. A key block whose
-mask entries are all below -1e30 for every query of the block is skipped when every query row
-has some key above it (then exp underflows to exactly 0 there, as in onnxruntime's Softmax):
-a causal mask costs half the work.
+kernels/simd/approx.py), its tail and the head size's under lane masks. A key block outside
+the span of keys the block's queries attend (mask entries at or above -1e30) is skipped when
+every query row attends some key (then exp underflows to exactly 0 there, as in onnxruntime's
+Softmax): a causal mask costs half the work.
 The driver is parallel over (batch, head, query block); each task has its own scratch.
 The two projections are kernels/dense_gemm.py's GEMM on weights packed once (the caller's
 plans), their biases and the residual applied in its epilogue; the QKV product is stored
@@ -94,33 +94,30 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
     n0, n1, n2 = mshape
     mq_step = 1 if n2 > 1 else 0
     mrow = ((b if n0 > 1 else 0) * n1 + (h if n1 > 1 else 0)) * n2  # query q's: mrow + q mq_step
-    # Skipping a fully masked key block is exact only if every query row attends to some key
-    # (then e^(s - m') underflows to exactly 0 there, as in onnxruntime's Softmax).
-    skip = has_mask
+    # The keys the block's queries attend lie in [lo, hi] (from each row's first and last key
+    # not masked): the key blocks outside are skipped (a causal mask's upper blocks, a left
+    # padding's first). Exact only if every query row attends to some key: then e^(s - m')
+    # underflows to exactly 0 there, as in onnxruntime's Softmax.
+    lo, hi = 0, s_len - 1
     if has_mask:
+        lo, hi = s_len, -1
         for i in range(nq):
             o = (mrow + (q0 + i) * mq_step) * s_len
-            seen = False
-            for j in range(s_len):
-                if mask[o + j] >= MASKED:
-                    seen = True
-                    break
-            skip = skip and seen
+            first = 0
+            while first < s_len and not mask[o + first] >= MASKED:
+                first += 1
+            if first == s_len:  # a row that attends nothing: every block, as Softmax does
+                lo, hi = 0, s_len - 1
+                break
+            last = s_len - 1
+            while not mask[o + last] >= MASKED:
+                last -= 1
+            lo, hi = min(lo, first), max(hi, last)
     kto = bg * d_len * sp  # K^T [d_len, sp] of this (batch, kv head)
     for k0 in range(0, s_len, bk):
         nk = min(bk, s_len - k0)
-        if skip:
-            masked = True
-            for i in range(nq):
-                o = (mrow + (q0 + i) * mq_step) * s_len + k0
-                for j in range(nk):
-                    if mask[o + j] >= MASKED:
-                        masked = False
-                        break
-                if not masked:
-                    break
-            if masked:
-                continue
+        if k0 + nk <= lo or k0 > hi:
+            continue
         # s = (scale Q) K^T + M: MR x NR register tiles, Q's rows broadcast, K^T's row read
         for i0 in range(0, bq, mr):
             for j0 in range(0, nk, nr):
