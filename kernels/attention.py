@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from . import _gemm
-from .config import JIT_GEMM, PARALLEL
+from .config import INLINE, INLINE_FIT, JIT_GEMM, PARALLEL
 from .dense_gemm import dense_gemm
 from .simd import (
     exp,
@@ -42,6 +42,7 @@ from .simd import (
     tail_mask,
     tile_fma,
     tile_zeros,
+    vany,
     vbroadcast,
     vfma,
     vload,
@@ -60,6 +61,7 @@ MASKED = np.float32(-1e30)  # a mask value below this is "not attended"
 f32 = np.float32
 ONE, ZERO = f32(1.0), f32(0.0)
 NEG_INF = f32(-np.inf)
+EXP_NORMAL = f32(-87.0)  # e^-87 = 1.6e-38, above float32's least normal 1.2e-38
 
 
 def attention_blocks(T, L):
@@ -68,6 +70,40 @@ def attention_blocks(T, L):
     stay in L1 (8 KB) beside its K^T and V panels."""
     mr, nr = T.rows, _gemm.panel_width(T, L)
     return mr * -(-32 // mr), nr * -(-64 // nr)
+
+
+@numba.jit(**INLINE_FIT)
+def _exp_normal(x):
+    """e^x, 0 where it would be denormal (x < -87): the masked scores' e^(-inf) through the
+    denormals took a microcode assist per lane, three times a block's arithmetic (bench/NOTES.md,
+    attention on the SIMD layer); what is lost is below 1e-38 of a row sum of at least 1."""
+    return vselect(x < EXP_NORMAL, ZERO, exp(vmax(x, EXP_NORMAL)))  # a NaN stays NaN
+
+
+@numba.jit(**INLINE)
+def _first_attended(L, mask, o, n):
+    """The first j < n with mask[o + j] >= MASKED (not masked), else n: a vector at a time."""
+    w = L.width
+    for j in range(0, n, w):
+        if vany(vload_masked(L, mask, o + j, tail_mask(L, n - j)) >= MASKED):
+            while not mask[o + j] >= MASKED:
+                j += 1
+            return j
+    return n
+
+
+@numba.jit(**INLINE)
+def _last_attended(L, mask, o, n):
+    """The last j < n with mask[o + j] >= MASKED, else -1: a vector at a time from the end."""
+    w = L.width
+    for e in range(n, 0, -w):
+        j = max(e - w, 0)
+        if vany(vload_masked(L, mask, o + j, tail_mask(L, e - j)) >= MASKED):
+            j = e - 1
+            while not mask[o + j] >= MASKED:
+                j -= 1
+            return j
+    return -1
 
 
 @numba.jit(**JIT_GEMM)
@@ -103,16 +139,11 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
         lo, hi = s_len, -1
         for i in range(nq):
             o = (mrow + (q0 + i) * mq_step) * s_len
-            first = 0
-            while first < s_len and not mask[o + first] >= MASKED:
-                first += 1
+            first = _first_attended(L, mask, o, s_len)
             if first == s_len:  # a row that attends nothing: every block, as Softmax does
                 lo, hi = 0, s_len - 1
                 break
-            last = s_len - 1
-            while not mask[o + last] >= MASKED:
-                last -= 1
-            lo, hi = min(lo, first), max(hi, last)
+            lo, hi = min(lo, first), max(hi, _last_attended(L, mask, o, s_len))
     kto = bg * d_len * sp  # K^T [d_len, sp] of this (batch, kv head)
     for k0 in range(0, s_len, bk):
         nk = min(bk, s_len - k0)
@@ -149,14 +180,14 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
                 continue
             sums = vzero(L)
             for j in range(0, nkw, w):
-                e = exp(vload(L, s, o + j) - mx)
+                e = _exp_normal(vload(L, s, o + j) - mx)
                 vstore(s, o + j, e)
                 sums += e
             if nkw < nk:
-                e = vselect(tail, exp(vload(L, s, o + nkw) - mx), ZERO)
+                e = vselect(tail, _exp_normal(vload(L, s, o + nkw) - mx), ZERO)
                 vstore(s, o + nkw, e)
                 sums += e
-            c = exp(m[i] - mx)
+            c = _exp_normal(m[i] - mx)
             corr[i] = c
             lsum[i] = lsum[i] * c + hsum(sums)
             m[i] = mx
