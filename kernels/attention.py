@@ -85,7 +85,8 @@ def _first_attended(L, mask, o, n):
     """The first j < n with mask[o + j] >= MASKED (not masked), else n: a vector at a time."""
     w = L.width
     for j in range(0, n, w):
-        if vany(vload_masked(L, mask, o + j, tail_mask(L, n - j)) >= MASKED):
+        inside = tail_mask(L, n - j)  # the lanes past n load as 0, which is not a mask value
+        if vany((vload_masked(L, mask, o + j, inside) >= MASKED) & inside):
             while not mask[o + j] >= MASKED:
                 j += 1
             return j
@@ -98,7 +99,8 @@ def _last_attended(L, mask, o, n):
     w = L.width
     for e in range(n, 0, -w):
         j = max(e - w, 0)
-        if vany(vload_masked(L, mask, o + j, tail_mask(L, e - j)) >= MASKED):
+        inside = tail_mask(L, e - j)
+        if vany((vload_masked(L, mask, o + j, inside) >= MASKED) & inside):
             j = e - 1
             while not mask[o + j] >= MASKED:
                 j -= 1

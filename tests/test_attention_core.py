@@ -121,13 +121,15 @@ def test_head_sizes_and_sequences_against_onnxruntime(width, d, s):
 @pytest.mark.parametrize("s", [3, 100])
 def test_fully_masked_rows_nan_or_guarded_to_zero(width, s):
     """A query whose every key is -inf: Softmax gives a NaN row, sdpa's guard zeros; a row
-    whose keys are all the float minimum is uniform (nothing is skipped for it); the causal
-    block skip stays exact around both. Per-head masks [b, H, s, s]."""
+    whose keys are all the float minimum (the last, and the first two under left padding)
+    is uniform over every key (nothing is skipped for its block); the causal block skip
+    stays exact around them. Per-head masks [b, H, s, s]."""
     rng = np.random.default_rng(s)
     x = rng.standard_normal((2, s, E)).astype(np.float32)
     mask = np.broadcast_to(causal(s), (2, 2, s, s)).copy()
     mask[0, 1, s // 2] = -np.inf
     mask[1, 0, s - 1] = LOWEST
+    mask[1, 0, :, :2] = LOWEST  # left padding: queries 0, 1 see only the float minimum
     mask[1, 1, :, : s // 2] = -np.inf  # the first key blocks masked for every query of a head
     mask[1, 1, :, s // 2] = 0
     for guard in (False, True):
