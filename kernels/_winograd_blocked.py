@@ -23,7 +23,6 @@ item that saw one sets bad[0] and the caller runs the direct kernel instead.
 """
 
 import numba
-import numpy as np
 
 from .config import JIT_GEMM, PARALLEL
 from .epilogue import finish
@@ -64,18 +63,18 @@ def _transform_tile(L, xf, g, n, cb, t, bt, v, do, eo, vo):
                 if c != 0:
                     acc = vfma(vbroadcast(L, c), vload(L, v, do + (i * a + j) * b), acc)
             vstore(v, eo + (k * a + j) * b, acc)
-    # (B^T d) B: element (k, l) is sum_j e[k, j] bt[l, j]
+    # (B^T d) B: element (k, u_) is sum_j e[k, j] bt[u_, j]
     stride = g[P] * (g[CB] * b)
     probe = vzero(L)
     zero = vzero(L)
     for k in range(a):
-        for l in range(a):
+        for u_ in range(a):
             acc = vzero(L)
             for j in range(a):
-                c = bt[l, j]
+                c = bt[u_, j]
                 if c != 0:
                     acc = vfma(vbroadcast(L, c), vload(L, v, eo + (k * a + j) * b), acc)
-            vstore(v, vo + (k * a + l) * stride, acc)
+            vstore(v, vo + (k * a + u_) * stride, acc)
             probe = vfma(acc, zero, probe)
     return probe
 
@@ -84,8 +83,9 @@ def _transform_tile(L, xf, g, n, cb, t, bt, v, do, eo, vo):
 def _output_tiles(L, T, s, mo, eo, rows, n, og, t0, g, at, bias, yf, res, act_a, act_b, lo,
                   hi, simple):  # fmt: skip
     """Y = A^T M A for the `rows` tiles t0 .. of mt [a*a, PR, FB b], each of the FB blocks of
-    output group og (mt at s[mo], e = A^T M scratch at s[eo]), plus the bias and the epilogue, stored where the tile lies inside the
-    output (the last row and column of tiles may hang over it)."""
+    output group og (mt at s[mo], e = A^T M scratch at s[eo]), plus the bias and the
+    epilogue, stored where the tile lies inside the output (the last row and column of tiles
+    may hang over it)."""
     b = L.width
     m = g[M]
     a = m + 2
@@ -100,22 +100,24 @@ def _output_tiles(L, T, s, mo, eo, rows, n, og, t0, g, at, bias, yf, res, act_a,
         for r in range(rows):
             o = (r * fb + f) * b
             for i in range(m):  # e = A^T M: row i is sum_k at[i, k] M[k, :]
-                for l in range(a):
+                for u_ in range(a):
                     acc = vzero(L)
                     for k in range(a):
                         c = at[i, k]
                         if c != 0:
-                            acc = vfma(vbroadcast(L, c), vload(L, s, mo + o + (k * a + l) * xs), acc)
-                    vstore(s, eo + (i * a + l) * b, acc)
+                            acc = vfma(
+                                vbroadcast(L, c), vload(L, s, mo + o + (k * a + u_) * xs), acc
+                            )
+                    vstore(s, eo + (i * a + u_) * b, acc)
             t = t0 + r
             y0, x0 = m * (t // g[TW]), m * (t % g[TW])
             for i in range(min(m, oh - y0)):
                 for j in range(min(m, ow - x0)):
-                    acc = bv  # (A^T M) A: element (i, j) is sum_l e[i, l] at[j, l]
-                    for l in range(a):
-                        c = at[j, l]
+                    acc = bv  # (A^T M) A: element (i, j) is sum_l e[i, u_] at[j, u_]
+                    for u_ in range(a):
+                        c = at[j, u_]
                         if c != 0:
-                            acc = vfma(vbroadcast(L, c), vload(L, s, eo + (i * a + l) * b), acc)
+                            acc = vfma(vbroadcast(L, c), vload(L, s, eo + (i * a + u_) * b), acc)
                     q = (((n * g[MB] + mb) * oh + y0 + i) * ow + x0 + j) * b
                     vstore(yf, q, finish(acc, vload(L, res, q), g[RESIDUAL], simple, lo, hi,
                                          g[KIND], act_a, act_b))  # fmt: skip
@@ -152,7 +154,7 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, bt, at, act_a, act_b, scratc
             for p in range(tiles):
                 probe = probe + _transform_tile(L, xf, g, n, cb, t_first + p, bt, s, d_off,
                                                 e_off, p * k_len + cb * b)  # fmt: skip
-        if not hsum(probe) == 0:
+        if hsum(probe) != 0:  # NaN != 0 too
             bad[0] = 1  # any item may set it; all set the same value
         for og in range(ms * og_per, min(ogg, (ms + 1) * og_per)):
             for p0 in range(0, tiles, pr):

@@ -184,5 +184,10 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None):
     return out
 
 
-__all__ = ["MAX_F4_CHANNELS", "WinogradPlan", "prepare_winograd_nchwc", "supports",
-           "winograd_nchwc"]
+__all__ = [
+    "MAX_F4_CHANNELS",
+    "WinogradPlan",
+    "prepare_winograd_nchwc",
+    "supports",
+    "winograd_nchwc",
+]
