@@ -221,6 +221,22 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile:
                               residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
+def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -> str | None:
+    """Why the blocked Winograd kernel F(tile x tile, 3x3) is not offered for this conv (attrs
+    as geometry gives them), or None when it is: 2-D, 3x3, stride 1, dilation 1, group 1, and
+    for F(4x4) at most MAX_F4_CHANNELS input channels (its error grows with C: bench/NOTES.md,
+    Winograd)."""
+    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
+
+    if rank != 4:
+        return "a 1-D conv: Winograd runs 2-D convs only"
+    reason = supports(weight.shape, attrs["strides"], attrs["dilations"], attrs["group"])
+    if reason is None and tile == 4 and weight.shape[1] > MAX_F4_CHANNELS:
+        reason = (f"{weight.shape[1]} input channels: F(4x4, 3x3)'s error is inside the "
+                  f"rule's tolerance up to {MAX_F4_CHANNELS}")  # fmt: skip
+    return reason
+
+
 class ConvKernel:
     """A fused conv's kernel. Called on NCHW (or [N, C, L]) inputs it runs kernels/conv2d, and
     kernels/pointwise for an epilogue beyond a clip; `tactics` offers the blocked-layout kernel
@@ -262,8 +278,28 @@ class ConvKernel:
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
             )  # fmt: skip
 
+        def wino_tactic(tile):
+            from kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
+
+            plan = prepare_winograd_nchwc(weight, bias, tile=tile, **geometry(attrs, 4),
+                                          **activation_keywords(attrs),
+                                          residual=attrs.get("residual"))  # fmt: skip
+
+            def run_wino(xb, *others):
+                r = others[RESIDUAL_SLOT - 1] if residual else None
+                return (winograd_nchwc(xb, plan, residual=r),)
+
+            return Tactic(
+                f"blocked-wino{tile}", run_wino,
+                blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
+                in_blocks=(plan.block, plan.block) if residual else (plan.block,),
+                blocked_outputs=(0,), out_channels=(weight.shape[0],),
+            )  # fmt: skip
+
         plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
-        self.tactics = [*map(blocked_tactic, plans), Tactic(f"nchw-{nchw.method}", run)]
+        self.winograd_reasons = {t: winograd_reason(attrs, weight, rank, t) for t in (2, 4)}
+        winos = [wino_tactic(t) for t, why in self.winograd_reasons.items() if why is None]
+        self.tactics = [*winos, *map(blocked_tactic, plans), Tactic(f"nchw-{nchw.method}", run)]
 
     def __call__(self, x, *others):
         return self.run(x, *others)
