@@ -20,6 +20,8 @@ clip-only epilogue (`conv_epilogue(kinds=CLIPPING, residual=False)`), what kerne
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from fusion.catalog import Rule, Tactic
@@ -221,6 +223,9 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile:
                               residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
+WINOGRAD_SWITCH = "FUSION_BLOCKED_WINOGRAD"  # "1": offer the blocked Winograd tactics
+
+
 def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -> str | None:
     """Why the blocked Winograd kernel F(tile x tile, 3x3) is not offered for this conv (attrs
     as geometry gives them), or None when it is: 2-D, 3x3, stride 1, dilation 1, group 1, and
@@ -228,6 +233,9 @@ def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -
     Winograd)."""
     from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
 
+    if os.environ.get(WINOGRAD_SWITCH) != "1":
+        return (f"the blocked Winograd is opt-in ({WINOGRAD_SWITCH}=1): as written it times "
+                "slower than the direct kernel (bench/NOTES.md, blocked Winograd)")  # fmt: skip
     if rank != 4:
         return "a 1-D conv: Winograd runs 2-D convs only"
     reason = supports(weight.shape, attrs["strides"], attrs["dilations"], attrs["group"])
@@ -299,7 +307,7 @@ class ConvKernel:
         plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
         self.winograd_reasons = {t: winograd_reason(attrs, weight, rank, t) for t in (2, 4)}
         winos = [wino_tactic(t) for t, why in self.winograd_reasons.items() if why is None]
-        self.tactics = [*winos, *map(blocked_tactic, plans), Tactic(f"nchw-{nchw.method}", run)]
+        self.tactics = [*map(blocked_tactic, plans), *winos, Tactic(f"nchw-{nchw.method}", run)]
 
     def __call__(self, x, *others):
         return self.run(x, *others)

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fusion.numerics import compare_arrays
 from kernels.blocked import from_blocked, to_blocked
 from kernels.winograd_nchwc import prepare_winograd_nchwc, supports, winograd_nchwc
-from patterns.conv import RULE
+from patterns.conv import RULE, WINOGRAD_SWITCH
 
 BLOCKS = (8, 16)
 node = helper.make_node
@@ -149,19 +149,29 @@ def conv_kernel(strides, c=8):
     return ConvKernel(attrs, wt, b, 4)
 
 
-def test_3x3_stride_1_offers_the_winograd_tactics():
+def test_the_winograd_tactics_are_opt_in(monkeypatch):
+    monkeypatch.delenv(WINOGRAD_SWITCH, raising=False)
+    kernel = conv_kernel((1, 1))
+    assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
+    assert WINOGRAD_SWITCH in kernel.winograd_reasons[2]
+
+
+def test_3x3_stride_1_offers_the_winograd_tactics(monkeypatch):
+    monkeypatch.setenv(WINOGRAD_SWITCH, "1")
     kernel = conv_kernel((1, 1))
     names = [t.name for t in kernel.tactics]
-    assert names[:2] == ["blocked-wino2", "blocked-wino4"]
-    assert any(n.startswith("blocked-f") for n in names)  # the direct kernel still races
+    winos = [t for t in kernel.tactics if t.name.startswith("blocked-wino")]
+    assert [t.name for t in winos] == ["blocked-wino2", "blocked-wino4"]
+    assert names[0].startswith("blocked-f")  # the direct kernel stays first ("kernel" policy)
     x = np.random.default_rng(3).standard_normal((2, 8, 7, 7), dtype=np.float32)
     want = kernel(x)[0]
-    for tactic in kernel.tactics[:2]:
+    for tactic in winos:
         got = from_blocked(tactic.run(to_blocked(x, block=tactic.in_blocks[0]))[0], 8)
         check(got, want)
 
 
-def test_3x3_stride_2_does_not_and_says_why():
+def test_3x3_stride_2_does_not_and_says_why(monkeypatch):
+    monkeypatch.setenv(WINOGRAD_SWITCH, "1")
     kernel = conv_kernel((2, 2))
     assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert "strides (2, 2)" in kernel.winograd_reasons[2]
