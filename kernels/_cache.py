@@ -1,8 +1,9 @@
 """Numba's on-disk cache for the functions of this package, fresh while their source is.
 
 Numba stamps a cached function with a hash of its own source file only. A kernel compiles in
-the functions it calls from other files (kernels/simd's exp, _gemm's fma8, _direct's epilogue
-in _dwconv), so after a change to one of those alone it went on loading the old machine code
+the functions it calls from other files (kernels/simd's exp, _gemm's fma8, epilogue's
+activate_rows in _depthwise_blocked), so after a change to one of those alone it went on loading
+the old machine code
 from the cache. Here a function's stamp is a hash of its module and of every module of the
 package that module imports, directly or not (parent packages included: their __init__ runs
 too), read from the import statements of the source: a change anywhere in what a kernel can

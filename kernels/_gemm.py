@@ -247,7 +247,7 @@ def act(v, lo, hi):
 
 # ---- 8-tuples, for the kernels not yet on the SIMD layer --------------------------------------
 # The SLP vectorizer turns each 8-tuple into one ymm register (config.slp_vectorize). Still
-# imported by _direct.py (fma8), attention.py (tile_sum), lstm/gru (the gate math).
+# imported by _direct_blocked.py (fma8), attention.py (tile_sum), lstm/gru (the gate math).
 
 
 @numba.jit(**INLINE_GEMM)

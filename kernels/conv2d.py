@@ -8,11 +8,11 @@ still in L1 (no extra pass over memory); other activations run after it (kernels
 prepare_conv2d packs the weights once; conv2d_bias_act validates, works out padding and output
 size (ONNX rules) and runs one of four kernels:
 
-- winograd:  F(2x2, 3x3) for 3x3, stride 1, dilation 1, group 1, C >= 8 (_winograd.py);
-- winograd4: F(4x4, 3x3) for the same with C <= 256, opt-in: winograd_tile=4 (_winograd4.py);
-- depthwise: group == C == M, direct (_depthwise.py);
+- winograd:  F(2x2, 3x3) for 3x3, stride 1, dilation 1, group 1, C >= 8 (_winograd_f2_nchw.py);
+- winograd4: F(4x4, 3x3) for the same with C <= 256, opt-in: winograd_tile=4 (_winograd_f4_nchw.py);
+- depthwise: group == C == M, direct (_depthwise_nchw.py);
 - im2col:    every other convolution, 1x1 stride 1 unpadded reading the input in place
-  (_im2col.py).
+  (_im2col_nchw.py).
 
 Inputs holding inf or NaN take the im2col path (see conv2d_bias_act).
 
@@ -29,7 +29,7 @@ import math
 import numba
 import numpy as np
 
-from . import _depthwise, _gemm, _im2col, _winograd, _winograd4
+from . import _depthwise_nchw, _gemm, _im2col_nchw, _winograd_f2_nchw, _winograd_f4_nchw
 from .config import JIT, get_threads
 from .simd.activation import CLIPPING, KINDS, clip_bounds, encode
 from .windows import conv_output_shape as output_shape
@@ -129,9 +129,9 @@ def prepare_conv2d(
     if group > 1 and cg == 1 and m == group:
         method, packed = "depthwise", np.ascontiguousarray(weight.reshape(m, kh, kw))
     if winograd and winograd_tile == 4 and cg <= _WINOGRAD4_MAX_CHANNELS:
-        method, packed = "winograd4", _winograd4.pack_weights(weight, tile.rows)
+        method, packed = "winograd4", _winograd_f4_nchw.pack_weights(weight, tile.rows)
     elif winograd:
-        method, packed = "winograd", _winograd.pack_weights(weight, tile.rows)
+        method, packed = "winograd", _winograd_f2_nchw.pack_weights(weight, tile.rows)
     return Conv2DPlan(
         out_channels=m,
         in_channels=cg * group,
@@ -294,9 +294,9 @@ def winograd_or_im2col(x, out3, weights, fast, im2col, winograd):
     reached its tiles (see winograd_conv); otherwise im2col (im2col: its arguments)."""
     bad = np.zeros(1, np.int32)
     if winograd:
-        _winograd.winograd_conv(x, weights[0], weights[2], out3, *fast, bad)
+        _winograd_f2_nchw.winograd_conv(x, weights[0], weights[2], out3, *fast, bad)
     if not winograd or bad[0]:
-        _im2col.im2col_conv(x, weights[1], weights[2], out3, *im2col)
+        _im2col_nchw.im2col_conv(x, weights[1], weights[2], out3, *im2col)
 
 
 def conv2d_bias_act(x, plan, out=None):
@@ -317,10 +317,10 @@ def conv2d_bias_act(x, plan, out=None):
     # them in its transformed tiles (and is then redone), F(4x4) beforehand.
     if plan.method == "winograd":
         winograd_or_im2col(x, out3, kernel_weights(plan), fast, im2col, True)
-    elif plan.method == "winograd4" and _winograd.all_finite(x):
-        _winograd4.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
+    elif plan.method == "winograd4" and _winograd_f2_nchw.all_finite(x):
+        _winograd_f4_nchw.winograd4_conv(x, plan.packed, plan.bias, out3, *fast)
     elif plan.method == "depthwise":
-        _depthwise.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
+        _depthwise_nchw.depthwise_conv(x, plan.packed, plan.bias, out3, *fast)
     else:
-        _im2col.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
+        _im2col_nchw.im2col_conv(x, plan.im2col_packed, plan.bias, out3, *im2col)
     return out

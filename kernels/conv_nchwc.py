@@ -3,12 +3,12 @@
     y = epilogue(conv2d(x, W)),  x, y blocked (kernels/blocked.py), epilogue as in
     kernels/epilogue.py (bias, residual before or after, any activation of the table)
 
-prepare_conv_nchwc packs the weights once for the register tile (_direct.py) at a block b,
+prepare_conv_nchwc packs the weights once for the register tile (_direct_blocked.py) at a block b,
 the SIMD width the kernel computes at (default kernels.simd.width(): 8 with AVX2, 16 with
 AVX-512); conv_nchwc validates an input, works out the geometry and the tile for its shape
 (cached per shape and thread count) and runs the parallel kernel. Groups are supported when
 each group's input and output channels are whole blocks (a depthwise conv has its own kernel,
-_dwconv.py); with one group any channel counts work (the last block is zero-padded).
+_depthwise_blocked.py); with one group any channel counts work (the last block is zero-padded).
 
     >>> plan = prepare_conv_nchwc(w, b, pads=(1, 1, 1, 1), activation="relu")
     >>> yb = conv_nchwc(to_blocked(x, block=plan.in_block), plan)  # [N, ceil(M/b), OH, OW, b]
@@ -29,8 +29,9 @@ import math
 
 import numpy as np
 
-from . import _direct as d
-from . import _dwconv
+from . import _blocked_geometry as geo
+from . import _depthwise_blocked
+from . import _direct_blocked as d
 from .config import get_threads, slp_vectorize
 from .epilogue import RESIDUALS
 from .machine import cache_bytes
@@ -65,7 +66,7 @@ class ConvPlan:
     in_blocks_per_group: int  # CBG
     fb: int  # output blocks per register tile
     pixels: int | None  # pixels per register tile when forced, else chosen per input shape
-    depthwise: bool  # group == C == M: the depthwise kernel (_dwconv.py)
+    depthwise: bool  # group == C == M: the depthwise kernel (_depthwise_blocked.py)
     packed: np.ndarray  # [G, OGG, CBG, KH, KW, BI, FB*b] flat; depthwise: [CB, KH, KW, b]
     bias: np.ndarray  # [G * OGG * FB * b]
     act: tuple  # (kind, a, b): kernels/simd/activation.py
@@ -282,7 +283,7 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     ogg = -(-plan.out_blocks_per_group // fb)
     a, b = _inside(w, kw, sw, dw, pl, ow)
     row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
-    pw = _dwconv.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
+    pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
     whole, part = _budgets()
     per_block = kh * kw * bi * fb * block * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
@@ -293,17 +294,38 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2
         row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * block * 4 * sh
         rows = max(1, min(rows, cache_bytes(2) // 4 // max(1, row_bytes)))
-    g = np.zeros(d.N_GEO, np.int64)
-    values = {
-        d.N: n, d.CB: cb, d.BI: bi, d.H: h, d.W: w, d.KH: kh, d.KW: kw, d.SH: sh, d.SW: sw,
-        d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.MB: plan.out_blocks, d.OH: oh, d.OW: ow,
-        d.G: plan.group, d.CBG: cbg, d.MBG: plan.out_blocks_per_group, d.FB: fb, d.PW: pw,
-        d.OGG: ogg, d.COL_A: a, d.COL_B: b, d.CHUNK: chunk, d.ROWS: rows,
-        d.RESIDUAL: plan.residual, d.ACT: plan.act[0], d.ROW_A: row_a, d.ROW_B: row_b,
-    }  # fmt: skip
-    for k, v in values.items():
-        g[k] = v
-    return g
+    return geo.pack(
+        N=n,
+        CB=cb,
+        BI=bi,
+        H=h,
+        W=w,
+        KH=kh,
+        KW=kw,
+        SH=sh,
+        SW=sw,
+        DH=dh,
+        DW=dw,
+        PT=pt,
+        PL=pl,
+        MB=plan.out_blocks,
+        OH=oh,
+        OW=ow,
+        G=plan.group,
+        CBG=cbg,
+        MBG=plan.out_blocks_per_group,
+        FB=fb,
+        PW=pw,
+        OGG=ogg,
+        COL_A=a,
+        COL_B=b,
+        CHUNK=chunk,
+        ROWS=rows,
+        RESIDUAL=plan.residual,
+        ACT=plan.act[0],
+        ROW_A=row_a,
+        ROW_B=row_b,
+    )
 
 
 @dataclasses.dataclass
@@ -341,8 +363,16 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
     g = _geometry(plan, xb.shape, threads)
     L = lanes(plan.block)
     if plan.depthwise:
-        return _Launch(shape, g, _dwconv.dwconv_nchwc, (L,), None, _dwconv.scratch_size(g), n == 0)
-    head = (L, tiles.tile(int(g[d.PW]), plan.fb), tiles.tile(1, plan.fb))
+        return _Launch(
+            shape,
+            g,
+            _depthwise_blocked.dwconv_nchwc,
+            (L,),
+            None,
+            _depthwise_blocked.scratch_size(g),
+            n == 0,
+        )
+    head = (L, tiles.tile(int(g[geo.PW]), plan.fb), tiles.tile(1, plan.fb))
     # Whole blocks of input channels: their count is L's width, a constant the channel loop
     # unrolls on; fewer (a small-C stem): a number.
     ci = L if plan.in_block == plan.block else plan.in_block

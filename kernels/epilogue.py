@@ -13,8 +13,10 @@ activate, one compiled function per vector type (a call per vector, no copy per 
 """
 
 import numba
+import numpy as np
 
-from .config import INLINE
+from .config import INLINE, JIT
+from .simd import vload, vstore
 from .simd.activation import activate, clip
 
 NO_RESIDUAL, BEFORE, AFTER = 0, 1, 2
@@ -32,3 +34,19 @@ def finish(v, r, residual, simple, lo, hi, kind, a, b):
     if residual == AFTER:
         v = v + r
     return v
+
+
+@numba.jit(**JIT)
+def activate_rows(L, yf, res, y0, n_blocks, ystride, count, residual, kind, act_a, act_b):
+    """The rest of the epilogue when the activation is not a clip, in place on `count`
+    values (whole vectors of L.width) from y0 in each of n_blocks output blocks: the
+    activation (kind, act_a, act_b), then a residual added after it. Once per output row, not
+    per tile: a call of activate inside the tile loop slowed every conv, clips included
+    (bench/NOTES.md)."""
+    w = L.width
+    y0, ystride, count = np.int64(y0), np.int64(ystride), np.int64(count)
+    for f in range(n_blocks):
+        q0 = y0 + f * ystride
+        for q in range(q0, q0 + count, w):
+            v = activate(kind, act_a, act_b, vload(L, yf, q))
+            vstore(yf, q, v + vload(L, res, q) if residual == AFTER else v)

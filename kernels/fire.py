@@ -24,7 +24,7 @@ import dataclasses
 import numba
 import numpy as np
 
-from ._im2col import im2col_conv
+from ._im2col_nchw import im2col_conv
 from .config import JIT
 from .conv2d import (
     Conv2DPlan,

@@ -11,14 +11,14 @@ and no pixel-by-pixel edge path, which for the small images of late layers (7x7,
 be most of the work. A tile holds TILE = 8 pixels of one block: 8 vector accumulators; per
 tap one weight vector and 8 input vectors (8 independent FMA chains, 10 registers of AVX2's
 16 or AVX-512's 32). The copy reads each input value once per item; the epilogue is the
-direct kernel's (_direct.py). x, y and the packed weights ([CB, KH, KW, b]) share the block b,
-which the kernel takes from L, compiled once per width.
+direct kernel's (kernels/epilogue.py). x, y and the packed weights ([CB, KH, KW, b]) share the
+block b, which the kernel takes from L, compiled once per width.
 """
 
 import numba
 import numpy as np
 
-from ._direct import (
+from ._blocked_geometry import (
     ACT,
     BI,
     CB,
@@ -37,16 +37,35 @@ from ._direct import (
     H,
     N,
     W,
-    _activate,
-    _finish,
-)
+)  # fmt: skip
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
-from .epilogue import BEFORE, NO_RESIDUAL
+from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import vfma, vload, vstore, vzero
-from .simd.activation import clip_bounds, clips
+from .simd.activation import IDENTITY, clip_bounds, clips
+
+ZERO = np.float32(0.0)
 
 u = np.uint64
 TILE = 8  # pixels per tile
+
+
+@numba.jit(**INLINE_GEMM)
+def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
+    """Accumulators parked in tbuf (vector k = p fb + f,
+    for pixels p < npx and blocks f < nb) into y, one vector of a block's W = L.width channels
+    at a time: the bias of its block, the residual (kernels/epilogue.py), the clip [lo, hi];
+    the whole epilogue when the activation is a clip, else its part before the activation
+    (epilogue.activate_rows does the rest). Offsets are flat element offsets, signed or not."""
+    w = L.width
+    yo, ystride, bo = np.int64(yo), np.int64(ystride), np.int64(bo)
+    for k in range(npx * fb):
+        p, f = k // fb, k % fb
+        if f >= nb:
+            continue
+        q = yo + p * w + f * ystride
+        v = vload(L, tbuf, k * w) + vload(L, bf, bo + f * w)
+        r = vload(L, res, q) if residual else v
+        vstore(yf, q, finish(v, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
 
 @numba.jit(**INLINE_GEMM)
@@ -127,7 +146,7 @@ def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, act_a, ac
             yt = yo + u(ow0 * b)
             _finish(L, tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, early, lo, hi)
         if not simple:
-            _activate(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
+            activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
 
 
 def scratch_size(g) -> int:
@@ -142,7 +161,7 @@ def scratch_size(g) -> int:
 @numba.jit(**PARALLEL)
 def dwconv_nchwc(L, xf, wf, bf, yf, res, g, act_a, act_b, work):
     """y = epilogue(depthwise conv(x)) on flat blocked arrays, x and y [N, CB, ., ., b],
-    packed [CB, KH, KW, b], bias [CB b]; L: Lanes(b), g[BI] = b. g: the geometry (_direct's
+    packed [CB, KH, KW, b], bias [CB b]; L: Lanes(b), g[BI] = b. g: the geometry (_direct_blocked's
     indices, CB the channel-block count, ROWS the output rows per item, ACT the activation's
     kind, act_a and act_b its parameters); work: per-thread scratch [threads,
     scratch_size(g)]."""

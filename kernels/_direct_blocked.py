@@ -42,17 +42,43 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
-from .epilogue import AFTER, BEFORE, NO_RESIDUAL, finish
-from .simd import activate, tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
+from ._blocked_geometry import (
+    ACT,
+    BI,
+    CB,
+    CBG,
+    CHUNK,
+    COL_A,
+    COL_B,
+    DH,
+    DW,
+    KH,
+    KW,
+    MB,
+    MBG,
+    OGG,
+    OH,
+    OW,
+    PL,
+    PT,
+    RESIDUAL,
+    ROW_A,
+    ROW_B,
+    ROWS,
+    SH,
+    SW,
+    G,
+    H,
+    N,
+    W,
+)  # fmt: skip
+from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
+from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
+from .simd import tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
 ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to every row
-
-# Indices into the geometry array.
-(N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, N_GEO) = range(31)  # fmt: skip
 
 
 @intrinsic
@@ -115,10 +141,11 @@ def _put_finish(L, v, r, f, nb, yf, yo, ps, ystride, res, residual, lo, hi):  # 
 
 def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     """Tile t (its shape T, the bias included) into y: accumulator (r, f) to pixel r (ps floats
-    apart in y) of block f < nb, with _finish's epilogue but the bias. Straight from the
-    registers: one statement per accumulator, its (r, f) constants (_store_source), where a
-    loop over t[r][f] that LLVM does not unroll in full (past about 10 rows, or 6x4) would
-    pick each vector through a switch; the stores without a residual apart."""
+    apart in y) of block f < nb, with the epilogue's clip and residual (the bias is in t).
+    Straight from the registers: one statement per accumulator, its (r, f) constants
+    (_store_source), where a loop over t[r][f] that LLVM does not unroll in full (past about
+    10 rows, or 6x4) would pick each vector through a switch; the stores without a residual
+    apart."""
 
 
 @functools.cache
@@ -135,7 +162,7 @@ def _store_source(rows: int, cols: int):
         "    if residual == NO_RESIDUAL:", *clip_lines, "    else:", *finish_lines,
     ])  # fmt: skip
     names = {"_put_clip": _put_clip, "_put_finish": _put_finish, "NO_RESIDUAL": NO_RESIDUAL}
-    exec(compile(source, f"<_direct._store {rows}x{cols}>", "exec"), names)
+    exec(compile(source, f"<_direct_blocked._store {rows}x{cols}>", "exec"), names)
     return names["store"]
 
 
@@ -144,41 +171,6 @@ def _store_source(rows: int, cols: int):
 )
 def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     return _store_source(T.rows, T.cols)
-
-
-@numba.jit(**INLINE_GEMM)
-def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
-    """(The depthwise kernel's, _dwconv.py.) Accumulators parked in tbuf (vector k = p fb + f,
-    for pixels p < npx and blocks f < nb) into y, one vector of a block's W = L.width channels
-    at a time: the bias of its block, the residual (kernels/epilogue.py), the clip [lo, hi];
-    the whole epilogue when the activation is a clip, else its part before the activation
-    (_activate does the rest). Offsets are flat element offsets, signed or not."""
-    w = L.width
-    yo, ystride, bo = np.int64(yo), np.int64(ystride), np.int64(bo)
-    for k in range(npx * fb):
-        p, f = k // fb, k % fb
-        if f >= nb:
-            continue
-        q = yo + p * w + f * ystride
-        v = vload(L, tbuf, k * w) + vload(L, bf, bo + f * w)
-        r = vload(L, res, q) if residual else v
-        vstore(yf, q, finish(v, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
-
-
-@numba.jit(**JIT)
-def _activate(L, yf, res, y0, n_blocks, ystride, count, residual, kind, act_a, act_b):
-    """The rest of the epilogue when the activation is not a clip, in place on `count`
-    values (whole vectors of L.width) from y0 in each of n_blocks output blocks: the
-    activation (kind, act_a, act_b), then a residual added after it. Once per output row, not
-    per tile: a call of activate inside the tile loop slowed every conv, clips included
-    (bench/NOTES.md)."""
-    w = L.width
-    y0, ystride, count = np.int64(y0), np.int64(ystride), np.int64(count)
-    for f in range(n_blocks):
-        q0 = y0 + f * ystride
-        for q in range(q0, q0 + count, w):
-            v = activate(kind, act_a, act_b, vload(L, yf, q))
-            vstore(yf, q, v + vload(L, res, q) if residual == AFTER else v)
 
 
 @numba.jit(**JIT_GEMM)
@@ -298,7 +290,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
                 else:
                     tile_store(acc, ao, p)
             if last and not simple:  # while the row is in cache
-                _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
+                activate_rows(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
         if n_down > 0:
             n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
             e = 0
@@ -320,7 +312,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
         if last and not simple and n_down > 0:
             for oh in range(cr0, r_end):
                 yo = y0 + oh * ow_len * w
-                _activate(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
+                activate_rows(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
 
 
 @numba.jit(**PARALLEL)

@@ -18,16 +18,16 @@ accuracy: the transforms scale by up to 8 (A) and 5 (B), so float32 rounding gro
 10x F(2x2)'s (bench/NOTES.md, Winograd); so it is opt-in. U is computed once in float64 at
 prepare time.
 
-Same one-pass structure as F(2x2) (_winograd.py): a work item takes NR tiles (the GEMM tile's
-NR), transforms their patches for all C channels into a private V [36, C + 1, NR], runs the 36
-GEMMs per channel panel and writes the outputs.
+Same one-pass structure as F(2x2) (_winograd_f2_nchw.py): a work item takes NR tiles (the GEMM
+tile's NR), transforms their patches for all C channels into a private V [36, C + 1, NR], runs
+the 36 GEMMs per channel panel and writes the outputs.
 """
 
 import numba
 import numpy as np
 
 from ._gemm import act, gemm_batch, pack_a
-from ._winograd import gather_tile
+from ._winograd_f2_nchw import gather_tile
 from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
 from .simd import vfma, vload, vstore
 
@@ -98,7 +98,7 @@ def _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d):
 def _transform_panel(L, T, d, v, c):
     """v[:, c] = B^T d B for the NR patches in d[:36] (row 6 i + j = patch pixel (i, j)), a
     vector of W patches at a time; d[36:72] holds the rows of B^T d. d is [72, NR], v
-    [36, C + 1, NR] (flat offsets, as _winograd._transform_panel's)."""
+    [36, C + 1, NR] (flat offsets, as _winograd_f2_nchw._transform_panel's)."""
     w = L.width
     nr = T.cols * w
     vx, vc = v.shape[1] * nr, c * nr
@@ -195,7 +195,7 @@ def winograd4_conv(x, u_packed, bias, out3, L, T, pt, pl, oh_len, ow_len, lo, hi
     for item in numba.prange(n_len * n_pan * n_ms):
         n, tp, ms = item // (n_pan * n_ms), (item // n_ms) % n_pan, item % n_ms
         t0 = tp * nr
-        v = np.empty((36, c_len + 1, nr), np.float32)  # + 1 row: no 4 KiB stride (_winograd)
+        v = np.empty((36, c_len + 1, nr), np.float32)  # + 1 row: no 4 KiB stride (F2's)
         d = np.empty((72, nr), np.float32)
         mt = np.empty((36, mr, nr), np.float32)
         ys = np.empty((40, nr), np.float32)

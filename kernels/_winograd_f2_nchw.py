@@ -17,7 +17,7 @@ One pass, fused per tile panel: a work item takes NR consecutive tiles (NR, MR: 
 micro-kernel's tile, _gemm), transforms their input
 patches for all C channels into a private V [16, C + 1, NR] (65 KiB at C = 64, stays in L2),
 runs the 16 GEMMs for every channel panel against it and writes the outputs: no shared buffer,
-no barrier between transform and GEMM. F(4x4) (_winograd4.py, opt-in) has the same structure
+no barrier between transform and GEMM. F(4x4) (_winograd_f4_nchw.py, opt-in) has the same structure
 and shares gather_tile. Measurements: bench/NOTES.md, Winograd.
 """
 

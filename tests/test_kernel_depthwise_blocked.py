@@ -1,5 +1,5 @@
-"""kernels/_dwconv.py, the depthwise conv on blocked tensors, at blocks 8 and 16 in one process,
-against onnxruntime running the unfused Conv (group = C) [+ Add] [+ activation] graph.
+"""kernels/_depthwise_blocked.py, the depthwise conv on blocked tensors, at blocks 8 and 16 in
+one process, against onnxruntime running the unfused Conv (group = C) [+ Add] [+ activation] graph.
 
 The kernel is driven here with its own packing ([CB, KH, KW, b] weights, [CB b] bias) and
 geometry, the contract conv_nchwc keeps, so that both widths are tested whatever block the
@@ -13,8 +13,8 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels import _direct as d
-from kernels._dwconv import dwconv_nchwc, scratch_size
+from kernels import _blocked_geometry as geo
+from kernels._depthwise_blocked import dwconv_nchwc, scratch_size
 from kernels.blocked import from_blocked, to_blocked
 from kernels.config import slp_vectorize
 from kernels.epilogue import RESIDUALS
@@ -74,12 +74,26 @@ def run_kernel(block, x, w, b, conv, activation, residual, r, rows):
     bias = np.zeros(cb * block, np.float32)
     bias[:c] = b
     kind, act_a, act_b = encode(activation, **ACTS[activation][1])
-    g = np.zeros(d.N_GEO, np.int64)
-    values = {d.N: n, d.CB: cb, d.BI: block, d.H: h, d.W: wd, d.KH: kh, d.KW: kw, d.SH: sh,
-              d.SW: sw, d.DH: dh, d.DW: dw, d.PT: pt, d.PL: pl, d.OH: oh, d.OW: ow,
-              d.ROWS: min(rows, oh), d.RESIDUAL: RESIDUALS[residual], d.ACT: kind}  # fmt: skip
-    for k, v in values.items():
-        g[k] = v
+    g = geo.pack(
+        N=n,
+        CB=cb,
+        BI=block,
+        H=h,
+        W=wd,
+        KH=kh,
+        KW=kw,
+        SH=sh,
+        SW=sw,
+        DH=dh,
+        DW=dw,
+        PT=pt,
+        PL=pl,
+        OH=oh,
+        OW=ow,
+        ROWS=min(rows, oh),
+        RESIDUAL=RESIDUALS[residual],
+        ACT=kind,
+    )
     xf = to_blocked(x, block=block).reshape(-1)
     yb = np.empty((n, cb, oh, ow, block), np.float32)
     yf = yb.reshape(-1)

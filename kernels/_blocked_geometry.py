@@ -1,0 +1,30 @@
+"""The geometry of a conv on blocked tensors: one int64 array the wrapper fills (conv_nchwc)
+and the kernels of the blocked conv family read (_direct_blocked, _depthwise_blocked), so one
+argument is unboxed per call and both kernels name its fields the same way.
+
+    N, CB, BI, H, W       images, input blocks, channels per input block, input rows, columns
+    KH, KW, SH, SW, DH, DW  kernel, strides, dilations
+    PT, PL                pads at the top and left (the bottom and right follow from OH, OW)
+    MB, OH, OW            output blocks, output rows, columns
+    G, CBG, MBG           groups, input and output blocks per group
+    FB, PW                register tile: output blocks (columns) and pixels (rows)
+    OGG                   filter groups of FB blocks per group
+    COL_A, COL_B          output columns whose every horizontal tap is inside the row
+    CHUNK                 input blocks per K chunk (weights past half of L2 are cut)
+    ROWS                  output rows per work item
+    RESIDUAL, ACT         epilogue: kernels/epilogue.py's residual, the activation's kind
+    ROW_A, ROW_B          output rows whose every vertical tap is inside the image
+"""
+
+import numpy as np
+
+(N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, N_GEO) = range(31)  # fmt: skip
+
+
+def pack(**fields) -> np.ndarray:
+    """The geometry array with the named fields set (pack(N=1, CB=4, ...)), the others 0."""
+    g = np.zeros(N_GEO, np.int64)
+    for name, value in fields.items():
+        g[globals()[name]] = value
+    return g
