@@ -17,7 +17,8 @@ to L2 (_inverted_residual_blocked.py), so each tensor touching memory is x, the 
 
 Weights are float32 NCHW-conv shaped: we [E, C, 1, 1] (or None), wd [E, 1, k, k], wp [M, E, 1,
 1]; biases [E], [E], [M] or None (BatchNorm folded by the caller); acts: three (name, a, b)
-triples for kernels.simd.activation.encode (or None: identity); b = kernels.simd.width().
+tuples (positional) or dicts (keywords) of kernels.simd.activation.encode's arguments (None:
+identity); b = kernels.simd.width().
 """
 
 import dataclasses
@@ -97,7 +98,8 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     if len(pads) != 4 or min(pads) < 0 or max(pads) >= kh:
         raise ValueError(f"pads must be 4 values in [0, k), got {pads}")
     eb, mb = -(-e // b), -(-m // b)
-    codes = np.array([encode(*(a or (None,))) for a in acts], np.float64)
+    codes = [encode(**a) if isinstance(a, dict) else encode(*(a or (None,))) for a in acts]
+    codes = np.array(codes, np.float64)
     return InvertedResidualPlan(
         in_channels=c, expanded=e, out_channels=m, kernel=kh, stride=int(stride), pads=pads,
         expand=we is not None, residual=bool(residual), block=b,
