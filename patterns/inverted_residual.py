@@ -164,4 +164,5 @@ RULE = Rule(
     priority=20,  # before ConvBiasRelu (10) takes its convs one by one
     description="inverted residual: 1x1 expand -> depthwise kxk -> 1x1 project [+ x], float32",
     explain_after="Conv",
+    from_last=True,  # the root may be any node of the chain: the longest chain claims first
 )
