@@ -18,7 +18,7 @@ band does not have; SqueezeExcite and ConvBiasRelu take that block.
 from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
-from fusion.pattern import Alt, Var, op
+from fusion.pattern import Alt, Op, Opt, Var, op
 from patterns.activation import activation_keywords
 from patterns.conv import INPUTS as CONV_INPUTS
 from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded
@@ -28,10 +28,31 @@ PER_CONV = CONV_INPUTS[1:-1]  # W, B, bias_add, bn_scale, bn_bias, bn_mean, bn_v
 INPUTS = ("x", *(p + name for p in PREFIXES for name in PER_CONV))
 
 
+def _grouped(m, node) -> str | None:
+    """The middle conv is grouped (a depthwise one, checked in full by check)."""
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    return None if group > 1 else f"{node.name}: group {group}, not a depthwise conv"
+
+
+def _constrain(p, name: str, where) -> None:
+    """Set `where` on the node pattern captured as `name` inside the sub-pattern p."""
+    if isinstance(p, Op):
+        if p.name == name:
+            p.where = where
+        for q in p.inputs:
+            _constrain(q, name, where)
+    elif isinstance(p, Alt):
+        for q in p.options:
+            _constrain(q, name, where)
+    elif isinstance(p, Opt):
+        _constrain(p.pattern, name, where)
+
+
 def inverted_residual():
     x = Var("x", dtype="float32", rank=4)
     e = Alt(conv_epilogue(x, "e_", residual=False), x)
     d = conv_epilogue(e, "d_", residual=False)
+    _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
     y = conv_epilogue(d, "p_", residual=False)
     return Alt(op.Add(y, x, _name="res"), y)
 
@@ -163,6 +184,8 @@ RULE = Rule(
     accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=20,  # before ConvBiasRelu (10) takes its convs one by one
     description="inverted residual: 1x1 expand -> depthwise kxk -> 1x1 project [+ x], float32",
-    explain_after="Conv",
+    # Only whole-block matches are near-misses (their reasons: escapes, checks): a partial one
+    # is any conv after a conv, and would be noise in every CNN's explanation.
+    explain_after="InvertedResidual",
     from_last=True,  # the root may be any node of the chain: the longest chain claims first
 )

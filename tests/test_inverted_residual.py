@@ -142,7 +142,7 @@ def test_squeeze_excite_between_depthwise_and_project_is_left_to_its_patterns():
     )
     y = g.node("Conv", [g.node("Mul", [d, s]), g.const(weights(8, 48, 1, 1))])
     model = g.model({"x": ["N", 8, 7, 7]}, [y])
-    near_miss(model, "InvertedResidual", "Mul",
+    near_miss(model, "InvertedResidual",
               fused=["ConvBiasRelu", "ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
 
 
