@@ -182,7 +182,7 @@ RULE = Rule(
     attributes=attributes,
     check=check,
     accumulates=True,  # long float32 sums: error relative to the output's scale
-    priority=20,  # before ConvBiasRelu (10) takes its convs one by one
+    priority=18,  # before ConvBiasRelu (10) takes its convs one by one (FireModule: 20)
     description="inverted residual: 1x1 expand -> depthwise kxk -> 1x1 project [+ x], float32",
     # Only whole-block matches are near-misses (their reasons: escapes, checks): a partial one
     # is any conv after a conv, and would be noise in every CNN's explanation.
