@@ -11,6 +11,7 @@ from patterns import (
     gru,
     gru_native,
     gru_sequence,
+    inverted_residual,
     layernorm,
     linear_gelu,
     lstm,
@@ -22,7 +23,8 @@ from patterns import (
 )  # fmt: skip
 
 RULES = [
-    conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE, lstm_native.RULE, gru.RULE,
+    inverted_residual.RULE, conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE,
+    lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
     pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE, attention.RULE,
     gated_mlp.RULE, *linear_gelu.RULES, *layernorm.RULES,

@@ -1,0 +1,155 @@
+"""InvertedResidual: MobileNetV2's block (1x1 expand -> depthwise -> 1x1 project [+ x]) fuses into
+one node whose kernel, depth first and op by op, gives onnxruntime's outputs on the unfused
+graph at strides 1 and 2, expansions 1, 4 and 6, channels that are not whole blocks, images of
+1 to 28 pixels and batches 0 to 3; each near-miss says why."""
+
+import numpy as np
+import pytest
+from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
+
+import fusion
+
+RNG = np.random.default_rng(0)
+
+
+def weights(*shape, scale=0.3):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def act(g, y, kind):
+    if kind == "relu6":
+        return g.node(
+            "Clip", [y, g.const(np.array(0, np.float32)), g.const(np.array(6, np.float32))]
+        )
+    if kind == "relu":
+        return g.node("Relu", [y])
+    if kind == "hardswish":
+        return g.node("HardSwish", [y])
+    if kind == "silu":
+        return g.node("Mul", [y, g.node("Sigmoid", [y])])
+    return y
+
+
+def conv(g, x, w, b, kind, bn=False, **attrs):
+    y = g.node("Conv", [x, g.const(w), g.const(b)], **attrs)
+    if bn:
+        m = w.shape[0]
+        stats = [RNG.uniform(0.5, 1.5, m), RNG.normal(0, 0.1, m), RNG.normal(0, 0.1, m),
+                 RNG.uniform(0.5, 1.5, m)]  # fmt: skip
+        y = g.node("BatchNormalization", [y, *(g.const(s.astype(np.float32)) for s in stats)])
+    return act(g, y, kind)
+
+
+def block(g, x, c, t, m, s=1, k=3, residual=None, acts=("relu6", "relu6", None), bn=False):
+    """The block on `x`; returns (output, the weights and biases as the kernel takes them); g.inner:
+    the expanded and depthwise tensors."""
+    e = c * t
+    we, be = (weights(e, c, 1, 1), weights(e, scale=0.1)) if t != 1 else (None, None)
+    wd, bd = weights(e, 1, k, k), weights(e, scale=0.1)
+    wp, bp = weights(m, e, 1, 1), weights(m, scale=0.1)
+    expanded = x if t == 1 else conv(g, x, we, be, acts[0], bn)
+    g.inner = (expanded, conv(g, expanded, wd, bd, acts[1], bn, group=e, strides=[s, s],
+                              pads=[k // 2] * 4))  # fmt: skip
+    y = conv(g, g.inner[1], wp, bp, acts[2], bn)
+    residual = s == 1 and m == c if residual is None else residual
+    if residual:
+        y = g.node("Add", [y, x], name="/block/add")
+    return y, (we, be, wd, bd, wp, bp)
+
+
+def model_of(c, t, m, s=1, k=3, hw=7, **kw):
+    g = GraphBuilder(opset=17)
+    y, _ = block(g, "x", c, t, m, s, k, **kw)
+    return g.model({"x": ["N", c, hw, hw]}, [y])
+
+
+CASES = [  # c, t, m, s, k, hw, batch, activations
+    (3, 6, 3, 1, 3, 7, 2, ("relu6", "relu6", None)),
+    (5, 4, 5, 2, 3, 13, 3, ("relu", "relu", None)),
+    (17, 6, 17, 1, 5, 13, 1, ("hardswish", "hardswish", None)),
+    (24, 6, 24, 1, 3, 28, 1, ("relu6", "relu6", None)),
+    (32, 6, 17, 2, 5, 7, 2, ("silu", "silu", "relu")),
+    (16, 1, 24, 1, 3, 13, 2, (None, "relu6", None)),  # expansion 1: depthwise -> project
+    (17, 1, 17, 2, 3, 7, 3, (None, "silu", None)),
+    (24, 4, 32, 2, 3, 1, 1, ("relu6", "relu6", None)),  # a 1x1 image
+    (5, 6, 5, 1, 3, 7, 0, ("relu6", "relu6", None)),  # batch 0
+]
+
+
+@pytest.mark.parametrize("c,t,m,s,k,hw,batch,acts", CASES)
+def test_fuses_and_both_tactics_match_onnxruntime(c, t, m, s, k, hw, batch, acts):
+    model = model_of(c, t, m, s, k, hw, acts=acts, bn=c % 2 == 1)
+    result = assert_fuses(model, ["InvertedResidual"], batch=max(batch, 1), rtol=1e-4, atol=1e-5)
+    feeds = {"x": RNG.standard_normal((batch, c, hw, hw)).astype(np.float32)}
+    (want,) = run_ort(model, feeds)
+    for tactic in ("blocked-depthfirst", "blocked-opbyop"):
+        session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
+        assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=tactic)
+
+
+@pytest.mark.parametrize("c,t,m,s,k,hw,batch", [(17, 6, 17, 1, 3, 13, 2), (3, 1, 5, 2, 5, 7, 1)])
+def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
+    """kernels/inverted_residual.py on the weights of the graph, against the graph."""
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+
+    g = GraphBuilder(opset=17)
+    y, (we, be, wd, bd, wp, bp) = block(g, "x", c, t, m, s, k)
+    model = g.model({"x": ["N", c, hw, hw]}, [y])
+    clip = ("clip", None, None, 0.0, 6.0)
+    plan = prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=s, acts=(clip, clip, None),
+                                     residual=s == 1 and m == c)  # fmt: skip
+    x = RNG.standard_normal((batch, c, hw, hw)).astype(np.float32)
+    got = from_blocked(inverted_residual(to_blocked(x), plan), m)
+    assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
+
+
+def test_band_rows_fit_l2_and_feed_every_thread():
+    from kernels.inverted_residual import band_rows
+    from kernels.machine import cache_bytes
+
+    rows = band_rows(56, 56, 58, 18, 8, 3, 1, 1, 2)
+    assert 1 <= rows < 56
+    assert ((rows - 1) + 3) * 58 * 18 * 8 * 4 + rows * 56 * 18 * 8 * 4 <= cache_bytes(2) // 2
+    assert band_rows(7, 7, 9, 18, 8, 3, 1, 1, 4) <= 2  # 7 rows, one image, 4 threads
+
+
+def test_expanded_tensor_that_is_a_graph_output_is_not_fused_away():
+    g = GraphBuilder(opset=17)
+    y, _ = block(g, "x", 8, 6, 8)
+    model = g.model({"x": ["N", 8, 7, 7]}, [y, g.inner[0]])
+    # the depthwise conv and the projection still fuse, as an expansion-1 block reading it
+    near_miss(model, "InvertedResidual", "is also a graph output",
+              fused=["ConvBiasRelu", "InvertedResidual"])  # fmt: skip
+
+
+def test_depthwise_output_with_a_second_consumer_is_not_fused_away():
+    g = GraphBuilder(opset=17)
+    y, _ = block(g, "x", 8, 6, 8)
+    other = g.node("Relu", [g.inner[1]], name="/other")
+    near_miss(g.model({"x": ["N", 8, 7, 7]}, [y, other]), "InvertedResidual",
+              "is also used by Relu /other", fused=["ConvBiasRelu"] * 3)  # fmt: skip
+
+
+def test_squeeze_excite_between_depthwise_and_project_is_left_to_its_patterns():
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(48, 8, 1, 1), weights(48), "relu")
+    d = conv(g, e, weights(48, 1, 3, 3), weights(48), "relu", group=48, pads=[1] * 4)
+    m = g.node("GlobalAveragePool", [d])
+    h = conv(g, m, weights(8, 48, 1, 1), weights(8), "relu")
+    s = g.node(
+        "Sigmoid", [g.node("Conv", [h, g.const(weights(48, 8, 1, 1)), g.const(weights(48))])]
+    )
+    y = g.node("Conv", [g.node("Mul", [d, s]), g.const(weights(8, 48, 1, 1))])
+    model = g.model({"x": ["N", 8, 7, 7]}, [y])
+    near_miss(model, "InvertedResidual",
+              fused=["ConvBiasRelu", "ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
+
+
+def test_grouped_middle_conv_is_not_a_depthwise_one():
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(16, 8, 1, 1), weights(16), "relu")
+    d = conv(g, e, weights(16, 2, 3, 3), weights(16), "relu", group=8, pads=[1] * 4)
+    y = g.node("Conv", [d, g.const(weights(8, 16, 1, 1))])
+    near_miss(g.model({"x": ["N", 8, 7, 7]}, [y]), "InvertedResidual", "not a depthwise one",
+              fused=["ConvBiasRelu", "ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
