@@ -51,6 +51,36 @@ def _producer(view: GraphView, value: str) -> int | None:
     return None if found is None else found[0]
 
 
+SHAPE_OPS = frozenset({"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Div", "Mul",
+                       "Slice", "Constant", "Identity"})  # fmt: skip
+
+
+def shape_cone(view: GraphView, targets: list[str], readers: set[int]) -> list[int]:
+    """The integer nodes computing the Reshape `targets` (TorchScript's Shape(x), Gather, Div,
+    Unsqueeze, Concat) when only `readers` and each other read them, else []. They join the
+    fused node, whose body then computes the targets from its own input."""
+    cone, stack = set(), [t for t in targets if view.constant(t) is None]
+    while stack:
+        found = view.producer.get(stack.pop())
+        if found is None:
+            return []  # a graph input: stays an input of the fused node
+        index = found[0]
+        if index in cone:
+            continue
+        node = view.nodes[index]
+        if node.op_type not in SHAPE_OPS or node.domain not in ("", "ai.onnx"):
+            return []
+        cone.add(index)
+        if node.op_type != "Shape":
+            stack += [v for v in node.input if v and view.constant(v) is None]
+    inside = cone | readers
+    for index in cone:
+        for value in view.nodes[index].output:
+            if view.is_graph_output(value) or set(view.consumers.get(value, ())) - inside:
+                return []
+    return sorted(cone)
+
+
 def find_shuffle(view: GraphView, index: int) -> list[Match] | str | None:
     transpose = view.nodes[index]
     first = _producer(view, transpose.input[0])
@@ -75,7 +105,8 @@ def find_shuffle(view: GraphView, index: int) -> list[Match] | str | None:
         return f"{x} is {t.dtype_name}, the kernel gathers float32"
     c = t.shape[1]
     shapes = Match.of(view, {"s1": split_node.input[1], "s2": view.nodes[last].input[1]}, {}, [])
-    got, want = shapes.shape_entries("s1"), [(x, 0), None, c, (x, 2), (x, 3)]
+    known = {(x, 1): c}  # C/g from x's Shape (TorchScript's Div) is then a constant
+    got, want = shapes.shape_entries("s1", known), [(x, 0), None, c, (x, 2), (x, 3)]
     g = got[1] if got and len(got) == 5 else None
     if not (
         isinstance(g, int)
@@ -84,12 +115,13 @@ def find_shuffle(view: GraphView, index: int) -> list[Match] | str | None:
         and _fits(got, want[:1] + [g, c // g] + want[3:], t)
     ):
         return f"Reshape {split_node.name} to {got}, not [N, g, C/g, H, W] of {x} ({c} channels)"
-    if not _fits(shapes.shape_entries("s2"), [(x, 0), c, (x, 2), (x, 3)], t):
-        got = shapes.shape_entries("s2")
+    got = shapes.shape_entries("s2", known)
+    if not _fits(got, [(x, 0), c, (x, 2), (x, 3)], t):
         return f"Reshape {view.nodes[last].name} to {got}, not [N, C, H, W] of {x}"
     nodes = {"first": first, "transpose": index, "last": last}
-    values = {"parts": [x], "y": view.nodes[last].output[0], "s1": split_node.input[1],
-              "shapes": [split_node.input[1], view.nodes[last].input[1]]}  # fmt: skip
+    shapes = [split_node.input[1], view.nodes[last].input[1]]
+    values = {"parts": [x], "y": view.nodes[last].output[0], "s1": shapes[0], "shapes": shapes}
+    concat = after = None  # the Concat before, the Split after, where they join
     cat = _producer(view, x)
     others = [u for u in view.consumers.get(x, ()) if u != first]
     if (  # TorchScript reads x's Shape for the targets: that joins the match (absorb_shapes)
@@ -105,16 +137,28 @@ def find_shuffle(view: GraphView, index: int) -> list[Match] | str | None:
             and len(node.input) == 2
             and all(t is not None and t.rank == 4 and isinstance(t.shape[1], int) for t in types)
         ):
-            nodes["concat"], values["parts"] = cat, list(node.input)
+            concat = {"concat": cat}, {"parts": list(node.input)}
     split = _only_reader(view, values["y"], "Split")
     if (
         split is not None
         and view.attributes(view.nodes[split]).get("axis") in (1, -3)
         and split_sizes(view, view.nodes[split], c) is not None
     ):
-        nodes["split"], values["y"] = split, list(view.nodes[split].output)
-        values["shapes"] += [v for v in view.nodes[split].input[1:] if v]
-    return [Match.of(view, values, nodes, sorted(nodes.values()))]
+        sizes = [v for v in view.nodes[split].input[1:] if v]
+        after = {"split": split}, {"y": list(view.nodes[split].output), "shapes": shapes + sizes}
+    # The largest match first; the Concat may be taken already (ConvConcat removes its copy).
+    found = []
+    for before in [concat, None] if concat else [None]:
+        for behind in [after, None] if after else [None]:
+            parts = [p for p in (before, behind) if p is not None]
+            n = nodes | {k: v for p in parts for k, v in p[0].items()}
+            vals = values | {k: v for p in parts for k, v in p[1].items()}
+            cone = shape_cone(view, vals["shapes"], set(n.values()))
+            if cone:  # the targets are computed inside: no shape input
+                vals["shapes"] = [v for v in vals["shapes"] if view.constant(v) is not None]
+            n |= {f"shape{k}": i for k, i in enumerate(cone)}
+            found.append(Match.of(view, vals, n, sorted(n.values())))
+    return found
 
 
 def split_sizes(view: GraphView, node, channels: int) -> list[int] | None:

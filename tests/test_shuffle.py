@@ -35,8 +35,9 @@ def shuffle_model(c, g, h, w, concat=False, split=None, dynamic=False, perm=(0, 
         dims = [gb.node("Gather", [shape, gb.const(np.array([k], np.int64))], axis=0)
                 for k in range(4)]  # fmt: skip
         n_, h_, w_ = dims[0], dims[2], dims[3]
-        groups = gb.const(np.array([g, c // g], np.int64))
-        s1 = gb.node("Concat", [n_, groups, h_, w_], axis=0)
+        g_ = gb.const(np.array([g], np.int64))
+        per_group = gb.node("Div", [dims[1], g_])  # C / g from x's Shape, as TorchScript
+        s1 = gb.node("Concat", [n_, g_, per_group, h_, w_], axis=0)
         s2 = gb.node("Concat", [n_, gb.const(np.array([-1], np.int64)), h_, w_], axis=0)
     else:
         s1 = gb.const(np.array(first or [-1, g, c // g, h, w], np.int64))
