@@ -2,6 +2,8 @@
 the Split after it) fuses into one channel gather that matches onnxruntime exactly, NCHW and
 blocked; Reshapes and Transposes that are not a channel shuffle do not fuse and say why."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -182,3 +184,25 @@ def test_inner_value_read_outside_does_not_fuse():
         onnx.helper.make_tensor_value_info(reshaped, onnx.TensorProto.FLOAT, None)
     )
     near_miss(model, "ChannelShuffle", "also read outside the shuffle", catalog=CATALOG)
+
+
+# ---- a real ShuffleNet v2 (torchvision's, small: tests/fixtures/export_shufflenet.py) -------
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(("exporter", "shuffles", "islands"), [("dynamo18", 5, 0), ("ts17", 3, 4)])
+def test_shufflenet_export(exporter, shuffles, islands):
+    """dynamo: every shuffle fused with its Concat and Split, no island left. TorchScript: its
+    chunk is two Slices with computed bounds after which no channel count is known (value_info
+    `unk__N`), so the units that follow a shuffle stay islands and say why."""
+    model = onnx.load(FIXTURES / f"shufflenet_tiny.{exporter}.onnx")
+    result = fusion.rewrite(model, CATALOG)
+    assert fused_ops(result.model).count("ChannelShuffle") == shuffles, result.explain()
+    assert fusion.coverage(model, CATALOG, result).islands == islands
+    if islands:
+        assert "channel count is unknown" in result.explain("ChannelShuffle")
+    x = np.random.default_rng(3).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    (want,) = run_ort(model, {"input": x})
+    for tactic in ("kernel", "nchw"):
+        session = Session(result.model, threads=2, fuse=False, catalog=CATALOG, tactics=tactic)
+        assert_close(session.run(None, {"input": x})[0], want, rtol=1e-4, atol=1e-4)
