@@ -17,7 +17,6 @@ a few cache lines; the lanes past the output's channels are written 0, as the la
 import numba
 import numpy as np
 
-from .blocked import block_size
 from .config import PARALLEL
 
 
@@ -109,8 +108,8 @@ def channel_gather(parts, src) -> np.ndarray:
 
 def channel_gather_blocked(parts, channels, src, block: int) -> np.ndarray:
     """Blocked: the gather of channel_gather on blocked parts [N, CB_k, H, W, b_k] holding
-    `channels[k]` channels each; the output [N, CB, H, W, block_size(len(src), block)], its
-    padding lanes 0."""
+    `channels[k]` channels each (any block each); the output [N, CB, H, W, block], its padding
+    lanes 0 (a block of the process's width even for few channels, as the convs read them)."""
     parts = _sources(parts, 5, "blocked [N, CB, H, W, b]")
     if len(channels) != len(parts):
         raise ValueError(f"{len(parts)} parts, {len(channels)} channel counts")
@@ -120,7 +119,7 @@ def channel_gather_blocked(parts, channels, src, block: int) -> np.ndarray:
     a, b = parts[0], parts[-1]
     n, _, h, w, _ = a.shape
     src = _checked_src(src, sum(channels))
-    by = block_size(src.size, block)
+    by = int(block)
     y = np.empty((n, -(-src.size // by), h, w, by), np.float32)
     if y.size:
         flat = [x.reshape(n, x.shape[1], h * w, x.shape[4]) for x in (a, b)]

@@ -202,7 +202,7 @@ def make_kernel(attrs: dict, constants: list):
 
     nchw.tactics = [
         Tactic("blocked", blocked, blocked_inputs=tuple(range(k)),
-               in_blocks=tuple(min(b, c) for c in channels),
+               in_blocks=(b,) * k,
                blocked_outputs=tuple(range(len(splits))), out_channels=tuple(splits)),
         Tactic("nchw", nchw),
     ]  # fmt: skip
