@@ -19,6 +19,7 @@ from patterns import (
     lstm_sequence,
     norm,
     pool,
+    shuffle,
     squeeze_excite,
 )  # fmt: skip
 
@@ -26,6 +27,6 @@ RULES = [
     inverted_residual.RULE, conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE,
     lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
-    pool.AVG_POOL, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE, attention.RULE,
-    gated_mlp.RULE, *linear_gelu.RULES, *layernorm.RULES,
+    pool.AVG_POOL, pool.SPATIAL_MEAN, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE,
+    attention.RULE, gated_mlp.RULE, shuffle.RULE, *linear_gelu.RULES, *layernorm.RULES,
 ]  # fmt: skip

@@ -230,3 +230,73 @@ AVG_POOL = Rule(
     description="2-D AveragePool with windows that tile the image (DenseNet's transitions)",
     explain_after="AveragePool",
 )
+
+
+# SpatialMean:  y = ReduceMean(x, axes = the trailing spatial axes)   x [N, C, L] or [N, C, H, W]
+# A keyword-spotting Conv1d classifier's mean over time, or a global average pool written as
+# ReduceMean that no Flatten follows (keepdims 1 or 0, axes an attribute before opset 18, an
+# input from 18). The plane means of GlobalAvgPoolFlatten's kernel, the output shaped as
+# ReduceMean's: [N, C], or [N, C, 1(, 1)] with keepdims. A [N, C, L] tensor is the plane [L, 1].
+def spatial_axes(m) -> str | None:
+    """Why ReduceMean `mean` is not over exactly x's trailing spatial axes, or None."""
+    mean, rank = m.node("mean"), m.type("x").rank
+    axes = m.attrs("mean").get("axes") if m["axes"] is None else m.const("axes").tolist()
+    if axes is None:
+        return f"ReduceMean {mean.name} without axes reduces every axis, not only the spatial ones"
+    if sorted(a % rank for a in axes) != list(range(2, rank)):
+        return (
+            f"ReduceMean {mean.name} over axes {axes}, not the spatial axes {list(range(2, rank))}"
+        )
+    return None
+
+
+def mean_attributes(m) -> dict:
+    rank = m.type("x").rank
+    keep = int(m.attrs("mean").get("keepdims", 1))
+    return {"rank": rank, "keepdims": keep} | (known_channels(m) if rank == 4 else {})
+
+
+def make_mean_kernel(attrs: dict, constants: list):
+    """GlobalAveragePool's plane means, NCHW (any rank-3/4 x) and, for [N, C, H, W] with the
+    channel count known, read from the blocked layout; the output NCHW, shaped as ReduceMean's."""
+    from kernels.pool import global_average_pool, global_average_pool_blocked  # heavy
+
+    ones = (1,) * (attrs["rank"] - 2) if attrs["keepdims"] else ()
+
+    def shaped(y):
+        return (y.reshape(*y.shape, *ones),)
+
+    def run(x, *_constants):
+        n, c = x.shape[:2]
+        if n == 0 or c == 0:  # an empty batch: nothing to average
+            return shaped(np.empty((n, c), np.float32))
+        return shaped(global_average_pool(x.reshape(n, c, x.shape[2], -1)))
+
+    def run_blocked(xb, *_constants):
+        if xb.shape[0] == 0:
+            return shaped(np.empty((0, attrs["channels"]), np.float32))
+        return shaped(global_average_pool_blocked(xb, attrs["channels"]))
+
+    return with_blocked(run, run_blocked, attrs, keeps_layout=False)
+
+
+SPATIAL_MEAN = Rule(
+    "SpatialMean",
+    op.ReduceMean(
+        Var(
+            "x",
+            dtype="float32",
+            where=lambda t: None if t.rank in (3, 4) else "x is not 3-D or 4-D",
+        ),
+        Opt(Const("axes")),
+        _name="mean",
+    ),
+    inputs=("x",),
+    prepare=make_mean_kernel,
+    attributes=mean_attributes,
+    check=spatial_axes,
+    priority=-1,  # after GlobalAvgPoolFlatten and SqueezeExcite, which take theirs with it
+    description="ReduceMean over the trailing spatial axes (time, or H and W), float32: "
+    "a Conv1d classifier's mean over time, a global average pool without Flatten",
+    explain_after="ReduceMean",
+)
