@@ -9,10 +9,10 @@ Larger batches: step_cols (below).
 
     c' = sig(f) c + sig(i) tanh(g),   h' = sig(o) tanh(c')
 
-The gate math runs on 8-tuples (one ymm register each after SLP, like the micro-kernel), several
-times faster than a scalar loop; sigmoid and tanh are the SIMD layer's, each tuple handed to
-them as one vector (vpack) and back. Arrays are passed as views starting at 0: a variable
-offset keeps Numba's wraparound select on every load and SLP gives up (see _gemm.tile_sum).
+Row by row, the step's GEMV (gemv) and the gate math (cell, gru_cell) run on the SIMD layer's
+vectors at the kernel's width (a Lanes argument): W / 16 of a panel row per vector, the cell
+min(W, 8) units per vector with the lanes past the block masked, sigmoid and tanh the layer's
+fits on whole vectors. The column tile (step_cols) still computes on 8-tuples (SLP).
 """
 
 import numba
@@ -20,7 +20,20 @@ import numpy as np
 
 from ._gemm import add8, fma8, gemm_batch, load8, store8, sub8
 from .config import INLINE_GEMM, JIT_GEMM
-from .simd import Tile, sigmoid, tanh, vpack, vunpack
+from .simd import (
+    Tile,
+    sigmoid,
+    tail_mask,
+    tanh,
+    vfma,
+    vload,
+    vload_masked,
+    vpack,
+    vstore,
+    vstore_masked,
+    vunpack,
+    vzero,
+)
 from .simd.tile import fit_rows
 
 U = 8  # hidden units per block
@@ -53,69 +66,95 @@ def _mul8(a, b):
             a[4] * b[4], a[5] * b[5], a[6] * b[6], a[7] * b[7])  # fmt: skip
 
 
-@numba.jit(**JIT_GEMM)
-def cell8(acc_if, acc_go, gx, c, h_out, c_out):
-    """8 units of one row: pre-activations acc + gx (i f | g o) -> c_out, h_out (views)."""
-    i = _sigmoid8(add8(load8(acc_if, 0), load8(gx, 0)))
-    f = _sigmoid8(add8(load8(acc_if, 8), load8(gx, 8)))
-    g = _tanh8(add8(load8(acc_go, 0), load8(gx, 16)))
-    o = _sigmoid8(add8(load8(acc_go, 8), load8(gx, 24)))
-    cn = add8(_mul8(f, load8(c, 0)), _mul8(i, g))
-    store8(c_out, 0, cn)
-    store8(h_out, 0, _mul8(o, _tanh8(cn)))
+@numba.jit(**INLINE_GEMM)
+def _pre(L, acc, gx, j, ga, gg, m):
+    """Gate pre-activation acc[ga + j ...] + gx[gg + j ...] of the units at j (lanes m)."""
+    return vload_masked(L, acc, ga + j, m) + vload_masked(L, gx, gg + j, m)
 
 
 @numba.jit(**JIT_GEMM)
-def gru8(acc_zr, acc_n, gx, h, h_out, c_out):
+def cell(L, acc, gx, c, h_out, c_out):
+    """The U units of one row on whole vectors of L's width (min(W, U) units at a time, the
+    lanes past U masked): pre-activations acc + gx (i f | g o) -> c_out, h_out (views)."""
+    for j in range(0, U, min(L.width, U)):
+        m = tail_mask(L, U - j)
+        i = sigmoid(_pre(L, acc, gx, j, 0, 0, m))
+        f = sigmoid(_pre(L, acc, gx, j, U, U, m))
+        g = tanh(_pre(L, acc, gx, j, PANEL, PANEL, m))
+        o = sigmoid(_pre(L, acc, gx, j, PANEL + U, PANEL + U, m))
+        cn = vfma(f, vload_masked(L, c, j, m), i * g)
+        vstore_masked(c_out, j, cn, m)
+        vstore_masked(h_out, j, o * tanh(cn), m)
+
+
+@numba.jit(**JIT_GEMM)
+def gru_cell(L, acc, gx, h, h_out, c_out):
     """The GRU cell on the same blocks (gates z, r, n_x, n_h in the places of i, f, g, o; the
     weights of n_x are zero on h and those of n_h zero on x, b_hn is n_h's bias):
     z, r = sig(.), n = tanh(n_x + r n_h), h' = n + z (h - n), into h_out and c_out."""
-    z = _sigmoid8(add8(load8(acc_zr, 0), load8(gx, 0)))
-    r = _sigmoid8(add8(load8(acc_zr, 8), load8(gx, 8)))
-    nx = add8(load8(acc_n, 0), load8(gx, 16))
-    n = _tanh8(add8(nx, _mul8(r, add8(load8(acc_n, 8), load8(gx, 24)))))
-    hn = add8(n, _mul8(z, sub8(load8(h, 0), n)))
-    store8(h_out, 0, hn)
-    store8(c_out, 0, hn)
+    for j in range(0, U, min(L.width, U)):
+        m = tail_mask(L, U - j)
+        z = sigmoid(_pre(L, acc, gx, j, 0, 0, m))
+        r = sigmoid(_pre(L, acc, gx, j, U, U, m))
+        n = tanh(vfma(r, _pre(L, acc, gx, j, PANEL + U, PANEL + U, m),
+                      _pre(L, acc, gx, j, PANEL, PANEL, m)))  # fmt: skip
+        hn = vfma(z, vload_masked(L, h, j, m) - n, n)
+        vstore_masked(h_out, j, hn, m)
+        vstore_masked(c_out, j, hn, m)
 
 
 @numba.jit(**JIT_GEMM)
-def gemv(h, w0, w1, k_len, out):
-    """out[:16] = h @ panel w0, out[16:] = h @ w1 (one batch row: a weight is used once).
+def gemv(L, h, w0, w1, k_len, out):
+    """out[:PANEL] = h @ panel w0, out[PANEL:] = h @ w1 (one batch row: each weight is used
+    once, so the product is bound by streaming the panels, [K, PANEL] each, from memory).
 
-    Two k-chains of 4 ymm accumulators hide the FMA latency; 4 k per trip and a loop counter
-    from 0 (no negative-index selects) stream the weights fastest (Zen1 loads at most 32 B per
-    cycle; bench/NOTES.md).
+    A panel row is PANEL / W vectors at L's width (1 at 16 lanes, 2 at 8, 4 at 4); the
+    branches on the constant n leave only the accumulators that width needs. Two k-chains
+    hide the FMA latency (k and k + 1 into separate accumulators, summed at the end).
     """
-    z = np.float32(0.0)
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = (z, z, z, z, z, z, z, z)
-    for kk in range(k_len // 4):
-        k = 4 * kk
-        s, t, o = h[k], h[k + 1], PANEL * k
-        a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
-        a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
-        b0, b1 = fma8(b0, t, load8(w0, o + 16)), fma8(b1, t, load8(w0, o + 24))
-        b2, b3 = fma8(b2, t, load8(w1, o + 16)), fma8(b3, t, load8(w1, o + 24))
-        s, t, o = h[k + 2], h[k + 3], PANEL * k + 2 * PANEL
-        a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
-        a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
-        b0, b1 = fma8(b0, t, load8(w0, o + 16)), fma8(b1, t, load8(w0, o + 24))
-        b2, b3 = fma8(b2, t, load8(w1, o + 16)), fma8(b3, t, load8(w1, o + 24))
-    for k in range(k_len - k_len % 4, k_len):
-        s, o = h[k], PANEL * k
-        a0, a1 = fma8(a0, s, load8(w0, o)), fma8(a1, s, load8(w0, o + 8))
-        a2, a3 = fma8(a2, s, load8(w1, o)), fma8(a3, s, load8(w1, o + 8))
-    store8(out, 0, add8(a0, b0))
-    store8(out, 8, add8(a1, b1))
-    store8(out, 16, add8(a2, b2))
-    store8(out, 24, add8(a3, b3))
+    w, n = L.width, PANEL // L.width
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero(L)
+    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = vzero(L)
+    for kk in range(k_len // 2):
+        k = 2 * kk
+        s, t, o, p = h[k], h[k + 1], PANEL * k, PANEL * k + PANEL
+        a0, c0 = vfma(s, vload(L, w0, o), a0), vfma(t, vload(L, w0, p), c0)
+        b0, d0 = vfma(s, vload(L, w1, o), b0), vfma(t, vload(L, w1, p), d0)
+        if n > 1:
+            a1, c1 = vfma(s, vload(L, w0, o + w), a1), vfma(t, vload(L, w0, p + w), c1)
+            b1, d1 = vfma(s, vload(L, w1, o + w), b1), vfma(t, vload(L, w1, p + w), d1)
+        if n > 2:
+            a2, c2 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(t, vload(L, w0, p + 2 * w), c2)
+            b2, d2 = vfma(s, vload(L, w1, o + 2 * w), b2), vfma(t, vload(L, w1, p + 2 * w), d2)
+            a3, c3 = vfma(s, vload(L, w0, o + 3 * w), a3), vfma(t, vload(L, w0, p + 3 * w), c3)
+            b3, d3 = vfma(s, vload(L, w1, o + 3 * w), b3), vfma(t, vload(L, w1, p + 3 * w), d3)
+    if k_len % 2:
+        s, o = h[k_len - 1], PANEL * (k_len - 1)
+        a0, b0 = vfma(s, vload(L, w0, o), a0), vfma(s, vload(L, w1, o), b0)
+        if n > 1:
+            a1, b1 = vfma(s, vload(L, w0, o + w), a1), vfma(s, vload(L, w1, o + w), b1)
+        if n > 2:
+            a2, b2 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(s, vload(L, w1, o + 2 * w), b2)
+            a3, b3 = vfma(s, vload(L, w0, o + 3 * w), a3), vfma(s, vload(L, w1, o + 3 * w), b3)
+    vstore(out, 0, a0 + c0)
+    vstore(out, PANEL, b0 + d0)
+    if n > 1:
+        vstore(out, w, a1 + c1)
+        vstore(out, PANEL + w, b1 + d1)
+    if n > 2:
+        vstore(out, 2 * w, a2 + c2)
+        vstore(out, PANEL + 2 * w, b2 + d2)
+        vstore(out, 3 * w, a3 + c3)
+        vstore(out, PANEL + 3 * w, b3 + d3)
 
 
 @numba.jit(**JIT_GEMM)
-def project(L, T, xp, w, bias, rows, gx, tiles):
+def project(L, T, xp, w, bias, rows, gx, tiles, gru):
     """gx[r] = x[r] @ Wx_block + bias_block for all rows on the micro-kernel (L, T: its width
     and tile, T.cols L.width = PANEL); xp holds x as [K, MR]-row panels (MR = T.rows), w the
-    block's two weight panels [2, K * PANEL]; tiles is [2, MR, PANEL] scratch."""
+    block's two weight panels [2, K * PANEL]; tiles is [2, MR, PANEL] scratch.
+    gru: the n_h columns (x's weights all zero there) are b_hn alone, not x @ 0 + b_hn, which
+    an infinite x would make NaN (0 * inf)."""
     k_len, mr = w.shape[1] // PANEL, T.rows
     for g in range(xp.shape[0]):  # x panel g against both weight panels
         gemm_batch(L, T, xp, g * xp.shape[1], 0, w, 0, w.shape[1], 2, k_len, tiles)
@@ -124,10 +163,13 @@ def project(L, T, xp, w, bias, rows, gx, tiles):
             for q in range(PANEL):
                 dst[q] = tiles[0, r, q] + bias[q]
                 dst[PANEL + q] = tiles[1, r, q] + bias[PANEL + q]
+            if gru:
+                for q in range(PANEL + U, BLOCK_COLS):
+                    dst[q] = bias[q]
 
 
 @numba.jit(**INLINE_GEMM)
-def step(t, b, w, gx, hs, cs, acc, gru):
+def step(L, t, b, w, gx, hs, cs, acc, gru):
     """Units of block b at step t for each of the R batch rows, from hs[t] (hs, cs are
     [T + 1, R, Hp] with row 0 the initial state; gx row t R + r is row r's projected input);
     acc is [BLOCK_COLS] scratch for the gate pre-activations. The block's weights (32 KB at
@@ -135,17 +177,16 @@ def step(t, b, w, gx, hs, cs, acc, gru):
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
     per array argument, felt at batch 1. Its helpers stay calls: Numba inlines by
     copying IR, and nesting cell8's copies made compiles explode.
-    Batch > 1 runs step_cols (below). gru: the GRU cell (gru8), whose state is h alone.
+    Batch > 1 runs step_cols (below). gru: the GRU cell (gru_cell), whose state is h alone.
     """
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        gemv(hs[t, r], w[0], w[1], w.shape[1] // PANEL, acc)
+        gemv(L, hs[t, r], w[0], w[1], w.shape[1] // PANEL, acc)
         if gru:
-            gru8(acc[:PANEL], acc[PANEL:BLOCK_COLS], gx[t * rows + r], hs[t, r, j0:],
-                 hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
+            gru_cell(L, acc, gx[t * rows + r], hs[t, r, j0:], hs[t + 1, r, j0:],
+                     cs[t + 1, r, j0:])  # fmt: skip
         else:
-            cell8(acc[:PANEL], acc[PANEL:BLOCK_COLS], gx[t * rows + r], cs[t, r, j0:],
-                  hs[t + 1, r, j0:], cs[t + 1, r, j0:])  # fmt: skip
+            cell(L, acc, gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:], cs[t + 1, r, j0:])
 
 
 # Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.
@@ -230,7 +271,7 @@ def _cell_cols(gi, gf, gg, go, c):
 
 @numba.jit(**JIT_GEMM)
 def _gru_cols(gz, gr, gnx, gnh, h):
-    """(h', h') of 8 batch columns of the GRU (gates z, r, n_x, n_h, see gru8); its state h
+    """(h', h') of 8 batch columns of the GRU (gates z, r, n_x, n_h, see gru_cell); its state h
     lives where the LSTM keeps c."""
     zg, rg = _sigmoid8(gz), _sigmoid8(gr)
     n = _tanh8(add8(gnx, _mul8(rg, gnh)))

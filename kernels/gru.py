@@ -7,12 +7,14 @@
         n = tanh(x Wn + (r h) Rn + bxn + bhn)
 
 The gates are packed as four blocks where the LSTM has i, f, g, o: z, r, n_x, n_h (x's weights
-z, r, n, 0; h's z, r, 0, n). Reset after the product is then the LSTM kernel itself with the GRU
-cell (gru8, _gru_cols; h kept where the LSTM keeps c). Reset before it needs r of every unit
-before any unit's n, so each step is two stages over the blocks (row by row, every batch): A
-computes z and r of a block from h (a GEMV over its [H, 16] panel z | r) and r h of its units;
-B computes n from r h of all units (a GEMV over the panel 0 | Rn) and h'. The stages share the
-LSTM kernel's input projection, done flags and runs per thread (1 + 2 T stages, one call).
+z, r, n, 0; h's z, r, 0, n). Reset after the product is then the LSTM kernel itself with the
+GRU cell (_lstm_cell.gru_cell, _gru_cols; h kept where the LSTM keeps c). Reset before it needs
+r of every unit before any unit's n, so each step is two stages over the blocks (row by row,
+every batch): A computes z and r of a block from h (a GEMV over its [H, 16] panel z | r) and r h
+of its units; B computes n from r h of all units (a GEMV over the panel 0 | Rn) and h'. The
+stages share the LSTM kernel's input projection, done flags and runs per thread (1 + 2 T
+stages, one call). Both run on the SIMD layer's vectors at the plan's width, as _lstm_cell.gemv
+and cell do.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._gemm import add8, fma8, load8, store8, sub8
-from ._lstm_cell import BLOCK_COLS, PANEL, U, _mul8, _sigmoid8, _tanh8, project
+from ._lstm_cell import BLOCK_COLS, PANEL, U, project
 from ._lstm_sync import atomic_load, atomic_store
 from .config import JIT_GEMM, PARALLEL
 from .lstm import (
@@ -39,6 +40,17 @@ from .lstm import (
     lstm_sequence,
     prepare_lstm,
 )  # fmt: skip
+from .simd import (
+    sigmoid,
+    tail_mask,
+    tanh,
+    vfma,
+    vload,
+    vload_masked,
+    vstore,
+    vstore_masked,
+    vzero,
+)
 
 
 def prepare_gru(wx, wh, bias_x=None, bias_h=None, linear_before_reset: int = 1, *,
@@ -105,44 +117,65 @@ def _setup(x, plan, units):
 
 
 @numba.jit(**JIT_GEMM)
-def _gemv16(h, w, k_len, out):
-    """out[:16] = h @ panel w ([K, 16]): gemv's loop for one panel."""
-    z = np.float32(0.0)
-    a0 = a1 = b0 = b1 = (z, z, z, z, z, z, z, z)
+def _gemv_panel(L, h, w, k_len, out):
+    """out[:PANEL] = h @ panel w ([K, PANEL]) at L's width: PANEL / W vectors per panel row
+    (the branches on the constant n keep those that width needs), k and k + 1 in separate
+    accumulators against the FMA latency."""
+    wd, n = L.width, PANEL // L.width
+    a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = vzero(L)
     for kk in range(k_len // 2):
         k = 2 * kk
-        s, t, o = h[k], h[k + 1], PANEL * k
-        a0, a1 = fma8(a0, s, load8(w, o)), fma8(a1, s, load8(w, o + 8))
-        b0, b1 = fma8(b0, t, load8(w, o + 16)), fma8(b1, t, load8(w, o + 24))
+        s, t, o, p = h[k], h[k + 1], PANEL * k, PANEL * k + PANEL
+        a0, c0 = vfma(s, vload(L, w, o), a0), vfma(t, vload(L, w, p), c0)
+        if n > 1:
+            a1, c1 = vfma(s, vload(L, w, o + wd), a1), vfma(t, vload(L, w, p + wd), c1)
+        if n > 2:
+            a2, c2 = vfma(s, vload(L, w, o + 2 * wd), a2), vfma(t, vload(L, w, p + 2 * wd), c2)
+            a3, c3 = vfma(s, vload(L, w, o + 3 * wd), a3), vfma(t, vload(L, w, p + 3 * wd), c3)
     if k_len % 2:
         s, o = h[k_len - 1], PANEL * (k_len - 1)
-        a0, a1 = fma8(a0, s, load8(w, o)), fma8(a1, s, load8(w, o + 8))
-    store8(out, 0, add8(a0, b0))
-    store8(out, 8, add8(a1, b1))
+        a0 = vfma(s, vload(L, w, o), a0)
+        if n > 1:
+            a1 = vfma(s, vload(L, w, o + wd), a1)
+        if n > 2:
+            a2, a3 = vfma(s, vload(L, w, o + 2 * wd), a2), vfma(s, vload(L, w, o + 3 * wd), a3)
+    vstore(out, 0, a0 + c0)
+    if n > 1:
+        vstore(out, wd, a1 + c1)
+    if n > 2:
+        vstore(out, 2 * wd, a2 + c2)
+        vstore(out, 3 * wd, a3 + c3)
 
 
 @numba.jit(**JIT_GEMM)
-def _reset(t, b, w, gx, hs, zs, rh, acc):
-    """Stage A of step t, block b: z and r h of its units for every row."""
+def _reset(L, t, b, w, gx, hs, zs, rh, acc):
+    """Stage A of step t, block b: z and r h of its units for every row (min(W, U) units per
+    vector, lanes past the block masked)."""
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        _gemv16(hs[t, r], w[0], w.shape[1] // PANEL, acc)
-        g = gx[t * rows + r]
-        z = _sigmoid8(add8(load8(acc, 0), load8(g, 0)))
-        rg = _sigmoid8(add8(load8(acc, 8), load8(g, 8)))
-        store8(zs[t, r, j0:], 0, z)
-        store8(rh[t, r, j0:], 0, _mul8(rg, load8(hs[t, r, j0:], 0)))
+        _gemv_panel(L, hs[t, r], w[0], w.shape[1] // PANEL, acc)
+        g, h, z_out, rh_out = gx[t * rows + r], hs[t, r, j0:], zs[t, r, j0:], rh[t, r, j0:]
+        for j in range(0, U, min(L.width, U)):
+            m = tail_mask(L, U - j)
+            z = sigmoid(vload_masked(L, acc, j, m) + vload_masked(L, g, j, m))
+            rg = sigmoid(vload_masked(L, acc, U + j, m) + vload_masked(L, g, U + j, m))
+            vstore_masked(z_out, j, z, m)
+            vstore_masked(rh_out, j, rg * vload_masked(L, h, j, m), m)
 
 
 @numba.jit(**JIT_GEMM)
-def _update(t, b, w, gx, hs, zs, rh, acc):
-    """Stage B of step t, block b: n from r h of all units, then h' of its units."""
+def _update(L, t, b, w, gx, hs, zs, rh, acc):
+    """Stage B of step t, block b: n from r h of all units, then h' = n + z (h - n) of its
+    units."""
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        _gemv16(rh[t, r], w[1], w.shape[1] // PANEL, acc)
-        n = _tanh8(add8(load8(acc, 8), load8(gx[t * rows + r], 16)))
-        h = load8(hs[t, r, j0:], 0)
-        store8(hs[t + 1, r, j0:], 0, add8(n, _mul8(load8(zs[t, r, j0:], 0), sub8(h, n))))
+        _gemv_panel(L, rh[t, r], w[1], w.shape[1] // PANEL, acc)
+        g, h, z_in, h_out = gx[t * rows + r], hs[t, r, j0:], zs[t, r, j0:], hs[t + 1, r, j0:]
+        for j in range(0, U, min(L.width, U)):
+            m = tail_mask(L, U - j)
+            n = tanh(vload_masked(L, acc, U + j, m) + vload_masked(L, g, PANEL + j, m))
+            hn = vfma(vload_masked(L, z_in, j, m), vload_masked(L, h, j, m) - n, n)
+            vstore_masked(h_out, j, hn, m)
 
 
 @numba.jit(**JIT_GEMM)
@@ -162,12 +195,12 @@ def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
                 if atomic_load(done, first + b) == DONE:
                     continue
                 if atomic_load(done, b) != DONE:
-                    project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
+                    project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles, True)
                     atomic_store(done, b, DONE)
                 if s > 0 and s % 2 == 1:
-                    _reset((s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
+                    _reset(L, (s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
                 elif s > 0:
-                    _update((s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
+                    _update(L, (s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
                 atomic_store(done, first + b, DONE)
 
 

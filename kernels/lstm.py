@@ -137,10 +137,10 @@ def _item(L, T, s, b, xp, wx, wh, bias, gx, hs, cs, done, tiles, acc, gru):
     """Item b of stage s (block b), then its flag DONE (release: its writes are visible to
     whoever sees the flag). A step item first makes sure its block's input projection exists."""
     if atomic_load(done, b) != DONE:
-        project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles)
+        project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles, gru)
         atomic_store(done, b, DONE)
     if s > 0:
-        step(s - 1, b, wh[b], gx[b], hs, cs, acc, gru)
+        step(L, s - 1, b, wh[b], gx[b], hs, cs, acc, gru)
         atomic_store(done, wh.shape[0] * s + b, DONE)
 
 
