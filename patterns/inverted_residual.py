@@ -17,6 +17,8 @@ band does not have; SqueezeExcite and ConvBiasRelu take that block.
 
 from __future__ import annotations
 
+import os
+
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Op, Opt, Var, op
 from patterns.activation import activation_keywords
@@ -72,6 +74,9 @@ def _pointwise_reason(m, p: str) -> str | None:
     return None
 
 
+DEPTH_FIRST_SWITCH = "FUSION_DEPTH_FIRST"  # "1": fuse inverted residuals as one node
+
+
 def check(m) -> str | None:
     wd, a = m.const("d_W"), m.attrs("d_conv")
     if wd.ndim != 4 or wd.shape[1] != 1 or int(a["group"]) != wd.shape[0]:
@@ -104,6 +109,9 @@ def check(m) -> str | None:
                 f"Add {m.node('res').name}: the residual needs stride 1 and {wp.shape[0]} "
                 f"channels in {m['x']}, got strides {strides} and {c}"
             )
+    if os.environ.get(DEPTH_FIRST_SWITCH) != "1":
+        return (f"the depth-first block is opt-in ({DEPTH_FIRST_SWITCH}=1): as written it times "
+                "slower than its convs one by one (bench/NOTES.md, inverted residual)")  # fmt: skip
     return None
 
 

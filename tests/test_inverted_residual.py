@@ -8,8 +8,15 @@ import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
+from patterns.inverted_residual import DEPTH_FIRST_SWITCH
 
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def depth_first(monkeypatch):
+    """The rule is opt-in (it times slower than the convs one by one so far): on here."""
+    monkeypatch.setenv(DEPTH_FIRST_SWITCH, "1")
 
 
 def weights(*shape, scale=0.3):
@@ -112,6 +119,14 @@ def test_band_rows_fit_l2_and_feed_every_thread():
     assert 1 <= rows < 56
     assert ((rows - 1) + 3) * 58 * 18 * 8 * 4 + rows * 56 * 18 * 8 * 4 <= cache_bytes(2) // 2
     assert band_rows(7, 7, 9, 18, 8, 3, 1, 1, 4) <= 2  # 7 rows, one image, 4 threads
+
+
+def test_without_the_switch_the_convs_fuse_one_by_one_and_say_why(monkeypatch):
+    monkeypatch.delenv(DEPTH_FIRST_SWITCH)
+    g = GraphBuilder(opset=17)
+    y, _ = block(g, "x", 8, 6, 8)
+    near_miss(g.model({"x": ["N", 8, 7, 7]}, [y]), "InvertedResidual", DEPTH_FIRST_SWITCH,
+              fused=["ConvBiasRelu"] * 3)  # fmt: skip
 
 
 def test_expanded_tensor_that_is_a_graph_output_is_not_fused_away():
