@@ -295,7 +295,9 @@ SPATIAL_MEAN = Rule(
     prepare=make_mean_kernel,
     attributes=mean_attributes,
     check=spatial_axes,
-    priority=-1,  # after GlobalAvgPoolFlatten and SqueezeExcite, which take theirs with it
+    # after GlobalAvgPoolFlatten and SqueezeExcite, which take theirs with it, and after the
+    # norms (-12, -13): a transformer's [B, T, H] mean over H is a LayerNorm's or RMSNorm's
+    priority=-20,
     description="ReduceMean over the trailing spatial axes (time, or H and W), float32: "
     "a Conv1d classifier's mean over time, a global average pool without Flatten",
     explain_after="ReduceMean",
