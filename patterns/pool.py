@@ -237,6 +237,11 @@ AVG_POOL = Rule(
 # ReduceMean that no Flatten follows (keepdims 1 or 0, axes an attribute before opset 18, an
 # input from 18). The plane means of GlobalAvgPoolFlatten's kernel, the output shaped as
 # ReduceMean's: [N, C], or [N, C, 1(, 1)] with keepdims. A [N, C, L] tensor is the plane [L, 1].
+def rank_3_or_4(t) -> str | None:
+    """A [N, C, L] or [N, C, H, W] tensor (a function, not a lambda: rules are pickled)."""
+    return None if t.rank in (3, 4) else "x is not 3-D or 4-D"
+
+
 def spatial_axes(m) -> str | None:
     """Why ReduceMean `mean` is not over exactly x's trailing spatial axes, or None."""
     mean, rank = m.node("mean"), m.type("x").rank
@@ -286,7 +291,7 @@ SPATIAL_MEAN = Rule(
         Var(
             "x",
             dtype="float32",
-            where=lambda t: None if t.rank in (3, 4) else "x is not 3-D or 4-D",
+            where=rank_3_or_4,
         ),
         Opt(Const("axes")),
         _name="mean",
