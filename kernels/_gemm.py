@@ -247,7 +247,7 @@ def act(v, lo, hi):
 
 # ---- 8-tuples, for the kernels not yet on the SIMD layer --------------------------------------
 # The SLP vectorizer turns each 8-tuple into one ymm register (config.slp_vectorize). Still
-# imported by _direct_blocked.py (fma8), attention.py (tile_sum), lstm/gru (the gate math).
+# imported only by _lstm_cell.py's batch-column step (the last kernel code on them).
 
 
 @numba.jit(**INLINE_GEMM)
@@ -281,32 +281,3 @@ def store8(v, q, r):
     # Constant tuple indices keep r in registers (a variable index would spill it).
     v[q], v[q + 1], v[q + 2], v[q + 3] = r[0], r[1], r[2], r[3]
     v[q + 4], v[q + 5], v[q + 6], v[q + 7] = r[4], r[5], r[6], r[7]
-
-
-@numba.jit(**INLINE_GEMM)
-def load8u(m, r, q):
-    """m[r, q : q + 8] of a 2-D array, q unsigned: no negative-index wraparound select on the
-    offset, so the eight loads stay one vector load. (The row's select is loop-invariant.)"""
-    u = np.uint64
-    return (m[r, q], m[r, q + u(1)], m[r, q + u(2)], m[r, q + u(3)],
-            m[r, q + u(4)], m[r, q + u(5)], m[r, q + u(6)], m[r, q + u(7)])  # fmt: skip
-
-
-@numba.jit(**INLINE_GEMM)
-def tile_sum(a2, ar, b2, br, b0, bs, k_len):
-    """The 4x16 tile sum_k A[k, i] B[k, j] as eight 8-tuples (r_i: columns 0-7 of row i, s_i:
-    8-15), for attention.py. A is the packed panel a2[ar] ([K, 4] flat); B[k, j] = b2[br, b0 +
-    k bs + j] (b0, bs unsigned). Operands indexed in place, as panel_sum's."""
-    z = np.float32(0.0)
-    r0 = r1 = r2 = r3 = s0 = s1 = s2 = s3 = (z, z, z, z, z, z, z, z)
-    o = b0
-    for k in range(k_len):
-        lo8, hi8 = load8u(b2, br, o), load8u(b2, br, o + np.uint64(8))
-        o += bs
-        q = 4 * k
-        a0, a1, a2_, a3 = a2[ar, q], a2[ar, q + 1], a2[ar, q + 2], a2[ar, q + 3]
-        r0, s0 = fma8(r0, a0, lo8), fma8(s0, a0, hi8)
-        r1, s1 = fma8(r1, a1, lo8), fma8(s1, a1, hi8)
-        r2, s2 = fma8(r2, a2_, lo8), fma8(s2, a2_, hi8)
-        r3, s3 = fma8(r3, a3, lo8), fma8(s3, a3, hi8)
-    return r0, r1, r2, r3, s0, s1, s2, s3

@@ -10,7 +10,7 @@ The maximum is separable: per output row, the column-wise maximum of its kh inpu
 contiguous vector loop per row, then the windows along that row (constant-stride loops for the
 common 3-wide ones), with tests only at the columns where a tap falls outside the image. One
 work item is one channel plane; x and y are indexed, never sliced (a view of a shared array
-costs an atomic refcount update, see _gemm.tile_sum).
+costs an atomic refcount update per call).
 
 NaN: outputs whose window holds no NaN are exact. For a window with a NaN, onnxruntime itself
 answers NaN or a value of the window depending on its code path (vector or scalar lanes, with or
