@@ -154,10 +154,15 @@ def test_the_winograd_tactics_are_opt_in(monkeypatch):
     kernel = conv_kernel((1, 1))
     assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert WINOGRAD_SWITCH in kernel.winograd_reasons[2]
+    monkeypatch.setenv(WINOGRAD_SWITCH, "2")  # F(2x2) only: F(4x4) is an experiment
+    kernel = conv_kernel((1, 1))
+    winos = [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
+    assert winos == ["blocked-wino2"]
+    assert f"{WINOGRAD_SWITCH}=4" in kernel.winograd_reasons[4]
 
 
 def test_3x3_stride_1_offers_the_winograd_tactics(monkeypatch):
-    monkeypatch.setenv(WINOGRAD_SWITCH, "1")
+    monkeypatch.setenv(WINOGRAD_SWITCH, "4")
     kernel = conv_kernel((1, 1))
     names = [t.name for t in kernel.tactics]
     winos = [t for t in kernel.tactics if t.name.startswith("blocked-wino")]
@@ -171,7 +176,7 @@ def test_3x3_stride_1_offers_the_winograd_tactics(monkeypatch):
 
 
 def test_3x3_stride_2_does_not_and_says_why(monkeypatch):
-    monkeypatch.setenv(WINOGRAD_SWITCH, "1")
+    monkeypatch.setenv(WINOGRAD_SWITCH, "4")
     kernel = conv_kernel((2, 2))
     assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert "strides (2, 2)" in kernel.winograd_reasons[2]
