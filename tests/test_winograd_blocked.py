@@ -154,7 +154,7 @@ def test_the_winograd_tactics_are_opt_in(monkeypatch):
     kernel = conv_kernel((1, 1))
     assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert WINOGRAD_SWITCH in kernel.winograd_reasons[2]
-    monkeypatch.setenv(WINOGRAD_SWITCH, "2")  # F(2x2) only: F(4x4) is an experiment
+    monkeypatch.setenv(WINOGRAD_SWITCH, "2")  # F(2x2) only
     kernel = conv_kernel((1, 1))
     winos = [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert winos == ["blocked-wino2"]
