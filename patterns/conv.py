@@ -233,13 +233,13 @@ def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -
     as geometry gives them), or None when it is: 2-D, 3x3, stride 1, dilation 1, group 1, and
     for F(4x4) at most MAX_F4_CHANNELS input channels (its error grows with C: bench/NOTES.md,
     Winograd)."""
-    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
-
     switch = os.environ.get(WINOGRAD_SWITCH, "")
     if switch not in ("2", "4") or (tile == 4 and switch != "4"):
         return (f"the blocked Winograd F({tile}x{tile}) is opt-in ({WINOGRAD_SWITCH}={tile}): as "
                 "written it times slower than the direct kernel (bench/NOTES.md, blocked "
                 "Winograd)")  # fmt: skip
+    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba): opted in only
+
     if rank != 4:
         return "a 1-D conv: Winograd runs 2-D convs only"
     reason = supports(weight.shape, attrs["strides"], attrs["dilations"], attrs["group"])
