@@ -361,11 +361,18 @@ def test_edge_columns_run_down_the_rows(threads, monkeypatch, block, chunks, sha
     assert_close(got, reference(x, wt, b, attrs, "tanh", "after", r), RTOL, ATOL)
 
 
-def test_tile_options():
+def test_tile_options(monkeypatch):
+    # The options follow the register file of the CPU compiled for, not this machine's:
+    # AVX2's 16 registers of 8 lanes, then AVX-512's 32 of 16 (an 8-lane vector in each).
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
     assert tile_options((64, 64, 3, 3), block=8) == (4,)  # 8 blocks: no tile computes padding
     assert tile_options((24, 16, 1, 1), block=8) == (3,)  # 3 blocks: 4x3, no padding
     assert tile_options((40, 16, 1, 1), block=8) == (2, 1)  # 5: 6x2 padded, or 14x1 tight
     assert tile_options((8, 16, 1, 1), block=8) == (1,)
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
+    assert tile_options((64, 64, 3, 3), block=8) == (4,)
+    assert tile_options((40, 16, 1, 1), block=8) == (4, 1)  # 5: 6x4 padded, or 30x1 tight
+    monkeypatch.undo()
     assert tile_options((16, 16, 1, 1), block=16) == (1,)
     assert tile_options((32, 1, 3, 3), group=32) == (1,)  # depthwise: its own kernel
     assert tile_options((64, 64, 3, 3)) == tile_options((64, 64, 3, 3), block=width())
