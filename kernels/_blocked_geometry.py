@@ -14,12 +14,14 @@ argument is unboxed per call and both kernels name its fields the same way.
     ROWS                  output rows per work item
     RESIDUAL, ACT         epilogue: kernels/epilogue.py's residual, the activation's kind
     ROW_A, ROW_B          output rows whose every vertical tap is inside the image
+    PAD                   depthwise: 1 if a work item pads its input rows in one copy, 0 if
+                          its tiles read x, and only tiles at an edge read a padded copy
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, N_GEO) = range(31)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, N_GEO) = range(32)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

@@ -4,15 +4,26 @@ channels of a block (b = L.width, 8 or 16) are b independent convolutions, one v
     y[n, cb, oh, ow, :] = epilogue(sum_{i, j} x[n, cb, ih, iw, :] * W[cb, i, j, :])
     ih = oh sh - pt + i dh,   iw = ow sw - pl + j dw        (taps outside the image add nothing)
 
-A work item (image, block, rows) first copies the input rows its outputs read into a
-zero-padded scratch (padding rows and columns are zeros, and columns past the image reach as
-far as the last whole tile reads): then every output pixel is a tile pixel, with no bound test
-and no pixel-by-pixel edge path, which for the small images of late layers (7x7, 14x14) would
-be most of the work. A tile holds TILE = 8 pixels of one block: 8 vector accumulators; per
-tap one weight vector and 8 input vectors (8 independent FMA chains, 10 registers of AVX2's
-16 or AVX-512's 32). The copy reads each input value once per item; the epilogue is the
-direct kernel's (kernels/epilogue.py). x, y and the packed weights ([CB, KH, KW, b]) share the
-block b, which the kernel takes from L, compiled once per width.
+A tile holds TILE = 8 pixels of one block: 8 vector accumulators; per tap one weight vector and
+8 input vectors (8 independent FMA chains, 10 registers of AVX2's 16 or AVX-512's 32). The
+epilogue (kernels/epilogue.py: bias, residual, a clip) is applied to the accumulators in
+registers and stored once; other activations run on the finished row (epilogue.activate_rows).
+
+Where a tile reads. Every tap of a tile reads base + taps[t] + p step for its pixels p: the
+source is either x itself or a zero-padded copy of the rows it needs, so there is one tile body
+and no bound test inside it. Two ways to pad, chosen per shape by the vectors they copy
+(conv_nchwc._geometry sets g[PAD]):
+- PAD = 1: a work item (image, block, rows) copies the input rows its outputs read into a
+  zero-padded scratch once, and every tile reads the scratch: each input vector is copied
+  once per item (plus the halo rows), the cheaper way at stride 1 and on small images (7x7,
+  14x14), where most tiles touch an edge.
+- PAD = 0: tiles whose taps are all inside the image read x; a tile at an edge first copies
+  its own (kh - 1) dh + 1 rows of (TILE - 1) sw + (kw - 1) dw + 1 pixels. At stride 2 an
+  item's padded copy moves twice the vectors the FMAs read per output row (sh input rows of
+  the padded width per output row, each copied once, against TILE FMAs per 8 outputs): x
+  read in place saves that copy.
+x, y and the packed weights ([CB, KH, KW, b]) share the block b, which the kernel takes from
+L, compiled once per width.
 """
 
 import numba
@@ -28,6 +39,7 @@ from ._blocked_geometry import (
     KW,
     OH,
     OW,
+    PAD,
     PL,
     PT,
     RESIDUAL,
@@ -50,133 +62,170 @@ TILE = 8  # pixels per tile
 
 
 @numba.jit(**INLINE_GEMM)
-def _finish(L, tbuf, npx, fb, nb, yf, yo, ystride, res, bf, bo, residual, lo, hi):
-    """Accumulators parked in tbuf (vector k = p fb + f,
-    for pixels p < npx and blocks f < nb) into y, one vector of a block's W = L.width channels
-    at a time: the bias of its block, the residual (kernels/epilogue.py), the clip [lo, hi];
-    the whole epilogue when the activation is a clip, else its part before the activation
-    (epilogue.activate_rows does the rest). Offsets are flat element offsets, signed or not."""
-    w = L.width
-    yo, ystride, bo = np.int64(yo), np.int64(ystride), np.int64(bo)
-    for k in range(npx * fb):
-        p, f = k // fb, k % fb
-        if f >= nb:
-            continue
-        q = yo + p * w + f * ystride
-        v = vload(L, tbuf, k * w) + vload(L, bf, bo + f * w)
-        r = vload(L, res, q) if residual else v
-        vstore(yf, q, finish(v, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
+def _put(L, a, bias, yf, q, res, residual, lo, hi):
+    """y[q : q + b] = the epilogue of accumulator a: bias, the residual (when `residual` is
+    BEFORE or AFTER), the clip [lo, hi] (-inf, inf when the activation is no clip)."""
+    r = vload(L, res, q)  # y itself when there is none: read, never used
+    vstore(yf, q, finish(a + bias, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
 
 @numba.jit(**INLINE_GEMM)
-def _tile(L, xs, x0, xstep, wf, tx, tw, n_taps, tbuf):
-    """tbuf[p b : p b + b] = sum over the taps of x[pixel p] * w, lane by lane (b = L.width
-    channels of one block), for the TILE pixels p of a tile."""
+def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi):
+    """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=
+    TILE pixels p of a tile (b = L.width channels of one block, lane by lane)."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
-    for t in range(n_taps):
-        q = u(tx[t] + x0)
-        w = vload(L, wf, u(tw[t]))
-        a0 = vfma(vload(L, xs, q), w, a0)
-        a1 = vfma(vload(L, xs, q + xstep), w, a1)
-        a2 = vfma(vload(L, xs, q + u(2) * xstep), w, a2)
-        a3 = vfma(vload(L, xs, q + u(3) * xstep), w, a3)
-        a4 = vfma(vload(L, xs, q + u(4) * xstep), w, a4)
-        a5 = vfma(vload(L, xs, q + u(5) * xstep), w, a5)
-        a6 = vfma(vload(L, xs, q + u(6) * xstep), w, a6)
-        a7 = vfma(vload(L, xs, q + u(7) * xstep), w, a7)
     b = u(L.width)
-    vstore(tbuf, u(0), a0)
-    vstore(tbuf, b, a1)
-    vstore(tbuf, u(2) * b, a2)
-    vstore(tbuf, u(3) * b, a3)
-    vstore(tbuf, u(4) * b, a4)
-    vstore(tbuf, u(5) * b, a5)
-    vstore(tbuf, u(6) * b, a6)
-    vstore(tbuf, u(7) * b, a7)
+    for t in range(n_taps):
+        q = u(taps[t] + x0)
+        w = vload(L, wf, u(w0) + u(t) * b)
+        a0 = vfma(vload(L, src, q), w, a0)
+        a1 = vfma(vload(L, src, q + step), w, a1)
+        a2 = vfma(vload(L, src, q + u(2) * step), w, a2)
+        a3 = vfma(vload(L, src, q + u(3) * step), w, a3)
+        a4 = vfma(vload(L, src, q + u(4) * step), w, a4)
+        a5 = vfma(vload(L, src, q + u(5) * step), w, a5)
+        a6 = vfma(vload(L, src, q + u(6) * step), w, a6)
+        a7 = vfma(vload(L, src, q + u(7) * step), w, a7)
+    # a tile past the row's end computed pixels from padding (or from x beyond the row, never
+    # past the array: see _item); only the first npx are stored
+    yo = u(yo)
+    _put(L, a0, bias, yf, yo, res, residual, lo, hi)
+    if npx > 1:
+        _put(L, a1, bias, yf, yo + b, res, residual, lo, hi)
+    if npx > 2:
+        _put(L, a2, bias, yf, yo + u(2) * b, res, residual, lo, hi)
+    if npx > 3:
+        _put(L, a3, bias, yf, yo + u(3) * b, res, residual, lo, hi)
+    if npx > 4:
+        _put(L, a4, bias, yf, yo + u(4) * b, res, residual, lo, hi)
+    if npx > 5:
+        _put(L, a5, bias, yf, yo + u(5) * b, res, residual, lo, hi)
+    if npx > 6:
+        _put(L, a6, bias, yf, yo + u(6) * b, res, residual, lo, hi)
+    if npx > 7:
+        _put(L, a7, bias, yf, yo + u(7) * b, res, residual, lo, hi)
 
 
 @numba.jit(**JIT_GEMM)
-def _pad_rows(L, xf, g, n, cb, ih0, rows, wp, scr):
-    """scr[r, q, :] = x[n, cb, ih0 + r, q - pl, :] for r < rows, q < wp; zero outside x. Each
-    row is one contiguous copy and two runs of zeros (vector loops, no test per pixel)."""
-    h, w, pl, b = g[H], g[W], g[PL], L.width
-    stride = wp * b
+def _pad_rows(L, xf, g, n, cb, ih0, rows, iw0, wp, scr):
+    """scr[r, q, :] = x[n, cb, ih0 + r, iw0 + q, :] for r < rows, q < wp; zero outside x. Each
+    row is a run of zeros, a copy and a run of zeros, vector by vector: no test per pixel (a
+    slice assignment would also check its operands for overlap, and copy through a temporary
+    when it cannot tell)."""
+    h, w, b = g[H], g[W], L.width
+    first = min(max(0, -iw0), wp)  # zero columns left of the image
+    count = max(0, min(w - max(0, iw0), wp - first))  # image columns the scratch holds
+    zero = vzero(L)
     for r in range(rows):
         ih = ih0 + r
-        d = r * stride
+        d = u(r * wp * b)
         if ih < 0 or ih >= h:
-            scr[d : d + stride] = 0.0
+            for q in range(wp):
+                vstore(scr, d + u(q * b), zero)
             continue
-        src = ((n * g[CB] + cb) * h + ih) * w * b
-        first = min(pl, wp)  # zero columns left of the image
-        scr[d : d + first * b] = 0.0
-        count = max(0, min(w, wp - pl))  # image columns the scratch holds
-        scr[d + first * b : d + (first + count) * b] = xf[src : src + count * b]
-        scr[d + (first + count) * b : d + stride] = 0.0
+        src = u((((n * g[CB] + cb) * h + ih) * w + max(0, iw0)) * b)
+        for q in range(first):
+            vstore(scr, d + u(q * b), zero)
+        for q in range(count):
+            vstore(scr, d + u((first + q) * b), vload(L, xf, src + u(q * b)))
+        for q in range(first + count, wp):
+            vstore(scr, d + u(q * b), zero)
+
+
+@numba.jit(**INLINE_GEMM)
+def _taps(g, row_stride, b, taps):
+    """taps[i kw + j] = the offset of tap (i, j) from a tile's first pixel in a source whose
+    rows are row_stride pixels apart; returns the tap count."""
+    kh, kw, dh, dw = g[KH], g[KW], g[DH], g[DW]
+    for i in range(kh):
+        for j in range(kw):
+            taps[i * kw + j] = (i * dh * row_stride + j * dw) * b
+    return kh * kw
+
+
+def _widths(g):
+    """(pixels of a padded item row, pixels of a tile's padded row) for geometry g (plain
+    Python and Numba alike)."""
+    n_tiles = (g[OW] + TILE - 1) // TILE
+    wp = (n_tiles * TILE - 1) * g[SW] + (g[KW] - 1) * g[DW] + 1
+    return wp, (TILE - 1) * g[SW] + (g[KW] - 1) * g[DW] + 1
+
+
+_widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 
 
 @numba.jit(**JIT_GEMM)
-def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, tx, tw, scr, tbuf, act_a, act_b):
+def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     """Output rows r0 <= oh < r1 of block cb of image n."""
     kh, kw, sh, sw, dh, dw = g[KH], g[KW], g[SH], g[SW], g[DH], g[DW]
-    oh_len, ow_len, b = g[OH], g[OW], L.width
-    n_tiles = (ow_len + TILE - 1) // TILE
-    wp = (n_tiles * TILE - 1) * sw + (kw - 1) * dw + 1
-    ih0 = r0 * sh - g[PT]
-    _pad_rows(L, xf, g, n, cb, ih0, (r1 - 1 - r0) * sh + (kh - 1) * dh + 1, wp, scr)
+    h, w, oh_len, ow_len, b = g[H], g[W], g[OH], g[OW], L.width
+    pt, pl = g[PT], g[PL]
+    wp, wt = _widths_jit(g)
+    span = (kh - 1) * dh + 1  # input rows one output row reads
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
     lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
-    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _finish adds
-    ystride = u(oh_len * ow_len * b)
-    bo = u(cb * b)
+    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _tile adds
+    ystride = oh_len * ow_len * b
+    bias = vload(L, bf, u(cb * b))
+    w0 = cb * kh * kw * b
+    step = u(sw * b)
+    padded = g[PAD] == 1
+    if padded:  # one padded copy of the item's rows; every tile reads it
+        _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
+        k = _taps(g, wp, b, taps)
+    else:  # x in place (taps[:k]), or a tile's own padded copy (taps[k:])
+        k = _taps(g, w, b, taps)
+        _taps(g, wt, b, taps[k:])
+    plane = (n * g[CB] + cb) * h * w * b
     for oh in range(r0, r1):
-        k = 0
-        for i in range(kh):
-            r = (oh - r0) * sh + i * dh  # the scratch row of tap row i
-            for j in range(kw):
-                tx[k] = (r * wp + j * dw) * b
-                tw[k] = ((cb * kh + i) * kw + j) * b
-                k += 1
-        yo = u(((n * g[CB] + cb) * oh_len + oh) * ow_len * b)
-        for t in range(n_tiles):
-            ow0 = t * TILE
-            _tile(L, scr, ow0 * sw * b, u(sw * b), wf, tx, tw, k, tbuf)
+        yo = ((n * g[CB] + cb) * oh_len + oh) * ow_len * b
+        ih0 = oh * sh - pt
+        rows_in = ih0 >= 0 and ih0 + span <= h
+        for ow0 in range(0, ow_len, TILE):
             npx = min(TILE, ow_len - ow0)
-            yt = yo + u(ow0 * b)
-            _finish(L, tbuf, npx, 1, 1, yf, yt, ystride, res, bf, bo, early, lo, hi)
+            iw0 = ow0 * sw - pl
+            if padded:
+                x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
+                _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
+                      early, lo, hi)  # fmt: skip
+            elif rows_in and iw0 >= 0 and iw0 + (TILE - 1) * sw + (kw - 1) * dw < w:
+                # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
+                x0 = plane + (ih0 * w + iw0) * b
+                _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
+                      early, lo, hi)  # fmt: skip
+            else:
+                _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
+                _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yf, yo + ow0 * b, res,
+                      early, lo, hi)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
 
 
 def scratch_size(g) -> int:
-    """Floats of scratch one work item takes (the padded input rows, a tile), g[BI] being
-    the block (a depthwise conv's input block is its output block, L.width of the call)."""
-    n_tiles = (g[OW] + TILE - 1) // TILE
-    wp = (n_tiles * TILE - 1) * g[SW] + (g[KW] - 1) * g[DW] + 1
-    span = (g[ROWS] - 1) * g[SH] + (g[KH] - 1) * g[DH] + 1
-    return (span * wp + TILE) * g[BI]
+    """Floats of scratch one work item takes (padded input rows: the item's when g[PAD], else
+    a tile's), g[BI] being the block (a depthwise conv's input block is its output block,
+    L.width of the call)."""
+    wp, wt = _widths(g)
+    span = (g[KH] - 1) * g[DH] + 1
+    if g[PAD]:
+        return ((g[ROWS] - 1) * g[SH] + span) * wp * g[BI]
+    return span * wt * g[BI]
 
 
 @numba.jit(**PARALLEL)
 def dwconv_nchwc(L, xf, wf, bf, yf, res, g, act_a, act_b, work):
     """y = epilogue(depthwise conv(x)) on flat blocked arrays, x and y [N, CB, ., ., b],
     packed [CB, KH, KW, b], bias [CB b]; L: Lanes(b), g[BI] = b. g: the geometry (_direct_blocked's
-    indices, CB the channel-block count, ROWS the output rows per item, ACT the activation's
-    kind, act_a and act_b its parameters); work: per-thread scratch [threads,
-    scratch_size(g)]."""
-    rows, cb_len, oh_len, b = g[ROWS], g[CB], g[OH], L.width
+    indices, CB the channel-block count, ROWS the output rows per item, PAD how tiles at an
+    edge read, ACT the activation's kind, act_a and act_b its parameters); work: per-thread
+    scratch [threads, scratch_size(g)]."""
+    rows, cb_len, oh_len = g[ROWS], g[CB], g[OH]
     rb_len = (oh_len + rows - 1) // rows
-    n_tiles = (g[OW] + TILE - 1) // TILE
-    wp = (n_tiles * TILE - 1) * g[SW] + (g[KW] - 1) * g[DW] + 1
-    span = (rows - 1) * g[SH] + (g[KH] - 1) * g[DH] + 1
     for item in numba.prange(g[N] * cb_len * rb_len):
         n, rest = item // (cb_len * rb_len), item % (cb_len * rb_len)
         cb, rb = rest // rb_len, rest % rb_len
-        tx = np.empty(g[KH] * g[KW], np.int64)
-        tw = np.empty(g[KH] * g[KW], np.int64)
-        mine = work[numba.get_thread_id()]
-        scr, tbuf = mine[: span * wp * b], mine[span * wp * b : (span * wp + TILE) * b]
+        taps = np.empty(2 * g[KH] * g[KW], np.int64)
         r0 = rb * rows
-        _item(L, xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), tx, tw, scr, tbuf,
-              act_a, act_b)  # fmt: skip
+        _item(L, xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), taps,
+              work[numba.get_thread_id()], act_a, act_b)  # fmt: skip

@@ -32,7 +32,7 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked
 from . import _direct_blocked as d
-from .config import get_threads, slp_vectorize
+from .config import get_threads
 from .epilogue import RESIDUALS
 from .machine import cache_bytes
 from .simd import lanes, width
@@ -290,10 +290,9 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
-    rows = -(-oh // rb_len)
-    if plan.depthwise:  # the padded input rows of an item stay within a quarter of L2
-        row_bytes = ((-(-ow // pw) * pw - 1) * sw + (kw - 1) * dw + 1) * block * 4 * sh
-        rows = max(1, min(rows, cache_bytes(2) // 4 // max(1, row_bytes)))
+    rows, pad = -(-oh // rb_len), 0
+    if plan.depthwise:
+        pad, rows = _depthwise_split(plan, (h, w), (oh, ow), (pt, pl), others, threads)
     return geo.pack(
         N=n,
         CB=cb,
@@ -325,7 +324,42 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         ACT=plan.act[0],
         ROW_A=row_a,
         ROW_B=row_b,
+        PAD=pad,
     )
+
+
+def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
+    """(PAD, ROWS) for the depthwise kernel (_depthwise_blocked.py): how its tiles read and the
+    output rows per work item, the cheapest by a count of vector operations per call: the
+    tiles' FMAs (each with its load), the vectors the padded copies move (a load and a
+    store), and the imbalance of others x bands items split evenly among the threads (the
+    busiest thread sets the time). PAD = 1 copies an item's rows, halo included, and is
+    capped at a quarter of L2; PAD = 0 copies the tiles at an edge."""
+    (h, w), (oh, ow), (pt, pl) = size, out, pads
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    tile, b = _depthwise_blocked.TILE, plan.block
+    n_tiles = -(-ow // tile)
+    wp = (n_tiles * tile - 1) * sw + (kw - 1) * dw + 1  # an item's padded row, pixels
+    wt = (tile - 1) * sw + (kw - 1) * dw + 1  # a tile's
+    span = (kh - 1) * dh + 1
+    fmas = oh * n_tiles * tile * kh * kw  # per image and block
+    ih0, iw0 = np.arange(oh) * sh - pt, np.arange(n_tiles) * tile * sw - pl
+    rows_in = (ih0 >= 0) & (ih0 + span <= h)
+    cols_in = (iw0 >= 0) & (iw0 + wt <= w)
+    edge_copies = (~(rows_in[:, None] & cols_in[None, :])).sum() * span * wt
+    best = None
+    for pad in (0, 1):
+        for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
+            if pad and rows > 1 and ((rows - 1) * sh + span) * wp * b * 4 > cache_bytes(2) // 4:
+                continue
+            bands = -(-oh // rows)
+            copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
+            items = others * bands
+            busiest = -(-items // threads) / (items / threads)
+            cost = busiest * (fmas + copies)
+            if best is None or cost < best[0]:
+                best = (cost, pad, rows)
+    return best[1], best[2]
 
 
 @dataclasses.dataclass
@@ -340,10 +374,6 @@ class _Launch:
     tail: object  # its last: the direct kernel's input channels; the depthwise one's scratch
     scratch: int  # floats of per-thread scratch (depthwise), else 0
     empty: bool  # batch 0: nothing to compute
-    # Whether the first call is done. The depthwise kernel is written on tuples that only LLVM's
-    # SLP vectorizer turns into vector code: its first call (which compiles) runs with SLP on.
-    # The direct kernel is written on vectors and needs none.
-    warm: bool = False
 
 
 def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
@@ -376,7 +406,7 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
     # Whole blocks of input channels: their count is L's width, a constant the channel loop
     # unrolls on; fewer (a small-C stem): a number.
     ci = L if plan.in_block == plan.block else plan.in_block
-    return _Launch(shape, g, d.conv_direct, head, ci, 0, n == 0, warm=True)
+    return _Launch(shape, g, d.conv_direct, head, ci, 0, n == 0)
 
 
 def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
@@ -406,10 +436,5 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else launch.tail
-    if launch.warm:
-        launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
-        return out
-    with slp_vectorize():  # the first call may compile: with LLVM's SLP vectorizer
-        launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
-    launch.warm = True
+    launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
     return out

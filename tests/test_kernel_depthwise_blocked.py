@@ -5,7 +5,9 @@ The kernel is driven here with its own packing ([CB, KH, KW, b] weights, [CB b] 
 geometry, the contract conv_nchwc keeps, so that both widths are tested whatever block the
 process's conv_nchwc packs for. Channel counts that fill whole blocks of 8 and 16 (32), of 8
 only (24), and neither (5, 20); widths that leave part of a tile (1, 13, 17), strides,
-dilations, asymmetric pads, several row items per block.
+dilations, asymmetric pads, several row items per block; both ways the tiles read (PAD 1: an
+item's padded copy; PAD 0: x in place, tiles inside the image among them, and a tile's padded
+copy at an edge).
 """
 
 import numpy as np
@@ -16,7 +18,6 @@ from onnx import TensorProto, helper, numpy_helper
 from kernels import _blocked_geometry as geo
 from kernels._depthwise_blocked import dwconv_nchwc, scratch_size
 from kernels.blocked import from_blocked, to_blocked
-from kernels.config import slp_vectorize
 from kernels.epilogue import RESIDUALS
 from kernels.simd import lanes
 from kernels.simd.activation import encode
@@ -59,8 +60,9 @@ def reference(x, w, b, conv, activation, residual, r):
     return run_ort(model, feeds)[0]
 
 
-def run_kernel(block, x, w, b, conv, activation, residual, r, rows):
-    """The kernel at `block` lanes on x [N, C, H, W]: packed and laid out as conv_nchwc does."""
+def run_kernel(block, x, w, b, conv, activation, residual, r, rows, pad):
+    """The kernel at `block` lanes on x [N, C, H, W]: packed and laid out as conv_nchwc does;
+    pad: how its tiles read (1: an item's padded copy, 0: x, and a padded copy at an edge)."""
     n, c, h, wd = x.shape
     kh, kw = w.shape[2:]
     (sh, sw), (dh, dw) = conv.get("strides", (1, 1)), conv.get("dilations", (1, 1))
@@ -91,6 +93,7 @@ def run_kernel(block, x, w, b, conv, activation, residual, r, rows):
         OH=oh,
         OW=ow,
         ROWS=min(rows, oh),
+        PAD=pad,
         RESIDUAL=RESIDUALS[residual],
         ACT=kind,
     )
@@ -98,9 +101,8 @@ def run_kernel(block, x, w, b, conv, activation, residual, r, rows):
     yb = np.empty((n, cb, oh, ow, block), np.float32)
     yf = yb.reshape(-1)
     res = to_blocked(r, block=block).reshape(-1) if residual else yf
-    with slp_vectorize():  # compiled as conv_nchwc compiles it (the cache keeps one entry)
-        dwconv_nchwc(lanes(block), xf, packed, bias, yf, res, g, act_a, act_b,
-                     per_thread(scratch_size(g)))  # fmt: skip
+    dwconv_nchwc(lanes(block), xf, packed, bias, yf, res, g, act_a, act_b,
+                 per_thread(scratch_size(g)))  # fmt: skip
     return from_blocked(yb, c)
 
 
@@ -121,27 +123,30 @@ SHAPES = [
     (1, 16, 10, 10, 3, {"pads": (2, 2, 2, 2), "dilations": (2, 2)}, 5),
     (2, 24, 1, 1, 3, {"pads": (1, 1, 1, 1)}, 1),
     (1, 40, 6, 17, (1, 3), {"pads": (0, 1, 0, 1)}, 2),
+    (1, 24, 11, 40, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1)}, 2),
 ]
 
 
+@pytest.mark.parametrize("pad", [0, 1])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
-def test_against_onnxruntime(shape, block):
+def test_against_onnxruntime(shape, block, pad):
     n, c, h, w, k, conv, rows = shape
     x, wt, b = case(n, c, h, w, k)
     want = reference(x, wt, b, conv, "relu", None, None)
-    got = run_kernel(block, x, wt, b, conv, "relu", None, None, rows)
-    assert_close(got, want, RTOL, ATOL, what=f"block {block}")
+    got = run_kernel(block, x, wt, b, conv, "relu", None, None, rows, pad)
+    assert_close(got, want, RTOL, ATOL, what=f"block {block} pad {pad}")
 
 
+@pytest.mark.parametrize("pad", [0, 1])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("residual", [None, "before", "after"])
 @pytest.mark.parametrize("activation", list(ACTS))
-def test_every_epilogue(activation, residual, block):
+def test_every_epilogue(activation, residual, block, pad):
     conv = {"pads": (1, 1, 1, 1)}
     x, wt, b = case(2, 20, 9, 11, 3, seed=3)
     oh, ow = x.shape[2:]
     r = np.random.default_rng(4).standard_normal((2, 20, oh, ow), dtype=np.float32)
     want = reference(x, wt, b, conv, activation, residual, r)
-    got = run_kernel(block, x, wt, b, conv, activation, residual, r, 3)
-    assert_close(got, want, RTOL, ATOL, what=f"{activation} {residual} block {block}")
+    got = run_kernel(block, x, wt, b, conv, activation, residual, r, 3, pad)
+    assert_close(got, want, RTOL, ATOL, what=f"{activation} {residual} block {block} pad {pad}")
