@@ -144,6 +144,17 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
     the margin). 14x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
     one pixel at a time; 3x4 keeps 3 at 5 columns (two tiles overlapping one); 6x4 at 16
     lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
+    costs = _row_costs(fb, w, interior)
+    if not costs:  # no tile fits: the one-pixel path takes the row
+        return tiles.fit_rows(fb, w)
+    cheapest = min(costs.values())
+    return max(pw for pw, cost in costs.items() if cost <= NARROW_GAIN * cheapest)
+
+
+def _row_costs(fb: int, w: int, interior: int) -> dict:
+    """{PW: the cost of covering `interior` columns in tiles of PW x fb}, for the tallest PW
+    that fits and its halvings that fit in the row: accumulator-slots computed, over the
+    tile's speed (a tile of fewer than CHAINS accumulators waits on FMA latency)."""
     top, v = tiles.fit_rows(fb, w), _per_vector(w)
     costs, pw = {}, top
     while True:
@@ -152,10 +163,34 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
         if pw <= 2:
             break
         pw = -(-pw // 2)
-    if not costs:  # no tile fits: the one-pixel path takes the row
-        return top
-    cheapest = min(costs.values())
-    return max(pw for pw, cost in costs.items() if cost <= NARROW_GAIN * cheapest)
+    return costs
+
+
+def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tuple[int, int]:
+    """(rows, columns) to run a 1x1, stride-1, unpadded conv's H x W pixels as: any
+    factorization of H W, since such a conv's pixel p reads x at pixel p alone and the blocked
+    layout holds a block's pixels in one run. Row tiles do not cross rows: a 7-wide row takes
+    a 6-pixel tile and an overlapping one, where 49 pixels in one row take 8 and one. The
+    cheapest by the tiles' cost (_row_costs, as tile_rows ranks them) over the busiest thread's
+    share of the work items (rows are what items split: a single row of few filter groups
+    leaves a thread idle)."""
+    ogg = -(-plan.out_blocks_per_group // plan.fb)
+    others = max(1, n * plan.group * ogg)
+    best = None
+    for rows in range(1, h * w + 1):
+        if (h * w) % rows:
+            continue
+        cols = h * w // rows
+        costs = _row_costs(plan.fb, plan.block, cols)
+        if plan.pixels or not costs:
+            continue  # a forced tile, or none fits: keep the conv's own shape
+        rb_len = min(rows, -(-4 * threads // others))
+        items = others * -(-rows // -(-rows // rb_len))
+        busiest = -(-items // threads) / (items / threads)
+        cost = rows * min(costs.values()) * busiest
+        if best is None or cost < best[0]:
+            best = (cost, rows, cols)
+    return (h, w) if best is None else best[1:]
 
 
 def prepare_conv_nchwc(
@@ -277,17 +312,23 @@ def _inside(size, k, s, dil, pad, out):
 
 def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     n, cb, h, w, bi = x_shape
-    (_, _, oh, ow), (pt, pl, _, _) = conv_output_shape((n, plan.in_channels, h, w), plan)
+    (_, _, oh, ow), pads = conv_output_shape((n, plan.in_channels, h, w), plan)
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    pt, pl = pads[:2]
     fb, block = plan.fb, plan.block
     ogg = -(-plan.out_blocks_per_group // fb)
-    a, b = _inside(w, kw, sw, dw, pl, ow)
-    row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
-    pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
     whole, part = _budgets()
     per_block = kh * kw * bi * fb * block * 4  # bytes of packed weights per input block
     cbg = plan.in_blocks_per_group
     chunk = cbg if per_block * cbg <= whole else max(1, min(cbg, part // per_block))
+    # A pointwise conv runs its pixels in the rows that tile best, but not when K is cut into
+    # chunks: a chunk sweeps an item's rows with the accumulators parked, so rows stay short.
+    pointwise = (kh, kw, sh, sw) == (1, 1, 1, 1) and not any(pads) and not plan.depthwise
+    if pointwise and chunk == cbg:
+        h, w = oh, ow = _pointwise_rows(plan, n, h, w, threads)
+    a, b = _inside(w, kw, sw, dw, pl, ow)
+    row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
+    pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows, pad = -(-oh // rb_len), 0

@@ -408,3 +408,35 @@ def test_tile_rows_narrow_for_narrow_rows(monkeypatch):
     assert tile_rows(4, 16, 56) == 6  # 60 slots, 3x4 57: not worth twice the weight traffic
     assert tile_rows(4, 16, 13) == 3  # 18 slots, 3x4 15
     assert tile_rows(1, 16, 26) == 15
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
+    ("n", "c", "m", "h", "w"),
+    [(1, 64, 160, 7, 7), (2, 24, 48, 14, 14), (1, 40, 24, 5, 13), (1, 16, 16, 1, 1)],
+)
+def test_pointwise_runs_in_the_rows_that_tile_best(threads, block, n, c, m, h, w):
+    # A 1x1, stride-1, unpadded conv's pixels are one run per block, so the kernel takes them
+    # as any rows x columns of the same count (7x7 as one row of 49): the output is the conv's,
+    # with the epilogue's activation and residual applied per row.
+    x, wt, b, attrs = case(n, c, m, h, w, 1, seed=14)
+    r = np.random.default_rng(15).standard_normal((n, m, h, w), dtype=np.float32)
+    got = run_blocked(x, wt, b, attrs, "silu", "after", r, block=block)
+    assert_close(got, reference(x, wt, b, attrs, "silu", "after", r), RTOL, ATOL)
+    plan = prepare_conv_nchwc(wt, b, block=block)
+    g = conv_module._geometry(plan, to_blocked(x, block=plan.in_block).shape, get_threads())
+    rows, cols = g[conv_module.geo.OH], g[conv_module.geo.OW]
+    assert rows * cols == h * w and (g[conv_module.geo.H], g[conv_module.geo.W]) == (rows, cols)
+
+
+def test_pointwise_rows_follow_the_tiles(monkeypatch):
+    # at 16 lanes (6x4 tiles), 7-wide rows take a tile of 6 and an overlapping one: 49 pixels
+    # in one row take 8 and one; with many filter groups the one row still splits evenly
+    monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
+    wt = np.zeros((960, 160, 1, 1), np.float32)
+    plan = prepare_conv_nchwc(wt, block=16, tile=4)
+    assert conv_module._pointwise_rows(plan, 1, 7, 7, 2) == (1, 49)
+    # a padded or strided 1x1 conv keeps its own rows
+    plan = prepare_conv_nchwc(wt, block=16, tile=4, strides=(2, 2))
+    g = conv_module._geometry(plan, (1, 10, 14, 14, 16), 2)
+    assert (g[conv_module.geo.OH], g[conv_module.geo.OW]) == (7, 7)
