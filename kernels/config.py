@@ -111,3 +111,16 @@ def set_threads(n):
 def get_threads():
     """Number of threads the parallel kernels use (in the calling thread)."""
     return numba.get_num_threads()
+
+
+def entry_point(dispatcher, args):
+    """The machine code of a jitted function for the types of `args`, once a call through the
+    dispatcher has compiled it (or loaded it from the cache): calling it skips the dispatcher's
+    typing of each argument and its look-up of the overload, about 3 us of a small conv's 5
+    (the SIMD layer's Lanes and Tile arguments are typed in Python; bench/NOTES.md). Only for
+    a wrapper whose calls cannot change the argument types (arrays it made contiguous, 1-D and
+    float32 itself, the same plan); the dispatcher itself when no overload matches."""
+    types = tuple(dispatcher.typeof_pyval(a) for a in args)
+    compiled = dispatcher.overloads.get(types)
+    return dispatcher if compiled is None else compiled.entry_point
+

@@ -32,7 +32,7 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked
 from . import _direct_blocked as d
-from .config import get_threads
+from .config import entry_point, get_threads
 from .epilogue import RESIDUALS
 from .machine import cache_bytes
 from .simd import lanes, width
@@ -415,6 +415,7 @@ class _Launch:
     tail: object  # its last: the direct kernel's input channels; the depthwise one's scratch
     scratch: int  # floats of per-thread scratch (depthwise), else 0
     empty: bool  # batch 0: nothing to compute
+    bound: bool = False  # run is the compiled entry point (config.entry_point), not the dispatcher
 
 
 def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
@@ -463,8 +464,9 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     shape = launch.shape
     if out is None:
         out = np.empty(shape, np.float32)
-    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    elif (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous
+          or not out.flags.writeable):  # fmt: skip
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
     if launch.empty:
         return out
     xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)
@@ -477,5 +479,8 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else launch.tail
-    launch.run(*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+    args = (*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+    launch.run(*args)
+    if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
+        launch.run, launch.bound = entry_point(launch.run, args), True
     return out

@@ -440,3 +440,24 @@ def test_pointwise_rows_follow_the_tiles(monkeypatch):
     plan = prepare_conv_nchwc(wt, block=16, tile=4, strides=(2, 2))
     g = conv_module._geometry(plan, (1, 10, 14, 14, 16), 2)
     assert (g[conv_module.geo.OH], g[conv_module.geo.OW]) == (7, 7)
+
+
+@pytest.mark.parametrize("group", [1, 16])
+def test_later_calls_run_the_compiled_entry_point(group):
+    # after a shape's first call the launch calls the machine code directly (no dispatcher):
+    # the same output, for a read-only input too; an output it could not write is refused
+    x, wt, b, attrs = case(1, 16, 16, 6, 7, 3, seed=16, group=group, pads=(1, 1, 1, 1))
+    plan = prepare_conv_nchwc(wt, b, pads=(1, 1, 1, 1), group=group, activation="relu")
+    xb = to_blocked(x, block=plan.in_block)
+    first = conv_nchwc(xb, plan)
+    (launch,) = plan.geometry.values()
+    assert launch.bound
+    frozen = xb.copy()
+    frozen.flags.writeable = False
+    assert np.array_equal(conv_nchwc(frozen, plan), first)
+    assert np.array_equal(conv_nchwc(xb, plan), first)
+    assert_close(from_blocked(first, 16), reference(x, wt, b, attrs, "relu"), RTOL, ATOL)
+    out = np.empty_like(first)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        conv_nchwc(xb, plan, out=out)
