@@ -123,4 +123,3 @@ def entry_point(dispatcher, args):
     types = tuple(dispatcher.typeof_pyval(a) for a in args)
     compiled = dispatcher.overloads.get(types)
     return dispatcher if compiled is None else compiled.entry_point
-
