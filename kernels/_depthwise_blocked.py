@@ -22,6 +22,9 @@ and no bound test inside it. Two ways to pad, chosen per shape by the vectors th
   item's padded copy moves twice the vectors the FMAs read per output row (sh input rows of
   the padded width per output row, each copied once, against TILE FMAs per 8 outputs): x
   read in place saves that copy.
+A row's last tile ends at the row's end, overlapping the one before (tile_column): a tile
+past the end would read padding, a copy at PAD 0, where at stride 2 on an even width the
+overlapping one reads only x.
 x, y and the packed weights ([CB, KH, KW, b]) share the block b, which the kernel takes from
 L, compiled once per width.
 """
@@ -86,8 +89,7 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
         a5 = vfma(vload(L, src, q + u(5) * step), w, a5)
         a6 = vfma(vload(L, src, q + u(6) * step), w, a6)
         a7 = vfma(vload(L, src, q + u(7) * step), w, a7)
-    # a tile past the row's end computed pixels from padding (or from x beyond the row, never
-    # past the array: see _item); only the first npx are stored
+    # a row narrower than a tile: pixels past its end computed from padding, not stored
     yo = u(yo)
     _put(L, a0, bias, yf, yo, res, residual, lo, hi)
     if npx > 1:
@@ -143,6 +145,17 @@ def _taps(g, row_stride, b, taps):
     return kh * kw
 
 
+def tile_column(t, n_tiles, ow_len):
+    """The first output column of tile t of a row's n_tiles: TILE apart, and the last ending
+    at the row's end, overlapping the one before (its pixels recomputed, the same sums), rather
+    than computing pixels past the row: past the row a tile reads padding, which in place (PAD
+    0) means a copy; at the row's end it often reads only x (stride 2 on an even width)."""
+    return t * TILE if t < n_tiles - 1 else max(0, ow_len - TILE)
+
+
+_tile_column = numba.jit(**INLINE_GEMM)(tile_column)
+
+
 def _widths(g):
     """(pixels of a padded item row, pixels of a tile's padded row) for geometry g (plain
     Python and Numba alike)."""
@@ -178,11 +191,13 @@ def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
         k = _taps(g, w, b, taps)
         _taps(g, wt, b, taps[k:])
     plane = (n * g[CB] + cb) * h * w * b
+    n_tiles = (ow_len + TILE - 1) // TILE
     for oh in range(r0, r1):
         yo = ((n * g[CB] + cb) * oh_len + oh) * ow_len * b
         ih0 = oh * sh - pt
         rows_in = ih0 >= 0 and ih0 + span <= h
-        for ow0 in range(0, ow_len, TILE):
+        for t in range(n_tiles):
+            ow0 = _tile_column(t, n_tiles, ow_len)
             npx = min(TILE, ow_len - ow0)
             iw0 = ow0 * sw - pl
             if padded:

@@ -384,7 +384,8 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     wt = (tile - 1) * sw + (kw - 1) * dw + 1  # a tile's
     span = (kh - 1) * dh + 1
     fmas = oh * n_tiles * tile * kh * kw  # per image and block
-    ih0, iw0 = np.arange(oh) * sh - pt, np.arange(n_tiles) * tile * sw - pl
+    columns = [_depthwise_blocked.tile_column(t, n_tiles, ow) for t in range(n_tiles)]
+    ih0, iw0 = np.arange(oh) * sh - pt, np.array(columns) * sw - pl
     rows_in = (ih0 >= 0) & (ih0 + span <= h)
     cols_in = (iw0 >= 0) & (iw0 + wt <= w)
     edge_copies = (~(rows_in[:, None] & cols_in[None, :])).sum() * span * wt
