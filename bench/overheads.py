@@ -1,10 +1,11 @@
 """Fixed costs of a kernel call, on inputs so small that the arithmetic is negligible: the
 Python and Numba dispatch around a conv call, a Fire module in one compiled call vs conv by conv
 (the path plans outside the usual ones take), how late a parallel region starts when its
-worker thread has been idle (a busy main thread) or both cores have (a sleep), and what one
+worker thread has been idle (a busy main thread) or both cores have (a sleep), a chain of
+calls as a model makes them, back to back and after the process slept, and what one
 crossing between an onnxruntime island and a kernel costs in fusion.Session.
 
-    .venv/bin/python bench/overheads.py [--rounds 2000]
+    .venv/bin/python bench/overheads.py [--rounds 2000] [--model FILE.onnx]
 
 Medians in microseconds (fusion.bench.timing). The worker's spinning after a region is set by
 GOMP_SPINCOUNT (kernels/config.py); run with GOMP_SPINCOUNT=0 to see the cost without it.
@@ -20,8 +21,9 @@ import fusion
 from fusion.bench.timing import interleave
 from fusion.models.builder import GraphBuilder
 from fusion.ort import DEFAULT, inference_session
-from kernels import conv2d_bias_act, prepare_conv2d, set_threads
+from kernels import conv2d_bias_act, prepare_conv2d, set_threads, to_blocked
 from kernels.conv_concat import conv_concat
+from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
 from kernels.fire import fire, prepare_fire
 
 
@@ -73,6 +75,22 @@ def kernel_calls(rounds: int) -> list[tuple[str, float]]:
                  median_us(run, few, lambda: busy(2e-3))))  # fmt: skip
     rows.append(("1x1 conv call after both cores idled 2 ms (sleep)",
                  median_us(run, few, lambda: time.sleep(2e-3))))  # fmt: skip
+    # A model's run is such calls back to back, each a few microseconds of Python after the
+    # last; after the process slept (a server between requests, a race's pause between turns)
+    # the cores' idle states make every wake-up inside the chain slow unless the worker spins
+    # through the gaps (GOMP_SPINCOUNT).
+    chain = prepare_conv_nchwc(ones((64, 64, 1, 1), np.float32), activation="relu")
+    xc = to_blocked(ones((1, 64, 14, 14), np.float32), block=chain.in_block)
+    yc = conv_nchwc(xc, chain)
+
+    def fifty():
+        for _ in range(50):
+            conv_nchwc(xc, chain, out=yc)
+
+    rows.append(("50 blocked 1x1 convs 64->64 14x14 back to back, 2 threads",
+                 median_us(fifty, few)))  # fmt: skip
+    rows.append(("the same 50 after a 0.25 s sleep",
+                 median_us(fifty, max(8, few // 10), lambda: time.sleep(0.25))))  # fmt: skip
     return rows
 
 
@@ -114,11 +132,32 @@ def crossing(rounds: int) -> list[tuple[str, float]]:
     return rows
 
 
+def model_runs(path: str, rounds: int) -> list[tuple[str, float]]:
+    """fusion.Session on a model file, every fused node on its kernel (tactics="kernel"): a
+    run back to back with the last, and a run after the process slept 0.25 s."""
+    import onnx
+
+    session = fusion.Session(fusion.rewrite(onnx.load(path)).model, tactics="kernel")
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in session.get_inputs():  # a symbolic dimension (the batch) as 1
+        shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        feeds[i.name] = rng.standard_normal(shape, dtype=np.float32)
+    run = lambda: session.run(None, feeds)  # noqa: E731
+    name = os.path.basename(path)
+    return [(f"{name}: a run back to back", median_us(run, rounds)),
+            (f"{name}: a run after a 0.25 s sleep",
+             median_us(run, max(8, rounds // 10), lambda: time.sleep(0.25)))]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--model", help="also time fusion.Session's runs of this ONNX file")
     args = parser.parse_args()
     rows = kernel_calls(args.rounds) + crossing(args.rounds)
+    if args.model:
+        rows += model_runs(args.model, max(20, args.rounds // 20))
     width = max(len(name) for name, _ in rows)
     for name, us in rows:
         print(f"{name:<{width}}  {us:8.1f} us")

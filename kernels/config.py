@@ -21,9 +21,11 @@ from . import _cache
 _cache.install()
 
 # Numba's OpenMP workers: sleep when idle (spinning steals the cores onnxruntime and other
-# processes need), but only after 1000 spins, so that back-to-back short parallel regions do not
-# each pay a futex wake-up. Measurements in bench/NOTES.md (kernels/config.py).
-THREAD_SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+# processes need), but only after 10000 spins (about half a millisecond of one core), so that
+# the parallel regions of a model's run, tens of microseconds of Python apart, do not each pay
+# a wake-up: with 1000, runs after the process had slept took twice as long, run after run, on
+# these virtual machines. Measurements in bench/NOTES.md (kernels/config.py).
+THREAD_SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 def apply_thread_settings():

@@ -424,10 +424,12 @@ class Clock:
 
 
 class FakeMachine:
-    """A machine whose other processes use `load` cores (None: unknown); no threads to wait on."""
+    """A machine whose other processes use `load` cores (None: unknown); no threads to wait on.
+    `idles` counts the waits (the race waits after each candidate's warm-up and each turn)."""
 
     def __init__(self, load: float | None = 0.0):
         self.load = load
+        self.idles = 0
 
     def start(self):
         pass
@@ -436,7 +438,7 @@ class FakeMachine:
         return self.load
 
     def wait_idle(self):
-        pass
+        self.idles += 1
 
 
 def scripted_race(monkeypatch, seconds: dict, load: float | None = 0.0) -> list[str]:

@@ -7,8 +7,6 @@ difference inside the noise, a candidate that fails.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from helpers import Clock, FakeMachine
 
@@ -23,21 +21,27 @@ from fusion.runtime.race import (
 )
 
 
-def scripted(clock: Clock, seconds):
-    """A run call whose k-th call takes seconds(k) on `clock` (a number: always that)."""
-    counter = itertools.count()
-    script = seconds if callable(seconds) else (lambda k: seconds)
+def scripted(clock: Clock, seconds, machine: FakeMachine | None = None):
+    """A run call that takes seconds(turn) on `clock` in its candidate's turn-th turn (0: the
+    warm-up and the call that sizes turns; 1, 2, ...: the race's rounds, untimed calls and
+    timed ones alike); a number: always that. Turns are told apart by the machine's waits,
+    one after every turn."""
+    script = seconds if callable(seconds) else (lambda turn: seconds)
+    state = {"turn": -1, "idles": None}
 
     def run():
-        clock.now += script(next(counter))
+        idles = machine.idles if machine is not None else 0
+        if idles != state["idles"]:  # the first call since a wait: a new turn of this candidate
+            state["turn"], state["idles"] = state["turn"] + 1, idles
+        clock.now += script(state["turn"])
 
     return run
 
 
 def run_race(times: dict, load: float | None = 0.0, **kw):
-    clock = Clock()
-    candidates = {name: scripted(clock, t) for name, t in times.items()}
-    return race(candidates, clock=clock, machine=FakeMachine(load), **kw)
+    clock, machine = Clock(), FakeMachine(load)
+    candidates = {name: scripted(clock, t, machine) for name, t in times.items()}
+    return race(candidates, clock=clock, machine=machine, **kw)
 
 
 def test_the_clearly_fastest_wins_and_says_so():
@@ -61,8 +65,8 @@ def test_load_during_some_rounds_does_not_decide():
     per-node plan is not: the one quiet round still shows onnxruntime faster, as the quiet
     machine would. A mean or a median over all rounds would choose per-node."""
 
-    def disturbed(k):  # call 0 warms up, 1 sizes turns (2 calls of 8 ms); round 3 is quiet
-        return 0.008 if k < 2 or (k - 2) // 2 == 3 else 0.072
+    def disturbed(turn):  # turn 0 warms up and sizes turns (8 ms calls); round 3 is quiet
+        return 0.008 if turn in (0, 4) else 0.072
 
     verdict = run_race({"onnxruntime": disturbed, "per-node": 0.0244}, rounds=6, load=None)
     assert verdict.chosen == "onnxruntime"
@@ -80,8 +84,8 @@ def test_the_noise_measured_in_the_race_widens_the_margin():
     spread = [1.0, 1.2, 1.2, 1.2, 1.2]
 
     def noisy(base):
-        def seconds(k):
-            return base * spread[(k // 3) % len(spread)]
+        def seconds(turn):
+            return base * spread[turn % len(spread)]
 
         return seconds
 
@@ -115,9 +119,11 @@ def test_turns_are_sized_to_the_call_and_orders_balanced():
 
         return run
 
-    race({"a": counting("a", 0.001), "b": counting("b", 0.5)}, rounds=4, clock=clock,
+    race({"a": counting("a", 2.0**-10), "b": counting("b", 0.5)}, rounds=4, clock=clock,
          machine=FakeMachine())  # fmt: skip
-    assert calls == {"a": 2 + 4 * 20, "b": 2 + 4 * 1}  # ~20 ms turns; at least one call
+    # the warm-up and the sizing call, then per turn untimed calls until 20 ms have passed (21
+    # of 0.98 ms) and 20 ms of timed ones (20), at least one of each (b)
+    assert calls == {"a": 2 + 4 * (21 + 20), "b": 2 + 4 * (1 + 1)}
     for n in (2, 3, 4, 5):
         orders = balanced_orders(n)
         pairs = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]
@@ -137,8 +143,8 @@ def test_judge_and_agrees_on_plain_figures():
 def jittery(base):
     """Rounds of base, 3 base, 5 base, ... in turn: a candidate whose spread is huge."""
 
-    def seconds(k):
-        return base * (1 + 2 * ((k // 2) % 3))
+    def seconds(turn):
+        return base * (1 + 2 * (turn % 3))
 
     return seconds
 

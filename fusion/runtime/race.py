@@ -10,8 +10,13 @@ fastest (for Session: onnxruntime alone, then kernels in NCHW, then per-node cho
 How a race is run and judged:
 - warm-up, then rounds of one turn per candidate, in balanced orders (each candidate follows
   each other equally often, so whatever one leaves behind falls on all alike; the rounds are
-  whole sets of those orders); a turn is a burst of calls sized to about `turn_s` seconds, and
-  its median is that round's figure;
+  whole sets of those orders); a turn is a burst of calls sized to about `turn_s` seconds,
+  after as long of untimed calls, and its median is that round's figure: each candidate is
+  timed as it runs when called again and again, not as it starts after the pause below (a
+  plan of parallel kernels whose threads slept while another candidate ran takes two or three
+  runs to get back to speed on some machines, where onnxruntime's spinning workers do not:
+  timed cold, mobilenet_v2's kernels raced at 7.4-8.7 ms against their 5.7-6 ms run after run,
+  bench/NOTES.md);
 - after every turn the process waits until its own threads go idle (onnxruntime's workers
   spin for tens of milliseconds after a run at its defaults, which would slow the next
   candidate: the candidate runs with the settings it will run with, only its leftovers go);
@@ -243,8 +248,8 @@ def race(
                 continue
             calls = max(1, min(MAX_CALLS, int(turn_s / max(per_call[name], 1e-9))))
             try:
-                figures[name].append(statistics.median(burst(candidates[name], calls,
-                                                             clock=clock)))  # fmt: skip
+                times = burst(candidates[name], calls, warm=turn_s, clock=clock)
+                figures[name].append(statistics.median(times))
             except Exception as exc:  # noqa: BLE001
                 failed[name] = exc
                 figures[name] = []
