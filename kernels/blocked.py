@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import PARALLEL
 from .simd import width
+from .workspace import empty
 
 
 def block() -> int:
@@ -86,7 +87,7 @@ def to_blocked(x, block: int | None = None, out=None):
     if not isinstance(x, np.ndarray) or x.ndim != 4 or x.dtype != np.float32:
         raise ValueError(f"x must be a float32 NCHW array, got {getattr(x, 'shape', x)!r}")
     shape = blocked_shape(x.shape, block)
-    out = np.empty(shape, np.float32) if out is None else _checked(out, shape)
+    out = empty(shape) if out is None else _checked(out, shape)
     n, c, h, w = x.shape
     if x.size:
         x3 = np.ascontiguousarray(x).reshape(n, c, h * w)

@@ -39,7 +39,7 @@ from .simd import lanes, width
 from .simd import tile as tiles
 from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
-from .workspace import per_thread
+from .workspace import empty, per_thread
 
 TILE_BLOCKS = (4, 2, 1)  # output blocks per register tile worth considering (FB)
 # Independent FMA chains that keep a core's FMA units busy (two ports x 4-5 cycles of latency):
@@ -464,7 +464,7 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
         launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1)
     shape = launch.shape
     if out is None:
-        out = np.empty(shape, np.float32)
+        out = empty(shape)
     elif (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous
           or not out.flags.writeable):  # fmt: skip
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")

@@ -31,7 +31,7 @@ from .config import get_threads
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd.activation import encode
-from .workspace import per_thread
+from .workspace import empty, per_thread
 
 L2_SHARE = 2  # the band's two scratches take at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
 
@@ -170,7 +170,7 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
         launch = plan.launches[key] = _launch(xb, plan, key[1])
     shape, g, scratch = launch
     if out is None:
-        out = np.empty(shape, np.float32)
+        out = empty(shape)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
     if shape[0] == 0:

@@ -26,6 +26,7 @@ from .conv2d import cached_launch
 from .simd import WIDTHS, lanes, vbroadcast, vload, vselect, vstore
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
+from .workspace import empty
 
 __all__ = [
     "MaxPoolPlan",
@@ -217,7 +218,7 @@ def maxpool_blocked(xb, plan, out=None):
         raise ValueError(f"MaxPool output is empty for input {xb.shape}")
     shape = (n, cb, oh, ow, b)
     if out is None:
-        out = np.empty(shape, np.float32)
+        out = empty(shape)
     elif (
         not isinstance(out, np.ndarray)
         or out.shape != shape

@@ -24,7 +24,7 @@ from .machine import cache_bytes
 from .simd import lanes
 from .simd import tile as tiles
 from .windows import conv_output_shape
-from .workspace import per_thread
+from .workspace import empty, per_thread
 
 MAX_F4_CHANNELS = 256  # F(4x4)'s error grows with C (kernels/conv2d: _WINOGRAD4_MAX_CHANNELS)
 
@@ -160,7 +160,7 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None):
         launch = plan.geometry[key] = _launch(plan, xb.shape, key[1])
     shape, g, T, scratch = launch
     if out is None:
-        out = np.empty(shape, np.float32)
+        out = empty(shape)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
     if shape[0] == 0:

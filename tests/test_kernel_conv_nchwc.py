@@ -461,3 +461,17 @@ def test_later_calls_run_the_compiled_entry_point(group):
     out.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         conv_nchwc(xb, plan, out=out)
+
+
+def test_blocked_tensors_and_scratch_start_on_a_cache_line():
+    # a 16-lane load at a block's start must not straddle two lines (workspace.empty)
+    from kernels.workspace import ALIGN, per_thread
+
+    x, wt, b, _ = case(1, 20, 24, 5, 6, 3, seed=17, group=1, pads=(1, 1, 1, 1))
+    plan = prepare_conv_nchwc(wt, b, pads=(1, 1, 1, 1))
+    for _ in range(3):  # whatever the allocator hands out this time
+        xb = to_blocked(x, block=plan.in_block)
+        yb = conv_nchwc(xb, plan)
+        assert xb.ctypes.data % ALIGN == 0 and yb.ctypes.data % ALIGN == 0
+        rows = per_thread(1001)
+        assert rows.shape[1] >= 1001 and all(r.ctypes.data % ALIGN == 0 for r in rows)
