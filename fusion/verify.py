@@ -143,7 +143,7 @@ def verify(
     tactics = ["kernel"]  # each kernel's first tactic, then every other one a kernel offers
     for names in offered.values():
         tactics += [t for t in names[1:] if t not in tactics and t not in POLICIES]
-    expected, checked = None, set()
+    expected, checked, compared = None, set(), set()
     for tactic in tactics:
         session = first if tactic == "kernel" else first.with_tactics(tactic)
         try:
@@ -165,9 +165,12 @@ def verify(
                                        scaled=scaled))  # fmt: skip
         if not per_node:
             continue
+        # Each (node, tactic) once: a node runs its first tactic under every policy that names
+        # none of its own, and a tactic first for one node may come second for another.
         for step in steps:
-            if tactic != "kernel" and step.choice != tactic:
-                continue  # each (node, tactic) once
+            if (step.name, step.choice) in compared:
+                continue
+            compared.add((step.name, step.choice))
             rule = catalog.get(step.node.op_type)
             args = [values[v] if v else None for v in step.node.input]  # NCHW, any tactic
             got = [values[v] for v in step.node.output if v]

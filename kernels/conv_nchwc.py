@@ -109,23 +109,46 @@ def _per_vector(w: int) -> int:
     return -(-w // tiles.registers()[1])
 
 
-def _merit(fb: int, mbg: int, w: int) -> float:
-    """Useful FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB) (v PW
-    FB / (PW + v FB) in instructions when a vector takes v registers: one broadcast serves
-    every register of a row), times the share of its blocks that are not padding."""
+def _per_load(fb: int, w: int) -> float:
+    """FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB) (v PW FB /
+    (PW + v FB) in instructions when a vector takes v registers: one broadcast serves every
+    register of a row)."""
     pw, v = tiles.fit_rows(fb, w), _per_vector(w)
-    return v * pw * fb / (pw + v * fb) * mbg / (mbg + _padding(fb, mbg))
+    return v * pw * fb / (pw + v * fb)
+
+
+def _share(fb: int, mbg: int) -> float:
+    """The share of a tile's output blocks that are not padding."""
+    return mbg / (mbg + _padding(fb, mbg))
+
+
+def _merit(fb: int, mbg: int, w: int) -> float:
+    """Useful FMAs per load: _per_load times the share that is not padding."""
+    return _per_load(fb, w) * _share(fb, mbg)
 
 
 def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
     """Output blocks per tile (FB) worth timing for mbg output blocks per group at w lanes,
-    likeliest first: the best by _merit, and the one that computes the fewest padding blocks
-    when that is another (M = 40 at 8 lanes: 6x2 with a padded block, or 14x1 with none;
-    which wins depends on the CPU, and the session times both)."""
+    likeliest first.
+
+    First: among the tiles that load no more often than they multiply (at least one FMA per
+    load: a core issues loads at least as fast as FMAs, so these wait on FMAs, not on loads),
+    the one computing the least padding, then the most FMAs per load; with none such, the
+    best by _merit. At 16 lanes 10 output blocks take 14x2 (no padding) before 6x4 (2 padded
+    of 12): Zen 4 ran 960->160 7x7 in 82 us on 14x2 against 123-142 on 6x4 (bench/NOTES.md).
+    Then, when another, the one that computes the fewest padding blocks (M = 40 at 8 lanes:
+    6x2 with a padded block, or 14x1 with none), else the best by _merit (10 blocks: 6x4, its
+    2.4 FMAs per load against 14x2's 1.75). Which wins depends on the CPU (on Zen 1 the 3x4
+    tile beat the taller ones even with padding), and a "fastest" session times both."""
     fbs = sorted({min(fb, mbg) for fb in TILE_BLOCKS}, reverse=True)
-    first = max(fbs, key=lambda fb: (_merit(fb, mbg, w), fb))
+    unbound = [fb for fb in fbs if _per_load(fb, w) >= 1.0]
+    if unbound:
+        first = max(unbound, key=lambda fb: (_share(fb, mbg), _per_load(fb, w), fb))
+    else:
+        first = max(fbs, key=lambda fb: (_merit(fb, mbg, w), fb))
     tight = min(fbs, key=lambda fb: (_padding(fb, mbg), -_merit(fb, mbg, w), -fb))
-    return (first,) if tight == first else (first, tight)
+    second = tight if tight != first else max(fbs, key=lambda fb: (_merit(fb, mbg, w), fb))
+    return (first,) if second == first else (first, second)
 
 
 def tile_options(weight_shape, group: int = 1, block: int | None = None) -> tuple[int, ...]:

@@ -371,7 +371,8 @@ def test_tile_options(monkeypatch):
     assert tile_options((8, 16, 1, 1), block=8) == (1,)
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     assert tile_options((64, 64, 3, 3), block=8) == (4,)
-    assert tile_options((40, 16, 1, 1), block=8) == (4, 1)  # 5: 6x4 padded, or 30x1 tight
+    # 5 blocks: 14x2 (one padded of 6, 1.75 FMAs per load) before 6x4 (3 of 8), or 30x1 tight
+    assert tile_options((40, 16, 1, 1), block=8) == (2, 1)
     monkeypatch.undo()
     assert tile_options((16, 16, 1, 1), block=16) == (1,)
     assert tile_options((32, 1, 3, 3), group=32) == (1,)  # depthwise: its own kernel
@@ -382,14 +383,17 @@ def test_tile_options(monkeypatch):
         prepare_conv_nchwc(np.ones((8, 8, 1, 1), np.float32), tile=(0, 2))
 
 
-def test_tile_blocks_rank_by_fmas_per_load(monkeypatch):
-    # With AVX-512's 32 registers of 16 lanes: 6x4 (2.4 FMAs per load), 9x3, 14x2, 30x1.
+def test_tile_blocks_rank_by_padding_among_tiles_not_bound_by_loads(monkeypatch):
+    # With AVX-512's 32 registers of 16 lanes: 6x4 (2.4 FMAs per load), 9x3, 14x2 (1.75), 30x1
+    # (0.97: a load per FMA, never first while another tile does better).
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     assert [conv_module.tiles.fit_rows(fb, 16) for fb in (4, 3, 2, 1)] == [6, 9, 14, 30]
-    assert tile_blocks(8, 16) == (4,)
+    assert tile_blocks(8, 16) == (4,)  # no padding either way: the most FMAs per load
     assert tile_blocks(3, 16) == (3,)
-    assert tile_blocks(6, 16) == (4, 2)  # 6x4 with a quarter padding, or 14x2 tight
-    assert tile_blocks(5, 16) == (4, 1)  # 6x4 with 3 padded of 8, or 30x1 tight
+    assert tile_blocks(6, 16) == (2, 4)  # 14x2 tight, then 6x4 with a quarter padding
+    assert tile_blocks(10, 16) == (2, 4)
+    assert tile_blocks(5, 16) == (2, 1)  # 14x2 with one padded of 6, or 30x1 tight
+    assert tile_blocks(1, 16) == (1,)  # 30x1 alone: nothing else to pick
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
     assert [conv_module.tiles.fit_rows(fb, 8) for fb in (4, 3, 2, 1)] == [3, 4, 6, 14]
 
