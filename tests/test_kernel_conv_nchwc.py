@@ -190,16 +190,16 @@ def test_every_epilogue(activation, residual, depthwise, block):
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("width", [6, 7, 9])
 def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width, block):
-    # 512 input channels, 3x3, 5 output blocks at 8 lanes (6x2 tiles) or 3 at 16 (6x1 with
-    # AVX2's registers): 295 KB of packed weights per filter group, past half of a 512 KB L2,
-    # so K is cut into chunks and the accumulators wait in the per-item buffer; widths 6 and 7
-    # leave an interior remainder (an overlapping tile), 9 none at 7 pixels.
+    # 512 input channels, 3x3, filter groups of 4 output blocks at 8 lanes (5 blocks) or of 3
+    # at 16: 590 or 885 KB of packed weights per filter group, past half of a 1 MB L2, so K is
+    # cut into chunks and the accumulators wait in the per-item buffer; widths 6 and 7 leave
+    # an interior remainder (an overlapping tile), 9 none at 7 pixels.
     x, wt, b, attrs = case(1, 512, 40, 5, width, 3, seed=5, pads=(1, 1, 1, 1))
-    fb = tile_options(wt.shape, block=block)[0]
+    fb = min(4, -(-40 // block))
     if 512 * 9 * fb * block * 4 <= conv_module._budgets()[0]:
         pytest.skip("an L2 this large holds these weights: K is not cut (see the next test)")
     r = np.random.default_rng(8).standard_normal((1, 40, 5, width), dtype=np.float32)
-    got = run_blocked(x, wt, b, attrs, "silu", "before", r, block=block)
+    got = run_blocked(x, wt, b, attrs, "silu", "before", r, tile=fb, block=block)
     assert_close(got, reference(x, wt, b, attrs, "silu", "before", r), RTOL, ATOL)
 
 
