@@ -170,7 +170,7 @@ _widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 @numba.jit(**JIT_GEMM)
 def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     """Output rows r0 <= oh < r1 of block cb of image n."""
-    kh, kw, sh, sw, dh, dw = g[KH], g[KW], g[SH], g[SW], g[DH], g[DW]
+    kh, kw, sh, sw, dh = g[KH], g[KW], g[SH], g[SW], g[DH]
     h, w, oh_len, ow_len, b = g[H], g[W], g[OH], g[OW], L.width
     pt, pl = g[PT], g[PL]
     wp, wt = _widths_jit(g)
@@ -204,7 +204,7 @@ def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
                 x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
                 _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
                       early, lo, hi)  # fmt: skip
-            elif rows_in and iw0 >= 0 and iw0 + (TILE - 1) * sw + (kw - 1) * dw < w:
+            elif rows_in and iw0 >= 0 and iw0 + wt <= w:
                 # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
                 x0 = plane + (ih0 * w + iw0) * b
                 _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,

@@ -197,23 +197,30 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tup
     cheapest by the tiles' cost (_row_costs, as tile_rows ranks them) over the busiest thread's
     share of the work items (rows are what items split: a single row of few filter groups
     leaves a thread idle)."""
+    if plan.pixels:  # a forced tile: the conv's own rows
+        return h, w
     ogg = -(-plan.out_blocks_per_group // plan.fb)
     others = max(1, n * plan.group * ogg)
+    pixels = h * w
+    small = [r for r in range(1, math.isqrt(pixels) + 1) if pixels % r == 0]
     best = None
-    for rows in range(1, h * w + 1):
-        if (h * w) % rows:
-            continue
-        cols = h * w // rows
+    for rows in sorted({*small, *(pixels // r for r in small)}):
+        cols = pixels // rows
         costs = _row_costs(plan.fb, plan.block, cols)
-        if plan.pixels or not costs:
-            continue  # a forced tile, or none fits: keep the conv's own shape
+        if not costs:
+            continue  # no tile fits a row this narrow
         rb_len = min(rows, -(-4 * threads // others))
-        items = others * -(-rows // -(-rows // rb_len))
-        busiest = -(-items // threads) / (items / threads)
-        cost = rows * min(costs.values()) * busiest
+        bands = -(-rows // -(-rows // rb_len))
+        cost = rows * min(costs.values()) * _busiest(others * bands, threads)
         if best is None or cost < best[0]:
             best = (cost, rows, cols)
     return (h, w) if best is None else best[1:]
+
+
+def _busiest(items: int, threads: int) -> float:
+    """The busiest thread's share of `items` equal work items over the mean share: a parallel
+    loop takes as long as its busiest thread."""
+    return -(-items // threads) / (items / threads)
 
 
 def prepare_conv_nchwc(
@@ -419,9 +426,7 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
                 continue
             bands = -(-oh // rows)
             copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
-            items = others * bands
-            busiest = -(-items // threads) / (items / threads)
-            cost = busiest * (fmas + copies)
+            cost = _busiest(others * bands, threads) * (fmas + copies)
             if best is None or cost < best[0]:
                 best = (cost, pad, rows)
     return best[1], best[2]

@@ -11,8 +11,8 @@ parallel loop: one worker runs one item at a time, so its row is free.
 Every array from here, and the blocked tensors the kernels return (empty), starts on a
 64-byte boundary, a cache line: a vector of 16 lanes loaded at a block's start then never
 straddles two lines. NumPy aligns to 16 bytes, so with AVX-512 most vector loads of a
-blocked tensor straddled, each costing two: 15-20% of the depthwise kernel's time on Zen 4
-(bench/NOTES.md).
+blocked tensor straddled, each costing two: 10-30% of the depthwise kernel's time on two
+threads of a Zen 4 (bench/NOTES.md).
 """
 
 import math
