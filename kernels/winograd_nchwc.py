@@ -28,19 +28,11 @@ from .workspace import empty, per_thread
 
 MAX_F4_CHANNELS = 256  # F(4x4)'s error grows with C (kernels/conv2d: _WINOGRAD4_MAX_CHANNELS)
 
-# F(2x2, 3x3) and F(4x4, 3x3) (Lavin & Gray 2015): B^T, G, A^T
-_F2 = (
-    [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
-    [[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]],
-    [[1, 1, 1, 0], [0, 1, -1, -1]],
-)
-_F4 = (
-    [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
-     [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
-    [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
-     [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]],
-    [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
-)  # fmt: skip
+# G of F(2x2, 3x3) and F(4x4, 3x3) (Lavin & Gray 2015): U = G g G^T; B^T and A^T are written
+# out as sums in _winograd_blocked.py
+_G2 = [[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]]
+_G4 = [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+       [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +44,6 @@ class WinogradPlan:
     fb: int  # output blocks per register tile
     packed: np.ndarray  # U [OGG, a*a, K, FB b] flat
     bias: np.ndarray  # [OGG FB b]
-    bt: np.ndarray  # B^T [a, a]
-    at: np.ndarray  # A^T [m, a]
     geometry: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -95,7 +85,7 @@ def prepare_winograd_nchwc(weight, bias=None, *, tile=2, fb=None, block=None, **
     mbs, kb = -(-m_out // b), -(-c // b)
     fb = tile_blocks(mbs, b)[0] if fb is None else int(fb)
     ogg = -(-mbs // fb)
-    bt, g, at = (np.array(x, np.float64) for x in (_F2 if tile == 2 else _F4))
+    g = np.array(_G2 if tile == 2 else _G4, np.float64)
     a = tile + 2
     u = np.einsum("ai,mcij,bj->abmc", g, weight.astype(np.float64), g).reshape(a * a, m_out, c)
     up = np.zeros((a * a, ogg * fb * b, kb * b), np.float64)
@@ -105,10 +95,7 @@ def prepare_winograd_nchwc(weight, bias=None, *, tile=2, fb=None, block=None, **
     bp = np.zeros(ogg * fb * b, np.float32)
     if bias is not None:
         bp[:m_out] = np.asarray(bias, np.float32).reshape(-1)
-    return WinogradPlan(
-        direct, tile, fb, np.ascontiguousarray(up, np.float32).ravel(), bp,
-        bt.astype(np.float32), at.astype(np.float32),
-    )  # fmt: skip
+    return WinogradPlan(direct, tile, fb, np.ascontiguousarray(up, np.float32).ravel(), bp)
 
 
 def _launch(plan: WinogradPlan, shape, threads: int):
@@ -127,9 +114,10 @@ def _launch(plan: WinogradPlan, shape, threads: int):
     t_len = tw * th
     T = tiles.tile(tiles.fit_rows(plan.fb, b), plan.fb)
     k_len = cb * b
-    # P tiles per item: V [a*a, P, K] within half of L2, at least one register tile, and
-    # enough items for the threads.
-    p = max(T.rows, (cache_bytes(2) // 2) // (4 * a * a * k_len) // T.rows * T.rows)
+    # P tiles per item: V [a*a, P, K] and mt [a*a, P, FB b] within half of L2, at least one
+    # register tile, and enough items for the threads.
+    per_tile = 4 * a * a * (k_len + plan.fb * b)
+    p = max(T.rows, (cache_bytes(2) // 2) // per_tile // T.rows * T.rows)
     p = min(p, -(-t_len // T.rows) * T.rows)
     want = 4 * threads
     while p > T.rows and n * -(-t_len // p) < want:
@@ -145,7 +133,7 @@ def _launch(plan: WinogradPlan, shape, threads: int):
     }  # fmt: skip
     for i, v in values.items():
         g[i] = v
-    scratch = a * a * p * k_len + a * a * T.rows * plan.fb * b + 2 * a * a * b
+    scratch = a * a * p * (k_len + plan.fb * b)
     return out, g, T, scratch
 
 
@@ -175,8 +163,8 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None):
     bad = np.zeros(1, np.int32)
     _, a, b = d.act
     k.winograd_blocked(lanes(d.block), T, np.ascontiguousarray(xb).reshape(-1), plan.packed,
-                       plan.bias, out.reshape(-1), res, g, plan.bt, plan.at, a, b,
-                       per_thread(scratch), bad)  # fmt: skip
+                       plan.bias, out.reshape(-1), res, g, a, b, per_thread(scratch),
+                       bad)  # fmt: skip
     if bad[0]:  # an inf or NaN was transformed: the direct conv gives onnxruntime's outputs
         # (C < b: the direct plan reads one block of C channels, the first C lanes of x's)
         x_direct = xb if d.in_block == d.block else np.ascontiguousarray(xb[..., : d.in_block])

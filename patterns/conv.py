@@ -223,8 +223,9 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile:
                               residual=attrs.get("residual"), tile=tile)  # fmt: skip
 
 
-# "2": offer the blocked F(2x2, 3x3) tactic; "4": F(4x4, 3x3) too (4x fewer multiplies than
-# direct, ~5e-6 of the output's scale in error at 64 channels against F(2x2)'s ~1e-6)
+# The blocked Winograd tactics offered to the race: F(2x2, 3x3) and F(4x4, 3x3) by default
+# (4x fewer multiplies than direct, ~5e-6 of the output's scale in error at 64 channels against
+# F(2x2)'s ~1e-6); "2": F(2x2) only; "0": neither (the direct kernel and onnxruntime alone).
 WINOGRAD_SWITCH = "FUSION_BLOCKED_WINOGRAD"
 
 
@@ -232,13 +233,12 @@ def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -
     """Why the blocked Winograd kernel F(tile x tile, 3x3) is not offered for this conv (attrs
     as geometry gives them), or None when it is: 2-D, 3x3, stride 1, dilation 1, group 1, and
     for F(4x4) at most MAX_F4_CHANNELS input channels (its error grows with C: bench/NOTES.md,
-    Winograd)."""
-    switch = os.environ.get(WINOGRAD_SWITCH, "")
-    if switch not in ("2", "4") or (tile == 4 and switch != "4"):
-        return (f"the blocked Winograd F({tile}x{tile}) is opt-in ({WINOGRAD_SWITCH}={tile}): as "
-                "written it times slower than the direct kernel (bench/NOTES.md, blocked "
-                "Winograd)")  # fmt: skip
-    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba): opted in only
+    Winograd), unless FUSION_BLOCKED_WINOGRAD turns it off."""
+    switch = os.environ.get(WINOGRAD_SWITCH, "4")
+    if switch not in ("0", "2", "4") or (tile == 4 and switch != "4") or switch == "0":
+        return (f"the blocked Winograd F({tile}x{tile}) is turned off ({WINOGRAD_SWITCH}="
+                f"{switch!r}; 4 offers F(2x2) and F(4x4), 2 F(2x2) only)")  # fmt: skip
+    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
 
     if rank != 4:
         return "a 1-D conv: Winograd runs 2-D convs only"

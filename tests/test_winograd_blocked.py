@@ -149,16 +149,20 @@ def conv_kernel(strides, c=8):
     return ConvKernel(attrs, wt, b, 4)
 
 
-def test_the_winograd_tactics_are_opt_in(monkeypatch):
-    monkeypatch.delenv(WINOGRAD_SWITCH, raising=False)
+def test_the_winograd_tactics_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv(WINOGRAD_SWITCH, raising=False)  # the default: both offered
+    kernel = conv_kernel((1, 1))
+    winos = [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
+    assert winos == ["blocked-wino2", "blocked-wino4"]
+    monkeypatch.setenv(WINOGRAD_SWITCH, "0")
     kernel = conv_kernel((1, 1))
     assert not [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
-    assert WINOGRAD_SWITCH in kernel.winograd_reasons[2]
+    assert f"{WINOGRAD_SWITCH}='0'" in kernel.winograd_reasons[2]
     monkeypatch.setenv(WINOGRAD_SWITCH, "2")  # F(2x2) only
     kernel = conv_kernel((1, 1))
     winos = [t.name for t in kernel.tactics if t.name.startswith("blocked-wino")]
     assert winos == ["blocked-wino2"]
-    assert f"{WINOGRAD_SWITCH}=4" in kernel.winograd_reasons[4]
+    assert f"{WINOGRAD_SWITCH}='2'" in kernel.winograd_reasons[4]
 
 
 def test_3x3_stride_1_offers_the_winograd_tactics(monkeypatch):
