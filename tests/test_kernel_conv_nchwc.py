@@ -479,3 +479,28 @@ def test_blocked_tensors_and_scratch_start_on_a_cache_line():
         assert xb.ctypes.data % ALIGN == 0 and yb.ctypes.data % ALIGN == 0
         rows = per_thread(1001)
         assert rows.shape[1] >= 1001 and all(r.ctypes.data % ALIGN == 0 for r in rows)
+
+
+@pytest.mark.parametrize("shape", [0, 1, 17, (2, 3, 5, 7, 16), (1, 16, 56, 56, 16), ()])
+def test_workspace_empty_is_aligned_and_owns_its_memory(shape):
+    """Blocked tensors start on a cache line (workspace.ALIGN), any size, a length or a shape."""
+    from kernels import workspace
+
+    a = workspace.empty(shape)
+    want = shape if isinstance(shape, tuple) else (shape,)
+    assert a.shape == want and a.dtype == np.float32 and a.flags.c_contiguous
+    assert a.ctypes.data % workspace.ALIGN == 0 and a.flags.writeable
+    a[...] = 1.0
+    b = workspace.empty(shape)  # a separate allocation, not a view of the same area
+    b[...] = 2.0
+    assert np.all(a == 1.0)
+
+
+def test_get_threads_follows_set_threads():
+    before = get_threads()
+    try:
+        for n in (1, numba.config.NUMBA_NUM_THREADS):
+            set_threads(n)
+            assert get_threads() == n == numba.get_num_threads()
+    finally:
+        set_threads(before)
