@@ -207,6 +207,16 @@ def test_bench_attention_times_the_kernel_against_the_exporters_subgraph(tmp_pat
     assert w["fusion_speedup_over"]["ort-all"] > 0
 
 
+def test_bench_winograd_times_direct_and_both_tiles_with_their_error(capsys):
+    winograd = load_script("winograd")
+    assert winograd.main(["--shapes", "8x5", "--rounds", "1", "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(" ")]
+    runners = [r[1] for r in rows if r[0] == "8x5"]
+    assert runners == ["direct", "wino2", "wino4", "ort"]
+    errors = [float(r[-1]) for r in rows if r[0] == "8x5" and r[1] != "ort"]
+    assert all(e < 1e-4 for e in errors)
+
+
 def test_bench_convs_times_every_conv_by_class(tmp_path, capsys):
     """bench/convs.py on a model with a stem, a 3x3 + Relu conv twice (timed once) and a 1x1
     stride-2 conv with nothing after it (a projection conv: fused too)."""
