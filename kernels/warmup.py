@@ -148,6 +148,25 @@ def _blocked_conv(fb):
     return compile_group
 
 
+def _blocked_winograd(fb):
+    """The blocked Winograd kernel (F(2x2) and F(4x4) share it) at this CPU's width, on the
+    register tile of fb output blocks: a 3x3 stride-1 conv's race times it beside the direct
+    kernel."""
+
+    def compile_group():
+        from .blocked import to_blocked
+        from .simd import width
+        from .winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
+
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((fb * width(), width(), 3, 3), dtype=np.float32)
+        plan = prepare_winograd_nchwc(w, pads=(1, 1, 1, 1), activation="relu", fb=fb)
+        x = rng.standard_normal((1, width(), 6, 6), dtype=np.float32)
+        winograd_nchwc(to_blocked(x, block=plan.block), plan)
+
+    return compile_group
+
+
 def _transformer():
     """The dense GEMM with its epilogues (a clip kind, another, a residual), the gated block,
     (skip) LayerNorm and RMSNorm."""
@@ -217,6 +236,9 @@ GROUPS = {
     "blocked_conv_f4": _blocked_conv(4),
     "blocked_conv_f2": _blocked_conv(2),
     "blocked_conv_f1": _blocked_conv(1),
+    "blocked_winograd_f4": _blocked_winograd(4),
+    "blocked_winograd_f2": _blocked_winograd(2),
+    "blocked_winograd_f1": _blocked_winograd(1),
     "transformer": _transformer,
     "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,
