@@ -73,11 +73,10 @@ from ._blocked_geometry import (
     W,
 )  # fmt: skip
 from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
-from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
+from .epilogue import BEFORE, NO_RESIDUAL, activate_rows
 from .simd import tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
-from .simd.activation import IDENTITY, clip, clip_bounds, clips
+from .simd.activation import clip, clip_bounds, clips
 
-ZERO = np.float32(0.0)
 ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to every row
 
 
@@ -131,21 +130,16 @@ def _put_clip(v, r, f, nb, yf, yo, ps, ystride, lo, hi):
         vstore(yf, yo + r * ps + f * ystride, clip(v, lo, hi))
 
 
-@numba.jit(**JIT_GEMM)  # LLVM inlines it; Numba's inlining of `finish` once per accumulator
-def _put_finish(L, v, r, f, nb, yf, yo, ps, ystride, res, residual, lo, hi):  # trips an IR check
-    """Accumulator v of pixel r, block f into y: the residual and the clip (epilogue.finish)."""
-    if f < nb:
-        q = yo + r * ps + f * ystride
-        vstore(yf, q, finish(v, vload(L, res, q), residual, True, lo, hi, IDENTITY, ZERO, ZERO))
-
-
 def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     """Tile t (its shape T, the bias included) into y: accumulator (r, f) to pixel r (ps floats
     apart in y) of block f < nb, with the epilogue's clip and residual (the bias is in t).
     Straight from the registers: one statement per accumulator, its (r, f) constants
     (_store_source), where a loop over t[r][f] that LLVM does not unroll in full (past about
     10 rows, or 6x4) would pick each vector through a switch; the stores without a residual
-    apart."""
+    apart. The residual's statements are written out too: through a jitted helper called per
+    accumulator (epilogue.finish inside) each vector paid a call, ~25 cycles, and the residual
+    cost 45% of a 1x1 expand conv (ResNet-50's conv3, bench/NOTES.md); inlining that helper at
+    Numba's level instead trips an IR check ("variable not in scope")."""
 
 
 @functools.cache
@@ -155,13 +149,24 @@ def _store_source(rows: int, cols: int):
     apply a function to each accumulator of a tile with its (r, c) known."""
     clip_lines = [f"        _put_clip(t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, lo, hi)"
                   for r in range(rows) for f in range(cols)]  # fmt: skip
-    finish_lines = [f"        _put_finish(L, t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, res,"
-                    " residual, lo, hi)" for r in range(rows) for f in range(cols)]  # fmt: skip
+
+    def residual_lines(before: bool) -> list[str]:  # y = clip(v + s), or clip(v) + s
+        put = "clip(v + s, lo, hi)" if before else "clip(v, lo, hi) + s"
+        return [line for r in range(rows) for f in range(cols) for line in (
+            f"        if {f} < nb:",
+            f"            q = yo + {r} * ps + {f} * ystride",
+            f"            v, s = t[{r}][{f}], vload(L, res, q)",
+            f"            vstore(yf, q, {put})",
+        )]  # fmt: skip
+
     source = "\n".join([
         "def store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):",
-        "    if residual == NO_RESIDUAL:", *clip_lines, "    else:", *finish_lines,
+        "    if residual == NO_RESIDUAL:", *clip_lines,
+        "    elif residual == BEFORE:", *residual_lines(True),
+        "    else:", *residual_lines(False),
     ])  # fmt: skip
-    names = {"_put_clip": _put_clip, "_put_finish": _put_finish, "NO_RESIDUAL": NO_RESIDUAL}
+    names = {"_put_clip": _put_clip, "NO_RESIDUAL": NO_RESIDUAL, "BEFORE": BEFORE,
+             "vload": vload, "vstore": vstore, "clip": clip}  # fmt: skip
     exec(compile(source, f"<_direct_blocked._store {rows}x{cols}>", "exec"), names)
     return names["store"]
 
