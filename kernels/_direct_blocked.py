@@ -137,8 +137,8 @@ def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     (_store_source), where a loop over t[r][f] that LLVM does not unroll in full (past about
     10 rows, or 6x4) would pick each vector through a switch; the stores without a residual
     apart. The residual's statements are written out too: through a jitted helper called per
-    accumulator (epilogue.finish inside) each vector paid a call, ~25 cycles, and the residual
-    cost 45% of a 1x1 expand conv (ResNet-50's conv3, bench/NOTES.md); inlining that helper at
+    accumulator (epilogue.finish inside) each vector cost ~8 ns, as a call would, and the residual
+    took 45% of a 1x1 expand conv (ResNet-50's conv3, bench/NOTES.md); inlining that helper at
     Numba's level instead trips an IR check ("variable not in scope")."""
 
 
