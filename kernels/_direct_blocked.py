@@ -72,7 +72,7 @@ from ._blocked_geometry import (
     N,
     W,
 )  # fmt: skip
-from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
+from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows
 from .simd import tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
 from .simd.activation import clip, clip_bounds, clips
@@ -123,13 +123,6 @@ def _run_split(t, t2, xs, wf, tx, tw, n_taps, bi, wstep):
     return t, t2
 
 
-@numba.jit(**INLINE_GEMM)
-def _put_clip(v, r, f, nb, yf, yo, ps, ystride, lo, hi):
-    """Accumulator v of pixel r, block f into y: the clip (no residual)."""
-    if f < nb:
-        vstore(yf, yo + r * ps + f * ystride, clip(v, lo, hi))
-
-
 def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     """Tile t (its shape T, the bias included) into y: accumulator (r, f) to pixel r (ps floats
     apart in y) of block f < nb, with the epilogue's clip and residual (the bias is in t).
@@ -139,16 +132,23 @@ def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     apart. The residual's statements are written out too: through a jitted helper called per
     accumulator (epilogue.finish inside) each vector cost ~8 ns, as a call would, and the residual
     took 45% of a 1x1 expand conv (ResNet-50's conv3, bench/NOTES.md); inlining that helper at
-    Numba's level instead trips an IR check ("variable not in scope")."""
+    Numba's level instead trips an IR check ("variable not in scope").
+    The store itself is inlined by LLVM (forceinline): compiled once per tile shape and types.
+    At Numba's level (inline="always") its IR, with a jitted clip inlined per accumulator, was
+    copied and typed again at each of _item's four call sites: 30 of a 6x4 tile's 33 s of cold
+    compile, 9 s now, the machine code as fast (bench/NOTES.md)."""
 
 
 @functools.cache
 def _store_source(rows: int, cols: int):
-    """_store at one tile shape: Python source generated with t[r][f] written out, compiled
-    where it is called (the overload below, inlined). Missing from kernels.simd.tile: a way to
-    apply a function to each accumulator of a tile with its (r, c) known."""
-    clip_lines = [f"        _put_clip(t[{r}][{f}], {r}, {f}, nb, yf, yo, ps, ystride, lo, hi)"
-                  for r in range(rows) for f in range(cols)]  # fmt: skip
+    """_store at one tile shape: Python source generated with t[r][f] written out (the
+    overload below compiles it, LLVM inlines it where it is called). Missing from
+    kernels.simd.tile: a way to apply a function to each accumulator of a tile with its (r, c)
+    known."""
+    clip_lines = [line for r in range(rows) for f in range(cols) for line in (
+        f"        if {f} < nb:",
+        f"            vstore(yf, yo + {r} * ps + {f} * ystride, clip(t[{r}][{f}], lo, hi))",
+    )]  # fmt: skip
 
     def residual_lines(before: bool) -> list[str]:  # y = clip(v + s), or clip(v) + s
         put = "clip(v + s, lo, hi)" if before else "clip(v, lo, hi) + s"
@@ -165,15 +165,14 @@ def _store_source(rows: int, cols: int):
         "    elif residual == BEFORE:", *residual_lines(True),
         "    else:", *residual_lines(False),
     ])  # fmt: skip
-    names = {"_put_clip": _put_clip, "NO_RESIDUAL": NO_RESIDUAL, "BEFORE": BEFORE,
-             "vload": vload, "vstore": vstore, "clip": clip}  # fmt: skip
+    names = {"NO_RESIDUAL": NO_RESIDUAL, "BEFORE": BEFORE, "vload": vload, "vstore": vstore,
+             "clip": clip}  # fmt: skip
     exec(compile(source, f"<_direct_blocked._store {rows}x{cols}>", "exec"), names)
     return names["store"]
 
 
-@overload(
-    _store, inline="always", jit_options={k: JIT_GEMM[k] for k in ("fastmath", "error_model")}
-)
+@overload(_store, jit_options={k: FORCE_GEMM[k] for k in ("fastmath", "error_model",
+                                                         "forceinline")})  # fmt: skip
 def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     return _store_source(T.rows, T.cols)
 

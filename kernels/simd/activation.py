@@ -39,7 +39,7 @@ import numba
 import numpy as np
 
 from ..config import INLINE, INLINE_FIT, JIT_FIT
-from ._ops import vfma, vmax, vselect
+from ._ops import _lanewise, vfma, vmax, vselect
 from .approx import erf, exp, log1p01, sigmoid, tanh
 
 __all__ = ["CLIPPING", "KINDS", "activate", "clip", "clip_bounds", "clips", "encode"]
@@ -64,11 +64,18 @@ GELU_C, GELU_CUBIC = f32(math.sqrt(2 / math.pi)), f32(0.044715)
 INF = f32(math.inf)
 
 
-@numba.jit(**INLINE)
-def clip(v, lo, hi):
-    """min(max(v, lo), hi), lo and hi float32, v a vector or a float32. Compares, not
-    min/max: a NaN fails both and passes through, as in onnxruntime's Clip."""
-    return vselect(v > hi, hi, vselect(v < lo, lo, v))
+def _clip(builder, v, lo, hi):
+    below = builder.select(builder.fcmp_ordered("<", v, lo), lo, v)
+    return builder.select(builder.fcmp_ordered(">", v, hi), hi, below)
+
+
+# An intrinsic, not an inlined jitted function: a CNN kernel's tile store writes one clip per
+# accumulator, and Numba inlines a jitted function by copying and typing its IR at every call
+# site, which was most of the direct conv's cold compile (bench/NOTES.md); an intrinsic is
+# typed once per signature and emitted straight into the caller.
+clip = _lanewise("clip", 3, _clip, """min(max(v, lo), hi), lo and hi float32, v a vector or a
+    float32. Compares, not min/max: a NaN fails both and passes through, as in onnxruntime's
+    Clip.""")  # fmt: skip
 
 
 @numba.jit(**INLINE)
