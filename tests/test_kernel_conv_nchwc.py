@@ -365,12 +365,13 @@ def test_tile_options(monkeypatch):
     # The options follow the register file of the CPU compiled for, not this machine's:
     # AVX2's 16 registers of 8 lanes, then AVX-512's 32 of 16 (an 8-lane vector in each).
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
-    assert tile_options((64, 64, 3, 3), block=8) == (4,)  # 8 blocks: no tile computes padding
-    assert tile_options((24, 16, 1, 1), block=8) == (3,)  # 3 blocks: 4x3, no padding
+    # 8 blocks: no tile computes padding; 3x4 first, the next by FMAs per load (6x2) timed too
+    assert tile_options((64, 64, 3, 3), block=8) == (4, 2)
+    assert tile_options((24, 16, 1, 1), block=8) == (3, 2)  # 3 blocks: 4x3, no padding
     assert tile_options((40, 16, 1, 1), block=8) == (2, 1)  # 5: 6x2 padded, or 14x1 tight
     assert tile_options((8, 16, 1, 1), block=8) == (1,)
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
-    assert tile_options((64, 64, 3, 3), block=8) == (4,)
+    assert tile_options((64, 64, 3, 3), block=8) == (4, 2)
     # 5 blocks: 14x2 (one padded of 6, 1.75 FMAs per load) before 6x4 (3 of 8), or 30x1 tight
     assert tile_options((40, 16, 1, 1), block=8) == (2, 1)
     monkeypatch.undo()
@@ -388,8 +389,10 @@ def test_tile_blocks_rank_by_padding_among_tiles_not_bound_by_loads(monkeypatch)
     # (0.97: a load per FMA, never first while another tile does better).
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     assert [conv_module.tiles.fit_rows(fb, 16) for fb in (4, 3, 2, 1)] == [6, 9, 14, 30]
-    assert tile_blocks(8, 16) == (4,)  # no padding either way: the most FMAs per load
-    assert tile_blocks(3, 16) == (3,)
+    # no padding either way: the most FMAs per load, then the next (14x2), both timed
+    assert tile_blocks(8, 16) == (4, 2)
+    assert tile_blocks(64, 16) == (4, 2)
+    assert tile_blocks(3, 16) == (3, 2)
     assert tile_blocks(6, 16) == (2, 4)  # 14x2 tight, then 6x4 with a quarter padding
     assert tile_blocks(10, 16) == (2, 4)
     assert tile_blocks(5, 16) == (2, 1)  # 14x2 with one padded of 6, or 30x1 tight
