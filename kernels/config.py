@@ -49,7 +49,7 @@ JIT_FIT = dict(JIT, fastmath=set(GEMM_FASTMATH))
 INLINE_GEMM = dict(JIT_GEMM, inline="always")  # Numba-level inlining: tuples become registers
 # LLVM-level inlining (the alwaysinline attribute): compiled once per signature and inlined by
 # LLVM, where inline="always" copies and types the callee's Numba IR again at every call site
-# (most of a register-tiled kernel's cold compile: bench/NOTES.md). The same machine code.
+# (most of a register-tiled kernel's cold compile: bench/NOTES.md). As fast (timed A/B).
 FORCE_GEMM = dict(JIT_GEMM, forceinline=True)
 INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
 INLINE_FIT = dict(JIT_FIT, inline="always")  # a fit copied into a loop whose kind is fixed
