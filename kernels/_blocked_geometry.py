@@ -16,12 +16,15 @@ argument is unboxed per call and both kernels name its fields the same way.
     ROW_A, ROW_B          output rows whose every vertical tap is inside the image
     PAD                   depthwise: 1 if a work item pads its input rows in one copy, 0 if
                           its tiles read x, and only tiles at an edge read a padded copy
+    XBS, YBS              direct: pixels from one input (output) block to the next, H W (OH
+                          OW) for whole tensors; more when the conv runs on a run of rows of a
+                          larger tensor (the depth-first block's bands, _inverted_residual_blocked)
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, N_GEO) = range(32)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, N_GEO) = range(34)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

@@ -168,8 +168,9 @@ _widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 
 
 @numba.jit(**JIT_GEMM)
-def _item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
-    """Output rows r0 <= oh < r1 of block cb of image n."""
+def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
+    """Output rows r0 <= oh < r1 of block cb of image n: the serial work item of dwconv_nchwc,
+    and of the depth-first block kernel (_inverted_residual_blocked) on its band scratch."""
     kh, kw, sh, sw, dh = g[KH], g[KW], g[SH], g[SW], g[DH]
     h, w, oh_len, ow_len, b = g[H], g[W], g[OH], g[OW], L.width
     pt, pl = g[PT], g[PL]
@@ -237,10 +238,10 @@ def dwconv_nchwc(L, xf, wf, bf, yf, res, g, act_a, act_b, work):
     scratch [threads, scratch_size(g)]."""
     rows, cb_len, oh_len = g[ROWS], g[CB], g[OH]
     rb_len = (oh_len + rows - 1) // rows
-    for item in numba.prange(g[N] * cb_len * rb_len):
-        n, rest = item // (cb_len * rb_len), item % (cb_len * rb_len)
+    for it in numba.prange(g[N] * cb_len * rb_len):
+        n, rest = it // (cb_len * rb_len), it % (cb_len * rb_len)
         cb, rb = rest // rb_len, rest % rb_len
         taps = np.empty(2 * g[KH] * g[KW], np.int64)
         r0 = rb * rows
-        _item(L, xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), taps,
+        item(L, xf, wf, bf, yf, res, g, n, cb, r0, min(oh_len, r0 + rows), taps,
               work[numba.get_thread_id()], act_a, act_b)  # fmt: skip

@@ -67,6 +67,8 @@ from ._blocked_geometry import (
     ROWS,
     SH,
     SW,
+    XBS,
+    YBS,
     G,
     H,
     N,
@@ -135,7 +137,7 @@ def _store(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
     Numba's level instead trips an IR check ("variable not in scope").
     The store itself is inlined by LLVM (forceinline): compiled once per tile shape and types.
     At Numba's level (inline="always") its IR, with a jitted clip inlined per accumulator, was
-    copied and typed again at each of _item's four call sites: 30 of a 6x4 tile's 33 s of cold
+    copied and typed again at each of item's four call sites: 30 of a 6x4 tile's 33 s of cold
     compile, 9 s now, the machine code as fast (bench/NOTES.md)."""
 
 
@@ -190,7 +192,7 @@ def _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep):
             ih = oh * g[SH] - g[PT] + i * g[DH]
             if ih < 0 or ih >= h:
                 continue
-            row = ((n * g[CB] + grp * cbg + cb) * h + ih) * w
+            row = (n * g[CB] + grp * cbg + cb) * g[XBS] + ih * w
             for j in range(kw):
                 tx[k] = (row + j * g[DW] - g[PL]) * bi
                 tw[k] = ((((grp * g[OGG] + og) * cbg + cb) * kh + i) * kw + j) * bi * wstep
@@ -225,9 +227,11 @@ def _cover(a, b, pw):
 
 
 @numba.jit(**JIT_GEMM)
-def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
+def item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
           act_b, ci):  # fmt: skip
-    """Output rows r0 <= oh < r1 of filter group og in group grp of image n.
+    """Output rows r0 <= oh < r1 of filter group og in group grp of image n: the serial work
+    item of conv_direct, and of the depth-first block kernel (_inverted_residual_blocked),
+    which runs it on runs of rows of its band scratches (g[XBS], g[YBS]: the block strides).
 
     Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
     edges, or every column of a row narrower than a tile) run as column tiles down the rows
@@ -237,7 +241,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
     one pixel at a time."""
     w, pw, fb = L.width, T.rows, T.cols
     bi = _count(ci)
-    oh_len, ow_len, cbg = g[OH], g[OW], g[CBG]
+    ow_len, cbg = g[OW], g[CBG]
     col_a = g[COL_A]
     n_whole, extra, c_end = _cover(col_a, g[COL_B], pw)
     cr0 = max(r0, g[ROW_A])
@@ -251,7 +255,7 @@ def _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, t
     col_slots = extra_slots + g[ROWS] * pw * wstep
     nb = min(fb, g[MBG] - og * fb)
     ob0 = grp * g[MBG] + og * fb
-    ystride = oh_len * ow_len * w
+    ystride = g[YBS] * w
     bo = (grp * g[OGG] + og) * wstep
     residual, kind = g[RESIDUAL], g[ACT]
     simple = clips(kind)
@@ -333,10 +337,10 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     multi = g[CHUNK] < g[CBG]
     _, _, c_end = _cover(g[COL_A], g[COL_B], pw)
     n_edges = g[OW] - (c_end - g[COL_A])
-    # _item's parking buffer: rows and their overlapping tiles, and column tiles
+    # item's parking buffer: rows and their overlapping tiles, and column tiles
     park = (rows * (g[OW] + pw) + n_edges * (rows + pw)) * fb * w if multi else 1
-    for item in numba.prange(g[N] * per_image):
-        n, rest = item // per_image, item % per_image
+    for it in numba.prange(g[N] * per_image):
+        n, rest = it // per_image, it % per_image
         grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
@@ -347,5 +351,5 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)
         sw_ = np.empty(chunk_taps, np.int64)
-        _item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
+        item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
               act_a, act_b, ci)  # fmt: skip

@@ -5,130 +5,164 @@ work item and the parallel driver behind kernels/inverted_residual.py.
     d = act_d(dw_kxk(e) + bd)       depthwise, stride s, pads (pt, pl), zeros outside e
     y = act_p(Wp d + bp) [+ x]      1x1 project, E -> M channels, the residual after it
 
-A work item is one image's band of output rows oh0 <= oh < oh1 (every output block): it
-computes the (oh1 - oh0 - 1) s + k expanded rows the band's depthwise taps read (the halo
-rows are computed again by the next band: the price of never writing e to memory) into a
-per-thread scratch `ex` [span, WP, EB, b] whose columns outside the image are zeros, then the
-depthwise into `dw` [rows, OW, EB, b], then the projection into y. Both scratches are sized by
-the wrapper to stay within a share of L2, so e and d never leave the core's cache.
+A work item is a run of output rows of one image, walked in bands of ROWS output rows. A band
+needs (ROWS - 1) s + k rows of e: the k - s rows it shares with the band before are moved to
+the top of the per-thread scratch `ex` [EB, SPAN, W, b] (a copy of k - s rows, where
+computing them again would cost their whole expand), the rest are computed there (rows outside
+the image are zeros: the depthwise conv pads e, not x). Then the depthwise conv writes the
+band's d into `dw` [EB, ROWS, OW, b] and the projection writes y's rows. Both scratches are
+sized by the wrapper to a share of L2, so e and d never leave the core's cache; op by op each
+goes to memory and back (4 E H W floats of traffic per block, most of a depthwise-heavy model's
+time on a core with 1 MB of L2).
 
-Packed weights (b = L.width lanes, channels past the count zero): we [C, EB, b] (a row of E
-expanded channels per input channel: one broadcast of x against EB vectors), wd [EB, k, k, b],
-wp [E, MB, b]; biases [EB b], [EB b], [MB b]. An expanded channel past E has weight 0 in wp, so
-whatever its activation makes of 0 never reaches y.
+The three convs are the blocked conv family's own serial work items, on runs of rows of the
+scratches: the direct kernel's `item` (register tiles, epilogue in registers) for both 1x1
+convs, each run of rows described as one row of pixels (a 1x1 conv's pixel reads x at that
+pixel alone, and a block holds a run of rows contiguously), with g[XBS] and g[YBS] the block
+strides of the tensors it reads and writes; the depthwise kernel's `item` for the middle conv,
+with the scratch as its image (its rows already padded, its columns padded by the item).
 """
 
 import numba
 import numpy as np
 
+from . import _blocked_geometry as geo
+from . import _depthwise_blocked as dwb
+from . import _direct_blocked as direct
 from .config import JIT_GEMM, PARALLEL
-from .simd import tail_mask, vbroadcast, vfma, vload, vload_masked, vstore, vzero
-from .simd.activation import activate
+from .simd import tail_mask, vload, vload_masked, vstore, vzero
 
-# geometry indices
-N, C, BI, CB, H, W, E, EB, K, S, PT, PL, OH, OW, M, MB, ROWS, WP, EXPAND, RESIDUAL = range(20)
-N_GEO = 20
+# the block's own geometry, beside the three convs' (ge, gd, gp: _blocked_geometry)
+N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, N_GEO = range(17)
 
 
 @numba.jit(**JIT_GEMM)
-def _expand_rows(L, xf, we, be, g, n, ih0, span, ex, act):
-    """ex[r, q, eb, :] = act_e(We x[n, :, ih0 + r, q - pl] + be), zeros where the pixel is
-    outside the image (the depthwise conv's zero padding is of e, not of x)."""
-    b, c_len, bi, cb_len = L.width, g[C], g[BI], g[CB]
-    h, w, wp, eb_len, pl = g[H], g[W], g[WP], g[EB], g[PL]
-    kind, a0, a1 = act
-    for r in range(span):
-        ih = ih0 + r
-        for q in range(wp):
-            iw = q - pl
-            base = (r * wp + q) * eb_len * b
-            if ih < 0 or ih >= h or iw < 0 or iw >= w:
-                for eb in range(eb_len):
-                    vstore(ex, base + eb * b, vzero(L))
-                continue
-            if not g[EXPAND]:  # e = x, whose blocks are b wide (or one block of bi = C < b)
-                for eb in range(eb_len):
-                    xo = ((n * cb_len + eb) * h + ih) * w * bi + iw * bi
-                    if bi == b:
-                        vstore(ex, base + eb * b, vload(L, xf, xo))
-                    else:
-                        vstore(ex, base + eb * b, vload_masked(L, xf, xo, tail_mask(L, bi)))
-                continue
-            for eb in range(eb_len):
-                acc = vload(L, be, eb * b)
-                for c in range(c_len):
-                    xo = ((n * cb_len + c // bi) * h + ih) * w * bi + iw * bi + c % bi
-                    acc = vfma(vbroadcast(L, xf[xo]), vload(L, we, (c * eb_len + eb) * b), acc)
-                vstore(ex, base + eb * b, activate(kind, a0, a1, acc))
+def _zero_rows(L, ex, g, r0, r1):
+    """ex[:, r0:r1] = 0: rows of e outside the image."""
+    b, span, w = L.width, g[SPAN], g[W]
+    zero = vzero(L)
+    for eb in range(g[EB]):
+        for q in range((eb * span + r0) * w * b, (eb * span + r1) * w * b, b):
+            vstore(ex, q, zero)
 
 
 @numba.jit(**JIT_GEMM)
-def _depthwise_rows(L, ex, wd, bd, g, rows, dw, act):
-    """dw[r, ow, eb, :] = act_d(bd + sum_{i, j} ex[r s + i, ow s + j, eb, :] wd[eb, i, j, :])."""
-    b, k, s, wp, ow_len, eb_len = L.width, g[K], g[S], g[WP], g[OW], g[EB]
-    kind, a0, a1 = act
-    for r in range(rows):
-        for ow in range(ow_len):
-            for eb in range(eb_len):
-                acc = vload(L, bd, eb * b)
-                for i in range(k):
-                    row = ((r * s + i) * wp + ow * s) * eb_len * b + eb * b
-                    for j in range(k):
-                        v = vload(L, ex, row + j * eb_len * b)
-                        acc = vfma(v, vload(L, wd, ((eb * k + i) * k + j) * b), acc)
-                vstore(dw, ((r * ow_len + ow) * eb_len + eb) * b, activate(kind, a0, a1, acc))
+def _move_rows(L, ex, g, src, count):
+    """ex[:, 0:count] = ex[:, src:src + count] (src > 0): the rows a band shares with the one
+    before, forward, vector by vector (the ranges may overlap, the source after the target)."""
+    b, span, w = L.width, g[SPAN], g[W]
+    for eb in range(g[EB]):
+        d0, s0 = eb * span * w * b, (eb * span + src) * w * b
+        for q in range(0, count * w * b, b):
+            vstore(ex, d0 + q, vload(L, ex, s0 + q))
 
 
 @numba.jit(**JIT_GEMM)
-def _project_rows(L, dw, wp_, bp, xf, yf, g, n, oh0, rows, act):
-    """y[n, mb, oh0 + r, ow, :] = act_p(bp + sum_c dw[r, ow, c] wp[c, mb, :]) (+ x there)."""
-    b, e_len, eb_len, mb_len = L.width, g[E], g[EB], g[MB]
-    oh_len, ow_len, bi = g[OH], g[OW], g[BI]
-    kind, a0, a1 = act
-    for r in range(rows):
-        oh = oh0 + r
-        for ow in range(ow_len):
-            d0 = (r * ow_len + ow) * eb_len * b
-            for mb in range(mb_len):
-                acc = vload(L, bp, mb * b)
-                for c in range(e_len):
-                    dv = vbroadcast(L, dw[d0 + (c // b) * b + c % b])
-                    acc = vfma(dv, vload(L, wp_, (c * mb_len + mb) * b), acc)
-                acc = activate(kind, a0, a1, acc)
-                if g[RESIDUAL]:  # x has the output's channels and pixels (stride 1)
-                    xo = ((n * g[CB] + mb) * oh_len + oh) * ow_len * bi + ow * bi
-                    if bi == b:
-                        acc = acc + vload(L, xf, xo)
-                    else:
-                        acc = acc + vload_masked(L, xf, xo, tail_mask(L, bi))
-                vstore(yf, ((n * mb_len + mb) * oh_len + oh) * ow_len * b + ow * b, acc)
+def _copy_rows(L, xf, g, n, ih0, ih1, r0, ex):
+    """ex[:, r0 + i] = x[n, :, ih0 + i] for ih0 + i < ih1 (expansion 1: e = x), x's blocks of
+    BI channels (BI < b: one block, C < b, lanes past BI zero)."""
+    b, bi, span, w, h = L.width, g[BI], g[SPAN], g[W], g[H]
+    count = (ih1 - ih0) * w
+    mask = tail_mask(L, bi)
+    for eb in range(g[EB]):
+        x0 = ((n * g[CB] + eb) * h + ih0) * w * bi
+        e0 = (eb * span + r0) * w * b
+        for p in range(count):
+            if bi == b:
+                vstore(ex, e0 + p * b, vload(L, xf, x0 + p * b))
+            else:
+                vstore(ex, e0 + p * b, vload_masked(L, xf, x0 + p * bi, mask))
 
 
-def scratch_size(g, b: int) -> int:
-    """Floats of per-thread scratch for bands of g[ROWS] rows: ex, then dw."""
-    span = (g[ROWS] - 1) * g[S] + g[K]
-    return (span * g[WP] + g[ROWS] * g[OW]) * g[EB] * b
+@numba.jit(**JIT_GEMM)
+def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, acc, tbuf, tx, tw, sx, sw_, a, b, ci):
+    """A 1x1 conv over `pixels` contiguous pixels of each block (x from xv, y to yv, the residual
+    from rv at y's offsets), every filter group of g: the direct kernel's item on one row."""
+    g[geo.W] = g[geo.OW] = g[geo.COL_B] = pixels
+    for og in range(g[geo.OGG]):
+        direct.item(L, T, T1, xv, wf, bf, yv, rv, g, 0, 0, og, 0, 1, acc, tbuf, tx, tw, sx, sw_,
+                    a, b, ci)  # fmt: skip
+
+
+@numba.jit(**JIT_GEMM)
+def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n,
+         oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
+    """Output rows oh_a <= oh < oh_b of image n, band by band; ge and gp this thread's copies
+    (their pixel counts change per band)."""
+    b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
+    ow, rows = g[OW], g[ROWS]
+    taps = np.empty(2 * k * k, np.int64)
+    have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
+    for oh0 in range(oh_a, oh_b, rows):
+        used = min(rows, oh_b - oh0)
+        ih0 = oh0 * s - pt
+        span = (used - 1) * s + k
+        keep = 0
+        if have_hi > have_lo and have_lo < ih0 < have_hi:
+            keep = have_hi - ih0
+            _move_rows(L, ex, g, ih0 - have_lo, keep)
+        lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
+        _zero_rows(L, ex, g, keep, max(keep, lo - ih0))
+        _zero_rows(L, ex, g, max(keep, hi - ih0), span)
+        if lo < hi:
+            if g[EXPAND]:
+                xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
+                ev = ex[(lo - ih0) * w * b :]
+                _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, acc, tbuf, tx, tw,
+                           sx, sw_, acts[0, 1], acts[0, 2], ci)  # fmt: skip
+            else:
+                _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
+        have_lo, have_hi = ih0, ih0 + span
+        for eb in range(g[EB]):
+            dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
+                     acts[1, 2])  # fmt: skip
+        y0 = (n * g[MB] * g[OH] + oh0) * ow * b
+        _pointwise(L, Tp, Tp1, dw, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, acc, tbuf, tx, tw,
+                   sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+
+
+def scratch_size(g, ge, gd, gp, pw_e: int, pw_p: int) -> tuple[int, int, int, int]:
+    """Floats of per-thread scratch: (ex, dw, the depthwise item's, the tiles' parking buffer:
+    the larger conv's when K is cut into chunks)."""
+    b = gd[geo.BI]
+    ex = g[EB] * g[SPAN] * g[W] * b
+    dw = g[EB] * g[ROWS] * g[OW] * b
+    park = b  # (a placeholder when neither is cut)
+    for gc, pixels, pw in ((ge, g[SPAN] * g[W], pw_e), (gp, g[ROWS] * g[OW], pw_p)):
+        if gc[geo.CHUNK] < gc[geo.CBG]:
+            park = max(park, (pixels + pw) * gc[geo.FB] * b)
+    return ex, dw, dwb.scratch_size(gd), park
 
 
 @numba.jit(**PARALLEL)
-def inverted_residual_blocked(L, xf, we, be, wd, bd, wp_, bp, yf, g, acts, work):
-    """The block on flat blocked arrays: x [N, CB, H, W, bi], y [N, MB, OH, OW, b]; packed
-    weights as the module says; acts [3, 3] (kind, a, b) of the expand, depthwise and project
-    activations; work [threads, scratch_size(g)]. Parallel over (image, band) items."""
-    b, rows, oh_len = L.width, g[ROWS], g[OH]
-    bands = (oh_len + rows - 1) // rows
-    span_max = (rows - 1) * g[S] + g[K]
-    ex_len = span_max * g[WP] * g[EB] * b
-    act_e = (np.int64(acts[0, 0]), np.float32(acts[0, 1]), np.float32(acts[0, 2]))
-    act_d = (np.int64(acts[1, 0]), np.float32(acts[1, 1]), np.float32(acts[1, 2]))
-    act_p = (np.int64(acts[2, 0]), np.float32(acts[2, 1]), np.float32(acts[2, 2]))
-    for item in numba.prange(g[N] * bands):
-        n, band = item // bands, item % bands
-        oh0 = band * rows
-        used = min(oh_len, oh0 + rows) - oh0
+def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd,
+                              gp, acts, ci, sizes, work):  # fmt: skip
+    """The block on flat blocked arrays: x [N, CB, H, W, BI], y [N, MB, OH, OW, b], rf the
+    residual (x at block b) or y (none); we, be, wp_, bp packed for the direct kernel (tiles Te,
+    Tp; Te1, Tp1 their one-pixel tiles), wd, bd for the depthwise one; g the block's geometry,
+    ge, gd, gp the three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv
+    (the kinds are in ge, gd, gp); ci: the
+    expand's input channels per block (L when BI = b); sizes: scratch_size's four; work
+    [threads, sum(sizes)]. Parallel over (image, part) items, each part a run of output rows."""
+    parts, oh_len = g[PARTS], g[OH]
+    per = (oh_len + parts - 1) // parts
+    e_len, d_len, s_len, p_len = sizes[0], sizes[1], sizes[2], sizes[3]
+    for it in numba.prange(g[N] * parts):
+        n, part = it // parts, it % parts
+        oh_a = part * per
+        oh_b = min(oh_len, oh_a + per)
+        if oh_a >= oh_b:
+            continue
         mine = work[numba.get_thread_id()]
-        ex, dw = mine[:ex_len], mine[ex_len:]
-        span = (used - 1) * g[S] + g[K]
-        _expand_rows(L, xf, we, be, g, n, oh0 * g[S] - g[PT], span, ex, act_e)
-        _depthwise_rows(L, ex, wd, bd, g, used, dw, act_d)
-        _project_rows(L, dw, wp_, bp, xf, yf, g, n, oh0, used, act_p)
+        ex = mine[:e_len]
+        dw = mine[e_len : e_len + d_len]
+        dscr = mine[e_len + d_len : e_len + d_len + s_len]
+        acc = mine[e_len + d_len + s_len : e_len + d_len + s_len + p_len]
+        fb = max(ge[geo.FB], gp[geo.FB])
+        tbuf = np.empty(fb * L.width, np.float32)
+        taps = max(ge[geo.CHUNK], gp[geo.CHUNK])
+        tx, tw = np.empty(taps, np.int64), np.empty(taps, np.int64)
+        sx, sw_ = np.empty(taps, np.int64), np.empty(taps, np.int64)
+        ge_, gp_ = ge.copy(), gp.copy()  # this thread's: _pointwise sets their pixel counts
+        item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd, gp_, acts, ci,
+             n, oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip

@@ -347,7 +347,9 @@ def _inside(size, k, s, dil, pad, out):
     return a, max(a, min(out, last // s + 1)) if last >= 0 else a
 
 
-def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
+def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
+    """The geometry array (_blocked_geometry) of the plan's conv on a blocked input shape run
+    on `threads` threads: output size, the tile's rows, K chunks, rows per work item."""
     n, cb, h, w, bi = x_shape
     (_, _, oh, ow), pads = conv_output_shape((n, plan.in_channels, h, w), plan)
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
@@ -403,6 +405,8 @@ def _geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         ROW_A=row_a,
         ROW_B=row_b,
         PAD=pad,
+        XBS=h * w,
+        YBS=oh * ow,
     )
 
 
@@ -468,7 +472,7 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
     shape = output_shape(xb.shape, plan)
     if min(shape[2:]) < 1:
         raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
-    g = _geometry(plan, xb.shape, threads)
+    g = geometry(plan, xb.shape, threads)
     L = lanes(plan.block)
     if plan.depthwise:
         return _Launch(

@@ -6,9 +6,11 @@
 
 Op by op, e (E = 6 C channels) is written to memory and read back by the depthwise conv, whose
 output is written and read back by the projection: 4 E H W floats of traffic that are most of a
-depthwise-heavy model's time on a core with 1 MB of L2. Here a work item computes a band of
-output rows through all three convs, with e and d of the band in a per-thread scratch sized
-to L2 (_inverted_residual_blocked.py), so each tensor touching memory is x, the weights and y.
+depthwise-heavy model's time on a core with 1 MB of L2. Here a work item walks a run of output
+rows in bands through all three convs, with e and d of the band in a per-thread scratch sized
+to L2 (_inverted_residual_blocked.py), so each tensor touching memory is x, the weights and y;
+the three convs run on the blocked conv family's register tiles (kernels/conv_nchwc.py), whose
+plans this one holds (the op-by-op plan runs the same packed weights through memory).
 
     >>> plan = prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=1, pads=(1, 1, 1, 1),
     ...                                  acts=(("clip", 0, 6), ("clip", 0, 6), None),
@@ -25,15 +27,19 @@ import dataclasses
 
 import numpy as np
 
+from . import _blocked_geometry as geo
 from . import _inverted_residual_blocked as ir
-from .blocked import block_size
-from .config import get_threads
+from .blocked import block_size, from_blocked, to_blocked
+from .config import entry_point, get_threads
+from .conv_nchwc import ConvPlan, geometry, prepare_conv_nchwc, tile_rows
 from .machine import cache_bytes
 from .simd import lanes, width
-from .simd.activation import encode
+from .simd import tile as tiles
+from .windows import conv_output_shape
 from .workspace import empty, per_thread
 
 L2_SHARE = 2  # the band's two scratches take at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
+ACT_KEYS = ("activation", "alpha", "beta", "clip_min", "clip_max")  # simd.activation.encode's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,33 +49,26 @@ class InvertedResidualPlan:
     out_channels: int  # M
     kernel: int  # k
     stride: int
-    pads: tuple  # (top, left, bottom, right)
-    expand: bool
     residual: bool
     block: int
-    we: np.ndarray  # [C, EB, b] flat
-    be: np.ndarray
-    wd: np.ndarray  # [EB, k, k, b] flat
-    bd: np.ndarray
-    wp: np.ndarray  # [E, MB, b] flat
-    bp: np.ndarray
-    acts: np.ndarray  # [3, 3] float64: (kind, a, b) per conv
+    expand: ConvPlan | None  # C -> E 1x1, None for expansion 1
+    depthwise: ConvPlan  # E -> E kxk
+    project: ConvPlan  # E -> M 1x1, the residual added after its activation
     launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-
-def _rows_of(w: np.ndarray, blocks: int, b: int) -> np.ndarray:
-    """[K, O] -> [K, blocks, b] flat with zeros past O: a row of output-channel vectors."""
-    k, o = w.shape
-    out = np.zeros((k, blocks * b), np.float32)
-    out[:, :o] = w
-    return out.ravel()
+    @property
+    def convs(self) -> list:
+        """The block's conv plans in order, for the op-by-op plan (conv_nchwc)."""
+        return [c for c in (self.expand, self.depthwise, self.project) if c is not None]
 
 
-def _padded(v, n: int, size: int) -> np.ndarray:
-    out = np.zeros(size, np.float32)
-    if v is not None:
-        out[:n] = np.reshape(v, -1)
-    return out
+def _keywords(a) -> dict:
+    """An activation as prepare_conv_nchwc's keywords, from encode's arguments (a tuple, in
+    order, or a dict) or None (identity)."""
+    if isinstance(a, dict):
+        return dict(a)
+    a = tuple(a or (None,))
+    return dict(zip(ACT_KEYS[: len(a)], a, strict=True))
 
 
 def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, acts=(None,) * 3,
@@ -97,48 +96,71 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     pads = ((kh - 1) // 2,) * 4 if pads is None else tuple(int(p) for p in pads)
     if len(pads) != 4 or min(pads) < 0 or max(pads) >= kh:
         raise ValueError(f"pads must be 4 values in [0, k), got {pads}")
-    eb, mb = -(-e // b), -(-m // b)
-    codes = [encode(**a) if isinstance(a, dict) else encode(*(a or (None,))) for a in acts]
-    codes = np.array(codes, np.float64)
+    act_e, act_d, act_p = (_keywords(a) for a in acts)
+    one = dict(strides=(1, 1), pads=(0,) * 4, block=b)
     return InvertedResidualPlan(
-        in_channels=c, expanded=e, out_channels=m, kernel=kh, stride=int(stride), pads=pads,
-        expand=we is not None, residual=bool(residual), block=b,
-        we=_rows_of(we[:, :, 0, 0].T, eb, b) if we is not None else np.zeros(b, np.float32),
-        be=_padded(be, e, eb * b),
-        wd=np.ascontiguousarray(_rows_of(wd.reshape(e, kh * kw).T, eb, b)
-                                .reshape(kh * kw, eb, b).transpose(1, 0, 2)).ravel(),
-        bd=_padded(bd, e, eb * b), wp=_rows_of(wp[:, :, 0, 0].T, mb, b),
-        bp=_padded(bp, m, mb * b), acts=codes,
+        in_channels=c, expanded=e, out_channels=m, kernel=kh, stride=int(stride),
+        residual=bool(residual), block=b,
+        expand=None if we is None else prepare_conv_nchwc(we, be, **one, **act_e),
+        depthwise=prepare_conv_nchwc(wd, bd, strides=(stride,) * 2, pads=pads, group=e,
+                                     block=b, **act_d),
+        project=prepare_conv_nchwc(wp, bp, **one, **act_p,
+                                   residual="after" if residual else None),
     )  # fmt: skip
 
 
 def output_shape(x_shape, plan: InvertedResidualPlan) -> tuple:
     n, _, h, w, _ = x_shape
-    pt, pl, pb, pr = plan.pads
-    k, s = plan.kernel, plan.stride
-    return (n, -(-plan.out_channels // plan.block), (h + pt + pb - k) // s + 1,
-            (w + pl + pr - k) // s + 1, plan.block)  # fmt: skip
+    (_, _, oh, ow), _ = conv_output_shape((n, plan.expanded, h, w), plan.depthwise)
+    return (n, -(-plan.out_channels // plan.block), oh, ow, plan.block)
 
 
-def band_rows(oh: int, ow: int, wp: int, eb: int, b: int, k: int, s: int, items_per_row: int,
-              threads: int) -> int:  # fmt: skip
-    """Output rows per band: the most whose scratches ((rows-1) s + k expanded rows of wp
-    pixels, rows depthwise rows of ow) fit in L2 / L2_SHARE, fewer when the images alone
-    would leave a thread idle (items_per_row: images)."""
-    per = eb * b * 4
-    budget = cache_bytes(2) // L2_SHARE
-    fit = (budget // per - (k - s) * wp) // (s * wp + ow)
-    rows = max(1, min(oh, fit))
-    if items_per_row * -(-oh // rows) < threads:
-        rows = max(1, min(rows, -(-oh * items_per_row // threads)))
-    return rows
+def bands(n: int, oh: int, ow: int, w: int, eb: int, b: int, k: int, s: int,
+          threads: int) -> tuple[int, int]:  # fmt: skip
+    """(parts, rows): each image's output rows cut into `parts` runs, one work item each (the
+    fewest that keep the threads evenly busy: a parallel loop takes as long as its busiest
+    thread; a part's first band computes the k - s rows of e it shares with the part above
+    again), and walked in bands of `rows` output rows, the most whose scratches ((rows - 1) s
+    + k rows of e of w pixels, rows rows of d of ow) fit in L2 / L2_SHARE."""
+
+    def busiest(parts):
+        items = max(1, n * parts)
+        return -(-items // threads) / (items / threads)
+
+    parts = min(range(1, max(1, min(oh, threads)) + 1), key=lambda p: (busiest(p), p))
+    per = -(-oh // parts)
+    row_bytes = eb * b * 4
+    budget = cache_bytes(2) // L2_SHARE // row_bytes  # rows of pixels the scratches may hold
+    fit = (budget - (k - s) * w) // (s * w + ow)
+    return parts, max(1, min(per, fit))
 
 
-def _launch(xb, plan: InvertedResidualPlan, threads: int):
+def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
+    """A 1x1 conv's geometry run on one row of pixels (inside a band; the pixel counts are set
+    per band), its tile's rows for `pixels` pixels, and the block strides given."""
+    g = geometry(conv, x_shape, threads)
+    pixels = fields.pop("pixels")
+    fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
+                  COL_B=pixels, PW=tile_rows(conv.fb, conv.block, pixels))  # fmt: skip
+    for name, value in fields.items():
+        g[getattr(geo, name)] = value
+    return g
+
+
+@dataclasses.dataclass
+class _Launch:
+    shape: tuple  # the output's
+    args: tuple  # the kernel's arguments but for x, y, the residual
+    sizes: np.ndarray  # floats of per-thread scratch, by use
+    run: object  # the dispatcher, then the compiled entry point
+    bound: bool = False
+
+
+def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
     n, cb, h, w, bi = xb.shape
-    c, b = plan.in_channels, plan.block
+    c, b, k, s = plan.in_channels, plan.block, plan.kernel, plan.stride
     want = block_size(c, b)
     if bi != want or cb != -(-c // want):
         raise ValueError(f"x has {cb} blocks of {bi} channels; the block reads {c} channels "
@@ -146,19 +168,35 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int):
     shape = output_shape(xb.shape, plan)
     if min(shape[2:4]) < 1:
         raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
-    k, s = plan.kernel, plan.stride
-    oh, ow = shape[2:4]
-    wp = (ow - 1) * s + k
+    _, (pt, pl, _, _) = conv_output_shape((n, plan.expanded, h, w), plan.depthwise)
+    _, mb, oh, ow, _ = shape
     eb = -(-plan.expanded // b)
+    parts, rows = bands(n, oh, ow, w, eb, b, k, s, threads)
+    span = (rows - 1) * s + k
     g = np.zeros(ir.N_GEO, np.int64)
-    rows = band_rows(oh, ow, wp, eb, b, k, s, max(1, n), threads)
-    values = {ir.N: n, ir.C: c, ir.BI: bi, ir.CB: cb, ir.H: h, ir.W: w, ir.E: plan.expanded,
-              ir.EB: eb, ir.K: k, ir.S: s, ir.PT: plan.pads[0], ir.PL: plan.pads[1], ir.OH: oh,
-              ir.OW: ow, ir.M: plan.out_channels, ir.MB: shape[1], ir.ROWS: rows, ir.WP: wp,
-              ir.EXPAND: int(plan.expand), ir.RESIDUAL: int(plan.residual)}  # fmt: skip
-    for key, v in values.items():
+    for key, v in {ir.N: n, ir.CB: cb, ir.BI: bi, ir.H: h, ir.W: w, ir.EB: eb, ir.K: k, ir.S: s,
+                   ir.PT: pt, ir.OH: oh, ir.OW: ow, ir.MB: mb, ir.ROWS: rows, ir.SPAN: span,
+                   ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None)}.items():  # fmt: skip
         g[key] = v
-    return shape, g, ir.scratch_size(g, b)
+    dw, p = plan.depthwise, plan.project
+    gd = geo.pack(N=1, CB=eb, BI=b, H=span, W=w, KH=k, KW=k, SH=s, SW=s, DH=1, DW=1, PT=0, PL=pl,
+                  MB=eb, OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=0)  # fmt: skip
+    gp = _conv_geometry(p, (1, eb, rows, ow, b), threads, pixels=rows * ow, XBS=rows * ow,
+                        YBS=oh * ow)  # fmt: skip
+    e = plan.expand or p  # expansion 1: the project's stands in, never run
+    ge = gp
+    if plan.expand is not None:
+        ge = _conv_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
+                            YBS=span * w)  # fmt: skip
+    pw_e, pw_p = int(ge[geo.PW]), int(gp[geo.PW])
+    sizes = np.array(ir.scratch_size(g, ge, gd, gp, pw_e, pw_p), np.int64)
+    acts = np.array([c.act for c in (e, dw, p)], np.float32)
+    L = lanes(b)
+    Te, Tp = tiles.tile(pw_e, e.fb), tiles.tile(pw_p, p.fb)
+    args = (L, Te, tiles.tile(1, e.fb), Tp, tiles.tile(1, p.fb), e.packed, e.bias, dw.packed,
+            dw.bias, p.packed, p.bias, g, ge, gd, gp, acts, L if e.in_block == b else e.in_block,
+            sizes)  # fmt: skip
+    return _Launch(shape, args, sizes, ir.inverted_residual_blocked)
 
 
 def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
@@ -168,15 +206,22 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
     launch = plan.launches.get(key)
     if launch is None or xb.dtype != np.float32:
         launch = plan.launches[key] = _launch(xb, plan, key[1])
-    shape, g, scratch = launch
+    shape = launch.shape
     if out is None:
         out = empty(shape)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
     if shape[0] == 0:
         return out
-    xf = np.ascontiguousarray(xb).reshape(-1)
-    ir.inverted_residual_blocked(lanes(plan.block), xf, plan.we, plan.be, plan.wd, plan.bd,
-                                 plan.wp, plan.bp, out.reshape(-1), g, plan.acts,
-                                 per_thread(scratch))  # fmt: skip
+    xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)
+    rf = yf  # not read
+    if plan.residual:  # x at the output's block (C < b: x's block is C)
+        r = xb if xb.shape[-1] == plan.block else to_blocked(from_blocked(xb, plan.in_channels),
+                                                             plan.block)  # fmt: skip
+        rf = np.ascontiguousarray(r).reshape(-1)
+    head, tail = launch.args[:5], launch.args[5:]
+    args = (*head, xf, *tail[:6], yf, rf, *tail[6:], per_thread(int(launch.sizes.sum())))
+    launch.run(*args)
+    if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
+        launch.run, launch.bound = entry_point(launch.run, args), True
     return out

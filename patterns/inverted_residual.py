@@ -121,7 +121,7 @@ class InvertedResidualKernel:
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block_size, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+        from kernels.conv_nchwc import conv_nchwc
         from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
 
         n = len(PER_CONV)
@@ -140,12 +140,7 @@ class InvertedResidualKernel:
         plan = prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=stride, pads=pads,
                                          acts=acts, residual=residual)  # fmt: skip
         c, m = plan.in_channels, plan.out_channels
-        one = dict(strides=(1, 1), pads=(0,) * 4)
-        steps = [prepare_conv_nchwc(we, be, **one, **acts[0])] if we is not None else []
-        steps.append(prepare_conv_nchwc(wd, bd, strides=(stride,) * 2, pads=pads,
-                                        group=wd.shape[0], **acts[1]))  # fmt: skip
-        steps.append(prepare_conv_nchwc(wp, bp, **one, **acts[2],
-                                        residual="after" if residual else None))  # fmt: skip
+        steps = plan.convs  # the same packed weights, run one by one through memory
 
         def depthfirst(xb, *_constants):
             return (inverted_residual(xb, plan),)

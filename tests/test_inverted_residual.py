@@ -111,14 +111,42 @@ def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
 
 
-def test_band_rows_fit_l2_and_feed_every_thread():
-    from kernels.inverted_residual import band_rows
+def test_bands_fit_l2_and_feed_every_thread():
+    from kernels.inverted_residual import L2_SHARE, bands
     from kernels.machine import cache_bytes
 
-    rows = band_rows(56, 56, 58, 18, 8, 3, 1, 1, 2)
-    assert 1 <= rows < 56
-    assert ((rows - 1) + 3) * 58 * 18 * 8 * 4 + rows * 56 * 18 * 8 * 4 <= cache_bytes(2) // 2
-    assert band_rows(7, 7, 9, 18, 8, 3, 1, 1, 4) <= 2  # 7 rows, one image, 4 threads
+    parts, rows = bands(1, 56, 56, 56, 9, 16, 3, 1, 2)  # one image, two threads: two parts
+    assert parts == 2 and 1 <= rows <= 28
+    assert ((rows - 1) + 3) * 56 * 9 * 16 * 4 + rows * 56 * 9 * 16 * 4 <= cache_bytes(2) // L2_SHARE
+    assert bands(8, 7, 7, 7, 60, 16, 3, 1, 2)[0] == 1  # eight images keep two threads busy
+    assert bands(3, 7, 7, 7, 60, 16, 3, 1, 2)[0] == 2  # three would leave one idle a third
+    assert bands(1, 56, 56, 112, 96, 16, 3, 2, 2)[1] >= 1  # never fewer than one row
+
+
+@pytest.mark.parametrize("budget", [1, 8_000, 20_000])
+@pytest.mark.parametrize(
+    "c,t,m,s,k,hw",
+    [(17, 6, 17, 1, 3, 13), (8, 4, 24, 2, 5, 17), (16, 1, 16, 2, 3, 13), (16, 1, 16, 1, 5, 9)],
+)
+def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k, hw, budget):
+    """Bands of 1 to a few rows (a tiny L2): each band moves the k - s rows of e it shares with
+    the one before to the top of its scratch and computes the rest; parts of an image start
+    afresh. Against onnxruntime on the graph, strides 1 and 2, k 3 and 5."""
+    import kernels.inverted_residual as K
+    from kernels.blocked import from_blocked, to_blocked
+
+    monkeypatch.setattr(K, "cache_bytes", lambda level: budget)
+    g = GraphBuilder(opset=17)
+    y, (we, be, wd, bd, wp, bp) = block(g, "x", c, t, m, s, k, acts=("relu6", "relu", None))
+    model = g.model({"x": ["N", c, hw, hw]}, [y])
+    plan = K.prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=s, pads=(k // 2,) * 4,
+                                       acts=(("clip", None, None, 0.0, 6.0), ("relu",), None),
+                                       residual=s == 1 and m == c)  # fmt: skip
+    x = RNG.standard_normal((2, c, hw, hw)).astype(np.float32)
+    got = from_blocked(K.inverted_residual(to_blocked(x), plan), m)
+    assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
+    (launch,) = plan.launches.values()
+    assert launch.args[11][K.ir.ROWS] < launch.shape[2]  # several bands per image
 
 
 def test_without_the_switch_the_convs_fuse_one_by_one_and_say_why(monkeypatch):

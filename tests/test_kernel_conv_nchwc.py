@@ -431,7 +431,7 @@ def test_pointwise_runs_in_the_rows_that_tile_best(threads, block, n, c, m, h, w
     got = run_blocked(x, wt, b, attrs, "silu", "after", r, block=block)
     assert_close(got, reference(x, wt, b, attrs, "silu", "after", r), RTOL, ATOL)
     plan = prepare_conv_nchwc(wt, b, block=block)
-    g = conv_module._geometry(plan, to_blocked(x, block=plan.in_block).shape, get_threads())
+    g = conv_module.geometry(plan, to_blocked(x, block=plan.in_block).shape, get_threads())
     rows, cols = g[conv_module.geo.OH], g[conv_module.geo.OW]
     assert rows * cols == h * w and (g[conv_module.geo.H], g[conv_module.geo.W]) == (rows, cols)
 
@@ -445,7 +445,7 @@ def test_pointwise_rows_follow_the_tiles(monkeypatch):
     assert conv_module._pointwise_rows(plan, 1, 7, 7, 2) == (1, 49)
     # a padded or strided 1x1 conv keeps its own rows
     plan = prepare_conv_nchwc(wt, block=16, tile=4, strides=(2, 2))
-    g = conv_module._geometry(plan, (1, 10, 14, 14, 16), 2)
+    g = conv_module.geometry(plan, (1, 10, 14, 14, 16), 2)
     assert (g[conv_module.geo.OH], g[conv_module.geo.OW]) == (7, 7)
 
 
