@@ -247,6 +247,7 @@ def prepare_conv_nchwc(
     residual=None,
     tile=None,
     block=None,
+    in_block=None,
 ):
     """Pack a Conv's weights [M, C/group, kh, kw] (float32) and bias for conv_nchwc.
 
@@ -255,7 +256,9 @@ def prepare_conv_nchwc(
     output blocks per register tile (FB: 1 to 4; default the first of tile_options), or a
     shape (pixels, blocks) to force (the pixels are otherwise chosen per input shape); block:
     channels per block, the SIMD width the kernel computes at (8 or 16; default the process's,
-    kernels.simd.width())."""
+    kernels.simd.width()); in_block: the input's channels per block (default: `block`, or C
+    when C < block and group is 1, as kernels.blocked.block_size gives; `block` for an input
+    another blocked kernel wrote at its width whatever its channel count)."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -294,6 +297,10 @@ def prepare_conv_nchwc(
         )  # fmt: skip
     c = cg * group
     bi = (block if c >= block else c) if group == 1 else block
+    if in_block is not None:
+        if in_block not in (bi, block):
+            raise ValueError(f"in_block must be {block} or {bi} for {c} channels, got {in_block}")
+        bi = in_block
     mg = m // group
     cbg, mbg = -(-cg // bi), -(-mg // block)
     fb, pixels = _tile_argument(tile, mbg, block)

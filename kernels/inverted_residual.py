@@ -2,7 +2,8 @@
 
     e = act_e(conv1x1(x, We) + be)              C -> E (absent: expansion 1, e = x)
     d = act_d(depthwise_kxk(e, Wd, stride s) + bd)
-    y = act_p(conv1x1(d, Wp) + bp) [+ x]        E -> M, the residual when s = 1 and M = C
+    y = act_p(conv1x1(d, Wp) + bp [+ x]) [+ x]  E -> M, the residual (before or after act_p)
+                                                when s = 1 and M = C
 
 Op by op, e (E = 6 C channels) is written to memory and read back by the depthwise conv, whose
 output is written and read back by the projection: 4 E H W floats of traffic that are most of a
@@ -49,7 +50,7 @@ class InvertedResidualPlan:
     out_channels: int  # M
     kernel: int  # k
     stride: int
-    residual: bool
+    residual: str | None  # the block's input added "before" or "after" act_p, or None
     block: int
     expand: ConvPlan | None  # C -> E 1x1, None for expansion 1
     depthwise: ConvPlan  # E -> E kxk
@@ -73,8 +74,14 @@ def _keywords(a) -> dict:
 
 def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, acts=(None,) * 3,
                               residual=False, block=None):  # fmt: skip
-    """Pack the block's weights for inverted_residual (ValueError on shapes it cannot run)."""
+    """Pack the block's weights for inverted_residual (ValueError on shapes it cannot run).
+    residual: the block's input added after act_p ("after" or True: MobileNetV2), "before" it,
+    or not (None or False)."""
     b = width() if block is None else int(block)
+    kinds = {None: None, False: None, True: "after", "after": "after", "before": "before"}
+    if residual not in kinds:
+        raise ValueError(f"residual must be one of {list(kinds)}, got {residual!r}")
+    residual = kinds[residual]
     if b not in (8, 16):
         raise ValueError(f"block must be 8 or 16 channels, got {block!r}")
     for name, w in (("wd", wd), ("wp", wp), *((("we", we),) if we is not None else ())):
@@ -100,12 +107,12 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     one = dict(strides=(1, 1), pads=(0,) * 4, block=b)
     return InvertedResidualPlan(
         in_channels=c, expanded=e, out_channels=m, kernel=kh, stride=int(stride),
-        residual=bool(residual), block=b,
+        residual=residual, block=b,
         expand=None if we is None else prepare_conv_nchwc(we, be, **one, **act_e),
         depthwise=prepare_conv_nchwc(wd, bd, strides=(stride,) * 2, pads=pads, group=e,
                                      block=b, **act_d),
-        project=prepare_conv_nchwc(wp, bp, **one, **act_p,
-                                   residual="after" if residual else None),
+        # d is in blocks of b, E < b included (the depthwise conv's, or the scratch's)
+        project=prepare_conv_nchwc(wp, bp, **one, **act_p, residual=residual, in_block=b),
     )  # fmt: skip
 
 

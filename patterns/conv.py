@@ -50,11 +50,11 @@ def per_channel(bias: np.ndarray) -> str | None:
 
 
 def conv_epilogue(x: Pattern | None = None, prefix: str = "", kinds=KINDS,
-                  residual: bool = True, norm: bool = True) -> Pattern:  # fmt: skip
+                  residual: bool | Pattern = True, norm: bool = True) -> Pattern:  # fmt: skip
     """Conv (+ bias) (+ BatchNorm) (+ residual) (+ act) (+ residual) on input `x`; captures
     named with `prefix`. kinds: the activations allowed; residual: whether Adds of another
-    tensor may join (the residual captured as `{prefix}res`, its Add as res_before or
-    res_after); norm: whether a BatchNormalization may."""
+    tensor may join (the residual captured as `{prefix}res`, or the pattern given: a block's
+    own input; its Add as res_before or res_after); norm: whether a BatchNormalization may."""
     x = x if x is not None else Var(prefix + "x", dtype="float32")
     conv = op.Conv(x, Const(prefix + "W"), Opt(Const(prefix + "B")), _name=prefix + "conv")
     t = Alt(op.Add(conv, Const(prefix + "bias_add", where=per_channel)), conv)
@@ -63,9 +63,10 @@ def conv_epilogue(x: Pattern | None = None, prefix: str = "", kinds=KINDS,
         t = Alt(op.BatchNormalization(t, *bn, _name=prefix + "bn"), t)
     if not residual:
         return Alt(activation(t, prefix, kinds), t)
-    pre = Alt(op.Add(t, Var(prefix + "res", dtype="float32"), _name=prefix + "res_before"), t)
+    r = residual if isinstance(residual, Pattern) else Var(prefix + "res", dtype="float32")
+    pre = Alt(op.Add(t, r, _name=prefix + "res_before"), t)
     y = Alt(activation(pre, prefix, kinds), t)  # no activation: a residual is added after
-    return Alt(op.Add(y, Var(prefix + "res", dtype="float32"), _name=prefix + "res_after"), y)
+    return Alt(op.Add(y, r, _name=prefix + "res_after"), y)
 
 
 def conv_attributes(m, prefix: str = "") -> dict:
@@ -87,8 +88,9 @@ def conv_attributes(m, prefix: str = "") -> dict:
     return attrs
 
 
-def check_conv(m, prefix: str = "") -> str | None:
-    """Why the structure matched is not one the kernels run, if it is not."""
+def check_conv(m, prefix: str = "", res: str | None = None) -> str | None:
+    """Why the structure matched is not one the kernels run, if it is not. res: the residual's
+    capture when conv_epilogue was given one (default: its own, prefix + "res")."""
     w = m.const(prefix + "W")
     rank = w.ndim
     if prefix + "x" in m:  # the match's own input (not an inner conv of a larger pattern)
@@ -110,7 +112,7 @@ def check_conv(m, prefix: str = "") -> str | None:
         reason = check_bn(m, prefix, channels)
         if reason:
             return reason
-    return check_relu6(m, prefix) or _check_residual(m, prefix)
+    return check_relu6(m, prefix) or _check_residual(m, prefix, res or prefix + "res")
 
 
 def check_bn(m, prefix: str, channels: int) -> str | None:
@@ -127,7 +129,7 @@ def check_bn(m, prefix: str, channels: int) -> str | None:
     return None
 
 
-def _check_residual(m, prefix: str) -> str | None:
+def _check_residual(m, prefix: str, res: str) -> str | None:
     """The residual is a run-time tensor of the output's shape (a constant is a bias that did not
     fit; a smaller tensor would broadcast, which the kernel does not)."""
     adds = [f"{prefix}res_{w}" for w in ("before", "after") if f"{prefix}res_{w}" in m.node_index]
@@ -136,10 +138,10 @@ def _check_residual(m, prefix: str) -> str | None:
     if len(adds) == 2:
         return "a residual Add both before and after the activation; the kernel adds one"
     node = m.node(adds[0])
-    value = m[prefix + "res"]
-    if m.const(prefix + "res") is not None:
-        return f"Add of shape {list(m.const(prefix + 'res').shape)} is not a per-channel bias"
-    have, want = m.type(prefix + "res"), m.view.type_of(node.output[0])
+    value = m[res]
+    if m.const(res) is not None:
+        return f"Add of shape {list(m.const(res).shape)} is not a per-channel bias"
+    have, want = m.type(res), m.view.type_of(node.output[0])
     if have is None or want is None or have.shape is None or want.shape is None:
         return f"Add {node.name}: the shape of {value} is unknown (a residual has the output's)"
     if len(have.shape) != len(want.shape) or any(

@@ -2,7 +2,8 @@
 
     e = act_e(bn(conv1x1(x)))          expand C -> E (absent: expansion 1, e = x)
     d = act_d(bn(depthwise_kxk(e)))    stride 1 or 2, group = E
-    y = act_p(bn(conv1x1(d))) [+ x]    project E -> M; the residual Add of the block's input
+    y = act_p(bn(conv1x1(d)) [+ x]) [+ x]   project E -> M, the block's input added before or
+                                       after the activation (ResNet, MobileNetV2)
 
 Each conv is the conv-epilogue sub-pattern of patterns/conv.py (bias, BatchNorm, any
 activation of the table) with its captures prefixed e_, d_, p_. Run op by op, e and d go to
@@ -17,10 +18,8 @@ band does not have; SqueezeExcite and ConvBiasRelu take that block.
 
 from __future__ import annotations
 
-import os
-
 from fusion.catalog import Rule, Tactic
-from fusion.pattern import Alt, Op, Opt, Var, op
+from fusion.pattern import Alt, Op, Opt, Var
 from patterns.activation import activation_keywords
 from patterns.conv import INPUTS as CONV_INPUTS
 from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded
@@ -55,14 +54,13 @@ def inverted_residual():
     e = Alt(conv_epilogue(x, "e_", residual=False), x)
     d = conv_epilogue(e, "d_", residual=False)
     _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
-    y = conv_epilogue(d, "p_", residual=False)
-    return Alt(op.Add(y, x, _name="res"), y)
+    return conv_epilogue(d, "p_", residual=x)  # the block's input added before or after act_p
 
 
 def attributes(m) -> dict:
     convs = [p for p in PREFIXES if p + "conv" in m.node_index]
     attrs = {f"{p}{k}": v for p in convs for k, v in conv_attributes(m, p).items()}
-    return {**attrs, "expand": int("e_" in convs), "residual": int("res" in m.node_index)}
+    return {**attrs, "expand": int("e_" in convs)}  # p_residual: "before", "after" or absent
 
 
 def _pointwise_reason(m, p: str) -> str | None:
@@ -72,9 +70,6 @@ def _pointwise_reason(m, p: str) -> str | None:
     if any(a["pads"]) or any(s != 1 for s in a["strides"]) or a["auto_pad"] not in ("NOTSET", ""):
         return f"{p[:-1]}: a 1x1 conv with pads {list(a['pads'])}, strides {list(a['strides'])}"
     return None
-
-
-DEPTH_FIRST_SWITCH = "FUSION_DEPTH_FIRST"  # "1": fuse inverted residuals as one node
 
 
 def check(m) -> str | None:
@@ -98,20 +93,18 @@ def check(m) -> str | None:
     if (expand and we.shape[0] != wd.shape[0]) or wp.shape[1] != wd.shape[0]:
         return f"weights {[list(w.shape) for w in (we, wd, wp) if w is not None]} do not chain"
     for p in PREFIXES if expand else PREFIXES[1:]:
-        reason = check_conv(m, p)
+        reason = check_conv(m, p, res="x")
         if reason:
             return f"{p[:-1]}: {reason}"
     vt = m.type("x")
-    if "res" in m.node_index:
+    add = next((m.node(n) for n in ("p_res_before", "p_res_after") if n in m.node_index), None)
+    if add is not None:
         c = vt.shape[1] if vt is not None and vt.shape else None
         if strides != [1, 1] or c != wp.shape[0]:
             return (
-                f"Add {m.node('res').name}: the residual needs stride 1 and {wp.shape[0]} "
+                f"Add {add.name}: the residual needs stride 1 and {wp.shape[0]} "
                 f"channels in {m['x']}, got strides {strides} and {c}"
             )
-    if os.environ.get(DEPTH_FIRST_SWITCH) != "1":
-        return (f"the depth-first block is opt-in ({DEPTH_FIRST_SWITCH}=1): as written it times "
-                "slower than its convs one by one (bench/NOTES.md, inverted residual)")  # fmt: skip
     return None
 
 
@@ -135,7 +128,7 @@ class InvertedResidualKernel:
             acts.append(activation_keywords(conv))
         d_attrs = {key[2:]: v for key, v in attrs.items() if key.startswith("d_")}
         stride, pads = d_attrs["strides"][0], tuple(d_attrs["pads"])
-        residual = bool(attrs.get("residual"))
+        residual = attrs.get("p_residual")  # None, "before" or "after"
         (we, be), (wd, bd), (wp, bp) = (convs[p] for p in PREFIXES)
         plan = prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=stride, pads=pads,
                                          acts=acts, residual=residual)  # fmt: skip

@@ -144,11 +144,12 @@ def test_batchnorm_and_residual(kind, where):
 
 def test_residual_from_another_conv_and_depthwise():
     """A bottleneck's last conv adds the block's input; a depthwise conv with BN and HardSwish
-    between. The residual comes from another fused conv: in the blocked tactic, blocked."""
+    between. The residual comes from another fused conv: in the blocked tactic, blocked. (The
+    depthwise conv is dilated: undilated, the three would be one InvertedResidual node.)"""
 
     def build(g):
         a = conv_chain(g, None, 4, 8, "relu", bn=True)
-        b = g.node("Conv", [a, g.weight(8, 1, 3, 3)], group=8, pads=[1, 1, 1, 1])
+        b = g.node("Conv", [a, g.weight(8, 1, 3, 3)], group=8, pads=[2] * 4, dilations=[2, 2])
         b = activation(g, batch_norm(g, b, 8, "/bn2"), "hard_swish")
         return g.node("Relu", [g.node("Add", [g.node("Conv", [b, g.weight(8, 8, 1, 1)]), a])]), 8
 

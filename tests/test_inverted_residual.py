@@ -8,15 +8,8 @@ import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
-from patterns.inverted_residual import DEPTH_FIRST_SWITCH
 
 RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(autouse=True)
-def depth_first(monkeypatch):
-    """The rule is opt-in (it times slower than the convs one by one so far): on here."""
-    monkeypatch.setenv(DEPTH_FIRST_SWITCH, "1")
 
 
 def weights(*shape, scale=0.3):
@@ -59,7 +52,9 @@ def block(g, x, c, t, m, s=1, k=3, residual=None, acts=("relu6", "relu6", None),
                               pads=[k // 2] * 4))  # fmt: skip
     y = conv(g, g.inner[1], wp, bp, acts[2], bn)
     residual = s == 1 and m == c if residual is None else residual
-    if residual:
+    if residual == "before":  # ResNet's order: the Add, then the activation
+        y = g.node("Relu", [g.node("Add", [x, y], name="/block/add")])
+    elif residual:
         y = g.node("Add", [y, x], name="/block/add")
     return y, (we, be, wd, bd, wp, bp)
 
@@ -80,6 +75,7 @@ CASES = [  # c, t, m, s, k, hw, batch, activations
     (17, 1, 17, 2, 3, 7, 3, (None, "silu", None)),
     (24, 4, 32, 2, 3, 1, 1, ("relu6", "relu6", None)),  # a 1x1 image
     (5, 6, 5, 1, 3, 7, 0, ("relu6", "relu6", None)),  # batch 0
+    (3, 2, 4, 1, 3, 9, 2, ("relu", "relu6", None)),  # E = 6: fewer than a block of d
 ]
 
 
@@ -149,14 +145,6 @@ def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k,
     assert launch.args[11][K.ir.ROWS] < launch.shape[2]  # several bands per image
 
 
-def test_without_the_switch_the_convs_fuse_one_by_one_and_say_why(monkeypatch):
-    monkeypatch.delenv(DEPTH_FIRST_SWITCH)
-    g = GraphBuilder(opset=17)
-    y, _ = block(g, "x", 8, 6, 8)
-    near_miss(g.model({"x": ["N", 8, 7, 7]}, [y]), "InvertedResidual", DEPTH_FIRST_SWITCH,
-              fused=["ConvBiasRelu"] * 3)  # fmt: skip
-
-
 def test_expanded_tensor_that_is_a_graph_output_is_not_fused_away():
     g = GraphBuilder(opset=17)
     y, _ = block(g, "x", 8, 6, 8)
@@ -196,3 +184,28 @@ def test_grouped_middle_conv_is_not_a_depthwise_one():
     y = g.node("Conv", [d, g.const(weights(8, 16, 1, 1))])
     near_miss(g.model({"x": ["N", 8, 7, 7]}, [y]), "InvertedResidual", "not a depthwise one",
               fused=["ConvBiasRelu", "ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
+
+
+def test_dilated_depthwise_conv_is_a_near_miss_that_says_why():
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(48, 8, 1, 1), weights(48), "relu6")
+    d = conv(g, e, weights(48, 1, 3, 3), weights(48), "relu6", group=48, pads=[2] * 4,
+             dilations=[2, 2])  # fmt: skip
+    y = g.node("Add", [conv(g, d, weights(8, 48, 1, 1), weights(8), None), "x"])
+    near_miss(g.model({"x": ["N", 8, 9, 9]}, [y]), "InvertedResidual", "dilations [2, 2]",
+              fused=["ConvBiasRelu", "ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_residual_added_before_the_activation(t):
+    """ResNet's order, Relu(x + project(d)): one node, the Relu inside it (not left to
+    onnxruntime after the block), both tactics against onnxruntime."""
+    g = GraphBuilder(opset=17)
+    y, _ = block(g, "x", 16, t, 16, residual="before", bn=True)
+    model = g.model({"x": ["N", 16, 11, 11]}, [y])
+    result = assert_fuses(model, ["InvertedResidual"], batch=2, rtol=1e-4, atol=1e-5)
+    feeds = {"x": RNG.standard_normal((2, 16, 11, 11)).astype(np.float32)}
+    (want,) = run_ort(model, feeds)
+    for tactic in ("blocked-depthfirst", "blocked-opbyop"):
+        session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
+        assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=tactic)
