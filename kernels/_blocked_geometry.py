@@ -19,12 +19,15 @@ argument is unboxed per call and both kernels name its fields the same way.
     XBS, YBS              direct: pixels from one input (output) block to the next, H W (OH
                           OW) for whole tensors; more when the conv runs on a run of rows of a
                           larger tensor (the depth-first block's bands, _inverted_residual_blocked)
+    ROW0                  depthwise: the output row y's rows start at (0 for a whole tensor; a
+                          band's first row when y is the band's scratch)
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, N_GEO) = range(34)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0,
+ N_GEO) = range(35)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

@@ -46,6 +46,7 @@ from ._blocked_geometry import (
     PL,
     PT,
     RESIDUAL,
+    ROW0,
     ROWS,
     SH,
     SW,
@@ -73,9 +74,9 @@ def _put(L, a, bias, yf, q, res, residual, lo, hi):
 
 
 @numba.jit(**INLINE_GEMM)
-def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi):
-    """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=
-    TILE pixels p of a tile (b = L.width channels of one block, lane by lane)."""
+def _sum_taps(L, src, x0, step, wf, w0, taps, n_taps):
+    """The 8 accumulators sum_t src[x0 + taps[t] + p step] * wf[w0 + t b], p < TILE: one weight
+    vector and 8 input vectors per tap."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
     b = u(L.width)
     for t in range(n_taps):
@@ -89,6 +90,69 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
         a5 = vfma(vload(L, src, q + u(5) * step), w, a5)
         a6 = vfma(vload(L, src, q + u(6) * step), w, a6)
         a7 = vfma(vload(L, src, q + u(7) * step), w, a7)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@numba.jit(**INLINE_GEMM)
+def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
+    """The same sums for a filter 3 wide, undilated, stride sw 1 or 2: per filter row the
+    (TILE - 1) sw + 3 input vectors the row's taps share are loaded once (10 or 17 loads and 3
+    weights for 24 FMAs, where tap by tap takes 27 loads): pixel p's taps are v[p sw + j]."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
+    b = u(L.width)
+    for i in range(kh):
+        q = u(taps[3 * i] + x0)
+        wo = u(w0) + u(3 * i) * b
+        wa, wb, wc = vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b)
+        v0, v1, v2 = vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b)
+        v3, v4, v5 = (
+            vload(L, src, q + u(3) * b),
+            vload(L, src, q + u(4) * b),
+            vload(L, src, q + u(5) * b),
+        )
+        v6, v7, v8 = (
+            vload(L, src, q + u(6) * b),
+            vload(L, src, q + u(7) * b),
+            vload(L, src, q + u(8) * b),
+        )
+        v9 = vload(L, src, q + u(9) * b)
+        if sw == 1:
+            a0 = vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))
+            a1 = vfma(v3, wc, vfma(v2, wb, vfma(v1, wa, a1)))
+            a2 = vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a2)))
+            a3 = vfma(v5, wc, vfma(v4, wb, vfma(v3, wa, a3)))
+            a4 = vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a4)))
+            a5 = vfma(v7, wc, vfma(v6, wb, vfma(v5, wa, a5)))
+            a6 = vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a6)))
+            a7 = vfma(v9, wc, vfma(v8, wb, vfma(v7, wa, a7)))
+        else:
+            v10, v11 = vload(L, src, q + u(10) * b), vload(L, src, q + u(11) * b)
+            v12, v13 = vload(L, src, q + u(12) * b), vload(L, src, q + u(13) * b)
+            v14, v15 = vload(L, src, q + u(14) * b), vload(L, src, q + u(15) * b)
+            v16 = vload(L, src, q + u(16) * b)
+            a0 = vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))
+            a1 = vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a1)))
+            a2 = vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a2)))
+            a3 = vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a3)))
+            a4 = vfma(v10, wc, vfma(v9, wb, vfma(v8, wa, a4)))
+            a5 = vfma(v12, wc, vfma(v11, wb, vfma(v10, wa, a5)))
+            a6 = vfma(v14, wc, vfma(v13, wb, vfma(v12, wa, a6)))
+            a7 = vfma(v16, wc, vfma(v15, wb, vfma(v14, wa, a7)))
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@numba.jit(**INLINE_GEMM)
+def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi,
+          rows3):  # fmt: skip
+    """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=
+    TILE pixels p of a tile (b = L.width channels of one block, lane by lane); rows3: the
+    filter is 3 wide, undilated, at stride step / b of 1 or 2 (_sum_rows3), else any."""
+    if rows3:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _sum_rows3(L, src, x0, step // u(L.width), wf, w0,
+                                                    taps, n_taps // 3)  # fmt: skip
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _sum_taps(L, src, x0, step, wf, w0, taps, n_taps)
+    b = u(L.width)
     # a row narrower than a tile: pixels past its end computed from padding, not stored
     yo = u(yo)
     _put(L, a0, bias, yf, yo, res, residual, lo, hi)
@@ -184,6 +248,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     bias = vload(L, bf, u(cb * b))
     w0 = cb * kh * kw * b
     step = u(sw * b)
+    rows3 = kw == 3 and g[DW] == 1 and (sw == 1 or sw == 2)  # row-shared loads (_sum_rows3)
     padded = g[PAD] == 1
     if padded:  # one padded copy of the item's rows; every tile reads it
         _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
@@ -194,7 +259,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     plane = (n * g[CB] + cb) * h * w * b
     n_tiles = (ow_len + TILE - 1) // TILE
     for oh in range(r0, r1):
-        yo = ((n * g[CB] + cb) * oh_len + oh) * ow_len * b
+        yo = ((n * g[CB] + cb) * oh_len + oh - g[ROW0]) * ow_len * b
         ih0 = oh * sh - pt
         rows_in = ih0 >= 0 and ih0 + span <= h
         for t in range(n_tiles):
@@ -204,16 +269,16 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
             if padded:
                 x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
                 _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi)  # fmt: skip
+                      early, lo, hi, rows3)  # fmt: skip
             elif rows_in and iw0 >= 0 and iw0 + wt <= w:
                 # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
                 x0 = plane + (ih0 * w + iw0) * b
                 _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi)  # fmt: skip
+                      early, lo, hi, rows3)  # fmt: skip
             else:
                 _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
                 _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi)  # fmt: skip
+                      early, lo, hi, rows3)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
 

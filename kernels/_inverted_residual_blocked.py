@@ -20,7 +20,9 @@ scratches: the direct kernel's `item` (register tiles, epilogue in registers) fo
 convs, each run of rows described as one row of pixels (a 1x1 conv's pixel reads x at that
 pixel alone, and a block holds a run of rows contiguously), with g[XBS] and g[YBS] the block
 strides of the tensors it reads and writes; the depthwise kernel's `item` for the middle conv,
-with the scratch as its image (its rows already padded, its columns padded by the item).
+with the scratch as its image (its rows already padded, its columns padded by the item), or
+at expansion 1 with x itself (its rows written to the band's scratch from g[ROW0]: no copy of
+x into ex).
 """
 
 import numba
@@ -33,7 +35,7 @@ from .config import JIT_GEMM, PARALLEL
 from .simd import tail_mask, vload, vload_masked, vstore, vzero
 
 # the block's own geometry, beside the three convs' (ge, gd, gp: _blocked_geometry)
-N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, N_GEO = range(17)
+N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, IN_PLACE, N_GEO = range(18)
 
 
 @numba.jit(**JIT_GEMM)
@@ -87,14 +89,25 @@ def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, acc, tbuf, tx, tw, sx, s
 @numba.jit(**JIT_GEMM)
 def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n,
          oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
-    """Output rows oh_a <= oh < oh_b of image n, band by band; ge and gp this thread's copies
-    (their pixel counts change per band)."""
+    """Output rows oh_a <= oh < oh_b of image n, band by band; ge, gd and gp this thread's
+    copies (their pixel counts and first rows change per band). g[IN_PLACE] (expansion 1, x in
+    blocks of b): gd is the depthwise conv's on x itself, its rows written to dw from ROW0."""
     b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
     ow, rows = g[OW], g[ROWS]
     taps = np.empty(2 * k * k, np.int64)
     have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
     for oh0 in range(oh_a, oh_b, rows):
         used = min(rows, oh_b - oh0)
+        y0 = (n * g[MB] * g[OH] + oh0) * ow * b
+        if g[IN_PLACE]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
+            gd[geo.ROW0] = oh0
+            xv = xf[n * g[CB] * h * w * b :]
+            for eb in range(g[EB]):
+                dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
+                         acts[1, 1], acts[1, 2])  # fmt: skip
+            _pointwise(L, Tp, Tp1, dw, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, acc, tbuf, tx,
+                       tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+            continue
         ih0 = oh0 * s - pt
         span = (used - 1) * s + k
         keep = 0
@@ -116,7 +129,6 @@ def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp
         for eb in range(g[EB]):
             dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
                      acts[1, 2])  # fmt: skip
-        y0 = (n * g[MB] * g[OH] + oh0) * ow * b
         _pointwise(L, Tp, Tp1, dw, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, acc, tbuf, tx, tw,
                    sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
 
@@ -125,7 +137,7 @@ def scratch_size(g, ge, gd, gp, pw_e: int, pw_p: int) -> tuple[int, int, int, in
     """Floats of per-thread scratch: (ex, dw, the depthwise item's, the tiles' parking buffer:
     the larger conv's when K is cut into chunks)."""
     b = gd[geo.BI]
-    ex = g[EB] * g[SPAN] * g[W] * b
+    ex = 0 if g[IN_PLACE] else g[EB] * g[SPAN] * g[W] * b
     dw = g[EB] * g[ROWS] * g[OW] * b
     park = b  # (a placeholder when neither is cut)
     for gc, pixels, pw in ((ge, g[SPAN] * g[W], pw_e), (gp, g[ROWS] * g[OW], pw_p)):
@@ -163,6 +175,6 @@ def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, 
         taps = max(ge[geo.CHUNK], gp[geo.CHUNK])
         tx, tw = np.empty(taps, np.int64), np.empty(taps, np.int64)
         sx, sw_ = np.empty(taps, np.int64), np.empty(taps, np.int64)
-        ge_, gp_ = ge.copy(), gp.copy()  # this thread's: _pointwise sets their pixel counts
-        item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd, gp_, acts, ci,
-             n, oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
+        ge_, gd_, gp_ = ge.copy(), gd.copy(), gp.copy()  # this thread's: set per band
+        item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp_, acts,
+             ci, n, oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip

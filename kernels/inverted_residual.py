@@ -29,6 +29,7 @@ import dataclasses
 import numpy as np
 
 from . import _blocked_geometry as geo
+from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point, get_threads
@@ -154,6 +155,22 @@ def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarra
     return g
 
 
+def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
+    """The depthwise kernel's PAD for a band (_depthwise_blocked): 1, the band's rows copied
+    once into a padded scratch, when that moves fewer vectors than 0, each tile at a left or
+    right edge copying its own k rows (every tile of a row narrower than about two tiles)."""
+    tile = dwb.TILE
+    n_tiles = -(-ow // tile)
+    wp = (n_tiles * tile - 1) * s + k  # a padded band row, pixels
+    wt = (tile - 1) * s + k  # a tile's
+    edges = sum(
+        1
+        for t in range(n_tiles)
+        if (iw := dwb.tile_column(t, n_tiles, ow) * s - pl) < 0 or iw + wt > w
+    )
+    return int(((rows - 1) * s + k) * wp < edges * rows * k * wt)
+
+
 @dataclasses.dataclass
 class _Launch:
     shape: tuple  # the output's
@@ -180,14 +197,19 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     eb = -(-plan.expanded // b)
     parts, rows = bands(n, oh, ow, w, eb, b, k, s, threads)
     span = (rows - 1) * s + k
+    in_place = plan.expand is None and bi == b
     g = np.zeros(ir.N_GEO, np.int64)
     for key, v in {ir.N: n, ir.CB: cb, ir.BI: bi, ir.H: h, ir.W: w, ir.EB: eb, ir.K: k, ir.S: s,
                    ir.PT: pt, ir.OH: oh, ir.OW: ow, ir.MB: mb, ir.ROWS: rows, ir.SPAN: span,
-                   ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None)}.items():  # fmt: skip
+                   ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None),
+                   ir.IN_PLACE: int(in_place)}.items():  # fmt: skip
         g[key] = v
     dw, p = plan.depthwise, plan.project
-    gd = geo.pack(N=1, CB=eb, BI=b, H=span, W=w, KH=k, KW=k, SH=s, SW=s, DH=1, DW=1, PT=0, PL=pl,
-                  MB=eb, OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=0)  # fmt: skip
+    # the depthwise conv on the band's rows of e in ex (padded rows included), or on x itself
+    image = dict(H=h, PT=pt) if in_place else dict(H=span, PT=0)
+    gd = geo.pack(N=1, CB=eb, BI=b, W=w, KH=k, KW=k, SH=s, SW=s, DH=1, DW=1, PL=pl, MB=eb,
+                  OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows),
+                  **image)  # fmt: skip
     gp = _conv_geometry(p, (1, eb, rows, ow, b), threads, pixels=rows * ow, XBS=rows * ow,
                         YBS=oh * ow)  # fmt: skip
     e = plan.expand or p  # expansion 1: the project's stands in, never run
