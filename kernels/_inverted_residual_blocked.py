@@ -32,28 +32,32 @@ from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
 from . import _direct_blocked as direct
 from .config import JIT_GEMM, PARALLEL
+from .epilogue import finish
 from .simd import tail_mask, vload, vload_masked, vstore, vzero
+from .simd.activation import clip_bounds, clips
 
 # the block's own geometry, beside the three convs' (ge, gd, gp: _blocked_geometry)
-N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, IN_PLACE, N_GEO = range(18)
+(N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, IN_PLACE, SPLIT, TAPS,
+ FBMAX, N_GEO) = range(21)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
-def _zero_rows(L, ex, g, r0, r1):
-    """ex[:, r0:r1] = 0: rows of e outside the image."""
+def _zero_rows(L, ex, g, eb_a, eb_b, r0, r1):
+    """ex[eb_a:eb_b, r0:r1] = 0: rows of e outside the image."""
     b, span, w = L.width, g[SPAN], g[W]
     zero = vzero(L)
-    for eb in range(g[EB]):
+    for eb in range(eb_a, eb_b):
         for q in range((eb * span + r0) * w * b, (eb * span + r1) * w * b, b):
             vstore(ex, q, zero)
 
 
 @numba.jit(**JIT_GEMM)
-def _move_rows(L, ex, g, src, count):
-    """ex[:, 0:count] = ex[:, src:src + count] (src > 0): the rows a band shares with the one
-    before, forward, vector by vector (the ranges may overlap, the source after the target)."""
+def _move_rows(L, ex, g, eb_a, eb_b, src, count):
+    """ex[eb_a:eb_b, 0:count] = ex[eb_a:eb_b, src:src + count] (src > 0): the rows a band shares
+    with the one before, forward, vector by vector (the ranges may overlap, the source after
+    the target)."""
     b, span, w = L.width, g[SPAN], g[W]
-    for eb in range(g[EB]):
+    for eb in range(eb_a, eb_b):
         d0, s0 = eb * span * w * b, (eb * span + src) * w * b
         for q in range(0, count * w * b, b):
             vstore(ex, d0 + q, vload(L, ex, s0 + q))
@@ -77,24 +81,30 @@ def _copy_rows(L, xf, g, n, ih0, ih1, r0, ex):
 
 
 @numba.jit(**JIT_GEMM)
-def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, acc, tbuf, tx, tw, sx, sw_, a, b, ci):
+def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, tx, tw, sx, sw_,
+               a, b, ci):  # fmt: skip
     """A 1x1 conv over `pixels` contiguous pixels of each block (x from xv, y to yv, the residual
-    from rv at y's offsets), every filter group of g: the direct kernel's item on one row."""
+    from rv at y's offsets), filter groups og_a <= og < og_b of g: the direct kernel's item on
+    one row."""
     g[geo.W] = g[geo.OW] = g[geo.COL_B] = pixels
-    for og in range(g[geo.OGG]):
+    for og in range(og_a, og_b):
         direct.item(L, T, T1, xv, wf, bf, yv, rv, g, 0, 0, og, 0, 1, acc, tbuf, tx, tw, sx, sw_,
                     a, b, ci)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
 def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n,
-         oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
-    """Output rows oh_a <= oh < oh_b of image n, band by band; ge, gd and gp this thread's
-    copies (their pixel counts and first rows change per band). g[IN_PLACE] (expansion 1, x in
-    blocks of b): gd is the depthwise conv's on x itself, its rows written to dw from ROW0."""
+         oh_a, oh_b, eb_a, eb_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
+    """Output rows oh_a <= oh < oh_b of image n, band by band, through expanded blocks eb_a <=
+    eb < eb_b (all of them, or a channel part's: then wp_, bp and gp are the part's projection,
+    into its partial sums yf); ge, gd and gp this thread's copies (their pixel counts and
+    first rows change per band). g[IN_PLACE] (expansion 1, x in blocks of b): gd is the
+    depthwise conv's on x itself, its rows written to dw from ROW0."""
     b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
     ow, rows = g[OW], g[ROWS]
     taps = np.empty(2 * k * k, np.int64)
+    og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
+    dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
     have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
     for oh0 in range(oh_a, oh_b, rows):
         used = min(rows, oh_b - oh0)
@@ -102,45 +112,61 @@ def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp
         if g[IN_PLACE]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
             gd[geo.ROW0] = oh0
             xv = xf[n * g[CB] * h * w * b :]
-            for eb in range(g[EB]):
+            for eb in range(eb_a, eb_b):
                 dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
                          acts[1, 1], acts[1, 2])  # fmt: skip
-            _pointwise(L, Tp, Tp1, dw, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, acc, tbuf, tx,
-                       tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
-            continue
-        ih0 = oh0 * s - pt
-        span = (used - 1) * s + k
-        keep = 0
-        if have_hi > have_lo and have_lo < ih0 < have_hi:
-            keep = have_hi - ih0
-            _move_rows(L, ex, g, ih0 - have_lo, keep)
-        lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
-        _zero_rows(L, ex, g, keep, max(keep, lo - ih0))
-        _zero_rows(L, ex, g, max(keep, hi - ih0), span)
-        if lo < hi:
-            if g[EXPAND]:
-                xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
-                ev = ex[(lo - ih0) * w * b :]
-                _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, acc, tbuf, tx, tw,
-                           sx, sw_, acts[0, 1], acts[0, 2], ci)  # fmt: skip
-            else:
-                _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
-        have_lo, have_hi = ih0, ih0 + span
-        for eb in range(g[EB]):
-            dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
-                     acts[1, 2])  # fmt: skip
-        _pointwise(L, Tp, Tp1, dw, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, acc, tbuf, tx, tw,
-                   sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+        else:
+            ih0 = oh0 * s - pt
+            span = (used - 1) * s + k
+            keep = 0
+            if have_hi > have_lo and have_lo < ih0 < have_hi:
+                keep = have_hi - ih0
+                _move_rows(L, ex, g, eb_a, eb_b, ih0 - have_lo, keep)
+            lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
+            _zero_rows(L, ex, g, eb_a, eb_b, keep, max(keep, lo - ih0))
+            _zero_rows(L, ex, g, eb_a, eb_b, max(keep, hi - ih0), span)
+            if lo < hi:
+                if g[EXPAND]:
+                    xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
+                    ev = ex[(lo - ih0) * w * b :]
+                    _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a, og_b,
+                               acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2], ci)  # fmt: skip
+                else:
+                    _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
+            have_lo, have_hi = ih0, ih0 + span
+            for eb in range(eb_a, eb_b):
+                dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
+                         acts[1, 2])  # fmt: skip
+        _pointwise(L, Tp, Tp1, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
+                   acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
 
 
-def scratch_size(g, ge, gd, gp, pw_e: int, pw_p: int) -> tuple[int, int, int, int]:
+@numba.jit(**JIT_GEMM)
+def _combine(L, parts, part_len, yf, rf, bias, g, n, mb, residual, kind, a, b_):
+    """y[n, mb] = the projection's epilogue of the channel parts' partial sums: bias, residual
+    (before or after), activation (kind, a, b_)."""
+    b, pixels = L.width, g[OH] * g[OW]
+    simple = clips(kind)
+    lo, hi = clip_bounds(kind, a, b_)
+    bv = vload(L, bias, mb * b)
+    y0 = (n * g[MB] + mb) * pixels * b
+    for q in range(y0, y0 + pixels * b, b):
+        v = bv
+        for part in range(g[SPLIT]):
+            v = v + vload(L, parts, part * part_len + q)
+        vstore(yf, q, finish(v, vload(L, rf, q), residual, simple, lo, hi, kind, a, b_))
+
+
+def scratch_size(g, ge, gd, gps, pw_e: int, pw_p: int) -> tuple[int, int, int, int]:
     """Floats of per-thread scratch: (ex, dw, the depthwise item's, the tiles' parking buffer:
-    the larger conv's when K is cut into chunks)."""
+    the largest conv's when K is cut into chunks); gps: the projection's geometries (whole,
+    and its channel parts')."""
     b = gd[geo.BI]
     ex = 0 if g[IN_PLACE] else g[EB] * g[SPAN] * g[W] * b
     dw = g[EB] * g[ROWS] * g[OW] * b
-    park = b  # (a placeholder when neither is cut)
-    for gc, pixels, pw in ((ge, g[SPAN] * g[W], pw_e), (gp, g[ROWS] * g[OW], pw_p)):
+    park = b  # (a placeholder when none is cut)
+    convs = [(ge, g[SPAN] * g[W], pw_e)] + [(gp, g[ROWS] * g[OW], pw_p) for gp in gps]
+    for gc, pixels, pw in convs:
         if gc[geo.CHUNK] < gc[geo.CBG]:
             park = max(park, (pixels + pw) * gc[geo.FB] * b)
     return ex, dw, dwb.scratch_size(gd), park
@@ -148,33 +174,51 @@ def scratch_size(g, ge, gd, gp, pw_e: int, pw_p: int) -> tuple[int, int, int, in
 
 @numba.jit(**PARALLEL)
 def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd,
-                              gp, acts, ci, sizes, work):  # fmt: skip
+                              gp, acts, ci, sizes, work, cuts, gps, wparts, woff, zero, parts,
+                              epi):  # fmt: skip
     """The block on flat blocked arrays: x [N, CB, H, W, BI], y [N, MB, OH, OW, b], rf the
     residual (x at block b) or y (none); we, be, wp_, bp packed for the direct kernel (tiles Te,
     Tp; Te1, Tp1 their one-pixel tiles), wd, bd for the depthwise one; g the block's geometry,
-    ge, gd, gp the three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv
-    (the kinds are in ge, gd, gp); ci: the
-    expand's input channels per block (L when BI = b); sizes: scratch_size's four; work
-    [threads, sum(sizes)]. Parallel over (image, part) items, each part a run of output rows."""
-    parts, oh_len = g[PARTS], g[OH]
-    per = (oh_len + parts - 1) // parts
+    ge, gd, gp the three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv (the
+    kinds are in ge, gd, gp); ci: the expand's input channels per block (L when BI = b);
+    sizes: scratch_size's four; work [threads, sum(sizes)].
+
+    g[SPLIT] = 1: parallel over (image, part) items, each part a run of output rows. g[SPLIT]
+    = P > 1 (fewer images than threads, small ones: a run of rows would compute the k - s rows
+    of e it shares with the next run again): parallel over (image, channel part) items, part p
+    the expanded blocks cuts[p] <= eb < cuts[p + 1] of every row, its projection (gps[p],
+    packed at wparts[woff[p]:], no bias or epilogue: `zero`) summed into parts[p] [N, MB, OH,
+    OW, b]; then y = the projection's epilogue (epi: residual, kind, a, b) of their sum."""
+    oh_len, split = g[OH], g[SPLIT]
     e_len, d_len, s_len, p_len = sizes[0], sizes[1], sizes[2], sizes[3]
-    for it in numba.prange(g[N] * parts):
-        n, part = it // parts, it % parts
-        oh_a = part * per
+    parts_row = g[PARTS] if split == 1 else 1
+    per = (oh_len + parts_row - 1) // parts_row
+    part_len = g[N] * g[MB] * oh_len * g[OW] * L.width
+    for it in numba.prange(g[N] * parts_row * split):
+        n, part = it // (parts_row * split), it % (parts_row * split)
+        oh_a = part * per if split == 1 else 0
         oh_b = min(oh_len, oh_a + per)
-        if oh_a >= oh_b:
-            continue
         mine = work[numba.get_thread_id()]
         ex = mine[:e_len]
         dw = mine[e_len : e_len + d_len]
         dscr = mine[e_len + d_len : e_len + d_len + s_len]
         acc = mine[e_len + d_len + s_len : e_len + d_len + s_len + p_len]
-        fb = max(ge[geo.FB], gp[geo.FB])
-        tbuf = np.empty(fb * L.width, np.float32)
-        taps = max(ge[geo.CHUNK], gp[geo.CHUNK])
-        tx, tw = np.empty(taps, np.int64), np.empty(taps, np.int64)
-        sx, sw_ = np.empty(taps, np.int64), np.empty(taps, np.int64)
-        ge_, gd_, gp_ = ge.copy(), gd.copy(), gp.copy()  # this thread's: set per band
-        item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp_, acts,
-             ci, n, oh_a, oh_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
+        tbuf = np.empty(g[FBMAX] * L.width, np.float32)
+        tx, tw = np.empty(g[TAPS], np.int64), np.empty(g[TAPS], np.int64)
+        sx, sw_ = np.empty(g[TAPS], np.int64), np.empty(g[TAPS], np.int64)
+        ge_, gd_ = ge.copy(), gd.copy()  # this thread's: set per band
+        if split == 1:
+            if oh_a < oh_b:
+                item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_,
+                     gp.copy(), acts, ci, n, oh_a, oh_b, 0, g[EB], ex, dw, dscr, acc, tbuf, tx,
+                     tw, sx, sw_)  # fmt: skip
+        else:
+            pv = parts[part * part_len :]
+            item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g,
+                 ge_, gd_, gps[part].copy(), acts, ci, n, 0, oh_len, cuts[part], cuts[part + 1],
+                 ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
+    if split > 1:
+        kind, a, b_ = np.int64(epi[1]), acts[2, 1], acts[2, 2]
+        for it in numba.prange(g[N] * g[MB]):
+            _combine(L, parts, part_len, yf, rf, bp, g, it // g[MB], it % g[MB], epi[0], kind,
+                     a, b_)  # fmt: skip

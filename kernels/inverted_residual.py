@@ -55,7 +55,8 @@ class InvertedResidualPlan:
     block: int
     expand: ConvPlan | None  # C -> E 1x1, None for expansion 1
     depthwise: ConvPlan  # E -> E kxk
-    project: ConvPlan  # E -> M 1x1, the residual added after its activation
+    project: ConvPlan  # E -> M 1x1, the residual added before or after its activation
+    project_weight: np.ndarray = dataclasses.field(compare=False, repr=False)  # [M, E, 1, 1]
     launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -114,6 +115,7 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
                                      block=b, **act_d),
         # d is in blocks of b, E < b included (the depthwise conv's, or the scratch's)
         project=prepare_conv_nchwc(wp, bp, **one, **act_p, residual=residual, in_block=b),
+        project_weight=wp,
     )  # fmt: skip
 
 
@@ -128,19 +130,65 @@ def bands(n: int, oh: int, ow: int, w: int, eb: int, b: int, k: int, s: int,
     """(parts, rows): each image's output rows cut into `parts` runs, one work item each (the
     fewest that keep the threads evenly busy: a parallel loop takes as long as its busiest
     thread; a part's first band computes the k - s rows of e it shares with the part above
-    again), and walked in bands of `rows` output rows, the most whose scratches ((rows - 1) s
-    + k rows of e of w pixels, rows rows of d of ow) fit in L2 / L2_SHARE."""
+    again), and walked in bands of `rows` output rows (band_rows)."""
 
     def busiest(parts):
         items = max(1, n * parts)
         return -(-items // threads) / (items / threads)
 
     parts = min(range(1, max(1, min(oh, threads)) + 1), key=lambda p: (busiest(p), p))
+    return parts, band_rows(-(-oh // parts), ow, w, eb, b, k, s)
+
+
+def band_rows(per: int, ow: int, w: int, eb: int, b: int, k: int, s: int) -> int:
+    """Output rows per band of a run of `per`: the most whose scratches ((rows - 1) s + k rows
+    of e of w pixels, rows rows of d of ow) fit in L2 / L2_SHARE."""
+    budget = cache_bytes(2) // L2_SHARE // (eb * b * 4)  # pixels the scratches may hold
+    return max(1, min(per, (budget - (k - s) * w) // (s * w + ow)))
+
+
+DEPTHWISE_COST = 4  # a depthwise FMA's time in pointwise FMAs (vectors from L1, not registers)
+
+
+def block_cuts(eb: int, fb: int, q: int) -> list:
+    """[0, ..., eb]: eb blocks cut into at most q parts of whole groups of fb blocks."""
+    groups = -(-eb // fb)
+    step = -(-groups // q) * fb
+    return sorted({min(eb, i * step) for i in range(q + 1)})
+
+
+def channel_cuts(
+    c: int,
+    e: int,
+    m: int,
+    h: int,
+    w: int,
+    oh: int,
+    ow: int,
+    k: int,
+    s: int,
+    parts: int,
+    b: int,
+    fb: int,
+    threads: int,
+    expand: bool,
+) -> list | None:
+    """Block cuts [0, ..., EB] of the expanded channels into parts run by a thread each over
+    the whole image (each part's projection summed into partial outputs, then added), or None
+    to cut the image's rows into `parts` runs instead. Rows cost each run the k - s rows of e it
+    shares with the next (a 7x7 image in two runs expands 6 + 5 rows of 7, the channel parts 7
+    once), channel parts a pass adding the partial sums; the cheaper for the busiest thread by
+    a count of FMAs (cut at the expand's filter groups of fb blocks: its tiles stay whole)."""
+    eb = -(-e // b)
+    cuts = block_cuts(eb, fb if expand else 1, threads)
+    if parts == 1 or len(cuts) < 3:
+        return None
+    e_cost, o_cost = (c * e if expand else 0), k * k * DEPTHWISE_COST * e + e * m
     per = -(-oh // parts)
-    row_bytes = eb * b * 4
-    budget = cache_bytes(2) // L2_SHARE // row_bytes  # rows of pixels the scratches may hold
-    fit = (budget - (k - s) * w) // (s * w + ow)
-    return parts, max(1, min(per, fit))
+    by_rows = min(h, (per - 1) * s + k) * w * e_cost + per * ow * o_cost
+    share = max(hi - lo for lo, hi in zip(cuts, cuts[1:], strict=False)) / eb
+    by_channels = share * (h * w * e_cost + oh * ow * o_cost) + oh * ow * m * (len(cuts) + 1)
+    return cuts if by_channels < 0.95 * by_rows else None
 
 
 def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
@@ -171,6 +219,24 @@ def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
     return int(((rows - 1) * s + k) * wp < edges * rows * k * wt)
 
 
+def _channel_parts(plan: InvertedResidualPlan, cuts, band_shape, threads: int, band: dict):
+    """For channel parts (cuts not None): (the parts' projections, their geometries, packed
+    weights one after the other, each one's offset, a zero bias); else placeholders."""
+    p = plan.project
+    if cuts is None:
+        return [], [], p.packed, np.zeros(1, np.int64), p.bias
+    rows, ow, b = band_shape
+    e = plan.expanded
+    one = dict(strides=(1, 1), pads=(0,) * 4, block=b, in_block=b, tile=p.fb)
+    convs = [prepare_conv_nchwc(plan.project_weight[:, lo * b : min(e, hi * b)], None, **one)
+             for lo, hi in zip(cuts, cuts[1:], strict=False)]  # fmt: skip
+    gps = [_conv_geometry(conv, (1, hi - lo, rows, ow, b), threads, **band)
+           for conv, lo, hi in zip(convs, cuts, cuts[1:], strict=False)]  # fmt: skip
+    offsets = np.cumsum([0] + [conv.packed.size for conv in convs[:-1]]).astype(np.int64)
+    return (convs, gps, np.concatenate([conv.packed for conv in convs]), offsets,
+            np.zeros(convs[0].bias.size, np.float32))  # fmt: skip
+
+
 @dataclasses.dataclass
 class _Launch:
     shape: tuple  # the output's
@@ -196,35 +262,45 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     _, mb, oh, ow, _ = shape
     eb = -(-plan.expanded // b)
     parts, rows = bands(n, oh, ow, w, eb, b, k, s, threads)
+    dw, p = plan.depthwise, plan.project
+    e = plan.expand or p  # expansion 1: the project's stands in, never run
+    cuts = channel_cuts(c, plan.expanded, plan.out_channels, h, w, oh, ow, k, s, parts, b,
+                        e.fb, threads, plan.expand is not None)  # fmt: skip
+    if cuts is not None:
+        rows = band_rows(oh, ow, w, eb, b, k, s)
     span = (rows - 1) * s + k
     in_place = plan.expand is None and bi == b
-    g = np.zeros(ir.N_GEO, np.int64)
-    for key, v in {ir.N: n, ir.CB: cb, ir.BI: bi, ir.H: h, ir.W: w, ir.EB: eb, ir.K: k, ir.S: s,
-                   ir.PT: pt, ir.OH: oh, ir.OW: ow, ir.MB: mb, ir.ROWS: rows, ir.SPAN: span,
-                   ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None),
-                   ir.IN_PLACE: int(in_place)}.items():  # fmt: skip
-        g[key] = v
-    dw, p = plan.depthwise, plan.project
     # the depthwise conv on the band's rows of e in ex (padded rows included), or on x itself
     image = dict(H=h, PT=pt) if in_place else dict(H=span, PT=0)
     gd = geo.pack(N=1, CB=eb, BI=b, W=w, KH=k, KW=k, SH=s, SW=s, DH=1, DW=1, PL=pl, MB=eb,
                   OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows),
                   **image)  # fmt: skip
-    gp = _conv_geometry(p, (1, eb, rows, ow, b), threads, pixels=rows * ow, XBS=rows * ow,
-                        YBS=oh * ow)  # fmt: skip
-    e = plan.expand or p  # expansion 1: the project's stands in, never run
+    band = dict(pixels=rows * ow, XBS=rows * ow, YBS=oh * ow)
+    gp = _conv_geometry(p, (1, eb, rows, ow, b), threads, **band)
     ge = gp
     if plan.expand is not None:
         ge = _conv_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
                             YBS=span * w)  # fmt: skip
+    split = _channel_parts(plan, cuts, (rows, ow, b), threads, band)
+    gps = split[1]
+    g = np.zeros(ir.N_GEO, np.int64)
+    for key, v in {ir.N: n, ir.CB: cb, ir.BI: bi, ir.H: h, ir.W: w, ir.EB: eb, ir.K: k, ir.S: s,
+                   ir.PT: pt, ir.OH: oh, ir.OW: ow, ir.MB: mb, ir.ROWS: rows, ir.SPAN: span,
+                   ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None),
+                   ir.IN_PLACE: int(in_place), ir.SPLIT: 1 if cuts is None else len(cuts) - 1,
+                   ir.TAPS: max(int(x[geo.CHUNK]) for x in (ge, gp, *gps)),
+                   ir.FBMAX: max(int(x[geo.FB]) for x in (ge, gp, *gps))}.items():  # fmt: skip
+        g[key] = v
     pw_e, pw_p = int(ge[geo.PW]), int(gp[geo.PW])
-    sizes = np.array(ir.scratch_size(g, ge, gd, gp, pw_e, pw_p), np.int64)
+    sizes = np.array(ir.scratch_size(g, ge, gd, [gp, *gps], pw_e, pw_p), np.int64)
     acts = np.array([c.act for c in (e, dw, p)], np.float32)
     L = lanes(b)
     Te, Tp = tiles.tile(pw_e, e.fb), tiles.tile(pw_p, p.fb)
     args = (L, Te, tiles.tile(1, e.fb), Tp, tiles.tile(1, p.fb), e.packed, e.bias, dw.packed,
             dw.bias, p.packed, p.bias, g, ge, gd, gp, acts, L if e.in_block == b else e.in_block,
             sizes)  # fmt: skip
+    args += (np.array(cuts or [0, eb], np.int64), np.array(gps or [gp]), *split[2:],
+             np.array([p.residual, p.act[0]], np.int64))  # fmt: skip
     return _Launch(shape, args, sizes, ir.inverted_residual_blocked)
 
 
@@ -249,7 +325,10 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
                                                              plan.block)  # fmt: skip
         rf = np.ascontiguousarray(r).reshape(-1)
     head, tail = launch.args[:5], launch.args[5:]
-    args = (*head, xf, *tail[:6], yf, rf, *tail[6:], per_thread(int(launch.sizes.sum())))
+    split = int(launch.args[11][ir.SPLIT])  # channel parts: their partial sums
+    parts = empty(split * yf.size) if split > 1 else yf
+    work = per_thread(int(launch.sizes.sum()))
+    args = (*head, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts, tail[18])
     launch.run(*args)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True

@@ -209,3 +209,59 @@ def test_residual_added_before_the_activation(t):
     for tactic in ("blocked-depthfirst", "blocked-opbyop"):
         session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
         assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=tactic)
+
+
+@pytest.mark.parametrize(
+    "c,t,m,k,hw,acts,residual",
+    [
+        (32, 6, 32, 3, 7, ("relu6", "relu6", None), None),  # the residual after (MobileNetV2)
+        (24, 6, 24, 5, 5, ("silu", "silu", None), "before"),  # Relu(x + project(d))
+        (40, 6, 24, 3, 7, ("hardswish", "relu6", "silu"), False),  # an activation after
+        (48, 1, 48, 3, 4, (None, "relu6", None), None),  # expansion 1: x read in place
+    ],
+)
+def test_channel_parts_of_a_small_image(monkeypatch, c, t, m, k, hw, acts, residual):
+    """One small image on two threads: each thread takes part of the expanded channels over
+    every row (no shared rows computed twice), its projection's partial sums added with the
+    epilogue after (taken whatever channel_cuts would choose); against onnxruntime."""
+    import kernels.inverted_residual as K
+
+    def two_parts(c, e, m, h, w, oh, ow, k, s, parts, b, fb, threads, expand):
+        return K.block_cuts(-(-e // b), fb if expand else 1, 2)
+
+    monkeypatch.setattr(K, "channel_cuts", two_parts)
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.config import get_threads, set_threads
+
+    g = GraphBuilder(opset=17)
+    y, (we, be, wd, bd, wp, bp) = block(g, "x", c, t, m, 1, k, residual=residual, acts=acts)
+    model = g.model({"x": ["N", c, hw, hw]}, [y])
+    keywords = {"relu6": ("clip", None, None, 0.0, 6.0), "hardswish": ("hard_swish",),
+                "silu": ("silu",), None: None}  # fmt: skip
+    kind = {None: c == m, False: None, "before": "before"}[residual]
+    kernel_acts = [keywords[a] for a in acts]
+    if residual == "before":  # block() puts a Relu after the Add
+        kernel_acts[2] = ("relu",)
+    plan = K.prepare_inverted_residual(we, be, wd, bd, wp, bp, pads=(k // 2,) * 4,
+                                       acts=kernel_acts, residual=kind)  # fmt: skip
+    x = RNG.standard_normal((1, c, hw, hw)).astype(np.float32)
+    threads = get_threads()
+    set_threads(2)
+    try:
+        got = from_blocked(K.inverted_residual(to_blocked(x), plan), m)
+    finally:
+        set_threads(threads)
+    (launch,) = plan.launches.values()
+    assert launch.args[11][K.ir.SPLIT] == 2
+    assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
+
+
+def test_channel_cuts_where_rows_would_compute_shared_rows_twice():
+    from kernels.inverted_residual import channel_cuts
+
+    # 7x7, 160 -> 960 -> 160, two runs of rows would expand 6 + 5 rows: channel parts instead
+    assert channel_cuts(160, 960, 160, 7, 7, 7, 7, 3, 1, 2, 16, 4, 2, True) == [0, 32, 60]
+    assert channel_cuts(160, 960, 160, 7, 7, 7, 7, 3, 1, 2, 16, 4, 4, True) == [0, 16, 32, 48, 60]
+    # 56x56: 30 rows of 56 per run, the shared rows cost less than adding partial sums
+    assert channel_cuts(24, 144, 24, 56, 56, 56, 56, 3, 1, 2, 16, 2, 2, True) is None
+    assert channel_cuts(160, 960, 160, 7, 7, 7, 7, 3, 1, 1, 16, 4, 2, True) is None  # batch 2
