@@ -54,7 +54,7 @@ from ._blocked_geometry import (
     N,
     W,
 )  # fmt: skip
-from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
+from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import vfma, vload, vstore, vzero
 from .simd.activation import IDENTITY, clip_bounds, clips
@@ -73,7 +73,7 @@ def _put(L, a, bias, yf, q, res, residual, lo, hi):
     vstore(yf, q, finish(a + bias, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
 
-@numba.jit(**INLINE_GEMM)
+@numba.jit(**FORCE_GEMM)
 def _sum_taps(L, src, x0, step, wf, w0, taps, n_taps):
     """The 8 accumulators sum_t src[x0 + taps[t] + p step] * wf[w0 + t b], p < TILE: one weight
     vector and 8 input vectors per tap."""
@@ -93,7 +93,7 @@ def _sum_taps(L, src, x0, step, wf, w0, taps, n_taps):
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
-@numba.jit(**INLINE_GEMM)
+@numba.jit(**FORCE_GEMM)
 def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
     """The same sums for a filter 3 wide, undilated, stride sw 1 or 2: per filter row the
     (TILE - 1) sw + 3 input vectors the row's taps share are loaded once (10 or 17 loads and 3
@@ -141,7 +141,7 @@ def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
-@numba.jit(**INLINE_GEMM)
+@numba.jit(**FORCE_GEMM)
 def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi,
           rows3):  # fmt: skip
     """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=

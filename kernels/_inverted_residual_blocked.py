@@ -142,10 +142,13 @@ def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp
 
 
 @numba.jit(**JIT_GEMM)
-def _combine(L, parts, part_len, yf, rf, bias, g, n, mb, residual, kind, a, b_):
-    """y[n, mb] = the projection's epilogue of the channel parts' partial sums: bias, residual
-    (before or after), activation (kind, a, b_)."""
+def _combine(L, parts, yf, rf, bias, g, it, epi, acts):
+    """y[n, mb] (it = n MB + mb) = the projection's epilogue of the channel parts' partial
+    sums: bias, residual (epi[0]: before or after), activation (kind epi[1], acts[2, 1:])."""
     b, pixels = L.width, g[OH] * g[OW]
+    part_len = g[N] * g[MB] * pixels * b
+    n, mb = it // g[MB], it % g[MB]
+    residual, kind, a, b_ = epi[0], np.int64(epi[1]), acts[2, 1], acts[2, 2]
     simple = clips(kind)
     lo, hi = clip_bounds(kind, a, b_)
     bv = vload(L, bias, mb * b)
@@ -174,8 +177,8 @@ def scratch_size(g, ge, gd, gps, pw_e: int, pw_p: int) -> tuple[int, int, int, i
 
 @numba.jit(**PARALLEL)
 def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd,
-                              gp, acts, ci, sizes, work, cuts, gps, wparts, woff, zero, parts,
-                              epi):  # fmt: skip
+                              gp, acts, ci, sizes, work, cuts, gps, wparts, woff, zero,
+                              parts):  # fmt: skip
     """The block on flat blocked arrays: x [N, CB, H, W, BI], y [N, MB, OH, OW, b], rf the
     residual (x at block b) or y (none); we, be, wp_, bp packed for the direct kernel (tiles Te,
     Tp; Te1, Tp1 their one-pixel tiles), wd, bd for the depthwise one; g the block's geometry,
@@ -188,13 +191,15 @@ def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, 
     of e it shares with the next run again): parallel over (image, channel part) items, part p
     the expanded blocks cuts[p] <= eb < cuts[p + 1] of every row, its projection (gps[p],
     packed at wparts[woff[p]:], no bias or epilogue: `zero`) summed into parts[p] [N, MB, OH,
-    OW, b]; then y = the projection's epilogue (epi: residual, kind, a, b) of their sum."""
+    OW, b]; then combine_parts makes y of their sum (a parallel loop of its own, compiled once:
+    this one is compiled again for every pair of tiles, ~10 s each)."""
     oh_len, split = g[OH], g[SPLIT]
     e_len, d_len, s_len, p_len = sizes[0], sizes[1], sizes[2], sizes[3]
     parts_row = g[PARTS] if split == 1 else 1
     per = (oh_len + parts_row - 1) // parts_row
     part_len = g[N] * g[MB] * oh_len * g[OW] * L.width
-    for it in numba.prange(g[N] * parts_row * split):
+    items = g[N] * parts_row * split  # (a conditional in prange's bound: no parallel loop)
+    for it in numba.prange(items):
         n, part = it // (parts_row * split), it % (parts_row * split)
         oh_a = part * per if split == 1 else 0
         oh_b = min(oh_len, oh_a + per)
@@ -217,8 +222,11 @@ def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, 
             item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g,
                  ge_, gd_, gps[part].copy(), acts, ci, n, 0, oh_len, cuts[part], cuts[part + 1],
                  ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
-    if split > 1:
-        kind, a, b_ = np.int64(epi[1]), acts[2, 1], acts[2, 2]
-        for it in numba.prange(g[N] * g[MB]):
-            _combine(L, parts, part_len, yf, rf, bp, g, it // g[MB], it % g[MB], epi[0], kind,
-                     a, b_)  # fmt: skip
+
+
+@numba.jit(**PARALLEL)
+def combine_parts(L, parts, yf, rf, bias, g, epi, acts):
+    """y = the projection's epilogue (epi: residual, kind; acts[2, 1:]: its a, b) of the sum
+    of the channel parts' partial outputs (inverted_residual_blocked with g[SPLIT] > 1)."""
+    for it in numba.prange(g[N] * g[MB]):
+        _combine(L, parts, yf, rf, bias, g, it, epi, acts)

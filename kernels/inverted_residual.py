@@ -243,6 +243,7 @@ class _Launch:
     args: tuple  # the kernel's arguments but for x, y, the residual
     sizes: np.ndarray  # floats of per-thread scratch, by use
     run: object  # the dispatcher, then the compiled entry point
+    epilogue: tuple  # combine_parts' arguments but for the parts, y and the residual
     bound: bool = False
 
 
@@ -299,9 +300,9 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     args = (L, Te, tiles.tile(1, e.fb), Tp, tiles.tile(1, p.fb), e.packed, e.bias, dw.packed,
             dw.bias, p.packed, p.bias, g, ge, gd, gp, acts, L if e.in_block == b else e.in_block,
             sizes)  # fmt: skip
-    args += (np.array(cuts or [0, eb], np.int64), np.array(gps or [gp]), *split[2:],
-             np.array([p.residual, p.act[0]], np.int64))  # fmt: skip
-    return _Launch(shape, args, sizes, ir.inverted_residual_blocked)
+    args += (np.array(cuts or [0, eb], np.int64), np.array(gps or [gp]), *split[2:])
+    epi = (lanes(b), p.bias, g, np.array([p.residual, p.act[0]], np.int64), acts)
+    return _Launch(shape, args, sizes, ir.inverted_residual_blocked, epi)
 
 
 def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
@@ -328,8 +329,11 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
     split = int(launch.args[11][ir.SPLIT])  # channel parts: their partial sums
     parts = empty(split * yf.size) if split > 1 else yf
     work = per_thread(int(launch.sizes.sum()))
-    args = (*head, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts, tail[18])
+    args = (*head, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts)
     launch.run(*args)
+    if split > 1:
+        L, bias, g, epi, acts = launch.epilogue
+        ir.combine_parts(L, parts, yf, rf, bias, g, epi, acts)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True
     return out
