@@ -33,7 +33,7 @@ from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point, get_threads
-from .conv_nchwc import ConvPlan, geometry, prepare_conv_nchwc, tile_rows
+from .conv_nchwc import ConvPlan, geometry, prepare_conv_nchwc
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd import tile as tiles
@@ -181,11 +181,14 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
 
 def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
     """A 1x1 conv's geometry run on one row of pixels (inside a band; the pixel counts are set
-    per band), its tile's rows for `pixels` pixels, and the block strides given."""
+    per band), the block strides given, and the tallest tile of its filter groups (not
+    tile_rows' narrower ones for short runs: the block kernel is compiled for each pair of
+    tiles, ~20 s each, so a pair per (expand, project) filter-group count, whatever the image;
+    a run shorter than the tile takes the one-pixel path)."""
     g = geometry(conv, x_shape, threads)
     pixels = fields.pop("pixels")
     fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
-                  COL_B=pixels, PW=tile_rows(conv.fb, conv.block, pixels))  # fmt: skip
+                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block))  # fmt: skip
     for name, value in fields.items():
         g[getattr(geo, name)] = value
     return g
