@@ -214,6 +214,32 @@ def _blocked_depthwise():
     conv_nchwc(to_blocked(x, block=plan.in_block), plan)
 
 
+def _inverted_residual(fb_e):
+    """The depth-first inverted residual at this CPU's width, compiled per pair of tiles: an
+    expand of fb_e output blocks per tile (0: expansion 1, the depthwise conv reading x) with
+    projections of 4, 2 and 1 blocks (the tallest tiles, as the kernel takes them)."""
+
+    def compile_group():
+        from .blocked import to_blocked
+        from .inverted_residual import inverted_residual, prepare_inverted_residual
+        from .simd import width
+
+        rng = np.random.default_rng(0)
+        b = width()
+        c, e = (b, fb_e * b) if fb_e else (2 * b, 2 * b)  # E in fb_e blocks: tiles of fb_e
+
+        def w(*shape):
+            return rng.standard_normal(shape, dtype=np.float32)
+
+        for m in (4 * b, 2 * b, b):
+            plan = prepare_inverted_residual(w(e, c, 1, 1) if fb_e else None, w(e),
+                                             w(e, 1, 3, 3), w(e), w(m, e, 1, 1), w(m),
+                                             acts=(("relu",), ("relu",), None))  # fmt: skip
+            inverted_residual(to_blocked(w(1, c, 5, 5), block=b), plan)
+
+    return compile_group
+
+
 def _blocked_layout():
     from .blocked import from_blocked, to_blocked
 
@@ -242,6 +268,9 @@ GROUPS = {
     "transformer": _transformer,
     "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,
+    "inverted_residual_f4": _inverted_residual(4),
+    "inverted_residual_f2": _inverted_residual(2),
+    "inverted_residual_f1": _inverted_residual(0),
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 
