@@ -3,7 +3,8 @@ work item and the parallel driver behind kernels/inverted_residual.py.
 
     e = act_e(We x + be)            1x1 expand, C -> E channels (or e = x: expansion 1)
     d = act_d(dw_kxk(e) + bd)       depthwise, stride s, pads (pt, pl), zeros outside e
-    y = act_p(Wp d + bp) [+ x]      1x1 project, E -> M channels, the residual after it
+    y = act_p(Wp d + bp [+ x]) [+ x]  1x1 project, E -> M channels, the residual before or
+                                     after its activation
 
 A work item is a run of output rows of one image, walked in bands of ROWS output rows. A band
 needs (ROWS - 1) s + k rows of e: the k - s rows it shares with the band before are moved to
@@ -22,7 +23,8 @@ pixel alone, and a block holds a run of rows contiguously), with g[XBS] and g[YB
 strides of the tensors it reads and writes; the depthwise kernel's `item` for the middle conv,
 with the scratch as its image (its rows already padded, its columns padded by the item), or
 at expansion 1 with x itself (its rows written to the band's scratch from g[ROW0]: no copy of
-x into ex).
+x into ex). One small image on more threads than it has runs of rows worth cutting takes
+channel parts instead (inverted_residual_blocked's docstring).
 """
 
 import numba
