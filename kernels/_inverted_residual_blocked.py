@@ -67,19 +67,15 @@ def _move_rows(L, ex, g, eb_a, eb_b, src, count):
 
 @numba.jit(**JIT_GEMM)
 def _copy_rows(L, xf, g, n, ih0, ih1, r0, ex):
-    """ex[:, r0 + i] = x[n, :, ih0 + i] for ih0 + i < ih1 (expansion 1: e = x), x's blocks of
-    BI channels (BI < b: one block, C < b, lanes past BI zero)."""
-    b, bi, span, w, h = L.width, g[BI], g[SPAN], g[W], g[H]
-    count = (ih1 - ih0) * w
+    """ex[0, r0 + i] = x[n, 0, ih0 + i] for ih0 + i < ih1: expansion 1 with C < b, x's one
+    block of BI = C channels widened to b lanes (zeros past BI); x in blocks of b is read in
+    place (g[IN_PLACE])."""
+    b, bi, w, h = L.width, g[BI], g[W], g[H]
     mask = tail_mask(L, bi)
-    for eb in range(g[EB]):
-        x0 = ((n * g[CB] + eb) * h + ih0) * w * bi
-        e0 = (eb * span + r0) * w * b
-        for p in range(count):
-            if bi == b:
-                vstore(ex, e0 + p * b, vload(L, xf, x0 + p * b))
-            else:
-                vstore(ex, e0 + p * b, vload_masked(L, xf, x0 + p * bi, mask))
+    x0 = (n * h + ih0) * w * bi  # one block per image
+    e0 = r0 * w * b
+    for p in range((ih1 - ih0) * w):
+        vstore(ex, e0 + p * b, vload_masked(L, xf, x0 + p * bi, mask))
 
 
 @numba.jit(**JIT_GEMM)

@@ -218,13 +218,13 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tup
             continue  # no tile fits a row this narrow
         rb_len = min(rows, -(-4 * threads // others))
         bands = -(-rows // -(-rows // rb_len))
-        cost = rows * min(costs.values()) * _busiest(others * bands, threads)
+        cost = rows * min(costs.values()) * busiest(others * bands, threads)
         if best is None or cost < best[0]:
             best = (cost, rows, cols)
     return (h, w) if best is None else best[1:]
 
 
-def _busiest(items: int, threads: int) -> float:
+def busiest(items: int, threads: int) -> float:
     """The busiest thread's share of `items` equal work items over the mean share: a parallel
     loop takes as long as its busiest thread."""
     return -(-items // threads) / (items / threads)
@@ -444,7 +444,7 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
                 continue
             bands = -(-oh // rows)
             copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
-            cost = _busiest(others * bands, threads) * (fmas + copies)
+            cost = busiest(others * bands, threads) * (fmas + copies)
             if best is None or cost < best[0]:
                 best = (cost, pad, rows)
     return best[1], best[2]

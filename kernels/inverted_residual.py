@@ -25,6 +25,7 @@ identity); b = kernels.simd.width().
 """
 
 import dataclasses
+import inspect
 
 import numpy as np
 
@@ -33,15 +34,16 @@ from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point, get_threads
-from .conv_nchwc import ConvPlan, geometry, prepare_conv_nchwc
+from .conv_nchwc import ConvPlan, busiest, geometry, prepare_conv_nchwc
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd import tile as tiles
+from .simd.activation import encode
 from .windows import conv_output_shape
 from .workspace import empty, per_thread
 
 L2_SHARE = 2  # the band's two scratches take at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
-ACT_KEYS = ("activation", "alpha", "beta", "clip_min", "clip_max")  # simd.activation.encode's
+ACT_KEYS = tuple(inspect.signature(encode).parameters)  # activation, alpha, beta, clip_min, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +133,8 @@ def bands(n: int, oh: int, ow: int, w: int, eb: int, b: int, k: int, s: int,
     fewest that keep the threads evenly busy: a parallel loop takes as long as its busiest
     thread; a part's first band computes the k - s rows of e it shares with the part above
     again), and walked in bands of `rows` output rows (band_rows)."""
-
-    def busiest(parts):
-        items = max(1, n * parts)
-        return -(-items // threads) / (items / threads)
-
-    parts = min(range(1, max(1, min(oh, threads)) + 1), key=lambda p: (busiest(p), p))
+    parts = min(range(1, max(1, min(oh, threads)) + 1),
+                key=lambda p: (busiest(max(1, n * p), threads), p))  # fmt: skip
     return parts, band_rows(-(-oh // parts), ow, w, eb, b, k, s)
 
 
@@ -147,7 +145,10 @@ def band_rows(per: int, ow: int, w: int, eb: int, b: int, k: int, s: int) -> int
     return max(1, min(per, (budget - (k - s) * w) // (s * w + ow)))
 
 
-DEPTHWISE_COST = 4  # a depthwise FMA's time in pointwise FMAs (vectors from L1, not registers)
+# A depthwise FMA's time in pointwise FMAs (its vectors come from L1, not registers): 3.7 on
+# Zen 4 (64->384->64 14x14, one thread: depthwise 50 us for 0.68 M FMAs, expand 95 us for
+# 4.8 M; bench/NOTES.md), a constant of that machine, not timed here.
+DEPTHWISE_COST = 4
 CHANNEL_GAIN = 0.95  # channel parts are taken when the count says they save 5% (a rough model)
 
 
