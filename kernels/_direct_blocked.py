@@ -52,6 +52,7 @@ from ._blocked_geometry import (
     COL_B,
     DH,
     DW,
+    FB,
     KH,
     KW,
     MB,
@@ -61,6 +62,7 @@ from ._blocked_geometry import (
     OW,
     PL,
     PT,
+    PW,
     RESIDUAL,
     ROW_A,
     ROW_B,
@@ -74,6 +76,7 @@ from ._blocked_geometry import (
     N,
     W,
 )  # fmt: skip
+from ._first_class import call
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows
 from .simd import tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
@@ -323,14 +326,39 @@ def item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw
                 activate_rows(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
 
 
+@functools.cache
+def tile_item(T, T1):
+    """`item` with its register tiles fixed (T, and T1 the one-pixel path's): one function per
+    tile, which conv_direct takes as a value (kernels/_first_class.py, item_signature), so the
+    parallel driver compiles once per width and input-channel count (ci's type), the serial
+    work once per tile (cached on disk by the tiles' shapes)."""
+
+    @numba.jit(**JIT_GEMM)
+    def run(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
+            act_b, ci):  # fmt: skip
+        item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
+             act_a, act_b, ci)  # fmt: skip
+
+    return run
+
+
+def item_signature(L, xf, wf, bf, yf, res, g, act_a, act_b, ci):
+    """The Numba signature of tile_item's functions as conv_direct calls them with these
+    arguments: its scratches writable contiguous arrays, the indices int64."""
+    f1, i1, i = types.float32[::1], types.int64[::1], types.int64
+    given = [numba.typeof(a) for a in (L, xf, wf, bf, yf, res, g)]
+    scalars = [numba.typeof(a) for a in (act_a, act_b, ci)]
+    return types.void(*given, i, i, i, i, i, f1, f1, i1, i1, i1, i1, *scalars)
+
+
 @numba.jit(**PARALLEL)
-def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
+def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     """y = epilogue(conv(x)) on flat blocked arrays, x [N, CB, H, W, BI], y [N, MB, OH, OW, W],
-    W = L.width; T = Tile(PW, FB), the register tile, T1 = Tile(1, FB), the one-pixel path's;
-    packed weights [G, OGG, CBG, KH, KW, BI, FB W], bias [G OGG FB W]; ci: BI, or L when
-    BI = W (the channel loop unrolled); g: the geometry (the indices above), its ACT the
-    activation's kind, act_a and act_b its parameters."""
-    ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, T.cols, T.rows
+    W = L.width; run: tile_item's function of the register tile Tile(g[PW], g[FB]), an Item
+    (kernels/_first_class.py); packed weights [G, OGG, CBG, KH, KW, BI, FB W], bias [G OGG FB
+    W]; ci: BI, or L when BI = W (the channel loop unrolled); g: the geometry (the indices
+    above), its ACT the activation's kind, act_a and act_b its parameters."""
+    ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, g[FB], g[PW]
     rb_len = (g[OH] + rows - 1) // rows
     per_image = g[G] * ogg * rb_len
     chunk_taps = g[CHUNK] * g[KH] * g[KW]
@@ -340,7 +368,8 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     # item's parking buffer: rows and their overlapping tiles, and column tiles
     park = (rows * (g[OW] + pw) + n_edges * (rows + pw)) * fb * w if multi else 1
     for it in numba.prange(g[N] * per_image):
-        n, rest = it // per_image, it % per_image
+        # (prange's index is unsigned: run takes int64)
+        n, rest = np.int64(it // per_image), np.int64(it % per_image)
         grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
@@ -351,5 +380,5 @@ def conv_direct(L, T, T1, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)
         sw_ = np.empty(chunk_taps, np.int64)
-        item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
-              act_a, act_b, ci)  # fmt: skip
+        call(run, L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
+             act_a, act_b, ci)  # fmt: skip

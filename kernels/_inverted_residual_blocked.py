@@ -27,12 +27,16 @@ x into ex). One small image on more threads than it has runs of rows worth cutti
 channel parts instead (inverted_residual_blocked's docstring).
 """
 
+import functools
+
 import numba
 import numpy as np
+from numba.core import types
 
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
 from . import _direct_blocked as direct
+from ._first_class import call
 from .config import JIT_GEMM, PARALLEL
 from .epilogue import finish
 from .simd import tail_mask, vload, vload_masked, vstore, vzero
@@ -91,55 +95,6 @@ def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, t
 
 
 @numba.jit(**JIT_GEMM)
-def item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n,
-         oh_a, oh_b, eb_a, eb_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
-    """Output rows oh_a <= oh < oh_b of image n, band by band, through expanded blocks eb_a <=
-    eb < eb_b (all of them, or a channel part's: then wp_, bp and gp are the part's projection,
-    into its partial sums yf); ge, gd and gp this thread's copies (their pixel counts and
-    first rows change per band). g[IN_PLACE] (expansion 1, x in blocks of b): gd is the
-    depthwise conv's on x itself, its rows written to dw from ROW0."""
-    b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
-    ow, rows = g[OW], g[ROWS]
-    taps = np.empty(2 * k * k, np.int64)
-    og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
-    dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
-    have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
-    for oh0 in range(oh_a, oh_b, rows):
-        used = min(rows, oh_b - oh0)
-        y0 = (n * g[MB] * g[OH] + oh0) * ow * b
-        if g[IN_PLACE]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
-            gd[geo.ROW0] = oh0
-            xv = xf[n * g[CB] * h * w * b :]
-            for eb in range(eb_a, eb_b):
-                dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
-                         acts[1, 1], acts[1, 2])  # fmt: skip
-        else:
-            ih0 = oh0 * s - pt
-            span = (used - 1) * s + k
-            keep = 0
-            if have_hi > have_lo and have_lo < ih0 < have_hi:
-                keep = have_hi - ih0
-                _move_rows(L, ex, g, eb_a, eb_b, ih0 - have_lo, keep)
-            lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
-            _zero_rows(L, ex, g, eb_a, eb_b, keep, max(keep, lo - ih0))
-            _zero_rows(L, ex, g, eb_a, eb_b, max(keep, hi - ih0), span)
-            if lo < hi:
-                if g[EXPAND]:
-                    xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
-                    ev = ex[(lo - ih0) * w * b :]
-                    _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a, og_b,
-                               acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2], ci)  # fmt: skip
-                else:
-                    _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
-            have_lo, have_hi = ih0, ih0 + span
-            for eb in range(eb_a, eb_b):
-                dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
-                         acts[1, 2])  # fmt: skip
-        _pointwise(L, Tp, Tp1, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
-                   acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
-
-
-@numba.jit(**JIT_GEMM)
 def _combine(L, parts, yf, rf, bias, g, it, epi, acts):
     """y[n, mb] (it = n MB + mb) = the projection's epilogue of the channel parts' partial
     sums: bias, residual (epi[0]: before or after), activation (kind epi[1], acts[2, 1:])."""
@@ -173,24 +128,97 @@ def scratch_size(g, ge, gd, gps, pw_e: int, pw_p: int) -> tuple[int, int, int, i
     return ex, dw, dwb.scratch_size(gd), park
 
 
+@functools.cache
+def band_item(Te, Te1, Tp, Tp1):
+    """The serial work item with its register tiles fixed (the expand's Te, the projection's Tp,
+    Te1 and Tp1 their one-pixel tiles): one function per pair of tiles, which the parallel
+    driver takes as a value (kernels/_first_class.py, item_signature), so the driver compiles
+    once per width and only this, the serial work, once per pair (on disk too: Numba's cache
+    keys a closure by the values it closes over, kernels/simd/tile.Tile.__reduce__)."""
+
+    @numba.jit(**JIT_GEMM)
+    def item(L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n, oh_a, oh_b,
+             eb_a, eb_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
+        """Output rows oh_a <= oh < oh_b of image n, band by band, through expanded blocks eb_a <=
+        eb < eb_b (all of them, or a channel part's: then wp_, bp and gp are the part's projection,
+        into its partial sums yf); ge, gd and gp this thread's copies (their pixel counts and
+        first rows change per band). g[IN_PLACE] (expansion 1, x in blocks of b): gd is the
+        depthwise conv's on x itself, its rows written to dw from ROW0."""
+        b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
+        ow, rows = g[OW], g[ROWS]
+        taps = np.empty(2 * k * k, np.int64)
+        og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
+        dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
+        have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
+        for oh0 in range(oh_a, oh_b, rows):
+            used = min(rows, oh_b - oh0)
+            y0 = (n * g[MB] * g[OH] + oh0) * ow * b
+            if g[
+                IN_PLACE
+            ]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
+                gd[geo.ROW0] = oh0
+                xv = xf[n * g[CB] * h * w * b :]
+                for eb in range(eb_a, eb_b):
+                    dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
+                             acts[1, 1], acts[1, 2])  # fmt: skip
+            else:
+                ih0 = oh0 * s - pt
+                span = (used - 1) * s + k
+                keep = 0
+                if have_hi > have_lo and have_lo < ih0 < have_hi:
+                    keep = have_hi - ih0
+                    _move_rows(L, ex, g, eb_a, eb_b, ih0 - have_lo, keep)
+                lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
+                _zero_rows(L, ex, g, eb_a, eb_b, keep, max(keep, lo - ih0))
+                _zero_rows(L, ex, g, eb_a, eb_b, max(keep, hi - ih0), span)
+                if lo < hi:
+                    if g[EXPAND]:
+                        xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
+                        ev = ex[(lo - ih0) * w * b :]
+                        _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
+                                   og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
+                                   ci)  # fmt: skip
+                    else:
+                        _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
+                have_lo, have_hi = ih0, ih0 + span
+                for eb in range(eb_a, eb_b):
+                    dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
+                             acts[1, 2])  # fmt: skip
+            _pointwise(L, Tp, Tp1, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
+                       acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+
+    return item
+
+
+def item_signature(L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci):
+    """The Numba signature of band_item's functions as inverted_residual_blocked calls them with
+    these arguments (read-only arrays are types of their own): the scratches and the geometry
+    copies it makes are writable contiguous arrays, the indices int64."""
+    f1, i1, i = types.float32[::1], types.int64[::1], types.int64
+    given = [numba.typeof(a) for a in (L, xf, we, be, wd, bd, wp_, bp, yf, rf, g)]
+    rest = [i1, i1, i1, numba.typeof(acts), numba.typeof(ci), i, i, i, i, i, f1, f1, f1, f1, f1,
+            i1, i1, i1, i1]  # fmt: skip
+    return types.void(*given, *rest)
+
+
 @numba.jit(**PARALLEL)
-def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd,
-                              gp, acts, ci, sizes, work, cuts, gps, wparts, woff, zero,
+def inverted_residual_blocked(L, run, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts,
+                              ci, sizes, work, cuts, gps, wparts, woff, zero,
                               parts):  # fmt: skip
     """The block on flat blocked arrays: x [N, CB, H, W, BI], y [N, MB, OH, OW, b], rf the
-    residual (x at block b) or y (none); we, be, wp_, bp packed for the direct kernel (tiles Te,
-    Tp; Te1, Tp1 their one-pixel tiles), wd, bd for the depthwise one; g the block's geometry,
-    ge, gd, gp the three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv (the
-    kinds are in ge, gd, gp); ci: the expand's input channels per block (L when BI = b);
-    sizes: scratch_size's four; work [threads, sum(sizes)].
+    residual (x at block b) or y (none); run: band_item's function of the convs' register
+    tiles, an Item (kernels/_first_class.py); we, be, wp_, bp packed for the direct
+    kernel, wd, bd for the depthwise one; g the block's geometry, ge, gd, gp the three convs'
+    (templates); acts [3, 3] float32: (kind, a, b) per conv (the kinds are in ge, gd, gp); ci:
+    the expand's input channels per block (L when BI = b); sizes: scratch_size's four; work
+    [threads, sum(sizes)].
 
     g[SPLIT] = 1: parallel over (image, part) items, each part a run of output rows. g[SPLIT]
     = P > 1 (fewer images than threads, small ones: a run of rows would compute the k - s rows
     of e it shares with the next run again): parallel over (image, channel part) items, part p
     the expanded blocks cuts[p] <= eb < cuts[p + 1] of every row, its projection (gps[p],
     packed at wparts[woff[p]:], no bias or epilogue: `zero`) summed into parts[p] [N, MB, OH,
-    OW, b]; then combine_parts makes y of their sum (a parallel loop of its own, compiled once:
-    this one is compiled again for every pair of tiles, ~10 s each)."""
+    OW, b]; then combine_parts makes y of their sum (a parallel loop of its own)."""
     oh_len, split = g[OH], g[SPLIT]
     e_len, d_len, s_len, p_len = sizes[0], sizes[1], sizes[2], sizes[3]
     parts_row = g[PARTS] if split == 1 else 1
@@ -198,8 +226,9 @@ def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, 
     part_len = g[N] * g[MB] * oh_len * g[OW] * L.width
     items = g[N] * parts_row * split  # (a conditional in prange's bound: no parallel loop)
     for it in numba.prange(items):
-        n, part = it // (parts_row * split), it % (parts_row * split)
-        oh_a = part * per if split == 1 else 0
+        # (prange's index is unsigned: run takes int64)
+        n, part = np.int64(it // (parts_row * split)), np.int64(it % (parts_row * split))
+        oh_a = part * per if split == 1 else np.int64(0)
         oh_b = min(oh_len, oh_a + per)
         mine = work[numba.get_thread_id()]
         ex = mine[:e_len]
@@ -212,13 +241,13 @@ def inverted_residual_blocked(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, 
         ge_, gd_ = ge.copy(), gd.copy()  # this thread's: set per band
         if split == 1:
             if oh_a < oh_b:
-                item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_,
-                     gp.copy(), acts, ci, n, oh_a, oh_b, 0, g[EB], ex, dw, dscr, acc, tbuf, tx,
-                     tw, sx, sw_)  # fmt: skip
+                call(run, L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp.copy(), acts,
+                     ci, n, oh_a, oh_b, np.int64(0), g[EB], ex, dw, dscr, acc, tbuf, tx, tw, sx,
+                     sw_)  # fmt: skip
         else:
             pv = parts[part * part_len :]
-            item(L, Te, Te1, Tp, Tp1, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g,
-                 ge_, gd_, gps[part].copy(), acts, ci, n, 0, oh_len, cuts[part], cuts[part + 1],
+            call(run, L, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g, ge_, gd_,
+                 gps[part].copy(), acts, ci, n, np.int64(0), oh_len, cuts[part], cuts[part + 1],
                  ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked
 from . import _direct_blocked as d
+from ._first_class import Item
 from .config import entry_point, get_threads
 from .epilogue import RESIDUALS
 from .machine import cache_bytes
@@ -458,7 +459,7 @@ class _Launch:
     shape: tuple  # the output's
     geometry: np.ndarray
     run: object  # the compiled entry point
-    head: tuple  # its first arguments: the Lanes, and the direct kernel's two Tiles
+    head: tuple  # its first arguments: the Lanes, and the direct kernel's work item
     tail: object  # its last: the direct kernel's input channels; the depthwise one's scratch
     scratch: int  # floats of per-thread scratch (depthwise), else 0
     empty: bool  # batch 0: nothing to compute
@@ -491,7 +492,8 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
             _depthwise_blocked.scratch_size(g),
             n == 0,
         )
-    head = (L, tiles.tile(int(g[geo.PW]), plan.fb), tiles.tile(1, plan.fb))
+    # the serial work for the tile, an Item (kernels/_first_class.py) once conv_nchwc types it
+    head = (L, d.tile_item(tiles.tile(int(g[geo.PW]), plan.fb), tiles.tile(1, plan.fb)))
     # Whole blocks of input channels: their count is L's width, a constant the channel loop
     # unrolls on; fewer (a small-C stem): a number.
     ci = L if plan.in_block == plan.block else plan.in_block
@@ -526,6 +528,10 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else launch.tail
+    if not launch.bound and not plan.depthwise:  # the tile's work item, typed for these
+        L, run = launch.head
+        sig = d.item_signature(L, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+        launch.head = (L, Item(run, sig))
     args = (*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
     launch.run(*args)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher

@@ -107,6 +107,28 @@ def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
 
 
+def test_the_parallel_driver_is_compiled_once_for_every_pair_of_tiles():
+    """The serial work is compiled per pair of register tiles, the parallel loop around it once
+    (its ~10 s of compile per pair made MobileNetV2's cold start 2x longer)."""
+    from kernels import _inverted_residual_blocked as ir
+    from kernels.blocked import to_blocked
+    from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+    from kernels.simd import width
+
+    b = width()
+    x = to_blocked(weights(1, b, 6, 6), block=b)
+    runs = set()  # the serial work's machine code, by address
+    for m in (b, 4 * b):  # projections of one and four blocks: tiles of 1 and 4 blocks
+        plan = prepare_inverted_residual(weights(2 * b, b, 1, 1), None, weights(2 * b, 1, 3, 3),
+                                         None, weights(m, 2 * b, 1, 1), None)  # fmt: skip
+        inverted_residual(x, plan)
+        (launch,) = plan.launches.values()
+        runs.add(launch.args[1].address)
+    assert len(runs) == 2
+    ci = [sig[16] for sig in ir.inverted_residual_blocked.signatures]  # x in blocks of b: L
+    assert ci.count(ir.inverted_residual_blocked.signatures[0][0]) == 1
+
+
 def test_bands_fit_l2_and_feed_every_thread():
     from kernels.inverted_residual import L2_SHARE, bands
     from kernels.machine import cache_bytes
@@ -142,7 +164,7 @@ def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k,
     got = from_blocked(K.inverted_residual(to_blocked(x), plan), m)
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
     (launch,) = plan.launches.values()
-    assert launch.args[11][K.ir.ROWS] < launch.shape[2]  # several bands per image
+    assert launch.geometry[K.ir.ROWS] < launch.shape[2]  # several bands per image
 
 
 def test_expanded_tensor_that_is_a_graph_output_is_not_fused_away():
@@ -252,7 +274,7 @@ def test_channel_parts_of_a_small_image(monkeypatch, c, t, m, k, hw, acts, resid
     finally:
         set_threads(threads)
     (launch,) = plan.launches.values()
-    assert launch.args[11][K.ir.SPLIT] == 2
+    assert launch.geometry[K.ir.SPLIT] == 2
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
 
 

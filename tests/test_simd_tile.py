@@ -91,6 +91,16 @@ def test_a_tile_argument_is_typed_without_python(monkeypatch):
     assert tiles.tile(1, 1) is T
 
 
+def test_a_tile_pickles_by_its_shape():
+    """Numba's cache keys a kernel closing over tiles by their pickle: a number of the type's,
+    different in every process, must not be in it."""
+    import pickle
+
+    data = pickle.dumps(tiles.tile(3, 2))
+    assert b"numba" not in data
+    assert pickle.loads(data) is tiles.tile(3, 2)
+
+
 def test_bad_shapes_and_arguments():
     with pytest.raises(ValueError, match="1-64 rows"):
         Tile(0, 2)

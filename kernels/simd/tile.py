@@ -38,6 +38,7 @@ import functools
 from llvmlite import ir
 from numba.core import types
 from numba.core.errors import TypingError
+from numba.core.imputils import lower_constant
 from numba.core.typing.templates import AttributeTemplate
 from numba.extending import (
     NativeValue,
@@ -134,6 +135,11 @@ class Tile:
     def __repr__(self):
         return f"Tile({self.rows}, {self.cols})"
 
+    def __reduce__(self):
+        # By shape alone: Numba's cache keys a kernel that closes over a Tile by its pickle, and
+        # the type's pickle holds a number that differs between processes
+        return tile, (self.rows, self.cols)
+
 
 @functools.cache
 def tile(rows: int, cols: int) -> Tile:
@@ -163,6 +169,13 @@ def _typeof_tile(val, c):
 @unbox(TileType)
 def _unbox_tile(typ, obj, c):
     return NativeValue(c.context.get_dummy_value())
+
+
+@lower_constant(TileType)
+def _constant_tile(context, builder, ty, pyval):
+    """A Tile a kernel closes over (a function made per shape, kernels/_inverted_residual_blocked
+    band_item): no data either."""
+    return context.get_dummy_value()
 
 
 @infer_getattr
