@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -131,7 +132,33 @@ class PackageLocator(caching._CacheLocator):
         return None
 
 
+def serialize_saves() -> None:
+    """Numba saves a cache entry by reading the function's index, adding the entry and writing
+    the index back, with no lock: two processes adding different signatures of one function
+    at the same time can leave the index naming the other's machine code (numba#4807), and a
+    kernel then computes with another tile's code (seen: test workers at 8 lanes, every
+    register tile's work item in one closure's index). Saves take a file lock in the cache's
+    folder, in every process (where fcntl exists: Unix)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: one process per cache folder (README)
+        return
+    save = caching.IndexDataCacheFile.save
+    if getattr(save, "locked", False):
+        return
+
+    def locked_save(self, key, data):
+        with open(os.path.join(self._cache_path, ".kernels-cache.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return save(self, key, data)
+
+    locked_save.locked = True
+    caching.IndexDataCacheFile.save = locked_save
+
+
 def install() -> None:
-    """Put PackageLocator first among Numba's cache locators (once)."""
+    """Put PackageLocator first among Numba's cache locators, and serialize cache saves
+    (once)."""
     if PackageLocator not in _IMPL._locator_classes:
         _IMPL._locator_classes.insert(0, PackageLocator)
+    serialize_saves()

@@ -11,14 +11,14 @@ with batch 1 a channel slice is contiguous: the slice case runs at batch 2).
     python -m kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
 
 A group that fails prints its error and makes the command exit non-zero. Concurrent saves into
-Numba's cache are serialized by a file lock (see _serialize_cache_saves). Each group imports its
-kernel modules itself: the parent process that starts the groups compiles nothing.
+Numba's cache are serialized by a file lock (kernels/_cache.py, serialize_saves), as in every
+process that imports the kernels. Each group imports its kernel modules itself: the parent
+process that starts the groups compiles nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -214,30 +214,27 @@ def _blocked_depthwise():
     conv_nchwc(to_blocked(x, block=plan.in_block), plan)
 
 
-def _inverted_residual(fb_e):
-    """The depth-first inverted residual at this CPU's width, compiled per pair of tiles: an
-    expand of fb_e output blocks per tile (0: expansion 1, the depthwise conv reading x) with
-    projections of 4, 2 and 1 blocks (the tallest tiles, as the kernel takes them)."""
+def _inverted_residual():
+    """The depth-first inverted residual at this CPU's width: its driver (compiled once) and the
+    tallest tiles of its 1x1 convs, the direct kernel's own: expands of 4 and 2 output blocks
+    per tile and none (expansion 1, the depthwise conv reading x), projections of 4, 2 and 1."""
+    from .blocked import to_blocked
+    from .inverted_residual import inverted_residual, prepare_inverted_residual
+    from .simd import width
 
-    def compile_group():
-        from .blocked import to_blocked
-        from .inverted_residual import inverted_residual, prepare_inverted_residual
-        from .simd import width
+    rng = np.random.default_rng(0)
+    b = width()
 
-        rng = np.random.default_rng(0)
-        b = width()
+    def w(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    for fb_e in (4, 2, 0):
         c, e = (b, fb_e * b) if fb_e else (2 * b, 2 * b)  # E in fb_e blocks: tiles of fb_e
-
-        def w(*shape):
-            return rng.standard_normal(shape, dtype=np.float32)
-
         for m in (4 * b, 2 * b, b):
             plan = prepare_inverted_residual(w(e, c, 1, 1) if fb_e else None, w(e),
                                              w(e, 1, 3, 3), w(e), w(m, e, 1, 1), w(m),
                                              acts=(("relu",), ("relu",), None))  # fmt: skip
             inverted_residual(to_blocked(w(1, c, 5, 5), block=b), plan)
-
-    return compile_group
 
 
 def _blocked_layout():
@@ -268,9 +265,7 @@ GROUPS = {
     "transformer": _transformer,
     "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,
-    "inverted_residual_f4": _inverted_residual(4),
-    "inverted_residual_f2": _inverted_residual(2),
-    "inverted_residual_f1": _inverted_residual(0),
+    "inverted_residual": _inverted_residual,
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 
@@ -308,32 +303,12 @@ def warm_up(jobs: int = 2, groups=None) -> dict[str, float]:
     return {name: seconds for name, seconds, _, _ in results}
 
 
-def _serialize_cache_saves():
-    """Numba saves a cache entry by reading the function's index, adding the entry and writing
-    the index back, with no lock: two processes adding different signatures of one function
-    at the same time can leave the index naming the other's machine code (numba#4807). The
-    warm-up's processes run at the same time and share callees, so their saves take a lock."""
-    import fcntl  # Unix only
-
-    from numba.core import caching  # heavy: only in a group's process
-
-    save = caching.IndexDataCacheFile.save
-
-    def locked_save(self, key, data):
-        with open(os.path.join(self._cache_path, ".kernels-warmup.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            return save(self, key, data)
-
-    caching.IndexDataCacheFile.save = locked_save
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.warmup", description=__doc__)
     parser.add_argument("--jobs", type=int, default=2, help="processes at once (default 2)")
     parser.add_argument("--group", choices=sorted(GROUPS), help="compile one group, here")
     args = parser.parse_args(argv)
     if args.group:
-        _serialize_cache_saves()
         GROUPS[args.group]()
         return 0
     try:

@@ -92,3 +92,26 @@ def test_the_timing_cache_key_names_settings_that_change_the_code(monkeypatch):
     plain = cpu_key()
     monkeypatch.setenv("FUSION_SIMD_WIDTH", "16")
     assert cpu_key() == plain + " | FUSION_SIMD_WIDTH=16"
+
+
+def test_a_cache_save_waits_for_the_lock_other_processes_hold(tmp_path):
+    """Two processes adding entries to one index at once can leave it naming the other's machine
+    code (numba#4807): every save takes the cache folder's lock, which another process (here,
+    another open file description of the lock file) may hold."""
+    import fcntl
+    import threading
+
+    from numba.core import caching
+
+    import kernels.config  # noqa: F401 (installs the locked save)
+
+    cache = caching.IndexDataCacheFile(str(tmp_path), "f", (0.0, 0))
+    with open(tmp_path / ".kernels-cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saver = threading.Thread(target=cache.save, args=(("key",), b"data"))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive()  # waiting for the lock
+        assert cache.load(("key",)) is None
+    saver.join(10)
+    assert not saver.is_alive() and cache.load(("key",)) == b"data"
