@@ -329,9 +329,10 @@ def item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw
 @functools.cache
 def tile_item(T, T1):
     """`item` with its register tiles fixed (T, and T1 the one-pixel path's): one function per
-    tile, which conv_direct takes as a value (kernels/_first_class.py, item_signature), so the
-    parallel driver compiles once per width and input-channel count (ci's type), the serial
-    work once per tile (cached on disk by the tiles' shapes)."""
+    tile, compiled for tile_signature and called through an Item (kernels/_first_class.py) by
+    conv_direct and by the depth-first block (_inverted_residual_blocked): the parallel drivers
+    compile once per width, the serial work once per tile, shared by both (cached on disk by
+    the tiles' shapes)."""
 
     @numba.jit(**JIT_GEMM)
     def run(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
@@ -342,22 +343,25 @@ def tile_item(T, T1):
     return run
 
 
-def item_signature(L, xf, wf, bf, yf, res, g, act_a, act_b, ci):
-    """The Numba signature of tile_item's functions as conv_direct calls them with these
-    arguments: its scratches writable contiguous arrays, the indices int64."""
-    f1, i1, i = types.float32[::1], types.int64[::1], types.int64
-    given = [numba.typeof(a) for a in (L, xf, wf, bf, yf, res, g)]
-    scalars = [numba.typeof(a) for a in (act_a, act_b, ci)]
-    return types.void(*given, i, i, i, i, i, f1, f1, i1, i1, i1, i1, *scalars)
+@functools.cache
+def tile_signature(L, ci):
+    """The one signature tile_item's functions are compiled for, whoever calls them: what they
+    only read (x, the weights, the bias, the residual) as read-only arrays (a writable one
+    converts), the rest writable, the indices int64, the activation's parameters float32
+    (ConvPlan.act); L and ci (L, or an integer) as given."""
+    ro = types.Array(types.float32, 1, "C", readonly=True)
+    f1, i1, i, f = types.float32[::1], types.int64[::1], types.int64, types.float32
+    return types.none(numba.typeof(L), ro, ro, ro, f1, ro, i1, i, i, i, i, i, f1, f1, i1, i1, i1,
+                      i1, f, f, numba.typeof(ci))  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
 def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     """y = epilogue(conv(x)) on flat blocked arrays, x [N, CB, H, W, BI], y [N, MB, OH, OW, W],
     W = L.width; run: tile_item's function of the register tile Tile(g[PW], g[FB]), an Item
-    (kernels/_first_class.py); packed weights [G, OGG, CBG, KH, KW, BI, FB W], bias [G OGG FB
-    W]; ci: BI, or L when BI = W (the channel loop unrolled); g: the geometry (the indices
-    above), its ACT the activation's kind, act_a and act_b its parameters."""
+    (kernels/_first_class.py, tile_signature); packed weights [G, OGG, CBG, KH, KW, BI, FB W],
+    bias [G OGG FB W]; ci: BI, or L when BI = W (the channel loop unrolled); g: the geometry
+    (the indices above), its ACT the activation's kind, act_a and act_b its parameters."""
     ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, g[FB], g[PW]
     rb_len = (g[OH] + rows - 1) // rows
     per_image = g[G] * ogg * rb_len

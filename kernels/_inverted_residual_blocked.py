@@ -27,15 +27,11 @@ x into ex). One small image on more threads than it has runs of rows worth cutti
 channel parts instead (inverted_residual_blocked's docstring).
 """
 
-import functools
-
 import numba
 import numpy as np
-from numba.core import types
 
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
-from . import _direct_blocked as direct
 from ._first_class import call
 from .config import JIT_GEMM, PARALLEL
 from .epilogue import finish
@@ -83,15 +79,16 @@ def _copy_rows(L, xf, g, n, ih0, ih1, r0, ex):
 
 
 @numba.jit(**JIT_GEMM)
-def _pointwise(L, T, T1, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, tx, tw, sx, sw_,
-               a, b, ci):  # fmt: skip
+def _pointwise(L, run, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, tx, tw, sx, sw_, a,
+               b, ci):  # fmt: skip
     """A 1x1 conv over `pixels` contiguous pixels of each block (x from xv, y to yv, the residual
     from rv at y's offsets), filter groups og_a <= og < og_b of g: the direct kernel's item on
-    one row."""
+    one row (run: its tile's, an Item)."""
     g[geo.W] = g[geo.OW] = g[geo.COL_B] = pixels
+    zero, one = np.int64(0), np.int64(1)
     for og in range(og_a, og_b):
-        direct.item(L, T, T1, xv, wf, bf, yv, rv, g, 0, 0, og, 0, 1, acc, tbuf, tx, tw, sx, sw_,
-                    a, b, ci)  # fmt: skip
+        call(run, L, xv, wf, bf, yv, rv, g, zero, zero, np.int64(og), zero, one, acc, tbuf, tx,
+             tw, sx, sw_, a, b, ci)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
@@ -128,89 +125,68 @@ def scratch_size(g, ge, gd, gps, pw_e: int, pw_p: int) -> tuple[int, int, int, i
     return ex, dw, dwb.scratch_size(gd), park
 
 
-@functools.cache
-def band_item(Te, Te1, Tp, Tp1):
-    """The serial work item with its register tiles fixed (the expand's Te, the projection's Tp,
-    Te1 and Tp1 their one-pixel tiles): one function per pair of tiles, which the parallel
-    driver takes as a value (kernels/_first_class.py, item_signature), so the driver compiles
-    once per width and only this, the serial work, once per pair (on disk too: Numba's cache
-    keys a closure by the values it closes over, kernels/simd/tile.Tile.__reduce__)."""
-
-    @numba.jit(**JIT_GEMM)
-    def item(L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n, oh_a, oh_b,
-             eb_a, eb_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
-        """Output rows oh_a <= oh < oh_b of image n, band by band, through expanded blocks eb_a <=
-        eb < eb_b (all of them, or a channel part's: then wp_, bp and gp are the part's projection,
-        into its partial sums yf); ge, gd and gp this thread's copies (their pixel counts and
-        first rows change per band). g[IN_PLACE] (expansion 1, x in blocks of b): gd is the
-        depthwise conv's on x itself, its rows written to dw from ROW0."""
-        b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
-        ow, rows = g[OW], g[ROWS]
-        taps = np.empty(2 * k * k, np.int64)
-        og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
-        dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
-        have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
-        for oh0 in range(oh_a, oh_b, rows):
-            used = min(rows, oh_b - oh0)
-            y0 = (n * g[MB] * g[OH] + oh0) * ow * b
-            if g[
-                IN_PLACE
-            ]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
-                gd[geo.ROW0] = oh0
-                xv = xf[n * g[CB] * h * w * b :]
-                for eb in range(eb_a, eb_b):
-                    dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
-                             acts[1, 1], acts[1, 2])  # fmt: skip
-            else:
-                ih0 = oh0 * s - pt
-                span = (used - 1) * s + k
-                keep = 0
-                if have_hi > have_lo and have_lo < ih0 < have_hi:
-                    keep = have_hi - ih0
-                    _move_rows(L, ex, g, eb_a, eb_b, ih0 - have_lo, keep)
-                lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
-                _zero_rows(L, ex, g, eb_a, eb_b, keep, max(keep, lo - ih0))
-                _zero_rows(L, ex, g, eb_a, eb_b, max(keep, hi - ih0), span)
-                if lo < hi:
-                    if g[EXPAND]:
-                        xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
-                        ev = ex[(lo - ih0) * w * b :]
-                        _pointwise(L, Te, Te1, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
-                                   og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
-                                   ci)  # fmt: skip
-                    else:
-                        _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
-                have_lo, have_hi = ih0, ih0 + span
-                for eb in range(eb_a, eb_b):
-                    dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
-                             acts[1, 2])  # fmt: skip
-            _pointwise(L, Tp, Tp1, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
-                       acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
-
-    return item
-
-
-def item_signature(L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci):
-    """The Numba signature of band_item's functions as inverted_residual_blocked calls them with
-    these arguments (read-only arrays are types of their own): the scratches and the geometry
-    copies it makes are writable contiguous arrays, the indices int64."""
-    f1, i1, i = types.float32[::1], types.int64[::1], types.int64
-    given = [numba.typeof(a) for a in (L, xf, we, be, wd, bd, wp_, bp, yf, rf, g)]
-    rest = [i1, i1, i1, numba.typeof(acts), numba.typeof(ci), i, i, i, i, i, f1, f1, f1, f1, f1,
-            i1, i1, i1, i1]  # fmt: skip
-    return types.void(*given, *rest)
+@numba.jit(**JIT_GEMM)
+def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci, n, oh_a, oh_b,
+         eb_a, eb_b, ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_):  # fmt: skip
+    """Output rows oh_a <= oh < oh_b of image n, band by band, through expanded blocks eb_a <=
+    eb < eb_b (all of them, or a channel part's: then wp_, bp and gp are the part's projection,
+    into its partial sums yf); re and rp: the expand's and the projection's direct work items
+    on their register tiles (Items); ge, gd and gp this thread's copies (their pixel counts and
+    first rows change per band). g[IN_PLACE] (expansion 1, x in blocks of b): gd is the
+    depthwise conv's on x itself, its rows written to dw from ROW0."""
+    b, s, k, pt, h, w = L.width, g[S], g[K], g[PT], g[H], g[W]
+    ow, rows = g[OW], g[ROWS]
+    taps = np.empty(2 * k * k, np.int64)
+    og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
+    dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
+    have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
+    for oh0 in range(oh_a, oh_b, rows):
+        used = min(rows, oh_b - oh0)
+        y0 = (n * g[MB] * g[OH] + oh0) * ow * b
+        if g[IN_PLACE]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
+            gd[geo.ROW0] = oh0
+            xv = xf[n * g[CB] * h * w * b :]
+            for eb in range(eb_a, eb_b):
+                dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
+                         acts[1, 1], acts[1, 2])  # fmt: skip
+        else:
+            ih0 = oh0 * s - pt
+            span = (used - 1) * s + k
+            keep = 0
+            if have_hi > have_lo and have_lo < ih0 < have_hi:
+                keep = have_hi - ih0
+                _move_rows(L, ex, g, eb_a, eb_b, ih0 - have_lo, keep)
+            lo, hi = max(ih0 + keep, 0), min(ih0 + span, h)
+            _zero_rows(L, ex, g, eb_a, eb_b, keep, max(keep, lo - ih0))
+            _zero_rows(L, ex, g, eb_a, eb_b, max(keep, hi - ih0), span)
+            if lo < hi:
+                if g[EXPAND]:
+                    xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
+                    ev = ex[(lo - ih0) * w * b :]
+                    _pointwise(L, re, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
+                               og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
+                               ci)  # fmt: skip
+                else:
+                    _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
+            have_lo, have_hi = ih0, ih0 + span
+            for eb in range(eb_a, eb_b):
+                dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
+                         acts[1, 2])  # fmt: skip
+        _pointwise(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
+                   acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
-def inverted_residual_blocked(L, run, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts,
+def inverted_residual_blocked(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts,
                               ci, sizes, work, cuts, gps, wparts, woff, zero,
                               parts):  # fmt: skip
     """The block on flat blocked arrays: x [N, CB, H, W, BI], y [N, MB, OH, OW, b], rf the
-    residual (x at block b) or y (none); run: band_item's function of the convs' register
-    tiles, an Item (kernels/_first_class.py); we, be, wp_, bp packed for the direct
-    kernel, wd, bd for the depthwise one; g the block's geometry, ge, gd, gp the three convs'
-    (templates); acts [3, 3] float32: (kind, a, b) per conv (the kinds are in ge, gd, gp); ci:
-    the expand's input channels per block (L when BI = b); sizes: scratch_size's four; work
+    residual (x at block b) or y (none); re, rp: the expand's and the projection's direct
+    work items on their register tiles (Items: conv_nchwc.tile_item); we, be, wp_, bp packed
+    for the direct kernel, wd, bd for the depthwise one; g the block's geometry, ge, gd, gp the
+    three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv (the kinds are in ge,
+    gd, gp); ci: the expand's input channels per block (L when BI = b); sizes: scratch_size's
+    four; work
     [threads, sum(sizes)].
 
     g[SPLIT] = 1: parallel over (image, part) items, each part a run of output rows. g[SPLIT]
@@ -226,7 +202,6 @@ def inverted_residual_blocked(L, run, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge
     part_len = g[N] * g[MB] * oh_len * g[OW] * L.width
     items = g[N] * parts_row * split  # (a conditional in prange's bound: no parallel loop)
     for it in numba.prange(items):
-        # (prange's index is unsigned: run takes int64)
         n, part = np.int64(it // (parts_row * split)), np.int64(it % (parts_row * split))
         oh_a = part * per if split == 1 else np.int64(0)
         oh_b = min(oh_len, oh_a + per)
@@ -241,14 +216,14 @@ def inverted_residual_blocked(L, run, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge
         ge_, gd_ = ge.copy(), gd.copy()  # this thread's: set per band
         if split == 1:
             if oh_a < oh_b:
-                call(run, L, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp.copy(), acts,
-                     ci, n, oh_a, oh_b, np.int64(0), g[EB], ex, dw, dscr, acc, tbuf, tx, tw, sx,
-                     sw_)  # fmt: skip
+                item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp.copy(),
+                     acts, ci, n, oh_a, oh_b, np.int64(0), g[EB], ex, dw, dscr, acc, tbuf, tx, tw,
+                     sx, sw_)  # fmt: skip
         else:
             pv = parts[part * part_len :]
-            call(run, L, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g, ge_, gd_,
-                 gps[part].copy(), acts, ci, n, np.int64(0), oh_len, cuts[part], cuts[part + 1],
-                 ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
+            item(L, re, rp, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g, ge_,
+                 gd_, gps[part].copy(), acts, ci, n, np.int64(0), oh_len, cuts[part],
+                 cuts[part + 1], ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)

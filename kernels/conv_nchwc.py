@@ -492,12 +492,19 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
             _depthwise_blocked.scratch_size(g),
             n == 0,
         )
-    # the serial work for the tile, an Item (kernels/_first_class.py) once conv_nchwc types it
-    head = (L, d.tile_item(tiles.tile(int(g[geo.PW]), plan.fb), tiles.tile(1, plan.fb)))
     # Whole blocks of input channels: their count is L's width, a constant the channel loop
     # unrolls on; fewer (a small-C stem): a number.
     ci = L if plan.in_block == plan.block else plan.in_block
-    return _Launch(shape, g, d.conv_direct, head, ci, 0, n == 0)
+    run = tile_item(L, int(g[geo.PW]), plan.fb, ci)
+    return _Launch(shape, g, d.conv_direct, (L, run), ci, 0, n == 0)
+
+
+def tile_item(L, pw: int, fb: int, ci) -> Item:
+    """The direct kernel's serial work on tiles of pw pixels x fb blocks (and its one-pixel
+    tile), compiled (or loaded from the cache) as an Item for conv_direct and the depth-first
+    block: one per tile shape and ci's type."""
+    run = d.tile_item(tiles.tile(pw, fb), tiles.tile(1, fb))
+    return Item(run, d.tile_signature(L, ci))
 
 
 def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
@@ -528,10 +535,6 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else launch.tail
-    if not launch.bound and not plan.depthwise:  # the tile's work item, typed for these
-        L, run = launch.head
-        sig = d.item_signature(L, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
-        launch.head = (L, Item(run, sig))
     args = (*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
     launch.run(*args)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher

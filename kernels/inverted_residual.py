@@ -32,10 +32,9 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
-from ._first_class import Item
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point, get_threads
-from .conv_nchwc import ConvPlan, busiest, geometry, prepare_conv_nchwc
+from .conv_nchwc import ConvPlan, busiest, geometry, prepare_conv_nchwc, tile_item
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd import tile as tiles
@@ -242,7 +241,7 @@ class _Launch:
     @property
     def geometry(self) -> np.ndarray:
         """The block's geometry (_inverted_residual_blocked's N ... FBMAX)."""
-        return self.args[8]
+        return self.args[9]
 
 
 def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
@@ -294,10 +293,11 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     sizes = np.array(ir.scratch_size(g, ge, gd, [gp, *gps], pw_e, pw_p), np.int64)
     acts = np.array([c.act for c in (e, dw, p)], np.float32)
     L = lanes(b)
-    Te, Tp = tiles.tile(pw_e, e.fb), tiles.tile(pw_p, p.fb)
-    run = ir.band_item(Te, tiles.tile(1, e.fb), Tp, tiles.tile(1, p.fb))
-    args = (L, run, e.packed, e.bias, dw.packed, dw.bias, p.packed, p.bias, g, ge, gd, gp, acts,
-            L if e.in_block == b else e.in_block, sizes)  # fmt: skip
+    ci = L if e.in_block == b else e.in_block
+    # the two 1x1 convs' work items, the direct kernel's own (conv_nchwc runs the same ones)
+    re, rp = tile_item(L, pw_e, e.fb, ci), tile_item(L, pw_p, p.fb, L)
+    args = (L, re, rp, e.packed, e.bias, dw.packed, dw.bias, p.packed, p.bias, g, ge, gd, gp, acts,
+            ci, sizes)  # fmt: skip
     args += (np.array(cuts or [0, eb], np.int64), np.array(gps or [gp]), *split[2:])
     epi = (lanes(b), p.bias, g, np.array([p.residual, p.act[0]], np.int64), acts)
     return _Launch(shape, args, sizes, ir.inverted_residual_blocked, epi)
@@ -323,14 +323,11 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
         r = xb if xb.shape[-1] == plan.block else to_blocked(from_blocked(xb, plan.in_channels),
                                                              plan.block)  # fmt: skip
         rf = np.ascontiguousarray(r).reshape(-1)
-    L, run, tail = launch.args[0], launch.args[1], launch.args[2:]
+    head, tail = launch.args[:3], launch.args[3:]
     split = int(launch.geometry[ir.SPLIT])  # channel parts: their partial sums
     parts = empty(split * yf.size) if split > 1 else yf
     work = per_thread(int(launch.sizes.sum()))
-    if not launch.bound:  # the serial work compiled for its tiles, an Item
-        run = Item(run, ir.item_signature(L, xf, *tail[:6], yf, rf, *tail[6:12]))
-        launch.args = (L, run, *tail)
-    args = (L, run, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts)
+    args = (*head, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts)
     launch.run(*args)
     if split > 1:
         L, bias, g, epi, acts = launch.epilogue

@@ -107,26 +107,35 @@ def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
 
 
-def test_the_parallel_driver_is_compiled_once_for_every_pair_of_tiles():
-    """The serial work is compiled per pair of register tiles, the parallel loop around it once
-    (its ~10 s of compile per pair made MobileNetV2's cold start 2x longer)."""
+def test_the_block_is_compiled_once_for_every_pair_of_tiles():
+    """The 1x1 convs' serial work is the direct kernel's, compiled per register tile and shared
+    with conv_nchwc; the block's driver and item around it are compiled once (a parallel loop
+    per pair of tiles, ~10 s of compile each, made MobileNetV2's cold start 2x longer)."""
+    from kernels import _blocked_geometry as geo
     from kernels import _inverted_residual_blocked as ir
     from kernels.blocked import to_blocked
+    from kernels.conv_nchwc import tile_item
     from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
-    from kernels.simd import width
+    from kernels.simd import lanes, width
 
     b = width()
     x = to_blocked(weights(1, b, 6, 6), block=b)
-    runs = set()  # the serial work's machine code, by address
+    runs = set()  # the projections' work items, by the address of their machine code
     for m in (b, 4 * b):  # projections of one and four blocks: tiles of 1 and 4 blocks
+        wp = weights(m, 2 * b, 1, 1)
         plan = prepare_inverted_residual(weights(2 * b, b, 1, 1), None, weights(2 * b, 1, 3, 3),
-                                         None, weights(m, 2 * b, 1, 1), None)  # fmt: skip
+                                         None, wp, None)  # fmt: skip
         inverted_residual(x, plan)
         (launch,) = plan.launches.values()
-        runs.add(launch.args[1].address)
+        runs.add(launch.args[2].address)
+        # conv_nchwc's work item for the same tile (and input blocks): the same machine code
+        pw = int(launch.args[12][geo.PW])  # the projection's geometry
+        same = tile_item(lanes(b), pw, plan.project.fb, lanes(b))
+        assert same.address == launch.args[2].address
     assert len(runs) == 2
-    ci = [sig[16] for sig in ir.inverted_residual_blocked.signatures]  # x in blocks of b: L
-    assert ci.count(ir.inverted_residual_blocked.signatures[0][0]) == 1
+    lanes_type = ir.inverted_residual_blocked.signatures[0][0]
+    ci = [sig[17] for sig in ir.inverted_residual_blocked.signatures]  # x in blocks of b: L
+    assert ci.count(lanes_type) == 1
 
 
 def test_bands_fit_l2_and_feed_every_thread():
