@@ -229,118 +229,119 @@ def _cover(a, b, pw):
     return n_whole, extra, b if extra else a + n_whole * pw
 
 
-@numba.jit(**JIT_GEMM)
-def item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
-          act_b, ci):  # fmt: skip
-    """Output rows r0 <= oh < r1 of filter group og in group grp of image n: the serial work
-    item of conv_direct, and of the depth-first block kernel (_inverted_residual_blocked),
-    which runs it on runs of rows of its band scratches (g[XBS], g[YBS]: the block strides).
-
-    Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
-    edges, or every column of a row narrower than a tile) run as column tiles down the rows
-    [cr0, r_end) whose vertical taps are all inside the image, [ROW_A, ROW_B): those pixels
-    of a column share their taps, SH W BI floats of x apart from row to row. What is left
-    (the top and bottom rows' edges, and columns of an item with fewer rows than a tile) runs
-    one pixel at a time."""
-    w, pw, fb = L.width, T.rows, T.cols
-    bi = _count(ci)
-    ow_len, cbg = g[OW], g[CBG]
-    col_a = g[COL_A]
-    n_whole, extra, c_end = _cover(col_a, g[COL_B], pw)
-    cr0 = max(r0, g[ROW_A])
-    n_down, down_extra, r_end = _cover(cr0, min(r1, g[ROW_B]), pw)
-    wstep = fb * w  # floats of packed weights per (tap, input channel)
-    # The parking buffer (K in chunks): [rows, OW, FB, W] for the row tiles' and single
-    # pixels' accumulators, then slots of their own for tiles that overlap (so no parked sum
-    # is added to twice): each row's overlapping tile, [rows, PW, FB, W]; each edge column's
-    # column tiles, [edges, tiles, PW, FB, W].
-    extra_slots = g[ROWS] * ow_len * wstep
-    col_slots = extra_slots + g[ROWS] * pw * wstep
-    nb = min(fb, g[MBG] - og * fb)
-    ob0 = grp * g[MBG] + og * fb
-    ystride = g[YBS] * w
-    bo = (grp * g[OGG] + og) * wstep
-    residual, kind = g[RESIDUAL], g[ACT]
-    simple = clips(kind)
-    lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
-    early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
-    xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
-    y0 = (n * g[MB] + ob0) * ystride
-    for c0 in range(0, cbg, g[CHUNK]):
-        c1 = min(cbg, c0 + g[CHUNK])
-        carry, last = c0 > 0, c1 == cbg
-        # The first chunk starts from the bias (each column's block of it, in every row).
-        zero, zero1 = tile_fma(tile_zeros(L, T), ONE, 0, 0, bf, bo), tile_zeros(L, T1)
-        bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
-        for oh in range(r0, r1):
-            n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
-            yo = y0 + oh * ow_len * w
-            ao_row = (oh - r0) * ow_len * wstep
-            for t in range(n_whole + extra):
-                ow0 = col_a + t * pw if t < n_whole else c_end - pw
-                ao = ao_row + ow0 * wstep if t < n_whole else extra_slots + (oh - r0) * pw * wstep
-                a = tile_load(L, T, acc, ao) if carry else zero
-                a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
-                if last:
-                    _store(L, T, a, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
-                else:
-                    tile_store(acc, ao, a)
-            if n_down > 0 and cr0 <= oh < r_end:
-                continue  # its edges are in column tiles, its activation after them
-            for ow in range(ow_len):
-                if col_a <= ow < c_end:
-                    continue
-                m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)
-                ao = ao_row + ow * wstep
-                p = tile_load(L, T1, acc, ao) if carry else bias1
-                p, p2 = _run_split(p, zero1, xf, wf, sx, sw_, m, bi, wstep)
-                tile_store(tbuf, 0, p2)
-                p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
-                if last:
-                    _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
-                else:
-                    tile_store(acc, ao, p)
-            if last and not simple:  # while the row is in cache
-                activate_rows(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
-        if n_down > 0:
-            n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
-            e = 0
-            for ow in range(ow_len):
-                if col_a <= ow < c_end:
-                    continue
-                m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)  # for pixel (cr0, ow)
-                for t in range(n_down + down_extra):
-                    oh0 = cr0 + t * pw if t < n_down else r_end - pw
-                    ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
-                    a = tile_load(L, T, acc, ao) if carry else zero
-                    a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
-                    if last:
-                        yt = y0 + (oh0 * ow_len + ow) * w
-                        _store(L, T, a, nb, yf, yt, ow_len * w, ystride, res, early, lo, hi)
-                    else:
-                        tile_store(acc, ao, a)
-                e += 1
-        if last and not simple and n_down > 0:
-            for oh in range(cr0, r_end):
-                yo = y0 + oh * ow_len * w
-                activate_rows(L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b)
-
-
 @functools.cache
 def tile_item(T, T1):
-    """`item` with its register tiles fixed (T, and T1 the one-pixel path's): one function per
-    tile, compiled for tile_signature and called through an Item (kernels/_first_class.py) by
-    conv_direct and by the depth-first block (_inverted_residual_blocked): the parallel drivers
-    compile once per width, the serial work once per tile, shared by both (cached on disk by
-    the tiles' shapes)."""
+    """The serial work item on register tiles T (and T1, the one-pixel path's), closed over: one
+    function per tile, compiled for tile_signature and called through an Item
+    (kernels/_first_class.py) by conv_direct and by the depth-first block
+    (_inverted_residual_blocked): the parallel drivers compile once per width, the serial work
+    once per tile, shared by both (cached on disk by the tiles' shapes)."""
 
     @numba.jit(**JIT_GEMM)
-    def run(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
-            act_b, ci):  # fmt: skip
-        item(L, T, T1, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
-             act_a, act_b, ci)  # fmt: skip
+    def item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
+             act_b, ci):  # fmt: skip
+        """Output rows r0 <= oh < r1 of filter group og in group grp of image n: the serial work
+        item of conv_direct, and of the depth-first block kernel (_inverted_residual_blocked),
+        which runs it on runs of rows of its band scratches (g[XBS], g[YBS]: the block strides).
 
-    return run
+        Row tiles cover the interior columns [col_a, c_end) of every row. The other columns (the
+        edges, or every column of a row narrower than a tile) run as column tiles down the rows
+        [cr0, r_end) whose vertical taps are all inside the image, [ROW_A, ROW_B): those pixels
+        of a column share their taps, SH W BI floats of x apart from row to row. What is left
+        (the top and bottom rows' edges, and columns of an item with fewer rows than a tile) runs
+        one pixel at a time."""
+        w, pw, fb = L.width, T.rows, T.cols
+        bi = _count(ci)
+        ow_len, cbg = g[OW], g[CBG]
+        col_a = g[COL_A]
+        n_whole, extra, c_end = _cover(col_a, g[COL_B], pw)
+        cr0 = max(r0, g[ROW_A])
+        n_down, down_extra, r_end = _cover(cr0, min(r1, g[ROW_B]), pw)
+        wstep = fb * w  # floats of packed weights per (tap, input channel)
+        # The parking buffer (K in chunks): [rows, OW, FB, W] for the row tiles' and single
+        # pixels' accumulators, then slots of their own for tiles that overlap (so no parked sum
+        # is added to twice): each row's overlapping tile, [rows, PW, FB, W]; each edge column's
+        # column tiles, [edges, tiles, PW, FB, W].
+        extra_slots = g[ROWS] * ow_len * wstep
+        col_slots = extra_slots + g[ROWS] * pw * wstep
+        nb = min(fb, g[MBG] - og * fb)
+        ob0 = grp * g[MBG] + og * fb
+        ystride = g[YBS] * w
+        bo = (grp * g[OGG] + og) * wstep
+        residual, kind = g[RESIDUAL], g[ACT]
+        simple = clips(kind)
+        lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
+        early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
+        xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
+        y0 = (n * g[MB] + ob0) * ystride
+        for c0 in range(0, cbg, g[CHUNK]):
+            c1 = min(cbg, c0 + g[CHUNK])
+            carry, last = c0 > 0, c1 == cbg
+            # The first chunk starts from the bias (each column's block of it, in every row).
+            zero, zero1 = tile_fma(tile_zeros(L, T), ONE, 0, 0, bf, bo), tile_zeros(L, T1)
+            bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
+            for oh in range(r0, r1):
+                n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
+                yo = y0 + oh * ow_len * w
+                ao_row = (oh - r0) * ow_len * wstep
+                for t in range(n_whole + extra):
+                    ow0 = col_a + t * pw if t < n_whole else c_end - pw
+                    ao = (
+                        ao_row + ow0 * wstep
+                        if t < n_whole
+                        else extra_slots + (oh - r0) * pw * wstep
+                    )
+                    a = tile_load(L, T, acc, ao) if carry else zero
+                    a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
+                    if last:
+                        _store(L, T, a, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
+                    else:
+                        tile_store(acc, ao, a)
+                if n_down > 0 and cr0 <= oh < r_end:
+                    continue  # its edges are in column tiles, its activation after them
+                for ow in range(ow_len):
+                    if col_a <= ow < c_end:
+                        continue
+                    m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)
+                    ao = ao_row + ow * wstep
+                    p = tile_load(L, T1, acc, ao) if carry else bias1
+                    p, p2 = _run_split(p, zero1, xf, wf, sx, sw_, m, bi, wstep)
+                    tile_store(tbuf, 0, p2)
+                    p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
+                    if last:
+                        _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
+                    else:
+                        tile_store(acc, ao, p)
+                if last and not simple:  # while the row is in cache
+                    activate_rows(
+                        L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b
+                    )
+            if n_down > 0:
+                n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
+                e = 0
+                for ow in range(ow_len):
+                    if col_a <= ow < c_end:
+                        continue
+                    m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)  # for pixel (cr0, ow)
+                    for t in range(n_down + down_extra):
+                        oh0 = cr0 + t * pw if t < n_down else r_end - pw
+                        ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
+                        a = tile_load(L, T, acc, ao) if carry else zero
+                        a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
+                        if last:
+                            yt = y0 + (oh0 * ow_len + ow) * w
+                            _store(L, T, a, nb, yf, yt, ow_len * w, ystride, res, early, lo, hi)
+                        else:
+                            tile_store(acc, ao, a)
+                    e += 1
+            if last and not simple and n_down > 0:
+                for oh in range(cr0, r_end):
+                    yo = y0 + oh * ow_len * w
+                    activate_rows(
+                        L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b
+                    )
+
+    return item
 
 
 @functools.cache
