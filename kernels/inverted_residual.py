@@ -237,6 +237,11 @@ class _Launch:
     run: object  # the dispatcher, then the compiled entry point
     epilogue: tuple  # combine_parts' arguments but for the parts, y and the residual
     bound: bool = False
+    split: int = 1  # channel parts (g[SPLIT])
+    scratch: int = 0  # floats of per-thread scratch, sizes summed
+
+    def __post_init__(self):  # read on every call: Python ints, not NumPy's
+        self.split, self.scratch = int(self.geometry[ir.SPLIT]), int(self.sizes.sum())
 
     @property
     def geometry(self) -> np.ndarray:
@@ -323,11 +328,10 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
         r = xb if xb.shape[-1] == plan.block else to_blocked(from_blocked(xb, plan.in_channels),
                                                              plan.block)  # fmt: skip
         rf = np.ascontiguousarray(r).reshape(-1)
-    head, tail = launch.args[:3], launch.args[3:]
-    split = int(launch.geometry[ir.SPLIT])  # channel parts: their partial sums
+    split = launch.split  # channel parts: their partial sums
     parts = empty(split * yf.size) if split > 1 else yf
-    work = per_thread(int(launch.sizes.sum()))
-    args = (*head, xf, *tail[:6], yf, rf, *tail[6:13], work, *tail[13:18], parts)
+    a = launch.args
+    args = (*a[:3], xf, *a[3:9], yf, rf, *a[9:16], per_thread(launch.scratch), *a[16:], parts)
     launch.run(*args)
     if split > 1:
         L, bias, g, epi, acts = launch.epilogue
