@@ -173,8 +173,8 @@ def _unbox_tile(typ, obj, c):
 
 @lower_constant(TileType)
 def _constant_tile(context, builder, ty, pyval):
-    """A Tile a kernel closes over (a function made per shape, kernels/_inverted_residual_blocked
-    band_item): no data either."""
+    """A Tile a kernel closes over (a function made per shape: kernels/_direct_blocked
+    tile_item): no data either."""
     return context.get_dummy_value()
 
 
