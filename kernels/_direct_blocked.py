@@ -170,8 +170,9 @@ def _store_source(rows: int, cols: int):
         "    elif residual == BEFORE:", *residual_lines(True),
         "    else:", *residual_lines(False),
     ])  # fmt: skip
+    # __name__: the module compile reports name (bench/cold_start.py), not None
     names = {"NO_RESIDUAL": NO_RESIDUAL, "BEFORE": BEFORE, "vload": vload, "vstore": vstore,
-             "clip": clip}  # fmt: skip
+             "clip": clip, "__name__": __name__}  # fmt: skip
     exec(compile(source, f"<_direct_blocked._store {rows}x{cols}>", "exec"), names)
     return names["store"]
 
