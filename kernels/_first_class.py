@@ -3,9 +3,10 @@
 A blocked kernel's serial work is compiled for its register tiles (kernels/simd/tile.py: a
 tile's shape is in its type), and a parallel driver that calls it directly is compiled again
 for every tile with it: Numba's parallel loop costs 2-10 s of compile whatever its body holds
-(bench/NOTES.md, "Cold compile"), and a CNN uses 4-12 tiles. Here the work item is compiled
-on its own (the tiles closed over, _direct_blocked.tile_item), wrapped in an `Item`, and the
-driver, typed on the item's signature alone, calls it through its address:
+(bench/NOTES.md, "Cold compile"), and a CNN uses 4-10 tile shapes (bench/cold_start.py).
+Here the work item is compiled on its own (the tiles closed over, _direct_blocked.tile_item),
+wrapped in an `Item`, and the driver, typed on the item's signature alone, calls it through
+its address:
 
     run = Item(tile_item(T, T1), sig)           # compiles (or loads) tile_item's function
     conv_direct(L, run, ...)                    # inside: call(run, L, xf, ...)

@@ -186,8 +186,7 @@ def inverted_residual_blocked(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g,
     for the direct kernel, wd, bd for the depthwise one; g the block's geometry, ge, gd, gp the
     three convs' (templates); acts [3, 3] float32: (kind, a, b) per conv (the kinds are in ge,
     gd, gp); ci: the expand's input channels per block (L when BI = b); sizes: scratch_size's
-    four; work
-    [threads, sum(sizes)].
+    four; work [threads, sum(sizes)].
 
     g[SPLIT] = 1: parallel over (image, part) items, each part a run of output rows. g[SPLIT]
     = P > 1 (fewer images than threads, small ones: a run of rows would compute the k - s rows

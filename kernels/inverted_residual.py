@@ -183,9 +183,9 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
 def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
     """A 1x1 conv's geometry run on one row of pixels (inside a band; the pixel counts are set
     per band), the block strides given, and the tallest tile of its filter groups (not
-    tile_rows' narrower ones for short runs: the block kernel is compiled for each pair of
-    tiles, ~20 s each, so a pair per (expand, project) filter-group count, whatever the image;
-    a run shorter than the tile takes the one-pixel path)."""
+    tile_rows' narrower ones for short runs: each tile shape is compiled once, ~2 s, so one
+    per filter-group count whatever the image, the same conv_nchwc runs most; a run shorter
+    than the tile takes the one-pixel path)."""
     g = geometry(conv, x_shape, threads)
     pixels = fields.pop("pixels")
     fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
