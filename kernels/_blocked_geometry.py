@@ -21,13 +21,16 @@ argument is unboxed per call and both kernels name its fields the same way.
                           larger tensor (the depth-first block's bands, _inverted_residual_blocked)
     ROW0                  depthwise: the output row y's rows start at (0 for a whole tensor; a
                           band's first row when y is the band's scratch)
+    YMB                   direct: blocks from one image of y to the next: MB, or more when y
+                          is a run of channel blocks of a larger tensor (a concatenation's
+                          part: ConvConcat, FireModule)
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0,
- N_GEO) = range(35)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB,
+ N_GEO) = range(36)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

@@ -55,7 +55,6 @@ from ._blocked_geometry import (
     FB,
     KH,
     KW,
-    MB,
     MBG,
     OGG,
     OH,
@@ -71,6 +70,7 @@ from ._blocked_geometry import (
     SW,
     XBS,
     YBS,
+    YMB,
     G,
     H,
     N,
@@ -274,7 +274,7 @@ def tile_item(T, T1):
         lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
         early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
         xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
-        y0 = (n * g[MB] + ob0) * ystride
+        y0 = (n * g[YMB] + ob0) * ystride
         for c0 in range(0, cbg, g[CHUNK]):
             c1 = min(cbg, c0 + g[CHUNK])
             carry, last = c0 > 0, c1 == cbg
@@ -359,8 +359,9 @@ def tile_signature(L, ci):
 
 @numba.jit(**PARALLEL)
 def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
-    """y = epilogue(conv(x)) on flat blocked arrays, x [N, CB, H, W, BI], y [N, MB, OH, OW, W],
-    W = L.width; run: tile_item's function of the register tile Tile(g[PW], g[FB]), an Item
+    """y = epilogue(conv(x)) on flat blocked arrays, x [N, CB, H, W, BI], y [N, YMB, OH, OW, W]
+    (its first MB blocks written: YMB = MB but in a concatenation's part), W = L.width; run:
+    tile_item's function of the register tile Tile(g[PW], g[FB]), an Item
     (kernels/_first_class.py, tile_signature); packed weights [G, OGG, CBG, KH, KW, BI, FB W],
     bias [G OGG FB W]; ci: BI, or L when BI = W (the channel loop unrolled); g: the geometry
     (the indices above), its ACT the activation's kind, act_a and act_b its parameters."""

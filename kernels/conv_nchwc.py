@@ -26,6 +26,7 @@ The plan packs for FB; PW is chosen per input shape, narrower when a row's inter
 import dataclasses
 import functools
 import math
+import operator
 
 import numpy as np
 
@@ -415,6 +416,7 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         PAD=pad,
         XBS=h * w,
         YBS=oh * ow,
+        YMB=plan.out_blocks,
     )
 
 
@@ -466,7 +468,7 @@ class _Launch:
     bound: bool = False  # run is the compiled entry point (config.entry_point), not the dispatcher
 
 
-def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
+def _launch(plan: ConvPlan, xb, threads: int, ymb: int | None = None) -> _Launch:
     """Validate an input shape against the plan and work out its launch (ValueError if bad)."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
@@ -481,6 +483,8 @@ def _launch(plan: ConvPlan, xb, threads: int) -> _Launch:
     if min(shape[2:]) < 1:
         raise ValueError(f"output shape {shape} is empty for input {xb.shape}")
     g = geometry(plan, xb.shape, threads)
+    if ymb is not None:
+        g[geo.YMB] = ymb
     L = lanes(plan.block)
     if plan.depthwise:
         return _Launch(
@@ -507,17 +511,28 @@ def tile_item(L, pw: int, fb: int, ci) -> Item:
     return Item(run, d.tile_signature(L, ci))
 
 
-def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
+def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
     """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
 
-    residual: a blocked array of the output's shape when the plan adds one. The per-shape work
+    residual: a blocked array of the output's shape when the plan adds one. at: write the
+    output as channel blocks at, at + 1, ... of `out`, a larger blocked array [N, CB', OH, OW,
+    b] (a concatenation's part, so no copy makes it; no residual then). The per-shape work
     (checks, geometry, the tile) is done on a shape's first call; a later call costs a dict
     look-up."""
-    key = (xb.shape, get_threads()) if isinstance(xb, np.ndarray) else None
+    ymb = None if at is None else _part_blocks(out, at, plan)
+    key = (xb.shape, get_threads(), ymb) if isinstance(xb, np.ndarray) else None
     launch = plan.geometry.get(key)
     if launch is None or xb.dtype != np.float32:
-        launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1)
+        launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1, ymb)
     shape = launch.shape
+    if ymb is not None:
+        if out.shape[0] != shape[0] or out.shape[2:] != shape[2:]:
+            raise ValueError(f"out of shape {out.shape} cannot hold an output of shape {shape}")
+        if plan.depthwise or launch.empty:  # the depthwise kernel writes whole tensors
+            out[:, at : at + shape[1]] = conv_nchwc(xb, plan)
+            return out
+        _run(launch, xb, plan, out.reshape(-1)[at * math.prod(shape[2:]) :], None)
+        return out
     if out is None:
         out = empty(shape)
     elif (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous
@@ -525,10 +540,34 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
     if launch.empty:
         return out
-    xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)
+    _run(launch, xb, plan, out.reshape(-1), residual)
+    return out
+
+
+def _part_blocks(out, at, plan: ConvPlan) -> int:
+    """The blocks per image of `out` when the conv writes blocks [at, at + MB) of it."""
+    if (not isinstance(out, np.ndarray) or out.ndim != 5 or out.dtype != np.float32
+            or not out.flags.c_contiguous or not out.flags.writeable):  # fmt: skip
+        raise ValueError("out must be a writeable C-contiguous float32 blocked array to write "
+                         f"a part of, got {getattr(out, 'shape', out)!r}")  # fmt: skip
+    if out.shape[-1] != plan.block:
+        raise ValueError(f"out has blocks of {out.shape[-1]} channels, the conv's {plan.block}")
     if plan.residual:
-        if not isinstance(residual, np.ndarray) or residual.shape != shape:
-            raise ValueError(f"the residual must be a blocked array of shape {shape}")
+        raise ValueError("a conv that adds a residual writes a whole tensor, not a part")
+    at = operator.index(at)
+    if not 0 <= at <= out.shape[1] - plan.out_blocks:
+        raise ValueError(f"blocks {at}..{at + plan.out_blocks - 1} are not in out's "
+                         f"{out.shape[1]}")  # fmt: skip
+    return out.shape[1]
+
+
+def _run(launch: _Launch, xb, plan: ConvPlan, yf, residual):
+    """Run a launch on xb into the flat output yf (the plan's residual, if any, given); the
+    kernel's entry point bound on the first call."""
+    xf = np.ascontiguousarray(xb).reshape(-1)
+    if plan.residual:
+        if not isinstance(residual, np.ndarray) or residual.shape != launch.shape:
+            raise ValueError(f"the residual must be a blocked array of shape {launch.shape}")
         res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
     else:
         res = yf  # not read
@@ -539,4 +578,3 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None):
     launch.run(*args)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True
-    return out

@@ -216,13 +216,79 @@ def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> l
     ]
 
 
-def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile: int):
+def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile: int,
+                 in_block: int | None = None):  # fmt: skip
     """The conv packed for the blocked-layout kernel with `tile` output blocks per tile, with
-    the whole epilogue."""
+    the whole epilogue (in_block: the input's channels per block, when not the default)."""
     from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
 
     return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **activation_keywords(attrs),
-                              residual=attrs.get("residual"), tile=tile)  # fmt: skip
+                              residual=attrs.get("residual"), tile=tile,
+                              in_block=in_block)  # fmt: skip
+
+
+class BlockedPart:
+    """One conv of a concatenation (ConvConcat's branches, a Fire module's expand convs) run in
+    the blocked layout, writing its channel blocks of the concatenated output: the direct
+    kernel in place (conv_nchwc's `at`: no copy), or, with `winograd`, a 3x3 stride-1 conv on
+    the blocked Winograd kernel (F(4x4) where its reason allows, else F(2x2)) and a copy of its
+    output into place. One register tile, the first that tile_options ranks (a node of several
+    convs is timed as a whole: one tactic per combination of tiles would multiply). `reason`
+    says why the conv cannot run blocked; None when it can."""
+
+    def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None,
+                 winograd: bool = False, in_block: int | None = None):  # fmt: skip
+        from kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
+
+        attrs = {**attrs, **geometry(attrs, 4)}
+        self.reason = supports(weight.shape, attrs["group"])
+        self.direct = self.wino = None
+        if self.reason is not None:
+            return
+        tile = tile_options(weight.shape, attrs["group"])[0]
+        self.direct = blocked_plan(attrs, weight, bias, tile, in_block)
+        self.in_block, self.blocks = self.direct.in_block, self.direct.out_blocks
+        if winograd and self.in_block == self.direct.block:
+            from kernels.winograd_nchwc import prepare_winograd_nchwc
+
+            tiles = [t for t in (4, 2) if winograd_reason(attrs, weight, 4, t) is None]
+            if tiles:
+                self.wino = prepare_winograd_nchwc(weight, bias, tile=tiles[0],
+                                                   **geometry(attrs, 4),
+                                                   **activation_keywords(attrs))  # fmt: skip
+
+    def output_shape(self, x_shape) -> tuple:
+        from kernels.conv_nchwc import output_shape
+
+        return output_shape(x_shape, self.direct)
+
+    def write(self, xb, out, at: int):
+        """Its output into blocks at, at + 1, ... of the blocked array `out`."""
+        from kernels.conv_nchwc import conv_nchwc
+        from kernels.winograd_nchwc import winograd_nchwc
+
+        if self.wino is None:
+            conv_nchwc(xb, self.direct, out=out, at=at)
+        else:
+            out[:, at : at + self.blocks] = winograd_nchwc(xb, self.wino)
+
+
+def blocked_concat(parts: list[BlockedPart], xs) -> np.ndarray:
+    """concat_1(part_k(xs[k])) in the blocked layout, each part writing its own blocks (every
+    part but the last holds whole blocks: patterns/concat.why_not_blocked)."""
+    from kernels.workspace import empty  # heavy (Numba)
+
+    shapes = [p.output_shape(x.shape) for p, x in zip(parts, xs, strict=True)]
+    n, _, oh, ow, b = shapes[0]
+    if any((s[0], s[2], s[3]) != (n, oh, ow) for s in shapes):
+        sizes = ", ".join(f"{s[0]}x{s[2]}x{s[3]}" for s in shapes)
+        raise ValueError(f"branch outputs differ in batch or size ({sizes}): cannot concatenate")
+    y = empty((n, sum(s[1] for s in shapes), oh, ow, b))
+    at = 0
+    for part, x, shape in zip(parts, xs, shapes, strict=True):
+        part.write(x, y, at)
+        at += shape[1]
+    return y
 
 
 # The blocked Winograd tactics offered to the race: F(2x2, 3x3) and F(4x4, 3x3) by default

@@ -17,10 +17,11 @@ fused at stage 0, has no Concat left for it.
 
 from __future__ import annotations
 
-from fusion.catalog import DOMAIN, Rule
+from fusion.catalog import DOMAIN, Rule, Tactic
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.conv import clips_only, conv_plan, folded
+from patterns.concat import why_not_blocked
+from patterns.conv import BlockedPart, blocked_concat, clips_only, conv_plan, folded
 from patterns.fire import CHANNEL_AXES
 
 CONV_INPUTS = 4  # a branch's inputs: a ConvBiasRelu node's x, W, B, bias_add ("" when absent)
@@ -90,22 +91,59 @@ def attributes(m: Match) -> dict:
     return attrs
 
 
-def make_kernel(attrs: dict, constants: list):
-    """Pack every branch's weights once; run(*inputs) returns the concatenated output."""
-    from kernels.conv_concat import conv_concat  # heavy (Numba): only when a kernel is built
+class ConvConcatKernel:
+    """Called on NCHW inputs it runs kernels/conv_concat (kernels/conv2d per branch, each
+    writing its channel range of y). `tactics` offers first the blocked layout, when every
+    branch but the last fills whole blocks (patterns/concat.why_not_blocked) and the blocked
+    kernels run every branch: "blocked", each branch's direct conv writing its channel blocks
+    of y in place, and "blocked-wino" when a branch is a 3x3 stride-1 conv (Inception's), those
+    on the blocked Winograd kernel; then "nchw". `nchw_only` says why there is no blocked
+    tactic, when there is none."""
 
-    count = attrs["branches"]
-    constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]
-    plans = []
-    for k in range(count):
-        conv = {key[len(f"b{k}_") :]: v for key, v in attrs.items() if key.startswith(f"b{k}_")}
-        w, bias = folded(conv, constants[k * CONV_INPUTS : (k + 1) * CONV_INPUTS])
-        plans.append(conv_plan(conv, w, bias))
+    def __init__(self, attrs: dict, constants: list):
+        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from kernels.conv_concat import conv_concat
 
-    def run(*inputs):
-        return (conv_concat(list(inputs[::CONV_INPUTS]), plans),)
+        count = attrs["branches"]
+        constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]
+        convs, plans = [], []
+        for k in range(count):
+            conv = {key[len(f"b{k}_") :]: v for key, v in attrs.items() if key.startswith(f"b{k}_")}
+            w, bias = folded(conv, constants[k * CONV_INPUTS : (k + 1) * CONV_INPUTS])
+            convs.append((conv, w, bias))
+            plans.append(conv_plan(conv, w, bias))
 
-    return run
+        def run(*inputs):
+            return (conv_concat(list(inputs[::CONV_INPUTS]), plans),)
+
+        self.run = run
+        self.tactics = [Tactic("nchw", run)]
+        self.nchw_only = why_not_blocked(4, [w.shape[0] for _, w, _ in convs], block())
+        if self.nchw_only is not None:
+            return
+        for winograd in (False, True):
+            parts = [BlockedPart(conv, w, bias, winograd) for conv, w, bias in convs]
+            reasons = [(k, p.reason) for k, p in enumerate(parts) if p.reason is not None]
+            if reasons:
+                self.nchw_only = f"branch {reasons[0][0]}: {reasons[0][1]}"
+                return
+            if winograd and all(p.wino is None for p in parts):
+                break
+            name = "blocked-wino" if winograd else "blocked"
+            self.tactics.insert(-1, _blocked_tactic(parts, name))
+
+    def __call__(self, *inputs):
+        return self.run(*inputs)
+
+
+def _blocked_tactic(parts: list, name: str) -> Tactic:
+    def run_blocked(*inputs):
+        return (blocked_concat(parts, inputs[::CONV_INPUTS]),)
+
+    return Tactic(name, run_blocked,
+                  blocked_inputs=tuple(range(0, len(parts) * CONV_INPUTS, CONV_INPUTS)),
+                  in_blocks=tuple(p.in_block for p in parts), blocked_outputs=(0,),
+                  out_channels=(sum(p.direct.out_channels for p in parts),))  # fmt: skip
 
 
 RULE = Rule(
@@ -113,7 +151,7 @@ RULE = Rule(
     None,
     inputs=("parts",),
     outputs=("y",),
-    prepare=make_kernel,
+    prepare=ConvConcatKernel,
     attributes=attributes,
     finder=find_concat,
     anchor_ops=("Concat",),

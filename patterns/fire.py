@@ -4,15 +4,26 @@ cbr is act(conv2d(t, W) + b), the conv sub-pattern of ConvBiasRelu (patterns/con
 epilogue kernels/conv2d runs: the bias as Conv's input or an Add, Relu, Clip or none. Both
 expand branches read the same squeeze output, and the Concat may list them in either order.
 The kernel computes s once and writes each branch's epilogue (bias, activation) straight into
-its channel range of y, so no Concat copy is left.
+its channel range of y, so no Concat copy is left: in NCHW (kernels/fire), or in the blocked
+layout, each expand conv writing its channel blocks of y (FireKernel's tactics).
 """
 
 from __future__ import annotations
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Pattern, op
 from patterns.activation import CLIPPING
-from patterns.conv import check_conv, conv_attributes, conv_epilogue, conv_plan, folded
+from patterns.concat import why_not_blocked
+from patterns.conv import (
+    BlockedPart,
+    blocked_concat,
+    blocked_plan,
+    check_conv,
+    conv_attributes,
+    conv_epilogue,
+    conv_plan,
+    folded,
+)
 
 SQUEEZE, EXPAND1, EXPAND3 = "squeeze_", "expand1x1_", "expand3x3_"
 BRANCHES = {SQUEEZE: (1, 1), EXPAND1: (1, 1), EXPAND3: (3, 3)}  # capture prefix -> kernel
@@ -58,31 +69,68 @@ def fire_attributes(m) -> dict:
     return attrs
 
 
+def _convs(attrs: dict, constants: list) -> dict:
+    """Each conv's attributes and folded (weight, bias), by prefix."""
+    constants = [*constants, *[None] * (len(INPUTS) - len(constants))]  # trailing absent inputs
+    given = dict(zip(INPUTS, constants, strict=True))
+    convs = {}
+    for prefix in BRANCHES:
+        conv = {k[len(prefix) :]: v for k, v in attrs.items() if k.startswith(prefix)}
+        given_k = [None, *(given[prefix + k] for k in ("W", "B", "bias_add"))]
+        convs[prefix] = (conv, *folded(conv, given_k))
+    return convs
+
+
 def fire_plan(attrs: dict, constants: list):
     """The kernel's FirePlan: the three convs' weights packed, the branches in Concat order."""
     from kernels.fire import prepare_fire  # heavy (Numba): only when a kernel is built
 
-    constants = [*constants, *[None] * (len(INPUTS) - len(constants))]  # trailing absent inputs
-    given = dict(zip(INPUTS, constants, strict=True))
-    plans = {}
-    for prefix in BRANCHES:
-        conv = {k[len(prefix) :]: v for k, v in attrs.items() if k.startswith(prefix)}
-        w, bias = folded(conv, [None, *(given[prefix + k] for k in ("W", "B", "bias_add"))])
-        plans[prefix] = conv_plan(conv, w, bias)
+    plans = {prefix: conv_plan(*c) for prefix, c in _convs(attrs, constants).items()}
     expands = [plans[EXPAND1], plans[EXPAND3]]
     return prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))
 
 
-def make_kernel(attrs: dict, constants: list):
-    """Pack the three convs' weights once; run(x) returns the concatenated output."""
-    from kernels.fire import fire  # heavy (Numba): only when a kernel is built
+class FireKernel:
+    """Called on NCHW input it runs kernels/fire. `tactics` offers first the blocked layout
+    when the first expand conv in Concat order fills whole blocks (patterns/concat.
+    why_not_blocked; the squeeze's output is blocked whatever its channels): the squeeze conv
+    on the direct kernel, then
+    each expand conv writing its channel blocks of y ("blocked": in place; "blocked-wino": the
+    3x3 one on the blocked Winograd kernel, through a copy); then "nchw". `nchw_only` says why
+    there is no blocked tactic, when there is none."""
 
-    plan = fire_plan(attrs, constants)
+    def __init__(self, attrs: dict, constants: list):
+        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from kernels.conv_nchwc import conv_nchwc, tile_options
+        from kernels.fire import fire
 
-    def run(x, *_constants):
-        return (fire(x, plan),)
+        plan = fire_plan(attrs, constants)
+        self.run = lambda x, *_constants: (fire(x, plan),)
+        self.tactics = [Tactic("nchw", self.run)]
+        convs = _convs(attrs, constants)
+        order = [EXPAND1, EXPAND3][:: ORDERS[attrs["branch_order"]]]
+        b = block()
+        channels = [convs[p][1].shape[0] for p in order]
+        self.nchw_only = why_not_blocked(4, channels, b)
+        if self.nchw_only is not None:
+            self.nchw_only = f"expand convs in Concat order: {self.nchw_only}"
+            return
+        conv, w, bias = convs[SQUEEZE]
+        squeeze = blocked_plan(conv, w, bias, tile_options(w.shape)[0])
+        for name, winograd in (("blocked", False), ("blocked-wino", True)):
+            parts = [BlockedPart(*convs[p], winograd=winograd, in_block=b) for p in order]
+            if winograd and all(p.wino is None for p in parts):
+                break
 
-    return run
+            def run_blocked(xb, *_constants, parts=parts):
+                return (blocked_concat(parts, [conv_nchwc(xb, squeeze)] * len(parts)),)
+
+            self.tactics.insert(-1, Tactic(name, run_blocked, blocked_inputs=(0,),
+                                           in_blocks=(squeeze.in_block,), blocked_outputs=(0,),
+                                           out_channels=(sum(channels),)))  # fmt: skip
+
+    def __call__(self, x, *constants):
+        return self.run(x, *constants)
 
 
 INPUTS = ("squeeze_x", *(p + name for p in BRANCHES for name in ("W", "B", "bias_add")))
@@ -91,7 +139,7 @@ RULE = Rule(
     "FireModule",
     fire_module(),
     inputs=INPUTS,
-    prepare=make_kernel,
+    prepare=FireKernel,
     attributes=fire_attributes,
     check=check_fire,
     accumulates=True,  # long float32 sums: error relative to the output's scale

@@ -17,9 +17,13 @@ from helpers import (
 )
 
 import fusion
+from fusion.numerics import compare_arrays
 from fusion.runtime import Session
+from fusion.runtime.kernel import node_attributes
 from kernels import conv2d_bias_act, prepare_conv2d
+from kernels.blocked import block
 from kernels.conv_concat import conv_concat
+from patterns import conv_concat as conv_concat_pattern
 
 CATALOG = fusion.default_catalog()
 
@@ -85,6 +89,55 @@ def test_two_inception_blocks_in_a_row_at_googlenet_width():
     _, y = inception(g, y, 64, widths=(32, (32, 48), (8, 24), 16), name="/cat2")
     result = check_against_onnxruntime(g.model({"x": ["N", 48, 14, 14]}, [y]), batches=(2,))
     assert fused_ops(result.model).count("ConvConcat") == 2
+
+
+# Branch widths in whole blocks at 8 and at 16 lanes but the last (odd): every tactic runs.
+WHOLE = (16, (24, 32), (8, 16), 5)
+
+
+@pytest.mark.parametrize("tactic", ["blocked", "blocked-wino", "nchw"])
+@pytest.mark.parametrize("shape", [(12, 9, 11), (20, 14, 14)], ids=str)
+def test_each_tactic_matches_onnxruntime(tactic, shape):
+    """The blocked tactics write each branch's channel blocks of the output (the direct kernel
+    in place, the 3x3 branches on Winograd through a copy); NCHW writes channel slices."""
+    g = HeScaled(seed=shape[0])
+    _, y = inception(g, "x", shape[0], widths=WHOLE)
+    model = g.model({"x": ["N", *shape]}, [y])
+    result = fusion.rewrite(model, CATALOG)
+    session = Session(result.model, threads=2, catalog=CATALOG, tactics=tactic)
+    assert session.offered["ConvConcat /cat"] == ["blocked", "blocked-wino", "nchw"]
+    assert session.choices["ConvConcat /cat"] == tactic
+    for batch in (1, 3):
+        feeds = random_feeds(model, batch=batch, seed=batch)
+        (want,) = run_ort(model, feeds)
+        (got,) = session.run(None, feeds)
+        rule = conv_concat_pattern.RULE  # Winograd: within the rule's scale-relative tolerance
+        result = compare_arrays("y", got, want, rule.rtol, rule.atol, scaled=True)
+        assert result.ok, result
+
+
+def concat_kernel(model):
+    rewritten = fusion.rewrite(model, CATALOG).model
+    (node,) = [n for n in rewritten.graph.node if n.op_type == "ConvConcat"]
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in rewritten.graph.initializer}
+    return conv_concat_pattern.RULE.prepare(node_attributes(node),
+                                            [inits.get(v) for v in node.input])  # fmt: skip
+
+
+def test_blocked_only_with_whole_blocks_and_winograd_only_for_3x3():
+    b = block()
+    g = GraphBuilder()
+    a, c = conv_block(g, "x", 4, b + 3, k=1), conv_block(g, "x", 4, 8, k=3, pads=[1, 1, 1, 1])
+    y = g.node("Concat", [a, c], axis=1, name="/cat")
+    kernel = concat_kernel(g.model({"x": ["N", 4, 6, 6]}, [y]))
+    assert [t.name for t in kernel.tactics] == ["nchw"]
+    assert kernel.nchw_only == f"input 0 has {b + 3} channels, not whole blocks of {b}"
+    g = GraphBuilder()
+    a, c = conv_block(g, "x", 4, b, k=1), conv_block(g, "x", 4, 3, k=1)
+    y = g.node("Concat", [a, c], axis=1, name="/cat")
+    kernel = concat_kernel(g.model({"x": ["N", 4, 6, 6]}, [y]))
+    assert [t.name for t in kernel.tactics] == ["blocked", "nchw"]  # no 3x3 stride-1 branch
+    assert kernel.nchw_only is None
 
 
 def test_kernel_matches_a_numpy_concat_of_each_conv_and_writes_a_slice():

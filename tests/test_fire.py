@@ -22,9 +22,11 @@ from helpers import (
 )
 
 import fusion
+from fusion.numerics import compare_arrays
 from fusion.runtime import Session
 from fusion.runtime.kernel import node_attributes
 from kernels import conv2d_bias_act, prepare_conv2d
+from kernels.blocked import block
 from kernels.fire import fire, prepare_fire
 from patterns import fire as fire_pattern
 
@@ -86,6 +88,42 @@ def test_kernel_matches_onnxruntime(x_shape, channels):
     (want,) = run_ort(model, {"x": x})
     assert got.shape == want.shape and got.flags.c_contiguous
     assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tactic", ["blocked", "blocked-wino", "nchw"])
+@pytest.mark.parametrize("order", ["1x1,3x3", "3x3,1x1"])
+def test_each_tactic_matches_onnxruntime(tactic, order):
+    """Blocked: the squeeze conv (6 channels: one partial block) on the direct kernel, each
+    expand conv writing its channel blocks of y (the first in Concat order whole blocks at 8
+    and 16 lanes, the second odd); "blocked-wino" runs the 3x3 one on Winograd."""
+    e1, e3 = (16, 7) if order == "1x1,3x3" else (7, 16)
+    g = GraphBuilder(seed=e1)
+    *_, y = fire_graph(g, "x", 10, 6, e1, e3, order=order)
+    model = g.model({"x": ["N", 10, 9, 13]}, [y])
+    session = Session(fusion.rewrite(model, CATALOG).model, threads=2, catalog=CATALOG,
+                      tactics=tactic)  # fmt: skip
+    assert session.offered["FireModule /cat"] == ["blocked", "blocked-wino", "nchw"]
+    assert session.choices["FireModule /cat"] == tactic
+    for batch in (1, 3):
+        feeds = random_feeds(model, batch=batch, seed=batch)
+        (want,) = run_ort(model, feeds)
+        (got,) = session.run(None, feeds)
+        result = compare_arrays("y", got, want, fire_pattern.RULE.rtol, fire_pattern.RULE.atol,
+                                scaled=True)  # fmt: skip
+        assert result.ok, result
+
+
+def test_blocked_only_when_the_first_expand_fills_whole_blocks():
+    b = block()
+    g = GraphBuilder()
+    *_, y = fire_graph(g, "x", 4, 3, b + 2, b, order="1x1,3x3")
+    model = fusion.rewrite(g.model({"x": ["N", 4, 6, 6]}, [y]), CATALOG).model
+    (node,) = model.graph.node
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    kernel = fire_pattern.RULE.prepare(node_attributes(node), [inits.get(v) for v in node.input])
+    assert [t.name for t in kernel.tactics] == ["nchw"]
+    assert kernel.nchw_only == (f"expand convs in Concat order: input 0 has {b + 2} channels, "
+                                f"not whole blocks of {b}")  # fmt: skip
 
 
 def naive_conv_relu(x, w, b, pad):

@@ -271,6 +271,56 @@ def test_refusals_say_why():
             conv_nchwc(to_blocked(np.ones((1, 32, 2, 2), np.float32), block=block), plan)
 
 
+def plan_of(wt, b, attrs, activation=None, block=None):
+    return prepare_conv_nchwc(wt, b, pads=attrs.get("pads", (0, 0, 0, 0)),
+                              group=attrs.get("group", 1), activation=activation, block=block,
+                              **ACTS[activation][1])  # fmt: skip
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_parts_written_into_a_larger_output(block, n):
+    """Convs writing their channel blocks of one output (a concatenation's parts, `at`): a 1x1
+    and a 3x3 conv in place, a non-clip activation's pass included, a depthwise conv through a
+    copy; blocks outside the parts untouched, every image at its own offset."""
+    x, w1, b1, a1 = case(n, 24, 2 * block, 7, 9, 1, seed=1)
+    _, w3, b3, a3 = case(n, 24, block, 7, 9, 3, seed=2, pads=(1, 1, 1, 1))
+    _, wd, bd, ad = case(n, 24, 24, 7, 9, 3, seed=3, group=24, pads=(1, 1, 1, 1))
+    parts = [(w1, b1, a1, "relu"), (w3, b3, a3, "hard_swish"), (wd, bd, ad, "clip")]
+    xb = to_blocked(x, block=block)
+    total = 3 + -(-24 // block)  # blocks of the concatenation
+    y = np.full((n, total + 1, 7, 9, block), np.nan, np.float32)  # one more: must stay NaN
+    at = 0
+    for wt, b, attrs, act in parts:
+        plan = plan_of(wt, b, attrs, act, block)
+        assert conv_nchwc(xb, plan, out=y, at=at) is y
+        at += plan.out_blocks
+    want = np.concatenate([reference(x, wt, b, attrs, act) for wt, b, attrs, act in parts], 1)
+    assert_close(from_blocked(np.ascontiguousarray(y[:, :total]), 3 * block + 24), want, RTOL,
+                 ATOL)  # fmt: skip
+    assert np.isnan(y[:, total]).all()
+    assert not y[:, total - 1, ..., 24 % block or block :].any()  # the last part's padding
+
+
+def test_a_part_is_checked_before_it_is_written():
+    x, wt, b, attrs = case(1, 16, 16, 5, 5, 1)
+    xb = to_blocked(x, block=8)
+    plan = plan_of(wt, b, attrs, block=8)
+    y = np.zeros((1, 3, 5, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="blocks 2..3 are not in out's 3"):
+        conv_nchwc(xb, plan, out=y, at=2)
+    with pytest.raises(ValueError, match="blocks of 16 channels"):
+        conv_nchwc(xb, plan, out=np.zeros((1, 3, 5, 5, 16), np.float32), at=0)
+    with pytest.raises(ValueError, match="cannot hold"):
+        conv_nchwc(xb, plan, out=np.zeros((1, 3, 5, 4, 8), np.float32), at=0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        conv_nchwc(xb, plan, out=np.zeros((1, 6, 5, 5, 8), np.float32)[:, ::2], at=0)
+    residual = prepare_conv_nchwc(wt, b, residual="after", block=8)
+    with pytest.raises(ValueError, match="residual"):
+        conv_nchwc(xb, residual, out=y, at=0)
+    assert not y.any()
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("group", [1, 8], ids=["direct", "depthwise"])
 def test_batch_0_gives_an_empty_output(group, block):
