@@ -8,7 +8,9 @@ the SIMD width the kernel computes at (default kernels.simd.width(): 8 with AVX2
 AVX-512); conv_nchwc validates an input, works out the geometry and the tile for its shape
 (cached per shape and thread count) and runs the parallel kernel. Groups are supported when
 each group's input and output channels are whole blocks (a depthwise conv has its own kernel,
-_depthwise_blocked.py); with one group any channel counts work (the last block is zero-padded).
+_depthwise_blocked.py), or when groups of as many outputs as inputs divide a block (RegNet's
+width 8 at 16 lanes: block_diagonal); with one group any channel counts work (the last block
+is zero-padded).
 
     >>> plan = prepare_conv_nchwc(w, b, pads=(1, 1, 1, 1), activation="relu")
     >>> yb = conv_nchwc(to_blocked(x, block=plan.in_block), plan)  # [N, ceil(M/b), OH, OW, b]
@@ -88,6 +90,13 @@ def is_depthwise(weight_shape, group: int) -> bool:
     return group > 1 and cg == 1 and m == group
 
 
+def is_narrow(weight_shape, group: int, block: int) -> bool:
+    """Groups narrower than a block, as many outputs as inputs each, and a whole number of them
+    per block (RegNet's group width 8 at 16 lanes): run as block-diagonal groups of one block."""
+    m, cg, _, _ = weight_shape
+    return group > 1 and cg == m // group and cg < block and block % cg == 0
+
+
 def supports(weight_shape, group: int, block: int | None = None) -> str | None:
     """Why the blocked kernels cannot run this conv at `block` channels per block (default
     the process's width), or None when they can."""
@@ -95,10 +104,29 @@ def supports(weight_shape, group: int, block: int | None = None) -> str | None:
     if group == 1 or is_depthwise(weight_shape, group):
         return None
     b = width() if block is None else block
-    if cg % b or (m // group) % b:
+    if (cg % b or (m // group) % b) and not is_narrow(weight_shape, group, b):
         return (f"grouped conv with {cg} input and {m // group} output channels per group: the "
-                f"blocked kernel needs whole blocks of {b}")  # fmt: skip
+                f"blocked kernel needs whole blocks of {b}, or groups of as many outputs as "
+                f"inputs that divide {b}")  # fmt: skip
     return None
+
+
+def block_diagonal(weight: np.ndarray, group: int, block: int) -> np.ndarray:
+    """The weights [M', b, kh, kw] of a narrow-grouped conv (is_narrow) as M' / b groups of
+    one block (M' = M rounded up to blocks): within a block, output lane k reads input lane j
+    with W[o, j'] when channels o = g' b + k and c = g' b + j are in the same group (j' is c's
+    place in it), else 0. The kernel does b / (C / group) times the conv's multiplies, at
+    the full width and in the layout of the convs around it."""
+    m, cg, kh, kw = weight.shape
+    blocks = -(-m // block)
+    out = np.arange(blocks * block).reshape(blocks, block, 1)  # o
+    inp = np.arange(blocks * block).reshape(blocks, 1, block)  # c, in the same block as o
+    same = (out // cg == inp // cg) & (out < m)
+    dense = np.zeros((blocks, block, block, kh, kw), np.float32)
+    rows, lanes_o, lanes_i = np.nonzero(same)
+    o = rows * block + lanes_o
+    dense[rows, lanes_o, lanes_i] = weight[o, (rows * block + lanes_i) % cg]
+    return dense.reshape(blocks * block, block, kh, kw)
 
 
 def _padding(fb: int, mbg: int) -> int:
@@ -298,7 +326,14 @@ def prepare_conv_nchwc(
             pixels=None, depthwise=True, packed=np.ascontiguousarray(packed).ravel(), bias=bp,
         )  # fmt: skip
     c = cg * group
-    bi = (block if c >= block else c) if group == 1 else block
+    narrow = is_narrow(weight.shape, group, block)
+    if narrow:  # whole blocks in and out from here on (a single one when C < b)
+        weight, group = block_diagonal(weight, group, block), -(-m // block)
+        if bias is not None:
+            bias = np.concatenate([bias.reshape(m), np.zeros(group * block - m, np.float32)])
+        m, cg = weight.shape[:2]
+        common["group"] = group
+    bi = (block if c >= block else c) if group == 1 and not narrow else block
     if in_block is not None:
         if in_block not in (bi, block):
             raise ValueError(f"in_block must be {block} or {bi} for {c} channels, got {in_block}")

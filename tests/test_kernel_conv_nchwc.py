@@ -250,15 +250,43 @@ def test_nan_and_inf_pass_through_like_onnxruntime(block, where):
     assert_close(got, want, RTOL, ATOL)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
+    "n, c, width, k, attrs",
+    [
+        (1, 48, 8, 3, {"pads": (1, 1, 1, 1)}),  # RegNetY's group width 8: 2 groups a block at 16
+        (2, 104, 8, 3, {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # half a block left over
+        (1, 24, 4, 3, {"pads": (0, 1, 2, 1)}),
+        (3, 12, 2, 1, {}),  # fewer channels than a block: one block-diagonal group
+    ],
+    ids=str,
+)
+def test_groups_narrower_than_a_block(block, n, c, width, k, attrs):
+    """Groups of `width` channels in and out, fewer than a block: block-diagonal groups of one
+    block each, against onnxruntime's grouped conv; the weights across groups stay zero."""
+    x, wt, b, attrs = case(n, c, c, 7, 9, k, seed=c, group=c // width, **attrs)
+    assert supports(wt.shape, c // width, block) is None
+    for activation in ("relu", "sigmoid"):
+        got = run_blocked(x, wt, b, attrs, activation, block=block)
+        assert_close(got, reference(x, wt, b, attrs, activation), RTOL, ATOL)
+    if width < block:
+        dense = conv_module.block_diagonal(wt, c // width, block)
+        assert dense.shape == (-(-c // block) * block, block, k, k)
+        lanes = np.arange(block)
+        across = lanes[:, None] // width != lanes[None, :] // width
+        assert not dense.reshape(-1, block, block, k, k)[:, across].any()
+
+
 def test_refusals_say_why():
     assert "whole blocks of 8" in supports((12, 3, 3, 3), group=4, block=8)
     assert supports((16, 8, 3, 3), group=2, block=8) is None
-    assert "whole blocks of 16" in supports((16, 8, 3, 3), group=2, block=16)
+    assert "whole blocks of 16" in supports((24, 8, 3, 3), group=2, block=16)  # 8 in, 12 out
+    assert supports((16, 8, 3, 3), group=2, block=16) is None  # narrow: block-diagonal
     assert supports((32, 16, 3, 3), group=2, block=16) is None
     with pytest.raises(ValueError, match="whole blocks"):
         prepare_conv_nchwc(np.ones((12, 3, 3, 3), np.float32), group=4)
     with pytest.raises(ValueError, match="whole blocks of 16"):
-        prepare_conv_nchwc(np.ones((16, 8, 3, 3), np.float32), group=2, block=16)
+        prepare_conv_nchwc(np.ones((24, 8, 3, 3), np.float32), group=2, block=16)
     with pytest.raises(ValueError, match="block"):
         prepare_conv_nchwc(np.ones((8, 8, 3, 3), np.float32), block=4)
     for block in BLOCKS:
