@@ -121,6 +121,23 @@ def test_the_whole_plan_races_onnxruntime_alone(monkeypatch, tmp_path):
     assert session.steps[0].settings == DEFAULT
 
 
+def test_the_whole_plan_races_each_node_s_fastest_kernel(monkeypatch, tmp_path):
+    """A node whose kernel loses to its body alone (by the timing of one node, which cannot see
+    the conversions and islands around it) is left to onnxruntime per node; the plan of every
+    node on its fastest kernel tactic races too, and is kept when it wins whole."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    node_times = {"slow": 1.0, "numpy": 2e-3, ONNXRUNTIME: 1e-3}  # the body wins its node
+    monkeypatch.setattr(Chooser, "time_tactics", lambda self, *args: node_times)
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.02, "kernels": 0.01})
+    session = _session(tactics="fastest")
+    assert raced == [[ONNXRUNTIME, "kernels"]]  # per-node is onnxruntime's plan: raced once
+    assert session.race["chosen"] == "kernels" and session.choices["ScaledRelu sr"] == "numpy"
+    assert "each node's fastest kernel 10 ms" in describe_race(session.race)
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    (y,) = session.run(None, {"x": x})
+    assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
+
+
 # ---- the race as a judge: provisional under load, watched when cached ----------------------------
 NODE_WINS = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node: a race
 

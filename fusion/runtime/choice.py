@@ -11,7 +11,9 @@ whole plan of those choices checked against simpler ones.
   shapes (`Chooser.time_tactics`), the fastest kept; the timings are cached
   (fusion/runtime/timing_cache.py).
 - Whole plan (`Chooser.settle`): the plan of per-node choices races the same choices kept to
-  NCHW tactics and the model in onnxruntime alone, judged by fusion/runtime/race.py. The
+  NCHW tactics, each node's fastest kernel tactic (no onnxruntime islands: a node that loses
+  to its body alone may still win once the conversions around it count), and the model in
+  onnxruntime alone, judged by fusion/runtime/race.py. The
   verdict is cached; one raced under load is provisional and raced again once per process; a
   cached one is watched (`Watch`): its plan's first runs against the time the race recorded.
 - Per input shapes (`PlanTable`): the plan of the shapes the model declares, settled when the
@@ -53,6 +55,7 @@ from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, t
 
 # What each whole-plan candidate (Chooser.settle) is, for people.
 PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
+              "kernels": "each node's fastest kernel",
               ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
 WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
@@ -181,11 +184,13 @@ class Chooser:
         self._retimed: dict[str, dict] = {}  # node key -> entry timed here (retime: not reread)
 
     # ---- per node ----------------------------------------------------------------------------
-    def choose(self, shapes: dict, nchw_only: bool = False) -> dict[int, Tactic | None]:
+    def choose(self, shapes: dict, nchw_only: bool = False,
+               kernels_only: bool = False) -> dict[int, Tactic | None]:  # fmt: skip
         """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
         by the policy, timing each candidate where the node's input shapes are known
         (`shapes`: value -> shape) and the timing cache has no answer yet. nchw_only: among
-        the tactics that read and write plain NCHW arrays (no layout conversions)."""
+        the tactics that read and write plain NCHW arrays (no layout conversions);
+        kernels_only: among the kernel's tactics (onnxruntime only where every one failed)."""
         if self.policy == ONNXRUNTIME:
             return dict.fromkeys(self.kernels)
         if self.policy != "fastest":  # "kernel", or a tactic name
@@ -228,6 +233,8 @@ class Chooser:
             if nchw_only:
                 blocked = {t.name for t in tactics if t.blocked_inputs or t.blocked_outputs}
                 times = {k: v for k, v in times.items() if k not in blocked}
+            if kernels_only and any(v < float("inf") for k, v in times.items() if k != ONNXRUNTIME):
+                times = {k: v for k, v in times.items() if k != ONNXRUNTIME}
             best = min(times, key=times.get)
             choices[i] = next((t for t in tactics if t.name == best), None)
         if fresh:
@@ -272,22 +279,28 @@ class Chooser:
         """The plan for these shapes, checked whole. Per-node timings miss what a node costs
         its neighbours (layout conversions at the borders of a blocked region, an island cut
         in two), so the plan of per-node choices races, on `values`, the same choices kept to
-        NCHW tactics and the model in onnxruntime alone (its defaults), judged as
+        NCHW tactics, each node's fastest kernel tactic, and the model in onnxruntime alone
+        (its defaults), judged as
         fusion/runtime/race.py says: the simplest plan is kept unless another is faster by
         more than the race's noise. The verdict is cached; one raced under load is provisional
         (raced again, here or in a later process), and a cached one is watched: the chosen
         plan's first runs are compared with the time the race recorded, and the plan is raced
         again when they disagree. again: race whatever the cache says."""
         per_node = self.choose(shapes)
-        if all(t is None for t in per_node.values()):
-            return Settled(self.build(per_node))
+        alone = dict.fromkeys(self.kernels)
         candidates = {  # simplest first: the race keeps the first it cannot tell from the best
-            ONNXRUNTIME: dict.fromkeys(self.kernels),
+            ONNXRUNTIME: alone,
             "nchw": self.choose(shapes, nchw_only=True),
+            "kernels": self.choose(shapes, kernels_only=True),
             "per-node": per_node,
         }
-        if candidates["nchw"] == per_node:
-            del candidates["nchw"]
+        for name in ("nchw", "kernels"):  # a candidate the same as per-node is raced once
+            if candidates[name] in (per_node, alone):
+                del candidates[name]
+        if per_node == alone:  # every node lost to its body: per-node is onnxruntime's plan
+            del candidates["per-node"]
+        if len(candidates) == 1:
+            return Settled(self.build(alone))
         signature = [np.shape(values[spec.name]) for spec in self.feeds.inputs]
         key = plan_key(self._skeleton_digest, signature, self.threads, self._source_version)
         cached = None if again or self.retime else self._cached_verdict(key, candidates)

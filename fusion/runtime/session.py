@@ -132,11 +132,12 @@ class Session:
 
     @property
     def race(self) -> dict | None:
-        """How the default plan was chosen: {"chosen": "per-node" | "nchw" | "onnxruntime",
-        "seconds": each candidate's time (the least disturbed of its rounds), "noise", "decided"
-        (False: the simplest plan within the noise was kept), "load" (other processes' cores),
-        "busy" (raced under load: provisional), "cached"}; None when not raced (tactics other
-        than "fastest", nothing to fuse, or no run yet on a model with non-float inputs)."""
+        """How the default plan was chosen: {"chosen": "per-node" | "kernels" | "nchw" |
+        "onnxruntime", "seconds": each candidate's time (the least disturbed of its rounds),
+        "noise", "decided" (False: the simplest plan within the noise was kept), "load" (other
+        processes' cores), "busy" (raced under load: provisional), "cached"}; None when not raced
+        (tactics other than "fastest", nothing to fuse, or no run yet on a model with non-float
+        inputs)."""
         return self._plans.default.race
 
     def race_for(self, feeds: Mapping) -> dict | None:
