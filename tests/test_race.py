@@ -13,6 +13,7 @@ from helpers import Clock, FakeMachine
 from fusion.runtime.choice import describe_race, race_dict
 from fusion.runtime.race import (
     BUSY_CORES,
+    MIN_CALLS,
     MIN_MARGIN,
     agrees,
     balanced_orders,
@@ -122,8 +123,9 @@ def test_turns_are_sized_to_the_call_and_orders_balanced():
     race({"a": counting("a", 2.0**-10), "b": counting("b", 0.5)}, rounds=4, clock=clock,
          machine=FakeMachine())  # fmt: skip
     # the warm-up and the sizing call, then per turn untimed calls until 20 ms have passed (21
-    # of 0.98 ms) and 20 ms of timed ones (20), at least one of each (b)
-    assert calls == {"a": 2 + 4 * (21 + 20), "b": 2 + 4 * (1 + 1)}
+    # of 0.98 ms) and 20 ms of timed ones (20); at least one untimed call and MIN_CALLS timed
+    # ones (b)
+    assert calls == {"a": 2 + 4 * (21 + 20), "b": 2 + 4 * (1 + MIN_CALLS)}
     for n in (2, 3, 4, 5):
         orders = balanced_orders(n)
         pairs = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]

@@ -5,17 +5,18 @@ holds on a quiet machine and is not taken at all where the difference is noise.
     verdict.chosen, verdict.decided, verdict.busy, verdict.to_entry()
 
 Candidates are given simplest first: the first is kept whenever the race cannot tell it from the
-fastest (for Session: onnxruntime alone, then kernels in NCHW, then per-node choices).
+fastest (for Session: onnxruntime alone, then kernels in NCHW, then each node's fastest
+kernel, then per-node choices).
 
 How a race is run and judged:
-- warm-up, then rounds of one turn per candidate, in balanced orders (each candidate follows
-  each other equally often, so whatever one leaves behind falls on all alike; the rounds are
-  whole sets of those orders); a turn is a burst of calls sized to about `turn_s` seconds,
-  after as long of untimed calls, and its median is that round's figure: each candidate is
-  timed as it runs when called again and again, not as it starts after the pause below (a
-  plan of parallel kernels whose threads slept while another candidate ran takes two or three
-  runs to get back to speed on some machines, where onnxruntime's spinning workers do not:
-  timed cold, mobilenet_v2's kernels raced at 7.4-8.7 ms against their 5.7-6 ms run after run,
+- warm-up, then rounds of one turn per candidate, in balanced orders (each candidate follows each
+  other equally often, so whatever one leaves behind falls on all alike; the rounds are whole sets
+  of those orders); a turn is a burst of calls sized to about `turn_s` seconds (MIN_CALLS at
+  least), after as long of untimed calls, and its median is that round's figure: each candidate is
+  timed as it runs when called again and again, not as it starts after the pause below (a plan of
+  parallel kernels whose threads slept while another candidate ran takes two or three runs to get
+  back to speed on some machines, where onnxruntime's spinning workers do not: timed cold,
+  mobilenet_v2's kernels raced at 7.4-8.7 ms against their 5.7-6 ms run after run,
   bench/NOTES.md);
 - after every turn the process waits until its own threads go idle (onnxruntime's workers
   spin for tens of milliseconds after a run at its defaults, which would slow the next
@@ -50,6 +51,9 @@ MIN_MARGIN = 0.03  # below 3% apart, two plans are called equal whatever the rac
 BUSY_CORES = 0.25  # other processes' CPU use, in cores, above which a race is "under load"
 BUSY_NOISE = 0.25  # a spread this large says the machine was disturbed, whatever /proc says
 ROUNDS, TURN_S, MAX_CALLS = 6, 0.02, 50  # per candidate: 6 turns of ~20 ms (at most 50 calls)
+# ... and at least 3 timed calls a turn: a turn of one call of a 13 ms model (GoogLeNet) took
+# its jitter whole, and the race measured 21% of noise between plans 19% apart (bench/NOTES.md)
+MIN_CALLS = 3
 IDLE_WAIT_S, IDLE_STEP_S, IDLE_SHARE = 0.25, 0.005, 0.2  # waiting for spinning workers to stop
 
 
@@ -246,7 +250,7 @@ def race(
             name = names[k]
             if name in failed:
                 continue
-            calls = max(1, min(MAX_CALLS, int(turn_s / max(per_call[name], 1e-9))))
+            calls = max(MIN_CALLS, min(MAX_CALLS, int(turn_s / max(per_call[name], 1e-9))))
             try:
                 times = burst(candidates[name], calls, warm=turn_s, clock=clock)
                 figures[name].append(statistics.median(times))
