@@ -26,6 +26,7 @@ _EXPORTS = {
         "prepare_maxpool",
     ),  # fmt: skip
     "pointwise": ("PointwisePlan", "pointwise_blocked", "prepare_pointwise"),
+    "squeeze_excite": ("SqueezeExcitePlan", "prepare_squeeze_excite", "squeeze_excite_blocked"),
     "dense_gemm": ("DensePlan", "prepare_dense"),
     "linear_act": ("GatedMLPPlan", "gated_mlp", "prepare_gated_mlp"),
     "attention": ("attention_core",),

@@ -109,11 +109,16 @@ def _gru():
 def _pool():
     from .blocked import block, to_blocked
     from .pool import global_average_pool, maxpool2d, maxpool_blocked, prepare_maxpool
+    from .simd.activation import encode
+    from .squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
 
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 9), dtype=np.float32)
     maxpool2d(x, prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
     maxpool_blocked(to_blocked(x, block=block()), prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
     global_average_pool(x)
+    w = np.ones((2, 3), np.float32)
+    se = prepare_squeeze_excite(w, None, w.T, None, encode("relu"), encode("sigmoid"))
+    squeeze_excite_blocked(to_blocked(x, block=block()), se)
 
 
 def _pointwise():

@@ -7,10 +7,10 @@ writes it), two 1x1 convs on the [N, C, 1, 1] means, each with the conv epilogue
 per image and channel. Unfused, the pool and the Mul are onnxruntime islands of their own
 between the fused convs around them, and each island boundary converts x's layout.
 
-The kernel: the plane means summed in float64 (kernels/pool.py, GlobalAveragePool's), the two
-small products in kernels/dense.py with their epilogues in kernels/pointwise.py, then one pass
-of kernels/pointwise.py multiplying x by the gate (scale = gate[n, c]); on blocked tensors
-(the layout of the convs around it) or NCHW.
+The kernel: on blocked tensors (the layout of the convs around it) the whole block in one call
+(kernels/squeeze_excite.py); on NCHW ones the plane means summed in float64 (kernels/pool.py,
+GlobalAveragePool's), the two small products in kernels/dense.py with their epilogues in
+kernels/pointwise.py, then one pass of kernels/pointwise.py multiplying x by the gate.
 """
 
 from __future__ import annotations
@@ -76,18 +76,23 @@ class SqueezeExciteKernel:
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
         from kernels.dense import dense
-        from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
-        from kernels.pool import global_average_pool, global_average_pool_blocked
+        from kernels.pointwise import pointwise, prepare_pointwise
+        from kernels.pool import global_average_pool
+        from kernels.simd.activation import encode
+        from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
 
-        self.layers = []
+        self.layers, convs = [], []
         for k, p in enumerate(PREFIXES):  # (W [M, C] float32, its bias + activation plan)
             conv = {key[len(p) :]: v for key, v in attrs.items() if key.startswith(p)}
             w, b = folded(conv, [None, *constants[1 + 3 * k : 4 + 3 * k]])
             plan = prepare_pointwise(w.shape[0], shift=b, **activation_keywords(conv))
             self.layers.append((np.ascontiguousarray(w[:, :, 0, 0]), plan))
+            convs.append((w[:, :, 0, 0], b, encode(**activation_keywords(conv))))
         self.channels = self.layers[0][0].shape[1]
         self._pointwise, self._dense = pointwise, dense
         gate_plan = prepare_pointwise(self.channels, gated=True)
+        (w1, b1, act1), (w2, b2, act2) = convs
+        se_plan = prepare_squeeze_excite(w1, b1, w2, b2, act1, act2)
 
         # The plane means: GlobalAveragePool's kernels (float64 sums, parallel over planes).
         # NumPy's float64 mean over the middle axis of the blocked array cost 24-62 us per
@@ -95,9 +100,10 @@ class SqueezeExciteKernel:
         def run(x, *_constants):
             return (pointwise(x, gate_plan, gate=self.gate(global_average_pool(x))),)
 
+        # Blocked: the whole block in one call (kernels/squeeze_excite.py): as separate
+        # kernels, each call and parallel region cost a few microseconds, 37-94 us a block.
         def run_blocked(xb, *_constants):
-            gate = self.gate(global_average_pool_blocked(xb, self.channels))
-            return (pointwise_blocked(xb, gate_plan, gate=gate),)
+            return (squeeze_excite_blocked(xb, se_plan),)
 
         self.run = run
         self.tactics = [

@@ -3,6 +3,7 @@
 near-miss says why."""
 
 import numpy as np
+import onnx
 import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
@@ -84,3 +85,67 @@ def test_a_3x3_conv_in_the_gate_is_declined():
     model = g.model({"x": [1, 16, 5, 5]}, [block(g, k=3)])
     near_miss(model, "SqueezeExcite", "fc1: a [4, 16, 3, 3] conv of group 1, not a 1x1 one",
               fused=["ConvBiasRelu"] * 4)  # fmt: skip
+
+
+# ---- the blocked kernel (kernels/squeeze_excite.py) at both widths ---------------------------
+def se_model(channels, hidden, act1, act2, seed):
+    g = GraphBuilder(seed=seed)
+    return g, g.model({"x": ["N", channels, "H", "W"]},
+                      [squeeze_excite(g, "x", channels, hidden, act1=act1, act2=act2)])  # fmt: skip
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize(
+    "shape, hidden, act1, act2",
+    [
+        ((1, 5, 1, 1), 1, "relu", "sigmoid"),  # fewer channels than a block, a 1x1 plane
+        ((3, 17, 13, 13), 3, "silu", "hard_sigmoid"),  # a block and one channel, 3 images
+        ((1, 100, 7, 9), 24, "silu", "sigmoid"),
+        ((1, 32, 56, 56), 8, "relu", "hard_sigmoid"),  # few blocks: planes cut in parts
+        ((0, 16, 5, 5), 4, "relu", "sigmoid"),
+    ],
+    ids=str,
+)
+def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2):
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.simd.activation import encode
+    from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+
+    n, c, h, w = shape
+    g, model = se_model(c, hidden, act1, act2, seed=c)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    (w1, b1), (w2, b2) = [[inits[v] for v in node.input[1:]] for node in model.graph.node
+                          if node.op_type == "Conv"]  # fmt: skip
+    acts = {"relu": encode("relu"), "silu": encode("silu"), "sigmoid": encode("sigmoid"),
+            "hard_sigmoid": encode("hard_sigmoid", alpha=1 / 6, beta=0.5)}  # fmt: skip
+    plan = prepare_squeeze_excite(w1, b1, w2, b2, acts[act1], acts[act2])
+    x = np.random.default_rng(n + c).standard_normal(shape).astype(np.float32)
+    xb = to_blocked(x, block=block)
+    yb = squeeze_excite_blocked(xb, plan)
+    assert yb.shape == xb.shape
+    assert not yb[:, -1, ..., c % block or block :].any()  # the padding stays zero
+    if n:
+        (want,) = run_ort(model, {"x": x})
+        assert_close(from_blocked(yb, c), want, 1e-4, 1e-5)
+
+
+def test_blocked_kernel_propagates_nan_and_checks_its_input():
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.simd.activation import encode
+    from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+
+    g, model = se_model(20, 4, "relu", "sigmoid", seed=1)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    (w1, b1), (w2, b2) = [[inits[v] for v in node.input[1:]] for node in model.graph.node
+                          if node.op_type == "Conv"]  # fmt: skip
+    plan = prepare_squeeze_excite(w1, b1, w2, b2, encode("relu"), encode("sigmoid"))
+    x = np.random.default_rng(0).standard_normal((2, 20, 6, 6)).astype(np.float32)
+    x[1, 3, 2, 2] = np.nan  # image 1's mean of channel 3 is NaN: so is every gate of image 1
+    (want,) = run_ort(model, {"x": x})
+    got = from_blocked(squeeze_excite_blocked(to_blocked(x, block=16), plan), 20)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1]).all()
+    assert_close(got[0], want[0], 1e-4, 1e-5)
+    with pytest.raises(ValueError, match="does not hold 20 channels"):
+        squeeze_excite_blocked(to_blocked(x[:, :16], block=16), plan)
+    with pytest.raises(ValueError, match="do not chain"):
+        prepare_squeeze_excite(w1, b1, w1, b2, encode("relu"), encode("sigmoid"))

@@ -1,0 +1,176 @@
+"""Squeeze-excitation on a blocked tensor in one call: the plane means, the gate, the scaling.
+
+    m[n, c] = mean over the plane of x[n, c]                    (summed in float64)
+    h[n, j] = act1(sum_c W1[j, c] m[n, c] + b1[j])              j < M (the squeeze)
+    g[n, c] = act2(sum_j W2[c, j] h[n, j] + b2[c])              c < C
+    y[n, c, p] = x[n, c, p] g[n, c]
+
+EfficientNet's, MobileNetV3's and RegNetY's block (patterns/squeeze_excite.py). Made of separate
+kernels (GlobalAveragePool's means, two dense products and their epilogues, a gated pointwise
+pass), each Python call and parallel region cost a few microseconds: 37-94 us a block in
+EfficientNet-B0 where onnxruntime's five nodes take ~30 (bench/NOTES.md). Here one jitted call
+runs three phases: the means in parallel over (image, block, part of the plane) items (an early
+block of 2 channel blocks at 112x112 split 8 ways, not 2), then the gate per image in vectors
+over C (W1 by rows dotted with m; W2 stored transposed, [M, C], so that h[j] scales a row of it
+into g; rows and vectors split between the threads), then the scaling in parallel over the same
+items. Channels past C stay zero (their gate is 0).
+
+    >>> plan = prepare_squeeze_excite(w1, b1, w2, b2, act1=encode("relu"), act2=encode("sigmoid"))
+    >>> yb = squeeze_excite_blocked(xb, plan)
+"""
+
+import dataclasses
+
+import numba
+import numpy as np
+
+from .config import JIT, PARALLEL
+from .simd import (
+    hsum,
+    lanes,
+    tail_mask,
+    vfma,
+    vget,
+    vload,
+    vload_masked,
+    vstore,
+    vstore_masked,
+    vzero,
+)
+from .simd.activation import activate
+from .workspace import empty
+
+PARTS = 8  # work items to aim at when there are fewer (image, block) pairs (2 threads, 4 each)
+RUN = 64  # pixels summed in float32 before their sums join the float64 ones
+
+
+@dataclasses.dataclass(frozen=True)
+class SqueezeExcitePlan:
+    channels: int  # C
+    w1: np.ndarray  # [M, C] float32
+    b1: np.ndarray  # [M]
+    w2t: np.ndarray  # [M, C]: W2 transposed
+    b2: np.ndarray  # [C]
+    acts: np.ndarray  # [2, 3] float32: (kind, a, b) of act1 and act2 (kernels/simd/activation)
+
+
+def prepare_squeeze_excite(w1, b1, w2, b2, act1, act2) -> SqueezeExcitePlan:
+    """The block's two 1x1 convs as matrices (W1 [M, C], W2 [C, M], biases [M], [C] or None)
+    and activations, each an encode() triple."""
+    w1 = np.asarray(w1, np.float32).reshape(w1.shape[0], -1)
+    w2 = np.asarray(w2, np.float32).reshape(w2.shape[0], -1)
+    m, c = w1.shape
+    if w2.shape != (c, m):
+        raise ValueError(f"W1 {w1.shape} and W2 {w2.shape} do not chain C -> M -> C")
+    b1 = np.zeros(m, np.float32) if b1 is None else np.asarray(b1, np.float32).reshape(m)
+    b2 = np.zeros(c, np.float32) if b2 is None else np.asarray(b2, np.float32).reshape(c)
+    acts = np.array([list(act1), list(act2)], np.float32)
+    return SqueezeExcitePlan(c, np.ascontiguousarray(w1), b1, np.ascontiguousarray(w2.T), b2,
+                             acts)  # fmt: skip
+
+
+@numba.jit(**JIT)
+def _dot(L, a, a0, b, b0, n):
+    """sum_k a[a0 + k] b[b0 + k] for k < n, in vectors of L.width (flat float32 arrays)."""
+    w = L.width
+    acc = vzero(L)
+    k = 0
+    while k + w <= n:
+        acc = vfma(vload(L, a, a0 + k), vload(L, b, b0 + k), acc)
+        k += w
+    m = tail_mask(L, n - k)
+    acc = vfma(vload_masked(L, a, a0 + k, m), vload_masked(L, b, b0 + k, m), acc)
+    return hsum(acc)
+
+
+@numba.jit(**JIT)
+def _hidden(L, means, w1f, b1, acts, j, c_len):
+    """act1(W1[j] . means + b1[j]): the squeeze's output j."""
+    t = _dot(L, means, 0, w1f, j * c_len, c_len) + b1[j]
+    return activate(np.int64(acts[0, 0]), acts[0, 1], acts[0, 2], np.float32(t))
+
+
+@numba.jit(**JIT)
+def _excite(L, h, w2f, b2, acts, g, c0, c_len):
+    """g[c0 : c0 + W] = act2(sum_j h[j] W2[c, j] + b2[c]) for the channels below c_len."""
+    m = tail_mask(L, c_len - c0)
+    acc = vload_masked(L, b2, c0, m)
+    for j in range(h.shape[0]):
+        acc = vfma(vload_masked(L, w2f, j * c_len + c0, m), h[j], acc)
+    acc = activate(np.int64(acts[1, 0]), acts[1, 1], acts[1, 2], acc)
+    vstore_masked(g, c0, acc, m)
+
+
+@numba.jit(**PARALLEL)
+def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
+    """y4 = x4 g (module docstring), x4 and y4 blocked [N, CB, P, b] (b = L.width), each plane
+    cut in `parts` runs of pixels for the two parallel phases."""
+    n_len, cb_len, p_len, b = x4.shape
+    c_len = w1.shape[1]
+    chunk = -(-p_len // parts)
+    items = n_len * cb_len * parts
+    sums = np.empty((items, b), np.float64)
+    xf, yf = x4.reshape(-1), y4.reshape(-1)
+    for task in numba.prange(items):
+        t = np.int64(task)  # prange's index is unsigned
+        item, p0 = t // parts, (t % parts) * chunk
+        p1 = min(p0 + chunk, p_len)
+        # float32 vector sums over runs of RUN pixels, each added into float64 lanes: a scalar
+        # float64 sum per lane ran the pass at half the speed of the scaling pass
+        s = np.zeros(b, np.float64)
+        for r0 in range(p0, p1, RUN):
+            acc = vzero(L)
+            for p in range(r0, min(r0 + RUN, p1)):
+                acc += vload(L, xf, (item * p_len + p) * b)
+            for lane in range(b):
+                s[lane] += vget(acc, lane)
+        sums[t] = s
+    # the gate, per image: its weights (2 M C floats, 442 KB for EfficientNet's last blocks)
+    # read by both threads, the squeeze's rows and then the channels' vectors split
+    gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C: the padding stays 0
+    means = np.empty(cb_len * b, np.float32)
+    h = np.empty(w1.shape[0], np.float32)
+    w1f, w2f = w1.reshape(-1), w2t.reshape(-1)
+    for n in range(n_len):
+        for cb in range(cb_len):
+            for lane in range(b):
+                total = 0.0
+                for k in range(parts):
+                    total += sums[(n * cb_len + cb) * parts + k, lane]
+                means[cb * b + lane] = total / p_len
+        for j in numba.prange(w1.shape[0]):
+            h[j] = _hidden(L, means, w1f, b1, acts, j, c_len)
+        g = gates[n]
+        for c0 in numba.prange(-(-c_len // b)):
+            _excite(L, h, w2f, b2, acts, g, c0 * b, c_len)
+    for task in numba.prange(items):
+        t = np.int64(task)
+        item, p0 = t // parts, (t % parts) * chunk
+        n, cb = item // cb_len, item % cb_len
+        gv = vload(L, gates[n], cb * b)
+        base = item * p_len * b
+        for p in range(p0, min(p0 + chunk, p_len)):
+            q = base + p * b
+            vstore(yf, q, vload(L, xf, q) * gv)
+
+
+def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None):
+    """The block on a blocked float32 x [N, CB, H, W, b] of plan.channels channels; returns y
+    (blocked, x's shape), into `out` if given."""
+    if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
+        raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
+    n, cb, h, w, b = xb.shape
+    if -(-plan.channels // b) != cb or h * w == 0:
+        raise ValueError(f"x of shape {xb.shape} does not hold {plan.channels} channels in "
+                         f"blocks of {b}, or its plane is empty")  # fmt: skip
+    if out is None:
+        out = empty(xb.shape)
+    elif out.shape != xb.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {xb.shape}")
+    if n == 0:
+        return out
+    parts = max(1, min(-(-PARTS // (n * cb)), h * w))
+    x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)
+    squeeze_excite_nchwc(lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1,
+                         plan.w2t, plan.b2, plan.acts, parts)  # fmt: skip
+    return out
