@@ -44,19 +44,25 @@ class Failure:
     score: int
     reason: str = field(compare=False)
     ops: frozenset = field(compare=False, default=frozenset())  # op types matched before it
+    absent: bool = field(compare=False, default=False)  # an op the graph does not have there
 
 
 class Tracer:
-    """Keeps the failure that matched the most nodes (the first one at equal depth)."""
+    """Keeps the failure that matched the most nodes (the first one at equal depth, but one
+    that found the ops it needed over one that did not: x's dtype, not the optional Pad that
+    an alternative looked for before it)."""
 
     def __init__(self):
         self.best: Failure | None = None
 
-    def fail(self, view: GraphView, state: State, reason: str, bonus: int = 0) -> None:
+    def fail(self, view: GraphView, state: State, reason: str, bonus: int = 0,
+             absent: bool = False) -> None:  # fmt: skip
         score = len(state.matched) + bonus
-        if self.best is None or score > self.best.score:
+        best = self.best
+        if best is None or score > best.score or (score == best.score and best.absent
+                                                  and not absent):  # fmt: skip
             ops = frozenset(view.nodes[i].op_type for i in state.matched)
-            self.best = Failure(score, reason, ops)
+            self.best = Failure(score, reason, ops, absent)
 
 
 class Match:
@@ -107,8 +113,8 @@ class Matcher:
         self.view = view
         self.tracer = Tracer()
 
-    def fail(self, state: State, reason: str, bonus: int = 0) -> None:
-        self.tracer.fail(self.view, state, reason, bonus)
+    def fail(self, state: State, reason: str, bonus: int = 0, absent: bool = False) -> None:
+        self.tracer.fail(self.view, state, reason, bonus, absent)
 
     def match(self, pat: Pattern, value: str, state: State, at: str) -> Iterator[State]:
         """Every extension of `state` in which `pat` matches `value`; `at` names the consumer."""
@@ -173,18 +179,19 @@ class Matcher:
         op_pat, want_out = (pat.node, pat.index) if isinstance(pat, Output) else (pat, 0)
         prod = self.view.producer.get(value)
         if prod is None:
-            self.fail(
-                state, f"{at}: {value} is not computed by a node, pattern needs {op_pat.op_type}"
-            )
+            self.fail(state, f"{at}: {value} is not computed by a node, pattern needs "
+                      f"{op_pat.op_type}", absent=True)  # fmt: skip
             return
         index, out = prod
         node = self.view.nodes[index]
         label = node_label(node)
         if node.op_type != op_pat.op_type or (node.domain or "") not in (op_pat.domain, "ai.onnx"):
-            self.fail(state, f"{at}: {value} comes from {label}, pattern needs {op_pat.op_type}")
+            self.fail(state, f"{at}: {value} comes from {label}, pattern needs {op_pat.op_type}",
+                      absent=True)  # fmt: skip
             return
         if want_out is not None and out != want_out:
-            self.fail(state, f"{at}: {value} is output {out} of {label}, pattern needs {want_out}")
+            self.fail(state, f"{at}: {value} is output {out} of {label}, pattern needs {want_out}",
+                      absent=True)  # fmt: skip
             return
         if id(op_pat) in state.memo:
             if state.memo[id(op_pat)] == index:  # a second output of a node already matched

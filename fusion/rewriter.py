@@ -237,11 +237,13 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
                 continue
             if (node.domain or "") not in ("", "ai.onnx") and rule.finder is None:
                 continue
-            found = _match_at(view, rule, index, claimed, skip, names)
+            passed_over: list[str] = []
+            found = _match_at(view, rule, index, claimed, skip, names, passed_over)
             if isinstance(found, Failure):
                 if _is_near_miss(rule, found):
                     misses.append((index, NearMiss(rule.name, node_label(node), found.reason)))
                 continue
+            misses += [(index, NearMiss(rule.name, node_label(node), r)) for r in passed_over]
             match, fused, func = found
             for i in match.nodes:
                 claimed[i] = f"{rule.name} {fused.name}"
@@ -259,8 +261,12 @@ def _rewrite_stage(result: RewriteResult, rules: list[Rule], skip: dict) -> None
         _apply(result.model, view, claimed, replacements, list(functions.values()))
 
 
-def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict, names):
-    """The first acceptable match rooted at node `index` (with its fused node), or a Failure."""
+def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict, names,
+              passed_over: list | None = None):  # fmt: skip
+    """The first acceptable match rooted at node `index` (with its fused node), or a Failure.
+    passed_over, when given, gets the check's reasons against larger matches at the same root
+    that the accepted one leaves out (a conv fused without the Pad before it: why not the
+    Pad)."""
     node = view.nodes[index]
     label = node_label(node)
     if rule.finder is not None:
@@ -269,12 +275,18 @@ def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict
     if root_output >= len(node.output):
         return Failure(0, f"{label}: has no output {root_output}")
     matcher = Matcher(view)
+    checked_out: list[tuple[set, str]] = []  # matches the rule's check refused, and why
     for state in matcher.match(rule.pattern, node.output[root_output], start_state(), label):
         match = Match(view, state)
         outputs = _flat(match[name] for name in rule.outputs) or [node.output[root_output]]
         reason = _acceptable(view, rule, match, index, outputs, claimed, skip, names)
         if isinstance(reason, tuple):
+            if passed_over is not None:
+                kept = set(match.nodes)
+                passed_over += [r for nodes, r in checked_out if nodes > kept]
             return reason
+        if rule.check is not None and rule.check(match):
+            checked_out.append((set(match.nodes), reason))
         matcher.fail(state, reason, bonus=FULL_MATCH)
     return matcher.tracer.best or Failure(0, f"{label}: no match")
 
