@@ -49,13 +49,29 @@ def per_channel(bias: np.ndarray) -> str | None:
     return None
 
 
+def padded(x: Pattern, prefix: str = "") -> Pattern:
+    """x, or a Pad of x (its pads, constant value and axes captured as constants): Keras's
+    ZeroPadding2D before a 'valid' conv, as tf2onnx writes it (check_pad says when the conv's
+    own padding can take it)."""
+    pad = op.Pad(x, Const(prefix + "pad_pads"), Opt(Const(prefix + "pad_value")),
+                 Opt(Const(prefix + "pad_axes")), _name=prefix + "pad")  # fmt: skip
+    return Alt(pad, x)
+
+
 def conv_epilogue(x: Pattern | None = None, prefix: str = "", kinds=KINDS,
-                  residual: bool | Pattern = True, norm: bool = True) -> Pattern:  # fmt: skip
+                  residual: bool | Pattern = True, norm: bool = True,
+                  pad: bool = False, nhwc: bool = False) -> Pattern:  # fmt: skip
     """Conv (+ bias) (+ BatchNorm) (+ residual) (+ act) (+ residual) on input `x`; captures
     named with `prefix`. kinds: the activations allowed; residual: whether Adds of another
     tensor may join (the residual captured as `{prefix}res`, or the pattern given: a block's
-    own input; its Add as res_before or res_after); norm: whether a BatchNormalization may."""
+    own input; its Add as res_before or res_after); norm: whether a BatchNormalization may;
+    pad: whether a zero Pad of x may (padded); nhwc: whether x may be an NHWC tensor that a
+    Transpose to NCHW feeds to the conv (tf2onnx's input of a Keras CNN)."""
     x = x if x is not None else Var(prefix + "x", dtype="float32")
+    if nhwc:
+        x = Alt(op.Transpose(x, _name=prefix + "nhwc"), x)
+    if pad:
+        x = padded(x, prefix)
     conv = op.Conv(x, Const(prefix + "W"), Opt(Const(prefix + "B")), _name=prefix + "conv")
     t = Alt(op.Add(conv, Const(prefix + "bias_add", where=per_channel)), conv)
     if norm:
@@ -69,19 +85,68 @@ def conv_epilogue(x: Pattern | None = None, prefix: str = "", kinds=KINDS,
     return Alt(op.Add(y, r, _name=prefix + "res_after"), y)
 
 
+def pad_amounts(m, prefix: str = "") -> list[int]:
+    """A matched Pad's [top, left, bottom, right] (zeros when there is none)."""
+    if prefix + "pad" not in m.node_index:
+        return [0, 0, 0, 0]
+    p = [int(v) for v in m.const(prefix + "pad_pads").reshape(-1)]
+    return [p[2], p[3], p[6], p[7]]  # ONNX's order: every axis's begin, then every end
+
+
+def check_nhwc(m, prefix: str = "") -> str | None:
+    """Why a Transpose before the conv is not NHWC -> NCHW of a 4-D x, if it is not."""
+    if prefix + "nhwc" not in m.node_index:
+        return None
+    perm = list(m.attrs(prefix + "nhwc").get("perm") or [])
+    if perm != [0, 3, 1, 2]:
+        return f"Transpose {m.node(prefix + 'nhwc').name} with perm {perm}, not NHWC -> NCHW"
+    return None
+
+
+def check_pad(m, prefix: str = "", consumer: str = "conv") -> str | None:
+    """Why a matched Pad cannot become the padding of the node after it (`consumer`, a conv or
+    a pool), if it cannot: zeros around the spatial axes of a 4-D x, the node padded
+    explicitly (not auto_pad SAME)."""
+    if prefix + "pad" not in m.node_index:
+        return None
+    node = m.node(prefix + "pad")
+    mode = m.attrs(prefix + "pad").get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    value, axes = m.const(prefix + "pad_value"), m.const(prefix + "pad_axes")
+    pads = m.const(prefix + "pad_pads")
+    if mode != "constant" or (value is not None and np.any(value != 0)):
+        shown = mode if mode != "constant" else f"constant {value.reshape(-1)[0]}"
+        return f"Pad {node.name} pads with {shown}; a conv's padding is zeros"
+    if axes is not None:
+        return f"Pad {node.name} names its axes {axes.tolist()}; the rule reads pads of all four"
+    p = pads.reshape(-1).tolist()
+    if len(p) != 8 or any(v < 0 for v in p) or any(p[k] for k in (0, 1, 4, 5)):
+        return f"Pad {node.name} pads {p}: only the spatial axes of a 4-D x, by >= 0"
+    auto = m.attrs(prefix + consumer)["auto_pad"]
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto not in ("NOTSET", "VALID"):
+        return f"Pad {node.name} before a {consumer} with auto_pad {auto}: pads do not add up"
+    return None
+
+
 def conv_attributes(m, prefix: str = "") -> dict:
-    """What the kernel needs to know about one Conv and its epilogue."""
+    """What the kernel needs to know about one Conv and its epilogue (a Pad before it: in its
+    pads)."""
     conv = m.attrs(prefix + "conv")
+    own = [0, 0, 0, 0] if conv["auto_pad"] in ("VALID", b"VALID") else list(conv["pads"])
+    extra = pad_amounts(m, prefix)
     attrs = {
         "strides": list(conv["strides"]),
-        "pads": list(conv["pads"]),
+        "pads": [a + b for a, b in zip(own, extra, strict=True)] if any(extra) else own,
         "dilations": list(conv["dilations"]),
         "group": int(conv["group"]),
-        "auto_pad": conv["auto_pad"],
+        "auto_pad": "NOTSET" if any(extra) else conv["auto_pad"],  # VALID's 0 + the Pad's
         **activation_attributes(m, prefix),
     }
     if prefix + "bn" in m.node_index:
         attrs["epsilon"] = float(m.attrs(prefix + "bn").get("epsilon", 1e-5))
+    if prefix + "nhwc" in m.node_index:
+        attrs["nhwc"] = 1
     for where in ("before", "after"):
         if f"{prefix}res_{where}" in m.node_index:
             attrs["residual"] = where
@@ -112,7 +177,8 @@ def check_conv(m, prefix: str = "", res: str | None = None) -> str | None:
         reason = check_bn(m, prefix, channels)
         if reason:
             return reason
-    return check_relu6(m, prefix) or _check_residual(m, prefix, res or prefix + "res")
+    return (check_nhwc(m, prefix) or check_pad(m, prefix) or check_relu6(m, prefix)
+            or _check_residual(m, prefix, res or prefix + "res"))  # fmt: skip
 
 
 def check_bn(m, prefix: str, channels: int) -> str | None:
@@ -389,7 +455,41 @@ def make_kernel(attrs: dict, constants: list):
     """Fold the bias and BatchNorm into the weights once (for every tactic); the kernel runs
     the fused convolution and its epilogue."""
     weight, bias = folded(attrs, constants)
-    return ConvKernel(attrs, weight, bias, constants[1].ndim)
+    kernel = ConvKernel(attrs, weight, bias, constants[1].ndim)
+    return nhwc_input(kernel) if attrs.get("nhwc") else kernel
+
+
+def nhwc_input(kernel: ConvKernel):
+    """The kernel on an NHWC x (the Transpose before the conv joined the node). An NHWC image
+    of C channels is already the blocked layout at C channels per block ([N, 1, H, W, C]): a
+    blocked tactic that reads blocks of C (a stem's 3) takes x as it is, the others transpose
+    it first."""
+    from kernels.blocked import to_blocked  # heavy (Numba): only when a kernel is built
+
+    def nchw(x):
+        return np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2)))
+
+    def reading_nhwc(t: Tactic) -> Tactic:
+        if 0 not in t.blocked_inputs:
+            return Tactic(t.name, lambda x, *others: t.run(nchw(x), *others))
+        b = t.in_blocks[t.blocked_inputs.index(0)]
+
+        def run(x, *others):
+            n, h, w, c = x.shape
+            same = c == b
+            xb = np.ascontiguousarray(x).reshape(n, 1, h, w, c) if same else None
+            return t.run(xb if same else to_blocked(nchw(x), block=b), *others)
+
+        rest = [(i, k) for i, k in zip(t.blocked_inputs, t.in_blocks, strict=True) if i]
+        return Tactic(t.name, run, blocked_inputs=tuple(i for i, _ in rest),
+                      in_blocks=tuple(k for _, k in rest), blocked_outputs=t.blocked_outputs,
+                      out_channels=t.out_channels)  # fmt: skip
+
+    def run(x, *others):
+        return kernel(nchw(x), *others)
+
+    run.tactics = [reading_nhwc(t) for t in kernel.tactics]
+    return run
 
 
 def check(m) -> str | None:
@@ -398,7 +498,7 @@ def check(m) -> str | None:
 
 RULE = Rule(
     "ConvBiasRelu",
-    conv_epilogue(),
+    conv_epilogue(pad=True, nhwc=True),
     inputs=INPUTS,
     prepare=make_kernel,
     attributes=conv_attributes,

@@ -2,7 +2,8 @@
 
 The classifier of a CNN (torchvision's fc, MobileNetV3's Gemm + HardSwish + Gemm), in every
 form patterns/linear.py knows (MatMul + Add, Gemm with transB/alpha/beta and its C), with any
-activation of patterns/activation.py or none. Only a head: x is 2-D and comes from a pooled
+activation of patterns/activation.py or none, and a Softmax over the classes after it (Keras's
+Dense(activation="softmax")). Only a head: x is 2-D and comes from a pooled
 feature map (GlobalAveragePool or ReduceMean, through Flatten, Reshape, Dropout and earlier
 layers of the head); the products of transformers and recurrent cells are left to their own
 entries, and a product elsewhere is not a near-miss. Unfused, the head is the last
@@ -17,13 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from fusion.catalog import Rule
-from fusion.pattern import Alt, Var
+from fusion.pattern import Alt, Var, op
 from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
 from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
 
 POOLS = {"GlobalAveragePool", "ReduceMean", "GlobalAvgPoolFlatten"}
-THROUGH = {"Flatten", "Reshape", "Dropout", "Identity", "Gemm", "MatMul", "Add", "Relu", "Clip",
-           "HardSwish", "Sigmoid", "Mul", "Tanh", "LeakyRelu", "HardSigmoid", "Gelu"}  # fmt: skip
+THROUGH = {"Flatten", "Reshape", "Squeeze", "Dropout", "Identity", "Gemm", "MatMul", "Add", "Relu",
+           "Clip", "HardSwish", "Sigmoid", "Mul", "Tanh", "LeakyRelu", "HardSigmoid",
+           "Gelu"}  # fmt: skip
 
 
 def after_pool(m, node) -> str | None:
@@ -44,14 +46,21 @@ def after_pool(m, node) -> str | None:
 
 def linear_act():
     fc = linear(Var("x", dtype="float32", rank=2), "W", "fc", where=after_pool)
-    return Alt(activation(fc), fc)
+    y = Alt(activation(fc), fc)
+    return Alt(op.Softmax(y, _name="softmax"), y)  # Keras's Dense(activation="softmax")
 
 
 def attributes(m) -> dict:
-    return {**linear_attributes(m, "fc"), **activation_attributes(m)}
+    softmax = {"softmax": 1} if "softmax" in m.node_index else {}
+    return {**linear_attributes(m, "fc"), **activation_attributes(m), **softmax}
 
 
 def check(m) -> str | None:
+    if "softmax" in m.node_index:
+        axis = m.attrs("softmax").get("axis", -1)  # defaults filled in by opset: -1, or 1
+
+        if axis not in (-1, 1):
+            return f"Softmax {m.node('softmax').name} on axis {axis}, not over the classes"
     return check_linear(m, "W", "fc") or check_relu6(m)
 
 
@@ -63,9 +72,15 @@ def make_kernel(attrs: dict, constants: list):
     wt = np.ascontiguousarray(w.T)  # [M, K]: a dot product per output
     plan = prepare_pointwise(w.shape[1], shift=b, **activation_keywords(attrs))
 
+    softmax = bool(attrs.get("softmax"))
+
     def run(x, *_constants):
-        y = dense(x, wt)
-        return (pointwise(y, plan, out=y),)
+        y = pointwise(dense(x, wt), plan)
+        if softmax:  # per row, as onnxruntime: e^(y - max) / sum (a NaN makes its row NaN)
+            y -= y.max(axis=1, keepdims=True)
+            np.exp(y, out=y)
+            y /= y.sum(axis=1, keepdims=True)
+        return (y,)
 
     return run
 
@@ -79,7 +94,8 @@ RULE = Rule(
     check=check,
     accumulates=True,  # long float32 sums: error relative to the output's scale
     priority=1,  # after every rule built on the linear sub-pattern (LSTM and GRU cells)
-    description="2-D MatMul/Gemm + bias + optional activation, float32 (classifier heads)",
+    description="2-D MatMul/Gemm + bias + optional activation and Softmax, float32 (classifier "
+    "heads)",
     explain_after="Gemm",
     from_last=True,
 )

@@ -52,7 +52,7 @@ def _constrain(p, name: str, where) -> None:
 def inverted_residual():
     x = Var("x", dtype="float32", rank=4)
     e = Alt(conv_epilogue(x, "e_", residual=False), x)
-    d = conv_epilogue(e, "d_", residual=False)
+    d = conv_epilogue(e, "d_", residual=False, pad=True)  # Keras pads before a strided one
     _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
     return conv_epilogue(d, "p_", residual=x)  # the block's input added before or after act_p
 
@@ -82,8 +82,9 @@ def check(m) -> str | None:
             f"d: a {list(wd.shape[2:])} depthwise conv with strides {strides}, dilations "
             f"{list(a['dilations'])}: the block kernel runs square filters, stride 1 or 2"
         )
-    if a["auto_pad"] not in ("NOTSET", "") or max(a["pads"]) >= k:
-        return f"d: auto_pad {a['auto_pad']}, pads {list(a['pads'])}"
+    pads = conv_attributes(m, "d_")["pads"]  # a Pad before it included
+    if a["auto_pad"] not in ("NOTSET", "") and "d_pad" not in m.node_index or max(pads) >= k:
+        return f"d: auto_pad {a['auto_pad']}, pads {pads}"
     expand = "e_conv" in m.node_index
     for p in ("e_", "p_") if expand else ("p_",):
         reason = _pointwise_reason(m, p)

@@ -1,6 +1,9 @@
 """Pooling. MaxPool2D:  y = MaxPool(x)   for a 4-D float32 x, any kernel, stride, padding,
-dilation. GlobalAvgPoolFlatten:  y = mean_hw(x) as [N, C]: Flatten(GlobalAveragePool(x)), or
-ReduceMean over H, W then Reshape / Flatten, or with keepdims=0.
+dilation; or MaxPool(Pad(x)) with zeros around the planes and no padding of the pool's own
+(Keras's ZeroPadding2D + MaxPooling2D, ResNet50's stem): the MaxPool of x padded by -inf, then
+at least 0 wherever a window holds a padded place. GlobalAvgPoolFlatten:  y = mean_hw(x) as
+[N, C]: Flatten(GlobalAveragePool(x)), or ReduceMean over H, W then Reshape / Flatten, or with
+keepdims=0, or a Squeeze of the spatial axes (tf2onnx).
 
 A one-op rule. Between fused nodes a lone MaxPool (SqueezeNet's and GoogLeNet's, after a conv
 or a Fire module) would otherwise run as an onnxruntime island of its own: a session call, a
@@ -20,6 +23,7 @@ import numpy as np
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
 from kernels.windows import prepare_maxpool
+from patterns.conv import check_pad, pad_amounts, padded
 
 
 def known_channels(m) -> dict:
@@ -47,14 +51,17 @@ def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True):
 
 def attributes(m) -> dict:
     pool = m.attrs("pool")
+    extra = pad_amounts(m)  # a zero Pad before a MaxPool: see make_kernel
     attrs = {
         "kernel_shape": list(pool["kernel_shape"]),
         "strides": list(pool["strides"]),
-        "pads": list(pool["pads"]),
+        "pads": [a + b for a, b in zip(pool["pads"], extra, strict=True)],
         "dilations": list(pool["dilations"]),
         "ceil_mode": int(pool.get("ceil_mode", 0)),
-        "auto_pad": pool.get("auto_pad", "NOTSET"),
+        "auto_pad": "NOTSET" if any(extra) else pool.get("auto_pad", "NOTSET"),
     }
+    if any(extra):
+        attrs["zero_padded"] = extra
     return attrs | known_channels(m)
 
 
@@ -70,6 +77,15 @@ def _plan(attrs: dict):
 
 
 def check(m) -> str | None:
+    if "pad" in m.node_index:
+        reason = check_pad(m, consumer="pool")
+        pool = m.attrs("pool")
+        if reason is None and (any(pool["pads"]) or pool.get("ceil_mode", 0)):
+            reason = (f"Pad {m.node('pad').name} before a MaxPool with pads "
+                      f"{list(pool['pads'])} or ceil_mode: its windows reach past the "
+                      "zeros")  # fmt: skip
+        if reason:
+            return reason
     attrs = attributes(m)
     kernel, strides = attrs["kernel_shape"], attrs["strides"]
     if len(kernel) != 2:
@@ -94,16 +110,45 @@ def make_kernel(attrs: dict, constants: list):
     from kernels.pool import maxpool2d, maxpool_blocked  # heavy (Numba): only when built
 
     plan = _plan(attrs)
+    zeros = attrs.get("zero_padded")
 
     def run(x):
-        return (maxpool2d(x, plan),)
+        return (padded_by_zeros(maxpool2d(x, plan), x.shape[2:4], attrs),)
 
-    return with_blocked(run, lambda xb: (maxpool_blocked(xb, plan),), attrs)
+    def run_blocked(xb):
+        return (padded_by_zeros(maxpool_blocked(xb, plan), xb.shape[2:4], attrs),)
+
+    if zeros is None:
+        return with_blocked(run, lambda xb: (maxpool_blocked(xb, plan),), attrs)
+    return with_blocked(run, run_blocked, attrs)
+
+
+def border(size: int, out: int, kernel: int, stride: int, dilation: int, before: int,
+           after: int) -> np.ndarray:  # fmt: skip
+    """The outputs along one axis whose window reaches into the padding (`before` and `after`
+    the `size` inputs)."""
+    start = np.arange(out) * stride
+    return (start < before) | (start + (kernel - 1) * dilation >= before + size)
+
+
+def padded_by_zeros(y, size, attrs: dict):
+    """A Pad of zeros then a MaxPool without padding of its own, from the MaxPool of x padded
+    by -inf (y, its pads the Pad's): each output whose window holds a padded place is at least
+    0, the rest are as computed. y is NCHW or blocked (axes 2, 3 its rows and columns)."""
+    pads = attrs.get("zero_padded")
+    if pads is None:
+        return y
+    (kh, kw), (sh, sw), (dh, dw) = attrs["kernel_shape"], attrs["strides"], attrs["dilations"]
+    rows = border(size[0], y.shape[2], kh, sh, dh, pads[0], pads[2])
+    cols = border(size[1], y.shape[3], kw, sw, dw, pads[1], pads[3])
+    y[:, :, rows] = np.maximum(y[:, :, rows], 0)
+    y[:, :, :, cols] = np.maximum(y[:, :, :, cols], 0)
+    return y
 
 
 RULE = Rule(
     "MaxPool2D",
-    op.MaxPool(Var("x", dtype="float32", rank=4), _name="pool"),
+    op.MaxPool(padded(Var("x", dtype="float32", rank=4)), _name="pool"),
     inputs=("x",),
     prepare=make_kernel,
     attributes=attributes,
@@ -136,13 +181,16 @@ def make_gap_kernel(attrs: dict, constants: list):
 
 def gap_head():
     """The plane means as [N, C] in each exporter's form: Flatten(GlobalAveragePool(x))
-    (TorchScript), ReduceMean over H, W then Reshape or Flatten, or with keepdims=0 (dynamo)."""
+    (TorchScript), ReduceMean over H, W then Reshape or Flatten, or with keepdims=0 (dynamo),
+    GlobalAveragePool then Squeeze of axes 2, 3 (tf2onnx)."""
     x = Var("x", dtype="float32", rank=4)
     mean = op.ReduceMean(x, Opt(Const("axes")), _name="gap")
+    gap = op.GlobalAveragePool(x, _name="gap")
     return Alt(
-        op.Flatten(op.GlobalAveragePool(x, _name="gap"), _name="flat"),
+        op.Flatten(gap, _name="flat"),
         op.Flatten(mean, _name="flat"),
         op.Reshape(mean, Const("shape"), _name="flat"),
+        *(op.Squeeze(p, Opt(Const("squeeze_axes")), _name="flat") for p in (gap, mean)),
         mean,
     )
 
@@ -166,6 +214,12 @@ def check_gap(m) -> str | None:
     if "flat" not in m.node_index:
         return None
     flat = m.node("flat")
+    if flat.op_type == "Squeeze":  # tf2onnx's; axes an input (opset >= 13) or an attribute
+        axes = m.const("squeeze_axes")
+        axes = m.attrs("flat").get("axes") if axes is None else axes.tolist()
+        if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            return f"Squeeze {flat.name} of axes {axes}; the head squeezes the spatial axes [2, 3]"
+        return None
     if flat.op_type == "Flatten":
         axis = m.attrs("flat").get("axis", 1)
         return None if axis in (1, -3) else f"Flatten on axis {axis}; the head flattens from axis 1"
