@@ -236,9 +236,13 @@ def tile_item(T, T1):
     function per tile, compiled for tile_signature and called through an Item
     (kernels/_first_class.py) by conv_direct and by the depth-first block
     (_inverted_residual_blocked): the parallel drivers compile once per width, the serial work
-    once per tile, shared by both (cached on disk by the tiles' shapes)."""
+    once per tile, shared by both (cached on disk by the tiles' shapes).
 
-    @numba.jit(**JIT_GEMM)
+    Each closure is named by its tiles before it is compiled: Numba names a function's machine
+    code by its qualified name and a counter of the process that compiled it, so the first
+    tile two processes compiled into one cache had one symbol name, and a process that loaded
+    both ran one tile's code for the other (NaN at W = 8, bench/NOTES.md)."""
+
     def item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
              act_b, ci):  # fmt: skip
         """Output rows r0 <= oh < r1 of filter group og in group grp of image n: the serial work
@@ -342,7 +346,9 @@ def tile_item(T, T1):
                         L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b
                     )
 
-    return item
+    shape = f"{T.rows}x{T.cols}_{T1.rows}x{T1.cols}"
+    item.__name__, item.__qualname__ = f"item_{shape}", f"tile_item.<locals>.item_{shape}"
+    return numba.jit(**JIT_GEMM)(item)
 
 
 @functools.cache

@@ -115,3 +115,24 @@ def test_a_cache_save_waits_for_the_lock_other_processes_hold(tmp_path):
         assert cache.load(("key",)) is None
     saver.join(10)
     assert not saver.is_alive() and cache.load(("key",)) == b"data"
+
+
+def test_each_tile_s_machine_code_is_named_by_its_tiles():
+    """Numba names a function's machine code (and its environment) by its qualified name and
+    a counter of the process that compiled it. Every tile's closure had one qualified name, so
+    the first tile two processes compiled into one cache had one symbol name: a W = 8 cache
+    filled by two pytest workers ran a 30x1 tile's conv into NaN in a process that had loaded
+    the 14x2 one. Named by their tiles, no two tiles' symbols can meet."""
+    from kernels import _direct_blocked as d
+    from kernels.simd import lanes
+    from kernels.simd import tile as tiles
+
+    sig = d.tile_signature(lanes(8), lanes(8))
+    names = set()
+    for rows, cols in [(14, 2), (30, 1)]:
+        item = d.tile_item(tiles.tile(rows, cols), tiles.tile(1, cols))
+        item.compile(sig)
+        compiled = item.overloads[sig.args]
+        assert f"item_{rows}x{cols}_1x{cols}" in compiled.fndesc.mangled_name
+        names.add(compiled.fndesc.mangled_name)
+    assert len(names) == 2
