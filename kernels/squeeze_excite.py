@@ -25,12 +25,12 @@ import numba
 import numpy as np
 
 from .config import JIT, PARALLEL
+from .pool import block_sums
 from .simd import (
     hsum,
     lanes,
     tail_mask,
     vfma,
-    vget,
     vload,
     vload_masked,
     vstore,
@@ -41,7 +41,6 @@ from .simd.activation import activate
 from .workspace import empty
 
 PARTS = 8  # work items to aim at when there are fewer (image, block) pairs (2 threads, 4 each)
-RUN = 64  # pixels summed in float32 before their sums join the float64 ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +114,8 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
         t = np.int64(task)  # prange's index is unsigned
         item, p0 = t // parts, (t % parts) * chunk
         p1 = min(p0 + chunk, p_len)
-        # float32 vector sums over runs of RUN pixels, each added into float64 lanes: a scalar
-        # float64 sum per lane ran the pass at half the speed of the scaling pass
         s = np.zeros(b, np.float64)
-        for r0 in range(p0, p1, RUN):
-            acc = vzero(L)
-            for p in range(r0, min(r0 + RUN, p1)):
-                acc += vload(L, xf, (item * p_len + p) * b)
-            for lane in range(b):
-                s[lane] += vget(acc, lane)
+        block_sums(L, xf, item * p_len * b, p0, p1, s)
         sums[t] = s
     # the gate, per image: its weights (2 M C floats, 442 KB for EfficientNet's last blocks)
     # read by both threads, the squeeze's rows and then the channels' vectors split
