@@ -156,7 +156,8 @@ def test_external_data_outside_the_folder_is_refused_before_anything_is_learnt_o
     before = state(tmp_path)
     result = cli(capsys, "rewrite", tmp_path / "sub" / "in.onnx", "-o", tmp_path / "out.onnx")
     assert_refused(result, "points outside the directory of the model", tmp_path, before)
-    assert "100" not in result[2] and "bytes" not in result[2]
+    told = result[2].replace(str(tmp_path), "<tmp>")  # pytest's folder may hold "100" itself
+    assert "100" not in told and "bytes" not in told
 
 
 def model_without_output_shape() -> onnx.ModelProto:
