@@ -1,6 +1,6 @@
 """Squeeze-excitation on a blocked tensor in one call: the plane means, the gate, the scaling.
 
-    m[n, c] = mean over the plane of x[n, c]                    (summed in float64)
+    m[n, c] = mean over the plane of x[n, c]     (float32 runs summed in float64, pool.block_sums)
     h[n, j] = act1(sum_c W1[j, c] m[n, c] + b1[j])              j < M (the squeeze)
     g[n, c] = act2(sum_j W2[c, j] h[n, j] + b2[c])              c < C
     y[n, c, p] = x[n, c, p] g[n, c]
