@@ -26,7 +26,7 @@ outputs, onnxruntime islands); both are one parallel pass over the tensor.
 import numba
 import numpy as np
 
-from .config import PARALLEL
+from .config import INLINE, PARALLEL, get_threads
 from .simd import width
 from .workspace import empty
 
@@ -52,27 +52,38 @@ def blocked_shape(shape, block: int | None = None) -> tuple:
     return (n, -(-c // b), h, w, b)
 
 
-# Work items of a conversion: a model's input has one block (an RGB image, b = 3) and an early
-# layer's few, so when there are few (n, block) pairs each plane is cut in parts too, or one
-# thread did all of it (47 us for a 3x224x224 image, 143 us for 16x112x112 on Zen 4; 23 and 67
-# now). The loops run over slices: indexed from an unknown start p0, every access kept
-# Numba's negative-index check and LLVM's loop stayed scalar (3x slower than a whole plane).
-PARTS = 8
+ITEMS_PER_THREAD = 4  # work items a thread gets when planes are cut in parts (load balance)
+
+
+def plane_parts(items: int, pixels: int) -> int:
+    """In how many parts to cut each of `items` planes of `pixels` so that every thread of
+    this process gets a few work items: a model's input has one block (an RGB image) and an
+    early layer's few, and one thread did all of a plane (a 3x224x224 image's conversion took
+    47 us, 25 cut in parts on two threads, Zen 4)."""
+    want = ITEMS_PER_THREAD * get_threads()
+    return max(1, min(-(-want // max(items, 1)), pixels))
+
+
+@numba.jit(**INLINE)
+def plane_part(task, parts, pixels):
+    """(item, p0, p1): work item `task` of a prange over items x parts is pixels [p0, p1) of
+    plane `item`. Loops over the part run over slices of it: indexed from an unknown start p0,
+    every access kept Numba's negative-index check and LLVM's loop stayed scalar (3x slower
+    than a whole plane)."""
+    t = np.int64(task)  # prange's index is unsigned: mixed with int64 it would be a float
+    chunk = -(-pixels // parts)
+    p0 = (t % parts) * chunk
+    return t // parts, p0, min(p0 + chunk, pixels)
 
 
 @numba.jit(**PARALLEL)
-def _to_blocked(x3, y4):
+def _to_blocked(x3, y4, parts):
     """y4[n * CB + cb, p, k] = x3[n, cb * b + k, p] (0 past C)."""
     n_len, c_len, p_len = x3.shape
     cb_len, b = y4.shape[0] // n_len, y4.shape[2]
-    items = n_len * cb_len
-    parts = max(1, -(-PARTS // items))
-    chunk = -(-p_len // parts)
-    for task in numba.prange(items * parts):
-        t = np.int64(task)  # prange's index is unsigned: mixed with int64 it would be a float
-        item, p0 = t // parts, (t % parts) * chunk
+    for task in numba.prange(n_len * cb_len * parts):
+        item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
-        p1 = min(p0 + chunk, p_len)
         ys = y4[item, p0:p1]
         for k in range(b):
             c = cb * b + k
@@ -86,18 +97,13 @@ def _to_blocked(x3, y4):
 
 
 @numba.jit(**PARALLEL)
-def _from_blocked(x4, y3):
+def _from_blocked(x4, y3, parts):
     """y3[n, c, p] = x4[n * CB + c // b, p, c % b] for c < C."""
     n_len, c_len, p_len = y3.shape
     cb_len, b = x4.shape[0] // n_len, x4.shape[2]
-    items = n_len * cb_len
-    parts = max(1, -(-PARTS // items))
-    chunk = -(-p_len // parts)
-    for task in numba.prange(items * parts):
-        t = np.int64(task)
-        item, p0 = t // parts, (t % parts) * chunk
+    for task in numba.prange(n_len * cb_len * parts):
+        item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
-        p1 = min(p0 + chunk, p_len)
         xs = x4[item, p0:p1]
         for k in range(min(b, c_len - cb * b)):
             ys = y3[n, cb * b + k, p0:p1]
@@ -114,7 +120,9 @@ def to_blocked(x, block: int | None = None, out=None):
     n, c, h, w = x.shape
     if x.size:
         x3 = np.ascontiguousarray(x).reshape(n, c, h * w)
-        _to_blocked(x3, out.reshape(n * shape[1], h * w, shape[4]))
+        _to_blocked(
+            x3, out.reshape(n * shape[1], h * w, shape[4]), plane_parts(n * shape[1], h * w)
+        )
     return out
 
 
@@ -129,7 +137,11 @@ def from_blocked(xb, channels: int, out=None):
     out = np.empty(shape, np.float32) if out is None else _checked(out, shape)
     if out.size:
         xb = np.ascontiguousarray(xb)
-        _from_blocked(xb.reshape(n * cb, h * w, b), out.reshape(n, channels, h * w))
+        _from_blocked(
+            xb.reshape(n * cb, h * w, b),
+            out.reshape(n, channels, h * w),
+            plane_parts(n * cb, h * w),
+        )
     return out
 
 

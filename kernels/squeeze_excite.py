@@ -10,10 +10,10 @@ kernels (GlobalAveragePool's means, two dense products and their epilogues, a ga
 pass), each Python call and parallel region cost a few microseconds: 37-94 us a block in
 EfficientNet-B0 where onnxruntime's five nodes take ~30 (bench/NOTES.md). Here one jitted call
 runs three phases: the means in parallel over (image, block, part of the plane) items (an early
-block of 2 channel blocks at 112x112 split 8 ways, not 2), then the gate per image in vectors
-over C (W1 by rows dotted with m; W2 stored transposed, [M, C], so that h[j] scales a row of it
-into g; rows and vectors split between the threads), then the scaling in parallel over the same
-items. Channels past C stay zero (their gate is 0).
+block of 2 channel blocks at 112x112 split in parts: blocked.plane_parts), then the gate per
+image in vectors over C (W1 by rows dotted with m; W2 stored transposed, [M, C], so that h[j]
+scales a row of it into g; rows and vectors split between the threads), then the scaling in
+parallel over the same items. Channels past C stay zero (their gate is 0).
 
     >>> plan = prepare_squeeze_excite(w1, b1, w2, b2, act1=encode("relu"), act2=encode("sigmoid"))
     >>> yb = squeeze_excite_blocked(xb, plan)
@@ -24,6 +24,7 @@ import dataclasses
 import numba
 import numpy as np
 
+from .blocked import plane_part, plane_parts
 from .config import JIT, PARALLEL
 from .pool import block_sums
 from .simd import (
@@ -39,8 +40,6 @@ from .simd import (
 )
 from .simd.activation import activate
 from .workspace import empty
-
-PARTS = 8  # work items to aim at when there are fewer (image, block) pairs (2 threads, 4 each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +105,14 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
     cut in `parts` runs of pixels for the two parallel phases."""
     n_len, cb_len, p_len, b = x4.shape
     c_len = w1.shape[1]
-    chunk = -(-p_len // parts)
     items = n_len * cb_len * parts
     sums = np.empty((items, b), np.float64)
     xf, yf = x4.reshape(-1), y4.reshape(-1)
     for task in numba.prange(items):
-        t = np.int64(task)  # prange's index is unsigned
-        item, p0 = t // parts, (t % parts) * chunk
-        p1 = min(p0 + chunk, p_len)
+        item, p0, p1 = plane_part(task, parts, p_len)
         s = np.zeros(b, np.float64)
         block_sums(L, xf, item * p_len * b, p0, p1, s)
-        sums[t] = s
+        sums[np.int64(task)] = s
     # the gate, per image: its weights (2 M C floats, 442 KB for EfficientNet's last blocks)
     # read by both threads, the squeeze's rows and then the channels' vectors split
     gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C: the padding stays 0
@@ -136,12 +132,11 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
         for c0 in numba.prange(-(-c_len // b)):
             _excite(L, h, w2f, b2, acts, g, c0 * b, c_len)
     for task in numba.prange(items):
-        t = np.int64(task)
-        item, p0 = t // parts, (t % parts) * chunk
+        item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
         gv = vload(L, gates[n], cb * b)
         base = item * p_len * b
-        for p in range(p0, min(p0 + chunk, p_len)):
+        for p in range(p0, p1):
             q = base + p * b
             vstore(yf, q, vload(L, xf, q) * gv)
 
@@ -161,7 +156,7 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None):
         raise ValueError(f"out must be a C-contiguous float32 array of shape {xb.shape}")
     if n == 0:
         return out
-    parts = max(1, min(-(-PARTS // (n * cb)), h * w))
+    parts = plane_parts(n * cb, h * w)
     x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)
     squeeze_excite_nchwc(lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1,
                          plan.w2t, plan.b2, plan.acts, parts)  # fmt: skip

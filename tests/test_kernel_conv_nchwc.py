@@ -238,6 +238,22 @@ def test_layout_round_trip(c, size):
         assert np.array_equal(from_blocked(to_blocked(x, block=b), c), x)
 
 
+def test_planes_are_cut_for_the_threads_of_the_process():
+    """A few work items per thread, from the thread count: not a number tuned on one machine."""
+    from kernels.blocked import ITEMS_PER_THREAD, plane_parts
+
+    before = get_threads()
+    try:
+        for threads in (1, 2):
+            set_threads(threads)
+            assert plane_parts(1, 50176) == ITEMS_PER_THREAD * threads  # one RGB image
+            assert plane_parts(3, 50176) == -(-ITEMS_PER_THREAD * threads // 3)
+            assert plane_parts(64, 3136) == 1  # blocks enough
+            assert plane_parts(1, 2) == 2  # never more parts than pixels
+    finally:
+        set_threads(before)
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("where", ["interior", "edge"])
 def test_nan_and_inf_pass_through_like_onnxruntime(block, where):
