@@ -285,7 +285,7 @@ def _match_at(view: GraphView, rule: Rule, index: int, claimed: dict, skip: dict
                 kept = set(match.nodes)
                 passed_over += [r for nodes, r in checked_out if nodes > kept]
             return reason
-        if rule.check is not None and rule.check(match):
+        if isinstance(reason, _Refused):
             checked_out.append((set(match.nodes), reason))
         matcher.fail(state, reason, bonus=FULL_MATCH)
     return matcher.tracer.best or Failure(0, f"{label}: no match")
@@ -308,6 +308,10 @@ def _accept_found(view: GraphView, rule: Rule, index: int, claimed: dict, skip: 
     return Failure(FULL_MATCH, reason)
 
 
+class _Refused(str):
+    """A reason the rule's own check gave (not an overlap or an escaping value)."""
+
+
 def _acceptable(view, rule: Rule, match: Match, index: int, outputs: list, claimed: dict,
                 skip: dict, names: _FusedNames):  # fmt: skip
     """(match, fused node, function) if the match may be fused, else the reason it may not."""
@@ -324,7 +328,7 @@ def _acceptable(view, rule: Rule, match: Match, index: int, outputs: list, claim
     )
     if not reason and rule.check is not None:
         verdict = rule.check(match)
-        reason = f"{label}: {verdict}" if verdict else None
+        reason = _Refused(f"{label}: {verdict}") if verdict else None
     if not reason:
         try:
             name = names.of(index, root.name or f"{rule.name}_{outputs[0]}")

@@ -240,8 +240,9 @@ def tile_item(T, T1):
 
     Each closure is named by its tiles before it is compiled: Numba names a function's machine
     code by its qualified name and a counter of the process that compiled it, so the first
-    tile two processes compiled into one cache had one symbol name, and a process that loaded
-    both ran one tile's code for the other (NaN at W = 8, bench/NOTES.md)."""
+    tile two processes compiled into one cache had one symbol name. A W = 8 cache where two
+    tiles had met that way ran a conv into NaN, and ran right once the names differed (which
+    lookup went to the wrong code was not found: bench/NOTES.md)."""
 
     def item(L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_, act_a,
              act_b, ci):  # fmt: skip

@@ -58,7 +58,6 @@ def attributes(m) -> dict:
 def check(m) -> str | None:
     if "softmax" in m.node_index:
         axis = m.attrs("softmax").get("axis", -1)  # defaults filled in by opset: -1, or 1
-
         if axis not in (-1, 1):
             return f"Softmax {m.node('softmax').name} on axis {axis}, not over the classes"
     return check_linear(m, "W", "fc") or check_relu6(m)

@@ -81,11 +81,13 @@ def _convs(attrs: dict, constants: list) -> dict:
     return convs
 
 
-def fire_plan(attrs: dict, constants: list):
-    """The kernel's FirePlan: the three convs' weights packed, the branches in Concat order."""
+def fire_plan(attrs: dict, constants: list, convs: dict | None = None):
+    """The kernel's FirePlan: the three convs' weights packed, the branches in Concat order
+    (convs: _convs' result, when made already)."""
     from kernels.fire import prepare_fire  # heavy (Numba): only when a kernel is built
 
-    plans = {prefix: conv_plan(*c) for prefix, c in _convs(attrs, constants).items()}
+    convs = _convs(attrs, constants) if convs is None else convs
+    plans = {prefix: conv_plan(*c) for prefix, c in convs.items()}
     expands = [plans[EXPAND1], plans[EXPAND3]]
     return prepare_fire(plans[SQUEEZE], *(expands[:: ORDERS[attrs["branch_order"]]]))
 
@@ -94,20 +96,19 @@ class FireKernel:
     """Called on NCHW input it runs kernels/fire. `tactics` offers first the blocked layout
     when the first expand conv in Concat order fills whole blocks (patterns/concat.
     why_not_blocked; the squeeze's output is blocked whatever its channels): the squeeze conv
-    on the direct kernel, then
-    each expand conv writing its channel blocks of y ("blocked": in place; "blocked-wino": the
-    3x3 one on the blocked Winograd kernel, through a copy); then "nchw". `nchw_only` says why
-    there is no blocked tactic, when there is none."""
+    on the direct kernel, then each expand conv writing its channel blocks of y ("blocked": in
+    place; "blocked-wino": the 3x3 one on the blocked Winograd kernel, through a copy); then
+    "nchw". `nchw_only` says why there is no blocked tactic, when there is none."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
         from kernels.conv_nchwc import conv_nchwc, tile_options
         from kernels.fire import fire
 
-        plan = fire_plan(attrs, constants)
+        convs = _convs(attrs, constants)  # folded once for every tactic
+        plan = fire_plan(attrs, constants, convs)
         self.run = lambda x, *_constants: (fire(x, plan),)
         self.tactics = [Tactic("nchw", self.run)]
-        convs = _convs(attrs, constants)
         order = [EXPAND1, EXPAND3][:: ORDERS[attrs["branch_order"]]]
         b = block()
         channels = [convs[p][1].shape[0] for p in order]

@@ -110,7 +110,6 @@ def make_kernel(attrs: dict, constants: list):
     from kernels.pool import maxpool2d, maxpool_blocked  # heavy (Numba): only when built
 
     plan = _plan(attrs)
-    zeros = attrs.get("zero_padded")
 
     def run(x):
         return (padded_by_zeros(maxpool2d(x, plan), x.shape[2:4], attrs),)
@@ -118,8 +117,6 @@ def make_kernel(attrs: dict, constants: list):
     def run_blocked(xb):
         return (padded_by_zeros(maxpool_blocked(xb, plan), xb.shape[2:4], attrs),)
 
-    if zeros is None:
-        return with_blocked(run, lambda xb: (maxpool_blocked(xb, plan),), attrs)
     return with_blocked(run, run_blocked, attrs)
 
 

@@ -118,11 +118,11 @@ def test_a_cache_save_waits_for_the_lock_other_processes_hold(tmp_path):
 
 
 def test_each_tile_s_machine_code_is_named_by_its_tiles():
-    """Numba names a function's machine code (and its environment) by its qualified name and
-    a counter of the process that compiled it. Every tile's closure had one qualified name, so
-    the first tile two processes compiled into one cache had one symbol name: a W = 8 cache
-    filled by two pytest workers ran a 30x1 tile's conv into NaN in a process that had loaded
-    the 14x2 one. Named by their tiles, no two tiles' symbols can meet."""
+    """Numba names a function's machine code by its qualified name and a counter of the
+    process that compiled it. Every tile's closure had one qualified name, so the first tile
+    two processes compiled into one cache had one symbol name: a W = 8 cache filled by two
+    pytest workers held the 30x1 and 14x2 tiles under one name and ran a conv into NaN, and
+    ran right once the names differed. Named by their tiles, no two tiles' symbols can meet."""
     from kernels import _direct_blocked as d
     from kernels.simd import lanes
     from kernels.simd import tile as tiles
