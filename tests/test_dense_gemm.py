@@ -16,9 +16,10 @@ from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels.config import get_threads, set_threads
-from kernels.dense_gemm import blocking, dense_gemm, prepare_dense
+from kernels.dense_gemm import blocking, dense_gemm, prepare_dense, row_tile
 from kernels.machine import cache_bytes
 from kernels.simd.activation import encode
+from kernels.simd.tile import tile
 
 WIDTHS = (8, 16)
 SIZES = (1, 3, 17, 100)
@@ -171,3 +172,18 @@ def test_the_split_of_the_work(m, k, n, threads):
     shares = [sum(items[sum(counts[:t]) : sum(counts[: t + 1])]) for t in range(threads)]
     assert sum(shares) == row_tiles * panels
     assert max(shares) - sum(shares) / threads <= max(items)
+
+
+@pytest.mark.parametrize("full", [tile(14, 2), tile(4, 3), tile(6, 4)])
+def test_the_row_tile_pads_m_the_least(full):
+    """Of the row counts whose rank-1 update does 1.5 FMAs per load, the one with the fewest
+    rows past M, ties to the most rows; never more rows than the register file's tile."""
+    ok = [r for r in range(1, full.rows + 1) if 2 * r * full.cols >= 3 * (r + full.cols)]
+    for m in range(1, 600):
+        t = row_tile(m, full)
+        assert t.cols == full.cols and t.rows in ok
+        padded = {r: -(-m // r) * r for r in ok}
+        assert padded[t.rows] == min(padded.values())
+        assert t.rows == max(r for r in ok if padded[r] == padded[t.rows])
+    assert row_tile(128, tile(14, 2)).rows == 8  # 128 rows, not the 14-row tile's 140
+    assert row_tile(14 * 9, tile(14, 2)) is tile(14, 2)
