@@ -39,7 +39,7 @@ from .simd._types import (
     pointer,
     vector_type,
 )
-from .simd.tile import TileType
+from .simd.tile import TileType, tile
 
 
 def micro_tile(width=None):
@@ -50,6 +50,21 @@ def micro_tile(width=None):
     """
     L = lanes(width)
     return L, gemm_tile(L.width)
+
+
+def row_tile(m, T):
+    """The tile for M rows: T's columns, and of the row counts whose rank-1 update still does
+    1.5 FMAs per load (as gemm_shape asks; T.rows at most), the one that pads M the least,
+    ties to more rows. Rows past M cost a whole tile's FMAs: at M = 128 the 14-row tile of
+    AVX-512 computes 140 rows, and the 8-row one, within 2% of its speed, 128 (bench/NOTES.md,
+    "The dense GEMM's row tile from M"). M: a GEMM's rows (dense_gemm), attention's queries."""
+    best = T.rows
+    for rows in range(T.rows - 1, 0, -1):
+        if 2 * rows * T.cols < 3 * (rows + T.cols):
+            break
+        if -(-m // rows) * rows < -(-m // best) * best:
+            best = rows
+    return T if best == T.rows else tile(best, T.cols)
 
 
 def panel_width(T, L):

@@ -122,6 +122,7 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
     g = h // (heads // kv_heads)
     bg = b * kv_heads + g
     nq = min(bq, s_len - q0)
+    nt = -(-nq // mr) * mr  # the rows of the tiles that hold the block's queries
     row0 = b * s_len
     for i in range(bq):
         for d in range(d_len):
@@ -152,7 +153,7 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
         if k0 + nk <= lo or k0 > hi:
             continue
         # s = (scale Q) K^T + M: MR x NR register tiles, Q's rows broadcast, K^T's row read
-        for i0 in range(0, bq, mr):
+        for i0 in range(0, nt, mr):
             for j0 in range(0, nk, nr):
                 t = tile_zeros(L, T)
                 for d in range(d_len):
@@ -195,7 +196,7 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
             m[i] = mx
         # acc = acc e^(m - m') + P V: P's rows broadcast, V's packed rows read
         vo = (bg * sp + k0) * dp
-        for i0 in range(0, bq, mr):
+        for i0 in range(0, nt, mr):
             for d0 in range(0, dp, nr):
                 t = tile_zeros(L, T)
                 for k in range(nk):
@@ -340,6 +341,7 @@ def attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
     if out.size == 0:
         return out
     L, T = _gemm.micro_tile(width)
+    T = _gemm.row_tile(seq, T)  # the query tile that pads the sequence the least
     nr = _gemm.panel_width(T, L)
     bq, bk = attention_blocks(T, L)
     sp, dp = nr * -(-seq // nr), nr * -(-head_dim // nr)

@@ -57,7 +57,6 @@ from .simd.activation import (
     gelu,
     gelu_tanh,
 )
-from .simd.tile import tile
 from .workspace import shared
 
 __all__ = ["DensePlan", "blocking", "dense_gemm", "prepare_dense"]
@@ -71,7 +70,7 @@ class DensePlan:
     k: int  # inputs (rows of W)
     n: int  # outputs (columns of W)
     lanes: object  # the micro-kernel's width (a simd.Lanes) and tile (a simd.Tile): W packed
-    tile: object  # in panels of NR = tile.cols * lanes.width columns; rows per call (row_tile)
+    tile: object  # in panels of NR = tile.cols * lanes.width columns; rows per call (_gemm.row_tile)
     packed: np.ndarray  # [ceil(N / NR), K, NR] float32 flat, zero columns past N
     bias: np.ndarray  # [ceil(N / NR) NR] float32, zeros past N
     act: tuple  # (kind, a, b): kernels.simd.activation.encode
@@ -285,21 +284,6 @@ def blocking(m, k, n, mr, nr, threads):
     return best[1], best[2], kc
 
 
-def row_tile(m, T):
-    """The tile for M rows: T's columns, and of the row counts whose rank-1 update still does
-    1.5 FMAs per load (as gemm_shape asks; T.rows at most), the one that pads M the least,
-    ties to more rows. Rows past M cost a whole tile's FMAs: at M = 128 the 14-row tile of
-    AVX-512 computes 140 rows, and the 8-row one, within 2% of its speed, 128 (bench/NOTES.md,
-    "The dense GEMM's row tile from M")."""
-    best = T.rows
-    for rows in range(T.rows - 1, 0, -1):
-        if 2 * rows * T.cols < 3 * (rows + T.cols):
-            break
-        if -(-m // rows) * rows < -(-m // best) * best:
-            best = rows
-    return T if best == T.rows else tile(best, T.cols)
-
-
 def launch(plan, m):
     """(tile, row blocks, column blocks, kc) for M rows and the calling thread's thread count:
     row_tile and blocking(), cached on the plan."""
@@ -308,7 +292,7 @@ def launch(plan, m):
     if found is None:
         if len(plan.launches) > 64:  # a model fed ever new shapes: do not grow without bound
             plan.launches.clear()
-        T = row_tile(m, plan.tile)
+        T = _gemm.row_tile(m, plan.tile)
         nr = _gemm.panel_width(T, plan.lanes)
         found = plan.launches[key] = (T, *blocking(m, plan.k, plan.n, T.rows, nr, key[1]))
     return found

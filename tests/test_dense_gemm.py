@@ -16,7 +16,8 @@ from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels.config import get_threads, set_threads
-from kernels.dense_gemm import blocking, dense_gemm, prepare_dense, row_tile
+from kernels._gemm import row_tile
+from kernels.dense_gemm import blocking, dense_gemm, prepare_dense
 from kernels.machine import cache_bytes
 from kernels.simd.activation import encode
 from kernels.simd.tile import tile
