@@ -8,6 +8,7 @@ measured by bench/overheads.py.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -23,6 +24,8 @@ from fusion.errors import FusionError
 from fusion.ort import DEFAULT, inference_session
 from fusion.runtime import InvalidFeed, Session
 from fusion.runtime.plan import IslandPlan, island_settings, may_hold_a_conv
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def chain_model(**attrs) -> onnx.ModelProto:
@@ -400,3 +403,35 @@ def test_islands_keep_blocked_layouts_for_nodes_that_may_hide_a_conv():
     assert may_hold_a_conv(h.make_node("Conv", ["x", "w"], ["y"]))
     assert may_hold_a_conv(h.make_node("ConvBiasRelu", ["x"], ["y"], domain=DOMAIN))  # a body
     assert may_hold_a_conv(h.make_node("If", ["c"], ["y"], then_branch=empty, else_branch=empty))
+
+
+def test_shape_only_islands():
+    """An island whose inputs are read only by Shape or Size (and that draws no random numbers
+    and holds no subgraph) is a function of its inputs' shapes."""
+    from fusion.runtime.steps import shape_only
+
+    shape = h.make_node("Shape", ["x"], ["s"])
+    gather = h.make_node("Gather", ["s", "zero"], ["g"])
+    add = h.make_node("Add", ["x", "x"], ["y"])
+    like = h.make_node("RandomNormalLike", ["s"], ["r"])
+    assert shape_only(IslandPlan("i", [shape, gather], ["x"], ["g"], ["zero"]))
+    assert not shape_only(IslandPlan("i", [shape, gather, add], ["x"], ["g", "y"], ["zero"]))
+    assert not shape_only(IslandPlan("i", [shape, like], ["x"], ["r"]))
+    assert not shape_only(IslandPlan("i", [], ["x"], []))
+
+
+def test_shape_islands_answered_per_shape_as_onnxruntime():
+    """GPT-2's per-layer Reshape targets (Shape, Gather, Unsqueeze, Concat of the previous
+    layer's output) run once per input shape; the runs after, at changing batch and sequence,
+    still give onnxruntime's outputs."""
+    path = f"{FIXTURES}/gpt2_tiny_sdpa.ts17.onnx"
+    sess = Session(path, threads=1, tactics="kernel")
+    memos = [i for i in sess.islands if i._memo is not None]
+    assert len(memos) >= 4
+    model = onnx.load(path)
+    rng = np.random.default_rng(0)
+    for b, s in [(1, 5), (2, 7), (1, 5), (2, 7), (3, 4)]:
+        feeds = {"input_ids": rng.integers(0, 50, (b, s)).astype(np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}  # fmt: skip
+        assert_all_close(sess.run(None, feeds), run_ort(model, feeds), 1e-4, 1e-4)
+    assert all(len(i._memo) == 3 for i in memos)  # three shapes, each island run once for each
