@@ -5,9 +5,10 @@ and RMSNorm:
     LayerNorm: y = (s - mean(s)) / sqrt(var(s) + eps) * g + b     var: the biased variance
     RMSNorm:   y = s / sqrt(mean(s^2) + eps) * g
 
-Rows are independent: a driver over rows, each row normalized in one serial pass sequence
-(sum, centred sum of squares, scale) while it is in L1; in parallel above SERIAL_MAX values
-(below, a parallel region's start costs more than the work: bench/NOTES.md, transformers).
+Rows are independent: a driver over rows, each row normalized in a sequence of passes in
+vectors of the SIMD layer (sum, centred sum of squares, scale) while it is in L1; in parallel
+above SERIAL_MAX values (below, a parallel region's start costs more than the work:
+bench/NOTES.md, transformers).
 The centred second pass is what onnxruntime does too: var = E[s^2] - E[s]^2 in float32 loses
 digits when |mean| >> std. A row whose sum or squares overflow float32 (|s| about 1e19 and up)
 is normalized again divided by its largest |s|, eps by its square: the norm is the same, and
@@ -17,77 +18,117 @@ finite for any finite row (onnxruntime returns NaN or zeros there).
 import numba
 import numpy as np
 
-from .config import INLINE, JIT, PARALLEL
+from .config import INLINE_FIT, JIT_FIT, PARALLEL, get_threads
+from .simd import (
+    hsum,
+    lanes,
+    tail_mask,
+    vfma,
+    vload,
+    vload_masked,
+    vselect,
+    vstore,
+    vstore_masked,
+    vzero,
+)
 
 __all__ = ["layer_norm"]
 
 ONE = np.float32(1.0)
+CHUNK = 32  # vectors of squares summed apart before they join the row's sum
 INF = np.float32(np.inf)
 
 
-@numba.jit(**INLINE)
-def moments(y, i, rms):
-    """Row i's mean (0 for RMSNorm) and its sum of squares about it."""
-    n = y.shape[1]
+@numba.jit(**INLINE_FIT)
+def moments(L, y, o, n, rms):
+    """The mean (0 for RMSNorm) of y[o : o + n] and its sum of squares about it, in vectors
+    (the last n % W values under a mask, zeroed). The mean is the first value plus the mean of
+    the differences from it: where |mean| >> std, W running sums of the values themselves lost
+    digits (2.8e-4 relative at 17477 values of mean 100 and std 1, W = 8); the differences'
+    sums stay near std sqrt(n)."""
+    w = L.width
+    nw = n - n % w
+    tail = tail_mask(L, n - nw)
     mean = np.float32(0.0)
     if not rms:
-        total = np.float32(0.0)
-        for j in range(n):
-            total += y[i, j]
-        mean = total / np.float32(n)
-    ss = np.float32(0.0)
-    for j in range(n):
-        d = y[i, j] - mean
-        ss += d * d
-    return mean, ss
+        pivot = y[o // n, 0]
+        acc = vzero(L)
+        for j in range(0, nw, w):
+            acc += vload(L, y, o + j) - pivot
+        if nw < n:
+            acc += vselect(tail, vload_masked(L, y, o + nw, tail) - pivot, np.float32(0.0))
+        mean = pivot + hsum(acc) / np.float32(n)
+    acc = vzero(L)
+    for j0 in range(0, nw, CHUNK * w):  # sums of CHUNK squares, then their sum: RMSNorm's
+        part = vzero(L)  # squares of a row of mean 100 lost 2.6e-4 in W running sums
+        for j in range(j0, min(nw, j0 + CHUNK * w), w):
+            d = vload(L, y, o + j) - mean
+            part = vfma(d, d, part)
+        acc += part
+    if nw < n:
+        d = vselect(tail, vload_masked(L, y, o + nw, tail) - mean, np.float32(0.0))
+        acc = vfma(d, d, acc)
+    return mean, hsum(acc)
 
 
-@numba.jit(**JIT)
-def norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y):
-    """Row i: y[i] = norm(x[i] + r[i]) * g + b, s[i] = x[i] + r[i] when has_s."""
-    n = x.shape[1]
-    if has_r:
-        for j in range(n):
-            y[i, j] = x[i, j] + r[i, j]
-    else:
-        for j in range(n):
-            y[i, j] = x[i, j]
-    if has_s:
-        for j in range(n):
-            s[i, j] = y[i, j]
-    mean, ss = moments(y, i, rms)
-    if not ss < INF:  # a sum or a square overflowed, or the row holds inf or NaN
-        peak = np.float32(0.0)
-        for j in range(n):
-            peak = max(peak, abs(y[i, j]))
-        if peak < INF:  # finite: the same norm of y / peak, with eps / peak^2
-            c = ONE / peak
+@numba.jit(**JIT_FIT)
+def norm_rows(L, x, r, has_r, s, has_s, i0, i1, g, b, has_b, eps, rms, y):
+    """Rows i0 .. i1: y[i] = norm(x[i] + r[i]) * g + b, s[i] = x[i] + r[i] when has_s; W values
+    at a time, the last n % W under a mask (never read or written past the row). Compiled
+    without "reassoc": it let LLVM undo the sums' ordering (moments), a 1.6e-4 error."""
+    n, w = x.shape[1], L.width
+    nw = n - n % w
+    tail = tail_mask(L, n - nw)
+    for i in range(i0, i1):
+        eps_i = eps
+        o = i * n
+        for j in range(0, nw, w):
+            v = vload(L, x, o + j)
+            if has_r:
+                v += vload(L, r, o + j)
+            vstore(y, o + j, v)
+            if has_s:
+                vstore(s, o + j, v)
+        if nw < n:  # a store under a mask costs more (microcoded on AVX2 Zen): only the tail's
+            v = vload_masked(L, x, o + nw, tail)
+            if has_r:
+                v += vload_masked(L, r, o + nw, tail)
+            vstore_masked(y, o + nw, v, tail)
+            if has_s:
+                vstore_masked(s, o + nw, v, tail)
+        mean, ss = moments(L, y, o, n, rms)
+        if not ss < INF:  # a sum or a square overflowed, or the row holds inf or NaN
+            peak = np.float32(0.0)
             for j in range(n):
-                y[i, j] *= c
-            eps = eps * c * c
-            mean, ss = moments(y, i, rms)
-    var = ss / np.float32(n) + eps
-    # 1 / sqrt(inf) is 0 (a row holding inf, as onnxruntime: x / inf); fastmath's "afn" would
-    # make it NaN
-    scale = np.float32(0.0) if var == INF else ONE / np.sqrt(var)
-    if has_b:
-        for j in range(n):
-            y[i, j] = (y[i, j] - mean) * scale * g[j] + b[j]
-    else:
-        for j in range(n):
-            y[i, j] = (y[i, j] - mean) * scale * g[j]
+                peak = max(peak, abs(y[i, j]))
+            if peak < INF:  # finite: the same norm of y / peak, with eps / peak^2
+                c = ONE / peak
+                for j in range(n):
+                    y[i, j] *= c
+                eps_i = eps_i * c * c
+                mean, ss = moments(L, y, o, n, rms)
+        var = ss / np.float32(n) + eps_i
+        # 1 / sqrt(inf) is 0 (a row holding inf, as onnxruntime: x / inf); fastmath's "afn" would
+        # make it NaN
+        scale = np.float32(0.0) if var == INF else ONE / np.sqrt(var)
+        for j in range(0, nw, w):
+            v = (vload(L, y, o + j) - mean) * scale * vload(L, g, j)
+            if has_b:
+                v += vload(L, b, j)
+            vstore(y, o + j, v)
+        if nw < n:
+            v = (vload_masked(L, y, o + nw, tail) - mean) * scale * vload_masked(L, g, nw, tail)
+            if has_b:
+                v += vload_masked(L, b, nw, tail)
+            vstore_masked(y, o + nw, v, tail)
 
 
 @numba.jit(**PARALLEL)
-def _layer_norm(x, r, has_r, s, has_s, g, b, has_b, eps, rms, y):
-    for i in numba.prange(x.shape[0]):
-        norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y)
-
-
-@numba.jit(**JIT)
-def _layer_norm_serial(x, r, has_r, s, has_s, g, b, has_b, eps, rms, y):
-    for i in range(x.shape[0]):
-        norm_row(x, r, has_r, s, has_s, i, g, b, has_b, eps, rms, y)
+def _layer_norm(L, x, r, has_r, s, has_s, g, b, has_b, eps, rms, y, parts):
+    m = x.shape[0]
+    for p in numba.prange(parts):
+        norm_rows(L, x, r, has_r, s, has_s, p * m // parts, (p + 1) * m // parts, g, b, has_b,
+                  eps, rms, y)  # fmt: skip
 
 
 SERIAL_MAX = 1 << 19  # values (512 rows of 1024); more run in parallel
@@ -96,15 +137,31 @@ SERIAL_MAX = 1 << 19  # values (512 rows of 1024); more run in parallel
 _EMPTY = np.zeros((1, 1), np.float32)
 
 
-def _rows(a, shape, what):
+def _rows(a, shape):
+    """a broadcast to shape as C-contiguous float32 rows [-1, shape[-1]]; an array that already
+    is one is reshaped, not copied (the broadcast and the copy check cost microseconds, a
+    third of a 128 x 256 LayerNorm)."""
+    if type(a) is np.ndarray and a.shape == shape and a.dtype == np.float32 and (
+            a.flags.c_contiguous):  # fmt: skip
+        return a.reshape(-1, shape[-1])
     a = np.ascontiguousarray(np.broadcast_to(a, shape), dtype=np.float32)
     return a.reshape(-1, shape[-1]) if a.ndim else a.reshape(1, 1)
 
 
-def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_sum=False):
+def _vector(a, n):
+    """gamma or beta as C-contiguous float32 [n] (as it is when it already is one)."""
+    if type(a) is np.ndarray and a.shape == (n,) and a.dtype == np.float32 and (
+            a.flags.c_contiguous):  # fmt: skip
+        return a
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32).reshape(-1), n))
+
+
+def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_sum=False,
+               width=None):  # fmt: skip
     """LayerNorm (rms=False) or RMSNorm (rms=True) of x + residual over the last axis.
     x float32 [..., N]; gamma, beta [N] (or broadcastable to it); residual broadcastable to x.
-    Returns y, or (y, x + residual) with return_sum.
+    Returns y, or (y, x + residual) with return_sum. width: the lanes, 8 or 16 (None: the
+    process's, kernels.simd.width()).
 
     >>> layer_norm(np.ones((2, 4), np.float32), np.ones(4, np.float32), np.zeros(4, np.float32))
     """
@@ -117,15 +174,18 @@ def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_s
         shape = np.broadcast_shapes(x.shape, np.shape(residual))
         if shape[-1] != n:
             raise ValueError(f"residual of shape {np.shape(residual)} changes the last axis")
-    x2 = _rows(x, shape, "x")
-    r2 = _rows(residual, shape, "residual") if residual is not None else _EMPTY
-    g = np.ascontiguousarray(np.broadcast_to(np.asarray(gamma, np.float32).reshape(-1), n))
+    x2 = _rows(x, shape)
+    r2 = _rows(residual, shape) if residual is not None else _EMPTY
+    g = _vector(gamma, n)
     has_b = beta is not None
-    b = np.ascontiguousarray(np.broadcast_to(np.asarray(beta, np.float32).reshape(-1), n)) \
-        if has_b else g  # fmt: skip
+    b = _vector(beta, n) if has_b else g
     y = np.empty(x2.shape, np.float32)
     s = np.empty(x2.shape, np.float32) if return_sum else _EMPTY
-    run = _layer_norm if x2.size > SERIAL_MAX else _layer_norm_serial
-    run(x2, r2, residual is not None, s, return_sum, g, b, has_b, np.float32(eps), bool(rms), y)
+    args = (lanes(width), x2, r2, residual is not None, s, return_sum)
+    rest = (g, b, has_b, np.float32(eps), bool(rms), y)
+    if x2.size > SERIAL_MAX:
+        _layer_norm(*args, *rest, min(x2.shape[0], 4 * get_threads()))
+    else:
+        norm_rows(*args, 0, x2.shape[0], *rest)
     y = y.reshape(shape)
     return (y, s.reshape(shape)) if return_sum else y

@@ -331,18 +331,22 @@ def test_linear_act_kernel_against_naive(seed, act, n):
     assert np.isnan(y).all()  # NaN passes through the clamps
 
 
-@pytest.mark.parametrize("n", [31, SERIAL_MAX // 30 + 1])  # the serial and parallel driver
-def test_layer_norm_kernel_against_naive(n):
+# rows of one lane, a whole number of vectors at either width, a tail; the serial and the
+# parallel driver
+@pytest.mark.parametrize("n", [1, 31, 256, SERIAL_MAX // 30 + 1])
+@pytest.mark.parametrize("width", [8, 16])
+def test_layer_norm_kernel_against_naive(n, width):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((5, 6, n)) + 100).astype(np.float32)  # |mean| >> std
     g, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     s = x.astype(np.float64) + 1
     want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-5) * g + b
-    y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True)
+    y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True, width=width)
     assert_close(y, want, 1e-4, 1e-4, check_dtype=False)
     assert_close(total, s, 1e-6, 0, check_dtype=False)
     rms = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * g
-    assert_close(layer_norm(x, g, None, 1e-6, rms=True), rms, 1e-4, 1e-5, check_dtype=False)
+    got = layer_norm(x, g, None, 1e-6, rms=True, width=width)
+    assert_close(got, rms, 1e-4, 1e-5, check_dtype=False)
 
 
 def test_kernels_refuse_bad_shapes():
