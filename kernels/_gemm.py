@@ -19,6 +19,8 @@ shared cache line (Numba's NRT incref/decref), as slow per tile as the FMAs at K
 (bench/NOTES.md, GEMM micro-kernel).
 """
 
+import functools
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -49,9 +51,15 @@ def micro_tile(width=None):
     >>> L, T = micro_tile()       # Lanes(8), Tile(4, 3) on AVX2: MR = 4, NR = 24
     """
     L = lanes(width)
-    return L, gemm_tile(L.width)
+    return L, _gemm_tile(L.width)
 
 
+# Per width, once: gemm_shape walks the register file's options in Python (20 us, two thirds
+# of a small attention's call when it ran per call).
+_gemm_tile = functools.cache(gemm_tile)
+
+
+@functools.lru_cache(maxsize=256)
 def row_tile(m, T):
     """The tile for M rows: T's columns, and of the row counts whose rank-1 update still does
     1.5 FMAs per load (as gemm_shape asks; T.rows at most), the one that pads M the least,

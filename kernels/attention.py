@@ -53,7 +53,8 @@ from .simd import (
     vstore_masked,
     vzero,
 )
-from .workspace import shared
+from .simd.tile import tile
+from .workspace import per_thread, shared
 
 __all__ = ["attention", "attention_blocks", "attention_core", "rotate"]
 
@@ -222,8 +223,11 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
 
 
 @numba.jit(**PARALLEL)
-def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp, dp, heads,
-               kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
+def _attention(L, T, TW, qkv, kt, vp, ts, work, mask, mshape, has_mask, out, batch, s_len, sp,
+               dp, heads, kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
+    """K^T and V packed per (batch, kv head) (ts [tasks, W W]: a W x W block's transposition,
+    TW the tile of W rows that interleave_rows moves), then every (batch, head, query block)
+    (work [threads, n]: each thread's scratch for a block, workspace.per_thread)."""
     k_col = heads * d_len
     v_col = (heads + kv_heads) * d_len
     w = L.width
@@ -231,13 +235,24 @@ def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp,
     for t in numba.prange(batch * kv_heads):  # K^T [d, sp] and V [sp, dp], zero-padded, once
         b, g = t // kv_heads, t % kv_heads
         kto, vpo = t * d_len * sp, t * sp * dp
-        # Key by key: qkv's rows are read along (a row is (H + 2 Hkv) D floats apart, so a
-        # column walk would touch a new page per element), K^T's d_len rows written side by
-        # side.
+        # K^T in W x W blocks: W keys' rows (W of their columns each) transposed in registers
+        # (interleave_rows) into the task's scratch, then its W rows to K^T's, a vector each;
+        # element by element, writing K^T's d_len rows side by side, took 7 cycles a value (a
+        # third of the core at 128 queries); the keys and columns past whole blocks so.
+        tr = ts[t]
+        jw, dw2 = s_len - s_len % w, d_len - d_len % w
+        for j0 in range(0, jw, w):
+            for d0 in range(0, dw2, w):
+                _gemm.interleave_rows(L, TW, qkv, (b * s_len + j0) * qkv.shape[1] + k_col
+                                      + g * d_len + d0, qkv.shape[1], tr, 0)  # fmt: skip
+                for k in range(w):
+                    vstore(kt, kto + (d0 + k) * sp + j0, vload(L, tr, k * w))
         for j in range(s_len):
             row = b * s_len + j
-            for d in range(d_len):
+            for d in range(dw2 if j < jw else 0, d_len):
                 kt[kto + d * sp + j] = qkv[row, k_col + g * d_len + d]
+        for j in range(s_len):
+            row = b * s_len + j
             vo = row * qkv.shape[1] + v_col + g * d_len
             for d in range(0, dw, w):
                 vstore(vp, vpo + j * dp + d, vload(L, qkv, vo + d))
@@ -254,12 +269,12 @@ def _attention(L, T, qkv, kt, vp, mask, mshape, has_mask, out, batch, s_len, sp,
         b = t // (heads * n_qb)
         h = (t // n_qb) % heads
         q0 = (t % n_qb) * bq
-        qs = np.empty(bq * dq, np.float32)
-        s = np.empty(bq * bk, np.float32)
-        acc = np.empty(bq * dp, np.float32)
-        m = np.empty(bq, np.float32)
-        lsum = np.empty(bq, np.float32)
-        corr = np.empty(bq, np.float32)
+        mine = work[numba.get_thread_id()]  # this thread's scratch: no malloc per task
+        qs = mine[: bq * dq]
+        s = mine[bq * dq : bq * (dq + bk)]
+        acc = mine[bq * (dq + bk) : bq * (dq + bk + dp)]
+        o = bq * (dq + bk + dp)
+        m, lsum, corr = mine[o : o + bq], mine[o + bq : o + 2 * bq], mine[o + 2 * bq : o + 3 * bq]
         attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len, sp, dp,
                      heads, kv_heads, d_len, scale, bq, bk, qs, s, acc, m, lsum, corr,
                      nan_to_zero)  # fmt: skip
@@ -345,11 +360,15 @@ def attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
     nr = _gemm.panel_width(T, L)
     bq, bk = attention_blocks(T, L)
     sp, dp = nr * -(-seq // nr), nr * -(-head_dim // nr)
-    n_kt = batch * kv_heads * head_dim * sp
-    packed = shared(n_kt + batch * kv_heads * sp * dp)  # reused: fresh pages fault (workspace)
-    kt, vp = packed[:n_kt], packed[n_kt:]
-    _attention(L, T, qkv, kt, vp, m, mshape, mask is not None, out, batch, seq, sp, dp, heads,
-               kv_heads, head_dim, np.float32(scale), bq, bk, bool(nan_to_zero))  # fmt: skip
+    n_kt, n_vp = batch * kv_heads * head_dim * sp, batch * kv_heads * sp * dp
+    n_ts = batch * kv_heads * L.width * L.width
+    packed = shared(n_kt + n_vp + n_ts)  # reused: fresh pages fault (workspace)
+    kt, vp = packed[:n_kt], packed[n_kt : n_kt + n_vp]
+    ts = packed[n_kt + n_vp :].reshape(batch * kv_heads, -1)
+    work = per_thread(bq * (max(head_dim, 1) + bk + dp + 3))
+    _attention(L, T, tile(L.width, 1), qkv, kt, vp, ts, work, m, mshape, mask is not None, out,
+               batch, seq, sp, dp, heads, kv_heads, head_dim, np.float32(scale), bq, bk,
+               bool(nan_to_zero))  # fmt: skip
     return out
 
 
