@@ -42,9 +42,10 @@ PANEL = 2 * U  # columns of one of a block's two weight panels: two gates of its
 
 
 def projection_tile(w):
-    """The micro-kernel's tile for the input projection at w lanes: PANEL columns (one weight
-    panel: PANEL / w vectors) and as many rows as the register file holds beside them."""
-    cols = PANEL // w
+    """The micro-kernel's tile for the input projection at w lanes: BLOCK_COLS columns (a
+    block's projection panel: BLOCK_COLS / w vectors) and as many rows as the register file
+    holds beside them: 14 x 2 at 16 lanes, 3 x 4 at 8."""
+    cols = BLOCK_COLS // w
     return Tile(fit_rows(cols, w), cols)
 
 
@@ -148,21 +149,58 @@ def gemv(L, h, w0, w1, k_len, out):
         vstore(out, PANEL + 3 * w, b3 + d3)
 
 
+@numba.jit(**INLINE_GEMM)
+def _project_row(L, xp, o, stride, w, k_len, out, oo):
+    """out[oo : oo + BLOCK_COLS] = sum_k xp[o + k stride] w[k BLOCK_COLS ...]: one row of x
+    (strided in its packed panel) against the block's projection panel, a GEMV; two k-chains
+    (k and k + 1 apart) beside the BLOCK_COLS / W column vectors."""
+    wd, n = L.width, BLOCK_COLS // L.width
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero(L)
+    for kk in range(k_len // 2):
+        k = 2 * kk
+        s, t = xp[o + k * stride], xp[o + (k + 1) * stride]
+        p, q = BLOCK_COLS * k, BLOCK_COLS * (k + 1)
+        a0, b0 = vfma(s, vload(L, w, p), a0), vfma(t, vload(L, w, q), b0)
+        a1, b1 = vfma(s, vload(L, w, p + wd), a1), vfma(t, vload(L, w, q + wd), b1)
+        if n > 2:
+            a2, b2 = vfma(s, vload(L, w, p + 2 * wd), a2), vfma(t, vload(L, w, q + 2 * wd), b2)
+            a3, b3 = vfma(s, vload(L, w, p + 3 * wd), a3), vfma(t, vload(L, w, q + 3 * wd), b3)
+    if k_len % 2:
+        s, p = xp[o + (k_len - 1) * stride], BLOCK_COLS * (k_len - 1)
+        a0, a1 = vfma(s, vload(L, w, p), a0), vfma(s, vload(L, w, p + wd), a1)
+        if n > 2:
+            a2, a3 = vfma(s, vload(L, w, p + 2 * wd), a2), vfma(s, vload(L, w, p + 3 * wd), a3)
+    vstore(out, oo, a0 + b0)
+    vstore(out, oo + wd, a1 + b1)
+    if n > 2:
+        vstore(out, oo + 2 * wd, a2 + b2)
+        vstore(out, oo + 3 * wd, a3 + b3)
+
+
 @numba.jit(**JIT_GEMM)
 def project(L, T, xp, w, bias, rows, gx, tiles, gru):
-    """gx[r] = x[r] @ Wx_block + bias_block for all rows on the micro-kernel (L, T: its width
-    and tile, T.cols L.width = PANEL); xp holds x as [K, MR]-row panels (MR = T.rows), w the
-    block's two weight panels [2, K * PANEL]; tiles is [2, MR, PANEL] scratch.
+    """gx[r] = x[r] @ Wx_block + bias_block for all rows. xp holds x as [K, MR]-row panels (MR =
+    T.rows), w the block's projection panel [K * BLOCK_COLS] (i f | g o side by side, one row
+    per k: projection_panels); tiles is [MR * BLOCK_COLS] scratch. A group of MR rows runs on
+    the micro-kernel (L, T: its width and tile, T.cols L.width = BLOCK_COLS); a last group of
+    n < MR rows runs as n GEMVs when they load less (n (1 + cols) loads per k against the
+    tile's MR + cols: the tile computes all MR rows, 30 for one at 16 lanes before the panels
+    were joined, the whole fixed cost of a short sequence).
     gru: the n_h columns (x's weights all zero there) are b_hn alone, not x @ 0 + b_hn, which
     an infinite x would make NaN (0 * inf)."""
-    k_len, mr = w.shape[1] // PANEL, T.rows
-    for g in range(xp.shape[0]):  # x panel g against both weight panels
-        gemm_batch(L, T, xp, g * xp.shape[1], 0, w, 0, w.shape[1], 2, k_len, tiles)
-        for r in range(min(mr, rows - mr * g)):
+    k_len, mr = w.shape[0] // BLOCK_COLS, T.rows
+    for g in range(xp.shape[0]):  # x panel g against the block's panel
+        n = min(mr, rows - mr * g)
+        if n == mr or n * (1 + T.cols) >= mr + T.cols:
+            gemm_batch(L, T, xp, g * xp.shape[1], 0, w, 0, 0, 1, k_len, tiles)
+        else:
+            xf = xp.reshape(-1)
+            for r in range(n):
+                _project_row(L, xf, g * xp.shape[1] + r, mr, w, k_len, tiles, r * BLOCK_COLS)
+        for r in range(n):
             dst = gx[mr * g + r]
-            for q in range(PANEL):
-                dst[q] = tiles[0, r, q] + bias[q]
-                dst[PANEL + q] = tiles[1, r, q] + bias[PANEL + q]
+            for q in range(BLOCK_COLS):
+                dst[q] = tiles[r * BLOCK_COLS + q] + bias[q]
             if gru:
                 for q in range(PANEL + U, BLOCK_COLS):
                     dst[q] = bias[q]

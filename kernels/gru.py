@@ -183,7 +183,7 @@ def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
     """Thread p's part of the whole sequence, as lstm._run, with stages 2 t + 1 (A) and
     2 t + 2 (B) for step t; stage 0 (the projection) is made by whichever item needs it."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
-    tiles = np.empty((2, T.rows, PANEL), np.float32)
+    tiles = np.empty(T.rows * BLOCK_COLS, np.float32)
     acc = np.empty(PANEL, np.float32)
     for s in range(2 * steps + 1):
         first = blocks * s

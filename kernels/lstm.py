@@ -64,7 +64,7 @@ OPEN, STARTED, DONE = 0, 1, 2  # an item's flag
 class LSTMPlan:
     """Weights packed once per fused node (see prepare_lstm)."""
 
-    wx: np.ndarray  # [blocks, 2, I * 16] input weight panels
+    wx: np.ndarray  # [blocks, I * 32] input weight panels (projection_panels)
     wh: np.ndarray  # [blocks, 2, H * 16] recurrent weight panels
     bias: np.ndarray  # [blocks, BLOCK_COLS], i f g o of each block's units
     input_size: int
@@ -86,6 +86,14 @@ def _panels(w: np.ndarray, hidden: int) -> np.ndarray:
     return np.ascontiguousarray(panels).reshape(blocks, 2, k * PANEL)
 
 
+def projection_panels(w: np.ndarray, hidden: int) -> np.ndarray:
+    """[K, 4H] -> [blocks, K * 32]: a block's two panels side by side, one row of 32 columns
+    (i f | g o of its 8 units) per k, the input projection's B operand."""
+    k, blocks = w.shape[0], -(-hidden // U)
+    two = _panels(w, hidden).reshape(blocks, 2, k, PANEL).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(two).reshape(blocks, k * BLOCK_COLS)
+
+
 def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None, *,
                  width=None) -> LSTMPlan:  # fmt: skip
     """Pack x Wx + h Wh + bias, with wx [I, 4H], wh [H, 4H], bias [4H], gates i, f, g, o;
@@ -102,8 +110,8 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None,
     b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
     wu, bu = _unit_panels(wx32, wh32, b32, hidden)
     lanes = lanes_of(width)
-    return LSTMPlan(_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0], hidden, wu, bu,
-                    lanes, projection_tile(lanes.width))  # fmt: skip
+    return LSTMPlan(projection_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0],
+                    hidden, wu, bu, lanes, projection_tile(lanes.width))  # fmt: skip
 
 
 def _unit_panels(wx, wh, bias, hidden):
@@ -150,8 +158,8 @@ def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru):
     Stage 0 (the projection, on the micro-kernel L, T) is not waited for: a step item projects
     its block if need be."""
     blocks, steps = wh.shape[0], hs.shape[0] - 1
-    tiles = np.empty((2, T.rows, PANEL), np.float32)
-    acc = tiles.reshape(-1)
+    tiles = np.empty(T.rows * BLOCK_COLS, np.float32)
+    acc = tiles
     for s in range(steps + 1):
         first = blocks * s  # stage s's flags (stage 0's: the projections')
         for k in range(parts if s > 0 else 1):
