@@ -57,7 +57,7 @@ from .simd.activation import (
     gelu,
     gelu_tanh,
 )
-from .workspace import shared
+from .workspace import as_rows, shared
 
 __all__ = ["DensePlan", "blocking", "dense_gemm", "prepare_dense"]
 
@@ -70,7 +70,9 @@ class DensePlan:
     k: int  # inputs (rows of W)
     n: int  # outputs (columns of W)
     lanes: object  # the micro-kernel's width (a simd.Lanes) and tile (a simd.Tile): W packed
-    tile: object  # in panels of NR = tile.cols * lanes.width columns; rows per call (_gemm.row_tile)
+    tile: (
+        object  # in panels of NR = tile.cols * lanes.width columns; rows per call (_gemm.row_tile)
+    )
     packed: np.ndarray  # [ceil(N / NR), K, NR] float32 flat, zero columns past N
     bias: np.ndarray  # [ceil(N / NR) NR] float32, zeros past N
     act: tuple  # (kind, a, b): kernels.simd.activation.encode
@@ -323,7 +325,7 @@ def dense_gemm(x, plan, residual=None, out=None):
                          f"{out.dtype} {out.shape}")  # fmt: skip
     r = _NO_RESIDUAL
     if residual is not None:
-        r = np.ascontiguousarray(np.broadcast_to(residual, (m, n)), dtype=np.float32)
+        r = as_rows(residual, (m, n))
     if out.size == 0:
         return out
     L = plan.lanes

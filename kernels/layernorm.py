@@ -31,6 +31,7 @@ from .simd import (
     vstore_masked,
     vzero,
 )
+from .workspace import as_rows
 
 __all__ = ["layer_norm"]
 
@@ -137,17 +138,6 @@ SERIAL_MAX = 1 << 19  # values (512 rows of 1024); more run in parallel
 _EMPTY = np.zeros((1, 1), np.float32)
 
 
-def _rows(a, shape):
-    """a broadcast to shape as C-contiguous float32 rows [-1, shape[-1]]; an array that already
-    is one is reshaped, not copied (the broadcast and the copy check cost microseconds, a
-    third of a 128 x 256 LayerNorm)."""
-    if type(a) is np.ndarray and a.shape == shape and a.dtype == np.float32 and (
-            a.flags.c_contiguous):  # fmt: skip
-        return a.reshape(-1, shape[-1])
-    a = np.ascontiguousarray(np.broadcast_to(a, shape), dtype=np.float32)
-    return a.reshape(-1, shape[-1]) if a.ndim else a.reshape(1, 1)
-
-
 def _vector(a, n):
     """gamma or beta as C-contiguous float32 [n] (as it is when it already is one)."""
     if type(a) is np.ndarray and a.shape == (n,) and a.dtype == np.float32 and (
@@ -174,8 +164,8 @@ def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_s
         shape = np.broadcast_shapes(x.shape, np.shape(residual))
         if shape[-1] != n:
             raise ValueError(f"residual of shape {np.shape(residual)} changes the last axis")
-    x2 = _rows(x, shape)
-    r2 = _rows(residual, shape) if residual is not None else _EMPTY
+    x2 = as_rows(x, shape)
+    r2 = as_rows(residual, shape) if residual is not None else _EMPTY
     g = _vector(gamma, n)
     has_b = beta is not None
     b = _vector(beta, n) if has_b else g

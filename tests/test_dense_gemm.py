@@ -15,8 +15,8 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels.config import get_threads, set_threads
 from kernels._gemm import row_tile
+from kernels.config import get_threads, set_threads
 from kernels.dense_gemm import blocking, dense_gemm, prepare_dense
 from kernels.machine import cache_bytes
 from kernels.simd.activation import encode
