@@ -135,7 +135,7 @@ def _layer_norm(L, x, r, has_r, s, has_s, g, b, has_b, eps, rms, y, parts):
 # Values (64 rows of 256) above which the rows are split between the threads: a parallel
 # region's start costs 1-2 us with the workers spinning (kernels/config.py), a 128 x 256
 # LayerNorm 15 us on one thread and 11 on two, 16 x 256 5.3 and 6.5 (Zen 4, bench/NOTES.md,
-# "LayerNorm on the SIMD layer"; the threshold was 1 << 19 before, 128 x 768 serial).
+# "Transformers and recurrent nets on AVX-512"; 1 << 19 before: 128 x 768 ran serial).
 SERIAL_MAX = 1 << 14
 
 
