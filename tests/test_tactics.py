@@ -138,6 +138,24 @@ def test_the_whole_plan_races_each_node_s_fastest_kernel(monkeypatch, tmp_path):
     assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
 
 
+def test_kernels_keeps_each_node_s_fastest_kernel_tactic_unraced(monkeypatch, tmp_path):
+    """tactics="kernels": the node's tactics timed (onnxruntime too, for the cache), its fastest
+    kernel tactic kept although the body is faster, and no whole-plan race."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    node_times = {"slow": 1.0, "numpy": 2e-3, ONNXRUNTIME: 1e-3}  # the body wins its node
+    monkeypatch.setattr(Chooser, "time_tactics", lambda self, *args: node_times)
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.02, "kernels": 0.01})
+    session = _session(tactics="kernels")
+    assert session.choices["ScaledRelu sr"] == "numpy" and session.race is None
+    assert raced == []
+    assert [s.kind for s in session.steps] == ["kernel"]
+    with pytest.raises(ValueError, match="untimed"):
+        session.with_tactics("kernels")
+    x = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
+    (y,) = session.run(None, {"x": x})
+    assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
+
+
 # ---- the race as a judge: provisional under load, watched when cached ----------------------------
 NODE_WINS = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node: a race
 

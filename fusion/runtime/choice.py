@@ -57,6 +57,7 @@ from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, t
 PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
               "kernels": "each node's fastest kernel",
               ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
+TIMED = ("fastest", "kernels")  # the policies that time each node's tactics on its shapes
 WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
 # Plan keys whose provisional verdict this process raced again (once per process: tests
@@ -193,8 +194,9 @@ class Chooser:
         kernels_only: among the kernel's tactics (onnxruntime only where every one failed)."""
         if self.policy == ONNXRUNTIME:
             return dict.fromkeys(self.kernels)
-        if self.policy != "fastest":  # "kernel", or a tactic name
+        if self.policy not in TIMED:  # "kernel", or a tactic name
             return {i: preferred(tactics, self.policy) for i, tactics in self.kernels.items()}
+        kernels_only = kernels_only or self.policy == "kernels"
         choices, fresh = {}, {}
         for i, tactics in self.kernels.items():
             node = self.view.nodes[i]
@@ -287,6 +289,8 @@ class Chooser:
         plan's first runs are compared with the time the race recorded, and the plan is raced
         again when they disagree. again: race whatever the cache says."""
         per_node = self.choose(shapes)
+        if self.policy != "fastest":  # "kernels": timed per node, not raced
+            return Settled(self.build(per_node))
         alone = dict.fromkeys(self.kernels)
         candidates = {  # simplest first: the race keeps the first it cannot tell from the best
             ONNXRUNTIME: alone,
@@ -368,7 +372,7 @@ class PlanTable:
         view = chooser.view
         self._shapes = {v: s for v in view.producer | dict.fromkeys(view.graph_inputs)
                         if (s := _static_shape(view.type_of(v))) is not None}  # fmt: skip
-        self._dynamic = chooser.policy == "fastest" and any(
+        self._dynamic = chooser.policy in TIMED and any(
             _static_shape(view.type_of(v)) is None for v in view.graph_inputs
         )
         self._plans: dict[tuple, Settled] = {}
@@ -377,7 +381,7 @@ class PlanTable:
         build, choose = chooser.build, chooser.choose
         if self._dynamic:
             self.default = Settled(build(choose({})))  # kernels until shapes are known
-        elif chooser.policy != "fastest" or not chooser.kernels:
+        elif chooser.policy not in TIMED or not chooser.kernels:
             self.default = Settled(build(choose(self._shapes)))
         else:
             feeds = self._random_feeds(self._shapes)

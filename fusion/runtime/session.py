@@ -53,8 +53,9 @@ class Session:
     (building a kernel may compile it, which can take seconds on first use).
     tactics: how each fused node runs (fusion/runtime/tactics.py): "fastest" (default, or the
     FUSION_TACTICS environment variable): its kernel's tactics and onnxruntime timed on the
-    node's shapes, the fastest kept (cached on disk); "kernel": the kernel, untimed;
-    "onnxruntime": every node through its function body.
+    node's shapes, the fastest kept (cached on disk), the whole plan raced; "kernels": each
+    node's fastest kernel tactic, timed alike, never onnxruntime, not raced; "kernel": the
+    kernel's first tactic, untimed; "onnxruntime": every node through its function body.
     retime: time and race again what the timing cache already answers (fusion tune --force).
     """
 
@@ -97,8 +98,8 @@ class Session:
         under another untimed policy: "kernel", "onnxruntime" or a tactic name. fusion.verify
         runs each tactic a kernel offers this way."""
         chosen = policy(tactics)
-        if chosen == "fastest":
-            raise ValueError("with_tactics takes an untimed policy, not 'fastest'")
+        if chosen in ("fastest", "kernels"):
+            raise ValueError(f"with_tactics takes an untimed policy, not {chosen!r}")
         other = object.__new__(type(self))
         other._start(self._built, chosen, retime=False)
         return other

@@ -15,6 +15,9 @@ How a node's tactic is chosen, by the session's `tactics` setting:
 - "fastest" (default): each candidate, onnxruntime included, timed on the node's input shapes
   (a few calls each, medians), the fastest kept. A node whose kernel is slower than onnxruntime
   on its own body runs in onnxruntime, merged into its neighbours' islands.
+- "kernels": each node's fastest kernel tactic, timed as under "fastest" (and cached alike),
+  onnxruntime only where every tactic failed, no whole-plan race: what the kernels can do (the
+  race's "kernels" candidate; bench/convs.py and forced-kernel model figures).
 - "kernel": the kernel's first tactic, no timing (tests, and users who want the kernels).
 - "onnxruntime": every fused node through its body (a baseline).
 Choices are cached on disk (fusion/runtime/timing_cache.py), keyed by the CPU, the kernels'
@@ -34,7 +37,7 @@ import numpy as np
 from fusion.catalog import Tactic
 
 ONNXRUNTIME = "onnxruntime"  # the tactic every node has: its function body in onnxruntime
-POLICIES = ("fastest", "kernel", ONNXRUNTIME)
+POLICIES = ("fastest", "kernels", "kernel", ONNXRUNTIME)
 
 
 def tactics_of(kernel) -> list[Tactic]:
