@@ -156,6 +156,27 @@ def test_kernels_keeps_each_node_s_fastest_kernel_tactic_unraced(monkeypatch, tm
     assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
 
 
+def test_a_node_s_candidates_are_timed_in_rounds_each_at_its_least_disturbed(monkeypatch, tmp_path):
+    """A moment of load on one candidate's first turn does not decide the node: the candidates
+    are timed in turn, three times over, each kept at its best round (a scripted clock: "slow"
+    is disturbed once and is otherwise the fastest)."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    turns = []
+
+    def scripted(run, *args, **kwargs):
+        name = run.__defaults__[0].name if run.__defaults__ else ONNXRUNTIME
+        turns.append(name)
+        if name == "slow":
+            return 5e-3 if turns.count("slow") == 1 else 1e-4
+        return 2e-3 if name == "numpy" else 3e-3
+
+    monkeypatch.setattr(choice_module, "time_call", scripted)
+    session = _session(tactics="kernels")
+    assert session.choices["ScaledRelu sr"] == "slow"
+    assert turns == ["slow", "numpy", ONNXRUNTIME, "numpy", ONNXRUNTIME, "slow",
+                     ONNXRUNTIME, "slow", "numpy"]  # fmt: skip
+
+
 # ---- the race as a judge: provisional under load, watched when cached ----------------------------
 NODE_WINS = {"slow": 1.0, "numpy": 1e-6, ONNXRUNTIME: 1e-3}  # the kernel wins its node: a race
 

@@ -71,7 +71,7 @@ def _session(monkeypatch) -> Session:
     cached."""
     calls = []
 
-    def time_call(run, *args):
+    def time_call(run, *args, **kwargs):
         calls.append(run)
         return 1e-6 * len(calls)
 

@@ -50,7 +50,14 @@ from fusion.runtime.feed_checks import FeedCheck
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, is_built_in
 from fusion.runtime.plan import is_fused
 from fusion.runtime.race import BUSY_CORES, Machine, Verdict, agrees, race
-from fusion.runtime.tactics import ONNXRUNTIME, preferred, random_inputs, time_call
+from fusion.runtime.tactics import (
+    BUDGET_S,
+    ONNXRUNTIME,
+    TIMING_ROUNDS,
+    preferred,
+    random_inputs,
+    time_call,
+)
 from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
 
 # What each whole-plan candidate (Chooser.settle) is, for people.
@@ -257,19 +264,28 @@ class Chooser:
         single, feeds = single_node_model(self.model, node, inputs, constants)
         body = inference_session(single, ISLAND, self.threads)
         expected = body.run(None, feeds)
-        times = {}
+        times, runs = {}, {}
         for tactic in tactics:
             args = list(inputs)
             try:
                 for k, pos in enumerate(tactic.blocked_inputs):
                     args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
                 _check_against_body(node, tactic, tactic.run(*args), expected)
-                times[tactic.name] = time_call(lambda t=tactic, a=args: t.run(*a))
+                runs[tactic.name] = lambda t=tactic, a=args: t.run(*a)
             except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)
                 warnings.warn(f"{node_label(node)}: tactic {tactic.name} failed: {exc}",
                               FusionWarning, stacklevel=2)  # fmt: skip
                 times[tactic.name] = float("inf")
-        times[ONNXRUNTIME] = time_call(lambda: body.run(None, feeds))
+        runs[ONNXRUNTIME] = lambda: body.run(None, feeds)
+        # In rounds, the candidates' order turning, each kept at its least disturbed round (the
+        # race's rule): one after the other, a moment of load fell on one candidate alone and
+        # kept a tactic 1.5x slower than its sibling (bench/NOTES.md, "Per-node timing in
+        # rounds").
+        names = list(runs)
+        for r in range(TIMING_ROUNDS):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                t = time_call(runs[name], min_calls=1, budget=BUDGET_S / TIMING_ROUNDS)
+                times[name] = min(times.get(name, float("inf")), t)
         return times
 
     def _is_float(self, value: str) -> bool:

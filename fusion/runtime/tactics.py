@@ -66,6 +66,7 @@ def preferred(tactics: list[Tactic], name: str) -> Tactic:
 
 # ---- timing ----------------------------------------------------------------------------------
 MIN_CALLS, MAX_CALLS, BUDGET_S = 3, 25, 0.05  # per candidate: at least 3 calls, ~50 ms
+TIMING_ROUNDS = 3  # a node's candidates timed in turn, 3 times over (choice.time_tactics)
 
 
 def time_call(run: Callable[[], object], min_calls: int = MIN_CALLS,
