@@ -179,14 +179,15 @@ def test_conv_plans_of_both_widths_in_one_process(name):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_lstm_plans_of_both_widths_in_one_process(width):
-    """The input projection on the micro-kernel at either width; 15 rows: a partial tile."""
+    """The input projection on the micro-kernel at either width (a block's 32 columns: 4 x 8
+    or 2 x 16 lanes); 15 rows: a full tile and GEMV rows, or tiles with a partial one."""
     size, hidden, steps, batch = 7, 13, 5, 3
     w = LSTMWeights.random(size, hidden, seed=4)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((steps, batch, size)).astype(np.float32)
     h0, c0 = (rng.standard_normal((batch, hidden)).astype(np.float32) for _ in range(2))
     plan = prepare_lstm(w.W.T, w.R.T, w.Wb + w.Rb, width=width)
-    assert plan.lanes.width == width and plan.tile.cols * width == 16
+    assert plan.lanes.width == width and plan.tile.cols * width == 32
     for got, want in zip(lstm_sequence(x, h0, c0, plan), naive_lstm(x, h0, c0, w), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
