@@ -435,3 +435,51 @@ def test_shape_islands_answered_per_shape_as_onnxruntime():
                  "attention_mask": np.ones((b, s), np.int64)}  # fmt: skip
         assert_all_close(sess.run(None, feeds), run_ort(model, feeds), 1e-4, 1e-4)
     assert all(len(i._memo) == 3 for i in memos)  # three shapes, each island run once for each
+
+
+def test_an_island_of_one_cast_to_the_input_s_own_dtype_passes_it_through():
+    """Llama exports cast each residual sum to float32 (already float32) before the RMSNorm: an
+    island of one Cast between two kernels passes the array through; a Cast that converts, or
+    whose output is the graph's, still runs in onnxruntime."""
+    from fusion.graph import GraphView
+    from fusion.runtime.steps import same_values
+
+    def graph(to, out_is_graph_output):
+        nodes = [scaled_relu("x", "s", "y", "sr"), h.make_node("Cast", ["y"], ["c"], to=to),
+                 scaled_relu("c", "s", "z", "sr2")]  # fmt: skip
+        outs = [tensor("c", (4, 3))] if out_is_graph_output else [tensor("z", (4, 3))]
+        return fused_model(
+            nodes,
+            [tensor("x", (4, 3))],
+            outs,
+            [onnx.numpy_helper.from_array(np.full((1, 3), 0.5, np.float32), "s")],
+        )
+
+    view = GraphView(graph(T.FLOAT, False))
+    cast = next(n for n in view.nodes if n.op_type == "Cast")
+    assert same_values(IslandPlan("i", [cast], ["y"], ["c"]), view) == np.float32
+    outside = GraphView(graph(T.FLOAT, True))
+    assert same_values(IslandPlan("i", [cast], ["y"], ["c"]), outside) is None
+    model = graph(T.FLOAT, False)
+    session = Session(model, threads=1, catalog=catalog(), tactics="kernel")
+    (island,) = session.islands
+    x = np.random.default_rng(3).standard_normal((4, 3)).astype(np.float32)
+    values = {"y": x}
+    island(values)
+    assert values["c"] is x
+    assert_all_close(session.run(None, {"x": x}), run_ort(model, {"x": x}), 0, 0)
+    converting = Session(graph(T.FLOAT16, False), threads=1, catalog=catalog(), tactics="kernel")
+    values = {"y": x}
+    converting.islands[0](values)  # float32 in, a float16 Cast: onnxruntime converts
+    assert values["c"].dtype == np.float16
+    np.testing.assert_array_equal(values["c"], x.astype(np.float16))
+
+
+def test_llama_s_float32_casts_pass_through_as_onnxruntime():
+    path = f"{FIXTURES}/llama_tiny_sdpa.ts17.onnx"
+    session = Session(path, threads=1, tactics="kernel")
+    model = onnx.load(path)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 50, (2, 6)).astype(np.int64),
+             "attention_mask": np.ones((2, 6), np.int64)}  # fmt: skip
+    assert_all_close(session.run(None, feeds), run_ort(model, feeds), 1e-4, 1e-4)
