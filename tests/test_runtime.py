@@ -405,36 +405,41 @@ def test_islands_keep_blocked_layouts_for_nodes_that_may_hide_a_conv():
     assert may_hold_a_conv(h.make_node("If", ["c"], ["y"], then_branch=empty, else_branch=empty))
 
 
-def test_shape_only_islands():
-    """An island whose inputs are read only by Shape or Size (and that draws no random numbers
-    and holds no subgraph) is a function of its inputs' shapes."""
-    from fusion.runtime.steps import shape_only
+def test_islands_answered_from_memory():
+    """An island whose inputs are read only by Shape or Size, or by value where they are small
+    integers (checked per call), and that draws no random numbers and holds no subgraph, is a
+    function of its inputs' shapes and of those values."""
+    from fusion.runtime.steps import memo_inputs
 
     shape = h.make_node("Shape", ["x"], ["s"])
     gather = h.make_node("Gather", ["s", "zero"], ["g"])
     add = h.make_node("Add", ["x", "x"], ["y"])
     like = h.make_node("RandomNormalLike", ["s"], ["r"])
-    assert shape_only(IslandPlan("i", [shape, gather], ["x"], ["g"], ["zero"]))
-    assert not shape_only(IslandPlan("i", [shape, gather, add], ["x"], ["g", "y"], ["zero"]))
-    assert not shape_only(IslandPlan("i", [shape, like], ["x"], ["r"]))
-    assert not shape_only(IslandPlan("i", [], ["x"], []))
+    assert memo_inputs(IslandPlan("i", [shape, gather], ["x"], ["g"], ["zero"])) == []
+    assert memo_inputs(IslandPlan("i", [shape, gather, add], ["x"], ["g", "y"], ["zero"])) == ["x"]
+    assert memo_inputs(IslandPlan("i", [shape, like], ["x"], ["r"])) is None
+    assert memo_inputs(IslandPlan("i", [], ["x"], [])) is None
 
 
 def test_shape_islands_answered_per_shape_as_onnxruntime():
     """GPT-2's per-layer Reshape targets (Shape, Gather, Unsqueeze, Concat of the previous
-    layer's output) run once per input shape; the runs after, at changing batch and sequence,
-    still give onnxruntime's outputs."""
+    layer's output) run in onnxruntime until an input shape comes a second time, then come
+    from memory; every run, at changing batch and sequence, gives onnxruntime's outputs. The
+    island of the embeddings reads the token ids by value: never from memory."""
     path = f"{FIXTURES}/gpt2_tiny_sdpa.ts17.onnx"
     sess = Session(path, threads=1, tactics="kernel")
     memos = [i for i in sess.islands if i._memo is not None]
-    assert len(memos) >= 4
     model = onnx.load(path)
     rng = np.random.default_rng(0)
-    for b, s in [(1, 5), (2, 7), (1, 5), (2, 7), (3, 4)]:
+    for b, s in [(1, 5), (2, 7), (1, 5), (2, 7), (3, 4), (1, 5), (3, 4), (3, 4)]:
         feeds = {"input_ids": rng.integers(0, 50, (b, s)).astype(np.int64),
                  "attention_mask": np.ones((b, s), np.int64)}  # fmt: skip
         assert_all_close(sess.run(None, feeds), run_ort(model, feeds), 1e-4, 1e-4)
-    assert all(len(i._memo) == 3 for i in memos)  # three shapes, each island run once for each
+    shapes_only = [i for i in memos if not i._read]
+    assert len(shapes_only) >= 4
+    assert all(len(i._memo) == 3 for i in shapes_only)  # kept on a shape's second run
+    assert any(i._read and i._memo for i in memos)  # small integers read by value, in the key
+    assert sess.islands[0]._memo is None  # the embeddings of input_ids
 
 
 def test_an_island_of_one_cast_to_the_input_s_own_dtype_passes_it_through():

@@ -42,24 +42,27 @@ _SHAPE_OPS = frozenset({"Shape", "Size"})
 _RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform",
                          "RandomUniformLike", "Multinomial", "Bernoulli"})  # fmt: skip
 _SHAPE_MEMO = 16  # input shapes remembered per island before the memory starts afresh
-_MEMO_BYTES = 1 << 16  # outputs kept only up to this size (shape vectors, not tensors)
+_MEMO_BYTES = 1 << 20  # outputs kept up to this size (shapes, masks): a copy beats the call
+_KEY_VALUES = 1 << 12  # integers an input read by value may hold to be part of a memo key
 
 
-def shape_only(island: IslandPlan) -> bool:
-    """Whether the island's outputs depend on its inputs' shapes and dtypes alone: every input
-    is read only by Shape or Size nodes, and no node draws random numbers or holds a subgraph.
-    Transformer exports compute each layer's Reshape targets so (Shape, Gather, Unsqueeze,
-    Concat of the previous layer's output): onnxruntime took ~50 us a layer for those."""
-    inputs = set(island.inputs)
+def memo_inputs(island: IslandPlan) -> list[str] | None:
+    """The inputs whose values (not only shapes) an island reads, if its outputs depend on
+    nothing else: no node draws random numbers or holds a subgraph (None: they may). An input
+    read only by Shape or Size nodes counts by its shape and dtype alone. Transformer exports
+    compute each layer's Reshape targets from the previous layer's output so (Shape, Gather,
+    Unsqueeze, Concat: ~50 us of onnxruntime a layer), and their masks from small integer
+    tensors."""
+    inputs, read = set(island.inputs), set()
     for node in island.nodes:
         if node.op_type in _RANDOM_OPS or node.domain not in ("", "ai.onnx"):
-            return False
+            return None
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                for a in node.attribute):  # fmt: skip
-            return False
-        if node.op_type not in _SHAPE_OPS and inputs.intersection(node.input):
-            return False
-    return bool(island.nodes)
+            return None
+        if node.op_type not in _SHAPE_OPS:
+            read.update(inputs.intersection(node.input))
+    return [v for v in island.inputs if v in read] if island.nodes else None
 
 
 def same_values(island: IslandPlan, view: GraphView) -> np.dtype | None:
@@ -90,16 +93,23 @@ def same_values(island: IslandPlan, view: GraphView) -> np.dtype | None:
 
 class IslandStep:
     """Runs one island's onnxruntime session on values from the run's dict. An island whose
-    outputs depend on its inputs' shapes alone (shape_only) and are small runs once per input
-    shape: its outputs are kept, and copies of them handed out to later runs of the same
-    shapes (a copy: a step downstream may own and write what it is given)."""
+    outputs depend only on its inputs' shapes and on the values of small integer inputs that
+    are not the model's feeds (memo_inputs: a mask built from attention_mask, yes; embeddings
+    of the token ids, no), and are at most _MEMO_BYTES, runs once per such key after the key
+    has come twice: its outputs are kept, and copies of them handed out to later runs of the
+    same key (a copy: a step downstream may own and write what it is given). An island of one
+    Identity or same-dtype Cast passes its input on (same_values)."""
 
     kind = "island"
 
     def __init__(self, island: IslandPlan, view: GraphView, settings: Settings, threads: int):
         self.name, self.inputs, self.outputs = island.name, island.inputs, island.outputs
         self.nodes = [n.name or n.output[0] for n in island.nodes]
-        self._memo: dict | None = {} if shape_only(island) else None
+        self._read = memo_inputs(island)  # inputs read by value (small integers: in the key)
+        if self._read is not None and set(self._read) & set(view.graph_inputs):
+            self._read = None  # the feeds themselves (token ids): new on every call in use
+        self._memo: dict | None = None if self._read is None else {}
+        self._seen: set = set()  # keys met once: their outputs are kept when they come again
         self._same = same_values(island, view)
         self.settings, self.threads = settings, threads
         self._island, self._view = island, view
@@ -131,6 +141,17 @@ class IslandStep:
                 self.session = self._build(types)
         return self._run
 
+    def _key(self, feeds: dict) -> tuple | None:
+        """The memo's key for these feeds: every input's shape and dtype, and the bytes of
+        those read by value when they are small integer or boolean arrays (None: an input read
+        by value is a float or large tensor: this call is not answered from memory)."""
+        for name in self._read:
+            v = feeds[name]
+            if type(v) is not np.ndarray or v.dtype.kind not in "biu" or v.size > _KEY_VALUES:
+                return None
+        shapes = tuple((v.shape, v.dtype.str) for v in feeds.values())
+        return shapes + tuple(feeds[name].tobytes() for name in self._read)
+
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         if self._same is not None:
             value = values[self.inputs[0]]
@@ -140,8 +161,8 @@ class IslandStep:
         feeds = {name: values[name] for name in self.inputs}
         key = None
         if self._memo is not None:
-            key = tuple((v.shape, v.dtype.str) for v in feeds.values())
-            known = self._memo.get(key)
+            key = self._key(feeds)
+            known = None if key is None else self._memo.get(key)
             if known is not None:
                 values.update(zip(self.outputs, [r.copy() for r in known], strict=True))
                 return
@@ -153,10 +174,14 @@ class IslandStep:
                 or sum(r.nbytes for r in results) > _MEMO_BYTES
             ):
                 self._memo = None  # a tensor, not shapes: copying it is no cheaper than this
-            else:
+            elif key in self._seen:  # a second time: kept (a key met once costs its hash)
                 if len(self._memo) >= _SHAPE_MEMO:
                     self._memo.clear()
                 self._memo[key] = [r.copy() for r in results]
+            else:
+                if len(self._seen) >= 4 * _SHAPE_MEMO:
+                    self._seen.clear()
+                self._seen.add(key)
         values.update(zip(self.outputs, results, strict=True))
 
 
