@@ -35,6 +35,7 @@ import numpy as np
 from . import _gemm
 from .config import INLINE, INLINE_FIT, JIT_GEMM, PARALLEL
 from .dense_gemm import dense_gemm
+from .machine import cache_bytes
 from .simd import (
     exp,
     hmax,
@@ -66,11 +67,14 @@ EXP_NORMAL = f32(-87.0)  # e^-87 = 1.6e-38, above float32's least normal 1.2e-38
 
 
 def attention_blocks(T, L):
-    """(BQ, BK): queries and keys per block at tile T and width L, whole tiles of about 32
-    queries and 64 keys (BQ a multiple of MR, BK of NR): the block's scores, [BQ, BK] float32,
-    stay in L1 (8 KB) beside its K^T and V panels."""
+    """(BQ, BK): queries and keys per block at tile T and width L: whole tiles of about 32
+    queries (BQ a multiple of MR) and as many keys (a multiple of NR) as fill half of L1 with
+    the block's scores, [BQ, BK] float32, beside the K^T and V rows streaming through: 128
+    keys with a 32 KB L1. Each key block costs every query row a max, a sum and a rescale:
+    64 keys ran 3-5% slower than 128 (bench/NOTES.md, "Attention's key blocks from L1")."""
     mr, nr = T.rows, _gemm.panel_width(T, L)
-    return mr * -(-32 // mr), nr * -(-64 // nr)
+    bq = mr * -(-32 // mr)
+    return bq, nr * max(1, cache_bytes(1) // 2 // (4 * bq * nr))
 
 
 @numba.jit(**INLINE_FIT)
