@@ -129,9 +129,18 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
     nq = min(bq, s_len - q0)
     nt = -(-nq // mr) * mr  # the rows of the tiles that hold the block's queries
     row0 = b * s_len
-    for i in range(bq):
-        for d in range(d_len):
-            qs[i * d_len + d] = qkv[row0 + q0 + i, h * d_len + d] * scale if i < nq else ZERO
+    dw = d_len - d_len % w
+    qtail = tail_mask(L, d_len - dw)
+    for i in range(bq):  # the block's queries times scale, W at a time (0 past the sequence)
+        qo, io = (row0 + q0 + i) * qkv.shape[1] + h * d_len, i * d_len
+        if i < nq:
+            for d in range(0, dw, w):
+                vstore(qs, io + d, vload(L, qkv, qo + d) * scale)
+            if dw < d_len:
+                vstore_masked(qs, io + dw, vload_masked(L, qkv, qo + dw, qtail) * scale, qtail)
+        else:
+            for d in range(d_len):
+                qs[io + d] = ZERO
         m[i], lsum[i], corr[i] = NEG_INF, ZERO, ONE
         for d in range(0, dp, w):
             vstore(acc, i * dp + d, vzero(L))
@@ -212,8 +221,7 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
                         q = (i0 + r) * dp + d0 + c * w
                         vstore(acc, q, vfma(vload(L, acc, q), cr, t[r][c]))
     ow = out.shape[1]
-    dw = d_len - d_len % w
-    dtail = tail_mask(L, d_len - dw)
+    dtail = qtail  # the head's last d_len % W columns
     for i in range(nq):
         inv = ONE / lsum[i]
         zero = nan_to_zero and not lsum[i] > ZERO  # 0 (no key) or NaN: the row's p is NaN
