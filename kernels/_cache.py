@@ -1,7 +1,7 @@
 """Numba's on-disk cache for the functions of this package, fresh while their source is.
 
 Numba stamps a cached function with a hash of its own source file only. A kernel compiles in
-the functions it calls from other files (kernels/simd's exp, _gemm's fma8, epilogue's
+the functions it calls from other files (kernels/simd's exp, _gemm's panel_sum, epilogue's
 activate_rows in _depthwise_blocked), so after a change to one of those alone it went on loading
 the old machine code
 from the cache. Here a function's stamp is a hash of its module and of every module of the

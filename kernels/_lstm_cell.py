@@ -12,26 +12,25 @@ Larger batches: step_cols (below).
 Row by row, the step's GEMV (gemv) and the gate math (cell, gru_cell) run on the SIMD layer's
 vectors at the kernel's width (a Lanes argument): W / 16 of a panel row per vector, the cell
 min(W, 8) units per vector with the lanes past the block masked, sigmoid and tanh the layer's
-fits on whole vectors. The column tile (step_cols) still computes on 8-tuples (SLP).
+fits on whole vectors. The column tile (step_cols) too: batch columns along the lanes.
 """
 
 import numba
-import numpy as np
 
-from ._gemm import add8, fma8, gemm_batch, load8, store8, sub8
+from ._gemm import gemm_batch
 from .config import INLINE_GEMM, JIT_GEMM
 from .simd import (
     Tile,
     sigmoid,
     tail_mask,
     tanh,
+    tile_fma,
+    tile_zeros,
     vfma,
     vload,
     vload_masked,
-    vpack,
     vstore,
     vstore_masked,
-    vunpack,
     vzero,
 )
 from .simd.tile import fit_rows
@@ -47,24 +46,6 @@ def projection_tile(w):
     holds beside them: 14 x 2 at 16 lanes, 3 x 4 at 8."""
     cols = BLOCK_COLS // w
     return Tile(fit_rows(cols, w), cols)
-
-
-@numba.jit(**INLINE_GEMM)
-def _tanh8(v):
-    """tanh of the 8 values of a tuple, as one vector (kernels/simd/approx.py's fit)."""
-    return vunpack(tanh(vpack(v)))
-
-
-@numba.jit(**INLINE_GEMM)
-def _sigmoid8(v):
-    """sigmoid of the 8 values of a tuple, as one vector."""
-    return vunpack(sigmoid(vpack(v)))
-
-
-@numba.jit(**INLINE_GEMM)
-def _mul8(a, b):
-    return (a[0] * b[0], a[1] * b[1], a[2] * b[2], a[3] * b[3],
-            a[4] * b[4], a[5] * b[5], a[6] * b[6], a[7] * b[7])  # fmt: skip
 
 
 @numba.jit(**INLINE_GEMM)
@@ -253,131 +234,78 @@ def step(L, t, b, w, gx, hs, cs, acc, gru):
 
 # Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.
 # A unit's four gate columns (i f g o) are one [K, 4] weight panel, K = I + Hp, and the batch
-# runs along the vector lanes in panels of 8 columns: a 4 x 16 tile of accumulators (4 gates x
-# 16 batch rows, eight ymm) holds everything the cell needs for one unit, so the gate math runs
-# on the accumulators as they leave the k loop and h_t goes straight into the next step's
-# panel. The weights are read once per step (4 floats per k), the [K, 8] panels of x_t and
-# h_{t-1} (12 KB each at I + H = 384) stay in L1, and the input projection is the first I
-# rows of the same k loop.
+# runs along the vector lanes in panels of COLS = 16 columns (one vector at 16 lanes, two at 8):
+# a tile of 4 gates x the panel's vectors (simd.tile: the gates' weights broadcast, the panel's
+# row loaded) holds everything the cell needs for one unit, so the gate math runs on the
+# accumulators as they leave the k loop and h_t goes straight into the next step's panel. The
+# weights are read once per step (4 floats per k), the [K, 16] panels of x_t and h_{t-1} (24 KB
+# at I + H = 384) stay in L1, and the input projection is the first I rows of the same k loop.
+COLS = 16  # batch columns per panel
 
 
 @numba.jit(**INLINE_GEMM)
-def _splat(s):
-    return (s, s, s, s, s, s, s, s)
-
-
-@numba.jit(**INLINE_GEMM)
-def _gates16(a, z0, z1, k_len, bias):
-    """Pre-activations (i, f, g, o) of one unit for the 16 batch columns of panels z0, z1."""
-    i0 = i1 = _splat(bias[0])
-    f0 = f1 = _splat(bias[1])
-    g0 = g1 = _splat(bias[2])
-    o0 = o1 = _splat(bias[3])
+def _gates(L, T4, a, z, zo, k_len):
+    """The LSTM's four gates of one unit over its panel at flat offset zo of z: sum_k a[4 k + g]
+    z[zo + COLS k ...] for g < 4 (the bias is added after)."""
+    acc = tile_zeros(L, T4)
     for k in range(k_len):
-        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
-        q = 4 * k
-        wi, wf, wg, wo = a[q], a[q + 1], a[q + 2], a[q + 3]
-        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
-        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
-        g0, g1 = fma8(g0, wg, x0), fma8(g1, wg, x1)
-        o0, o1 = fma8(o0, wo, x0), fma8(o1, wo, x1)
-    return i0, i1, f0, f1, g0, g1, o0, o1
+        acc = tile_fma(acc, a, 4 * k, 1, z, zo + COLS * k)
+    return acc
 
 
 @numba.jit(**INLINE_GEMM)
-def _three_gates(a, z0, z1, lo, hi, third, i0, i1, f0, f1, t0, t1):
-    """Gates i, f and gate `third` of one unit over k in [lo, hi) (unsigned counters: a signed
-    one from lo would keep Numba's negative-index select)."""
-    for k in range(np.uint64(lo), np.uint64(hi)):
-        x0, x1 = load8(z0, 8 * k), load8(z1, 8 * k)
-        q = 4 * k
-        wi, wf, wt = a[q], a[q + 1], a[q + third]
-        i0, i1 = fma8(i0, wi, x0), fma8(i1, wi, x1)
-        f0, f1 = fma8(f0, wf, x0), fma8(f1, wf, x1)
-        t0, t1 = fma8(t0, wt, x0), fma8(t1, wt, x1)
-    return i0, i1, f0, f1, t0, t1
-
-
-@numba.jit(**INLINE_GEMM)
-def _gates16_gru(a, z0, z1, i_len, k_len, bias):
-    """_gates16 for the GRU's blocks z, r, n_x, n_h: n_x's weights are zero on h and n_h's on
-    x, so the k loop runs in two ranges of three gates (a quarter fewer multiply-adds)."""
-    i0 = i1 = _splat(bias[0])
-    f0 = f1 = _splat(bias[1])
-    g0 = g1 = _splat(bias[2])
-    o0 = o1 = _splat(bias[3])
-    i0, i1, f0, f1, g0, g1 = _three_gates(a, z0, z1, 0, i_len, 2, i0, i1, f0, f1, g0, g1)
-    i0, i1, f0, f1, o0, o1 = _three_gates(a, z0, z1, i_len, k_len, 3, i0, i1, f0, f1, o0, o1)
-    return i0, i1, f0, f1, g0, g1, o0, o1
-
-
-@numba.jit(**INLINE_GEMM)
-def _gates8(a, z0, k_len, bias):
-    """_gates16 for a last panel of 8 columns."""
-    i0, f0, g0, o0 = _splat(bias[0]), _splat(bias[1]), _splat(bias[2]), _splat(bias[3])
-    for k in range(k_len):
-        x0 = load8(z0, 8 * k)
-        q = 4 * k
-        i0, f0 = fma8(i0, a[q], x0), fma8(f0, a[q + 1], x0)
-        g0, o0 = fma8(g0, a[q + 2], x0), fma8(o0, a[q + 3], x0)
-    return i0, f0, g0, o0
+def _gates_gru(L, T3, T2, T1, a, z, zo, i_len, k_len):
+    """The GRU's gates z, r, n_x over x's rows (k < i_len) and z, r, n_h over h's: n_x's
+    weights are zero on h and n_h's on x, and are not multiplied there (a quarter fewer
+    multiply-adds, and no 0 * inf turning an infinite input into NaN)."""
+    zrx = tile_zeros(L, T3)
+    for k in range(i_len):
+        zrx = tile_fma(zrx, a, 4 * k, 1, z, zo + COLS * k)
+    zr, nh = tile_zeros(L, T2), tile_zeros(L, T1)
+    for k in range(i_len, k_len):
+        zr = tile_fma(zr, a, 4 * k, 1, z, zo + COLS * k)
+        nh = tile_fma(nh, a, 4 * k + 3, 1, z, zo + COLS * k)
+    return zrx, zr, nh
 
 
 @numba.jit(**JIT_GEMM)
-def _cell_cols(gi, gf, gg, go, c):
-    """(h', c') of 8 batch columns from their pre-activations and c (8-tuples, no arrays: a
-    call with array arguments costs two atomic reference-count updates per array)."""
-    cn = add8(_mul8(_sigmoid8(gf), c), _mul8(_sigmoid8(gi), _tanh8(gg)))
-    return _mul8(_sigmoid8(go), _tanh8(cn)), cn
+def step_cols(L, T4, T3, T2, T1, t, b, q, w, bias, z, c, hidden, gru):
+    """Units of block b at step t for batch panel q (COLS columns, T4.cols vectors of L's
+    width; T3, T2, T1: the GRU's tiles of 3, 2 and 1 gates over the same vectors).
 
-
-@numba.jit(**JIT_GEMM)
-def _gru_cols(gz, gr, gnx, gnh, h):
-    """(h', h') of 8 batch columns of the GRU (gates z, r, n_x, n_h, see gru_cell); its state h
-    lives where the LSTM keeps c."""
-    zg, rg = _sigmoid8(gz), _sigmoid8(gr)
-    n = _tanh8(add8(gnx, _mul8(rg, gnh)))
-    hn = add8(n, _mul8(zg, sub8(h, n)))
-    return hn, hn
-
-
-@numba.jit(**INLINE_GEMM)
-def _cell(gi, gf, gg, go, c, gru):
-    if gru:
-        return _gru_cols(gi, gf, gg, go, c)
-    return _cell_cols(gi, gf, gg, go, c)
-
-
-@numba.jit(**JIT_GEMM)
-def step_cols(t, b, pair, w, bias, z, c, hidden, gru):
-    """Units of block b at step t for batch panels 2 pair and 2 pair + 1 (if it exists).
-
-    z[t, q] is the [K, 8] panel of batch columns 8q .. 8q + 7: x_t in rows < I, h_{t-1} below;
-    c[t, q] is c_{t-1} as [Hp, 8]. Writes h_t into z[t + 1] and c_t into c[t + 1] (the outputs
-    are unpacked from there once all steps are done, see lstm._unpack_step). Units past
+    z[t, q] is the [K, COLS] panel of batch columns COLS q ...: x_t in rows < I, h_{t-1} below;
+    c[t, q] is c_{t-1} as [Hp, COLS]. Writes h_t into z[t + 1] and c_t into c[t + 1] (the
+    outputs are unpacked from there once all steps are done, see lstm._unpack_step). Units past
     `hidden` (the last block's padding) are neither computed nor read: their zero weights
     would turn an infinite input into NaN (0 * inf), and the NaN would spread to every unit.
-    gru: the GRU cell (_gru_cols), its state h kept in c.
-    """
-    panels, i_len = z.shape[1], w.shape[1] // 4 - c.shape[2] // 8
+    gru: the GRU cell (gates z, r, n_x, n_h as gru_cell's), its state h kept in c.
+    Flat offsets into z and c, no views: each view of a panel costs a reference count."""
+    wd = L.width
+    i_len = w.shape[1] // 4 - c.shape[2] // COLS
     k_len = i_len + hidden
-    q0 = 2 * pair
-    q1 = q0 + 1 if q0 + 1 < panels else q0
+    zf, cf = z.reshape(-1), c.reshape(-1)
+    z_in, z_out = (t * z.shape[1] + q) * z.shape[2], ((t + 1) * z.shape[1] + q) * z.shape[2]
+    c_in, c_out = (t * c.shape[1] + q) * c.shape[2], ((t + 1) * c.shape[1] + q) * c.shape[2]
     for u in range(min(U, hidden - b * U)):
         j = b * U + u
         a, bj = w[j], bias[j]
-        h_at, c_at = 8 * (i_len + j), 8 * j
-        if q1 != q0:
-            if gru:
-                gates = _gates16_gru(a, z[t, q0], z[t, q1], i_len, k_len, bj)
-            else:
-                gates = _gates16(a, z[t, q0], z[t, q1], k_len, bj)
-            gi0, gi1, gf0, gf1, gg0, gg1, go0, go1 = gates
-            h1, c1 = _cell(gi1, gf1, gg1, go1, load8(c[t, q1, c_at:], 0), gru)
-            store8(z[t + 1, q1, h_at:], 0, h1)
-            store8(c[t + 1, q1, c_at:], 0, c1)
+        h_at, c_at = COLS * (i_len + j), COLS * j
+        if gru:
+            zrx, zr, nh = _gates_gru(L, T3, T2, T1, a, zf, z_in, i_len, k_len)
+            for v in range(T4.cols):
+                o = v * wd
+                zg = sigmoid(zrx[0][v] + zr[0][v] + bj[0])
+                rg = sigmoid(zrx[1][v] + zr[1][v] + bj[1])
+                n = tanh(vfma(rg, nh[0][v] + bj[3], zrx[2][v] + bj[2]))
+                hn = vfma(zg, vload(L, cf, c_in + c_at + o) - n, n)
+                vstore(zf, z_out + h_at + o, hn)
+                vstore(cf, c_out + c_at + o, hn)
         else:
-            gi0, gf0, gg0, go0 = _gates8(a, z[t, q0], k_len, bj)
-        h0, c0 = _cell(gi0, gf0, gg0, go0, load8(c[t, q0, c_at:], 0), gru)
-        store8(z[t + 1, q0, h_at:], 0, h0)
-        store8(c[t + 1, q0, c_at:], 0, c0)
+            acc = _gates(L, T4, a, zf, z_in, k_len)
+            for v in range(T4.cols):
+                o = v * wd
+                gi, gf = sigmoid(acc[0][v] + bj[0]), sigmoid(acc[1][v] + bj[1])
+                gg, go = tanh(acc[2][v] + bj[2]), sigmoid(acc[3][v] + bj[3])
+                cn = vfma(gf, vload(L, cf, c_in + c_at + o), gi * gg)
+                vstore(zf, z_out + h_at + o, go * tanh(cn))
+                vstore(cf, c_out + c_at + o, cn)

@@ -5,10 +5,10 @@ decorated: a cached kernel is stale when any module it imports changes, not only
 
 fastmath is a named flag set: "nsz", "arcp", "contract", "afn", "reassoc" let LLVM fuse a*b+c
 into one FMA and reorder sums, while leaving out "nnan"/"ninf" keeps NaN and inf honest (a NaN
-input still gives a NaN output, as onnxruntime does). Register-tile kernels use GEMM_FASTMATH,
-the same set without "reassoc": with it the loop vectorizer turns every register accumulator of
-the tuple kernels into a strided reduction over k, without it SLP packs their 8-tuples into ymm
-registers (bench/NOTES.md); the SIMD layer's tiles (kernels/simd/tile.py) write their vectors.
+input still gives a NaN output, as onnxruntime does). Register-tile kernels and sums whose
+order matters use GEMM_FASTMATH / JIT_FIT, the same set without "reassoc" (with it LLVM
+reorders what the kernel wrote: bench/NOTES.md); every kernel writes its vectors on the SIMD
+layer (kernels/simd), none relies on an auto-vectorizer.
 """
 
 import os
@@ -54,51 +54,6 @@ FORCE_GEMM = dict(JIT_GEMM, forceinline=True)
 INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
 INLINE_FIT = dict(JIT_FIT, inline="always")  # a fit copied into a loop whose kind is fixed
 PARALLEL = dict(JIT, parallel=True)
-
-
-class slp_vectorize:  # noqa: N801 (used like a function: `with slp_vectorize():`)
-    """Compile inside this block with LLVM's SLP vectorizer on (Numba turns it off by default).
-
-    The tuple kernels (the blocked direct conv, attention's products, the LSTM's gate math) are
-    straight-line code over 8-tuples; only SLP turns them into vector FMAs. Kernels on the SIMD
-    layer (kernels/simd: the GEMM micro-kernel, im2col, Winograd) write their vectors and do
-    not need it. The flag is read when a function is compiled, so wrapping the first call is
-    enough; later calls (and cache loads) do not depend on it. A compile running in another
-    thread at the same moment would also get SLP, which is harmless. A class rather than
-    contextlib.contextmanager: it is entered on every kernel call, and costs a third as much.
-
-    The flag is one global: it stays on while any thread is inside a block (a count under a
-    lock), so a thread leaving its block cannot switch SLP off under another thread's compile.
-
-    Beware: calling a kernel's jitted function directly, outside this block, compiles it
-    without SLP, and cache=True then stores that slow code under the same signature for every
-    later process (several times slower until kernels/__pycache__ is cleared).
-    Call kernels through their wrappers (lstm_sequence), or wrap the call in this block.
-    """
-
-    __slots__ = ()
-
-    def __enter__(self):
-        global _slp_inside, _slp_before
-        _SLP_LOCK.acquire()
-        if _slp_inside == 0:
-            _slp_before = numba.config.SLP_VECTORIZE
-            numba.config.SLP_VECTORIZE = 1
-        _slp_inside += 1
-        _SLP_LOCK.release()
-
-    def __exit__(self, *exc):
-        global _slp_inside
-        _SLP_LOCK.acquire()
-        _slp_inside -= 1
-        if _slp_inside == 0:
-            numba.config.SLP_VECTORIZE = _slp_before
-        _SLP_LOCK.release()
-
-
-_SLP_LOCK = threading.Lock()
-_slp_inside = 0  # slp_vectorize blocks entered and not yet left, in all threads
-_slp_before = 0  # the flag before the first of them
 
 
 def set_threads(n):

@@ -33,7 +33,6 @@ from .lstm import (
     SERIAL_MACS_PER_STEP,
     STARTED,
     LSTMPlan,
-    _call,
     _nth,
     _start_row,
     _workspace,
@@ -95,7 +94,7 @@ def gru_sequence(x: np.ndarray, h0: np.ndarray, plan: LSTMPlan) -> np.ndarray:
     out = np.empty((3, steps + 1, batch, units), np.float32)  # hs, z, r h
     if steps > 0 and batch > 0:
         floats, ints, threads = _setup(x, plan, units)
-        _call(_sequence, plan.lanes, plan.tile, x, h0, plan.wx, plan.wh, plan.bias, floats, ints,
+        _sequence(plan.lanes, plan.tile, x, h0, plan.wx, plan.wh, plan.bias, floats, ints,
               out, threads)  # fmt: skip
     return np.ascontiguousarray(out[0, 1:, :, :hidden])
 
@@ -231,10 +230,10 @@ def run_part(x, h0, plan: LSTMPlan, part: int, parts: int, started=()):
     n_floats, n_ints = _sizes(x, units, plan.tile.rows)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     out = np.zeros((3, x.shape[0] + 1, x.shape[1], units), np.float32)
-    xp, gx, _ = _call(_start_row, plan.tile, x, h0, h0, floats, ints, out[0], out[1])
+    xp, gx, _ = _start_row(plan.tile, x, h0, h0, floats, ints, out[0], out[1])
     done = ints[:n_ints]
     done[:] = 0
     done[started] = STARTED
-    _call(_run, plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, out[0],
+    _run(plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, out[0],
           out[1], out[2], done)  # fmt: skip
     return out[0, 1:, :, : plan.hidden], done

@@ -11,7 +11,7 @@ input of all T B rows for one block (one blocked GEMM); stage t + 1 runs step t 
 for one block.
 
 Larger batches (a GEMM per step): turned around, one unit's four gates x 16 batch columns are one
-register tile over K = I + H ([x_t; h_{t-1}] packed as [K, 8] column panels), so the input
+register tile over K = I + H ([x_t; h_{t-1}] packed as [K, 16] column panels), so the input
 projection is part of each step and the gate math runs on the tile (_lstm_cell.step_cols).
 Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
 batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), all in one call
@@ -45,10 +45,20 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._lstm_cell import BLOCK_COLS, PANEL, U, project, projection_tile, step, step_cols
+from ._lstm_cell import (
+    BLOCK_COLS,
+    COLS,
+    PANEL,
+    U,
+    project,
+    projection_tile,
+    step,
+    step_cols,
+)
 from ._lstm_sync import atomic_cas, atomic_load, atomic_store, cycles, wait_done
-from .config import INLINE_GEMM, JIT_GEMM, PARALLEL, slp_vectorize
+from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
 from .simd import lanes as lanes_of
+from .simd.tile import tile
 
 # Below this much work per step (a few us on one core) one thread does it all (a guess; at
 # batch 1, I = 128, H = 256, 0.4M per step, two threads win).
@@ -215,26 +225,26 @@ def _sequence(L, T, x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
 
 @numba.jit(**JIT_GEMM)
 def _pack_step(t, x, h0, c0, z, c):
-    """Stage 0, item t: x_t into the x rows of z[t] as [I, 8] column panels (zero past the
+    """Stage 0, item t: x_t into the x rows of z[t] as [I, COLS] column panels (zero past the
     batch); item 0 also packs h0 and c0 (zero past the batch and past H)."""
     batch, size, hidden = x.shape[1], x.shape[2], h0.shape[1]
-    units = c.shape[2] // 8
+    units = c.shape[2] // COLS
     for q in range(z.shape[1]):
         zt = z[t, q]
-        for r in range(8):
-            n = 8 * q + r
+        for r in range(COLS):
+            n = COLS * q + r
             if n < batch:
                 for k in range(size):
-                    zt[8 * k + r] = x[t, n, k]
+                    zt[COLS * k + r] = x[t, n, k]
             else:
                 for k in range(size):
-                    zt[8 * k + r] = 0
+                    zt[COLS * k + r] = 0
             if t == 0:
-                h_at, c0q = 8 * size, c[0, q]
+                h_at, c0q = COLS * size, c[0, q]
                 for k in range(units):
                     inside = n < batch and k < hidden
-                    zt[h_at + 8 * k + r] = h0[n, k] if inside else 0
-                    c0q[8 * k + r] = c0[n, k] if inside else 0
+                    zt[h_at + COLS * k + r] = h0[n, k] if inside else 0
+                    c0q[COLS * k + r] = c0[n, k] if inside else 0
 
 
 @numba.jit(**JIT_GEMM)
@@ -244,38 +254,39 @@ def _unpack_step(t, z, c, hs, cs):
     batch, hidden = hs.shape[1], hs.shape[2]
     h_at = z.shape[2] - c.shape[2]
     for n in range(batch):
-        q, r = n // 8, n % 8
+        q, r = n // COLS, n % COLS
         hz, cz, h_row, c_row = z[t + 1, q], c[t + 1, q], hs[t, n], cs[t, n]
         for k in range(hidden):
-            h_row[k] = hz[h_at + 8 * k + r]
-            c_row[k] = cz[8 * k + r]
+            h_row[k] = hz[h_at + COLS * k + r]
+            c_row[k] = cz[COLS * k + r]
 
 
 @numba.jit(**INLINE_GEMM)
-def _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru):
-    """Item i of stage s: packing x_t (s = 0), step s - 1 for one block and pair of panels,
-    or unpacking step t's outputs (s = T + 1)."""
-    steps, pairs = x.shape[0], (z.shape[1] + 1) // 2
+def _item_cols(L, T4, T3, T2, T1, s, i, x, h0, c0, w, bias, z, c, hs, cs, gru):
+    """Item i of stage s: packing x_t (s = 0), step s - 1 for one block and panel, or unpacking
+    step t's outputs (s = T + 1)."""
+    steps, panels = x.shape[0], z.shape[1]
     if s == 0:
         _pack_step(i, x, h0, c0, z, c)
     elif s == steps + 1:
         _unpack_step(i, z, c, hs, cs)
     else:
-        step_cols(s - 1, i // pairs, i % pairs, w, bias, z, c, hs.shape[2], gru)
+        step_cols(L, T4, T3, T2, T1, s - 1, i // panels, i % panels, w, bias, z, c, hs.shape[2],
+                  gru)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
-def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
+def _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
     """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
-    one block of units for 16 batch columns, see _lstm_cell.step_cols) and of stage T + 1
-    (unpacking step t's outputs, item t). Runs and flags as in _run; every stage is waited
-    for (step 1 reads the packed x_0 and h0)."""
+    one block of units for one panel of COLS batch columns, see _lstm_cell.step_cols) and of
+    stage T + 1 (unpacking step t's outputs, item t). Runs and flags as in _run; every stage
+    is waited for (step 1 reads the packed x_0 and h0)."""
     steps, panels = x.shape[0], z.shape[1]
-    blocks, pairs = w.shape[0] // U, (panels + 1) // 2
+    blocks = w.shape[0] // U
     span = 0  # cycles an item took this thread lately
     for s in range(steps + 2):
-        items = steps if s == 0 or s == steps + 1 else blocks * pairs
-        first = 0 if s == 0 else steps + (s - 1) * blocks * pairs
+        items = steps if s == 0 or s == steps + 1 else blocks * panels
+        first = 0 if s == 0 else steps + (s - 1) * blocks * panels
         start, count = cycles(), 0
         for k in range(parts):
             for n in range(items):
@@ -283,7 +294,7 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
                 if i < 0:
                     break
                 if parts == 1 or atomic_cas(done, first + i, OPEN, STARTED) == OPEN:
-                    _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
+                    _item_cols(L, T4, T3, T2, T1, s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
                     atomic_store(done, first + i, DONE)
                     count += 1
         if count > 0:
@@ -292,45 +303,47 @@ def _run_cols(p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
         # compute them too (that thread may have been descheduled).
         for i in range(items if parts > 1 else 0):
             if not wait_done(done, first + i, DONE, 2 * span):
-                _item_cols(s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
+                _item_cols(L, T4, T3, T2, T1, s, i, x, h0, c0, w, bias, z, c, hs, cs, gru)
                 atomic_store(done, first + i, DONE)
 
 
 @numba.jit(**JIT_GEMM)
 def _carve(x, units, floats, ints):
-    """_run_cols's scratch from the workspace: z [T + 1, panels, (I + Hp) * 8] holds x_t and
-    h_{t-1} per panel of 8 batch columns, c [T + 1, panels, Hp * 8] holds c_{t-1}; the done
-    flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
+    """_run_cols's scratch from the workspace: z [T + 1, panels, (I + Hp) COLS] holds x_t and
+    h_{t-1} per panel of COLS batch columns, c [T + 1, panels, Hp COLS] holds c_{t-1}; the
+    done flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
     steps, batch, size = x.shape
-    panels = (batch + 7) // 8
-    n_z, n_c = (steps + 1) * panels * (size + units) * 8, (steps + 1) * panels * units * 8
-    n_done = 2 * steps + steps * (units // U) * ((panels + 1) // 2)
+    panels = (batch + COLS - 1) // COLS
+    n_z = (steps + 1) * panels * (size + units) * COLS
+    n_c = (steps + 1) * panels * units * COLS
+    n_done = 2 * steps + steps * (units // U) * panels
     for i in range(n_done):
         ints[i] = 0
-    z = floats[:n_z].reshape((steps + 1, panels, (size + units) * 8))
-    c = floats[n_z : n_z + n_c].reshape((steps + 1, panels, units * 8))
+    z = floats[:n_z].reshape((steps + 1, panels, (size + units) * COLS))
+    c = floats[n_z : n_z + n_c].reshape((steps + 1, panels, units * COLS))
     return z, c, ints[:n_done]
 
 
 @numba.jit(**PARALLEL)
-def _sequence_cols(x, h0, c0, w, bias, floats, ints, out, threads, gru):
+def _sequence_cols(L, T4, T3, T2, T1, x, h0, c0, w, bias, floats, ints, out, threads, gru):
     """Batch > 1, all of it in one call from Python (each call from Python costs tens of us
     once the kernel has flushed the interpreter's data from the caches): carve the scratch,
     then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
     would stop it from caching)."""
-    parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + 15) // 16))
+    parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + COLS - 1) // COLS))
     z, c, done = _carve(x, w.shape[0], floats, ints)
     if parts == 1:
-        _run_cols(0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
+        _run_cols(L, T4, T3, T2, T1, 0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
     else:
         for p in prange(parts):
-            _run_cols(p, parts, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
+            _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, out[0], out[1],
+                      done, gru)  # fmt: skip
 
 
-def _call(fn, *args):
-    # Every call, not only the first: a new signature compiles inside it (see config).
-    with slp_vectorize():  # the register tiles need LLVM's SLP vectorizer
-        return fn(*args)
+def column_tiles(lanes):
+    """The column tile's shapes at these lanes: 4, 3, 2 and 1 gates x COLS / W vectors."""
+    n = max(1, COLS // lanes.width)
+    return tuple(tile(rows, n) for rows in (4, 3, 2, 1))
 
 
 _WORKSPACE = threading.local()  # .floats, .ints: one thread's scratch, reused between calls
@@ -357,9 +370,9 @@ def _workspace_size(x, units, mr):
     if batch <= ROWS_MAX:
         floats = -(-steps * batch // mr) * size * mr + (units // U) * steps * batch * BLOCK_COLS
         return floats, (units // U) * (1 + steps)
-    panels = -(-batch // 8)
-    floats = (steps + 1) * panels * (size + 2 * units) * 8
-    ints = 2 * steps + steps * (units // U) * -(-panels // 2)
+    panels = -(-batch // COLS)
+    floats = (steps + 1) * panels * (size + 2 * units) * COLS
+    ints = 2 * steps + steps * (units // U) * panels
     return floats, ints
 
 
@@ -392,7 +405,7 @@ def _sequence_row(x, h0, c0, plan):
     out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
         floats, ints, threads = _setup(x, plan, units)
-        _call(_sequence, plan.lanes, plan.tile, x, h0, c0, plan.wx, plan.wh, plan.bias, floats,
+        _sequence(plan.lanes, plan.tile, x, h0, c0, plan.wx, plan.wh, plan.bias, floats,
               ints, out, threads, plan.gru)  # fmt: skip
     if units != hidden:
         return tuple(np.ascontiguousarray(a[1:, :, :hidden]) for a in out)
@@ -406,7 +419,8 @@ def _sequence_batch(x, h0, c0, plan):
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
     if steps > 0 and batch > 0:
         floats, ints, threads = _setup(x, plan, plan.bu.shape[0])
-        _call(_sequence_cols, x, h0, c0, plan.wu, plan.bu, floats, ints, out, threads, plan.gru)
+        _sequence_cols(plan.lanes, *column_tiles(plan.lanes), x, h0, c0, plan.wu,
+              plan.bu, floats, ints, out, threads, plan.gru)  # fmt: skip
     return out[0], out[1]
 
 
@@ -440,9 +454,9 @@ def carve(x, h0, c0, plan: LSTMPlan):
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     if batch <= ROWS_MAX:
         hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
-        xp, gx, done = _call(_start_row, plan.tile, x, h0, c0, floats, ints, hs, cs)
+        xp, gx, done = _start_row(plan.tile, x, h0, c0, floats, ints, hs, cs)
         return (xp, gx, hs, cs), done, n_floats, n_ints
-    z, c, done = _call(_carve, x, units, floats, ints)
+    z, c, done = _carve(x, units, floats, ints)
     return (z, c), done, n_floats, n_ints
 
 
@@ -454,12 +468,13 @@ def run_part(x, h0, c0, plan: LSTMPlan, part: int, parts: int, started=()):
     done[started] = STARTED
     if batch <= ROWS_MAX:
         xp, gx, hs, cs = scratch
-        _call(_run, plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs,
+        _run(plan.lanes, plan.tile, part, parts, xp, plan.wx, plan.wh, plan.bias, gx, hs,
               cs, done, plan.gru)  # fmt: skip
         return hs[1:, :, :hidden], cs[1:, :, :hidden], done
     z, c = scratch
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    _call(_run_cols, part, parts, x, h0, c0, plan.wu, plan.bu, z, c, hs, cs, done, plan.gru)
+    _run_cols(plan.lanes, *column_tiles(plan.lanes), part, parts, x, h0, c0, plan.wu,
+          plan.bu, z, c, hs, cs, done, plan.gru)  # fmt: skip
     return hs, cs, done
 
 

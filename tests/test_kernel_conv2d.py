@@ -16,7 +16,6 @@ from helpers import assert_close, naive_conv, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels import conv2d_bias_act, get_threads, output_shape, prepare_conv2d
-from kernels.config import slp_vectorize
 from kernels.conv2d import launch
 
 RTOL = ATOL = 1e-4
@@ -276,33 +275,3 @@ def test_a_replaced_plan_does_not_reuse_the_old_launch_arguments():
     assert conv2d_bias_act(x, relu).min() >= 0  # caches launch arguments (lo = 0) on the plan
     plain = dataclasses.replace(relu, clip=(np.float32(-math.inf), np.float32(math.inf)))
     assert conv2d_bias_act(x, plain).min() < 0
-
-
-def test_slp_stays_on_while_any_thread_is_inside_a_block():
-    """Numba's SLP flag is one global: a thread leaving its slp_vectorize block must not turn
-    it off under another thread's compile (the kernel would be cached without SLP, 4-5x slower
-    in every later process)."""
-    import threading
-
-    import numba
-
-    before = numba.config.SLP_VECTORIZE
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():
-        with slp_vectorize():
-            inside.set()
-            leave.wait(10)
-
-    thread = threading.Thread(target=other)
-    with slp_vectorize():
-        thread.start()
-        assert inside.wait(10)
-    try:
-        flag = numba.config.SLP_VECTORIZE
-        assert flag == 1  # this thread left, the other is still inside
-    finally:
-        leave.set()
-        thread.join()
-    flag = numba.config.SLP_VECTORIZE
-    assert flag == before
