@@ -159,10 +159,10 @@ class IslandStep:
                 values[self.outputs[0]] = value  # onnxruntime would copy it, and take 30 us
                 return
         feeds = {name: values[name] for name in self.inputs}
-        key = None
-        if self._memo is not None:
+        key, memo = None, self._memo  # one reference: another thread's run may drop the memo
+        if memo is not None:
             key = self._key(feeds)
-            known = None if key is None else self._memo.get(key)
+            known = None if key is None else memo.get(key)
             if known is not None:
                 values.update(zip(self.outputs, [r.copy() for r in known], strict=True))
                 return
@@ -175,9 +175,9 @@ class IslandStep:
             ):
                 self._memo = None  # a tensor, not shapes: copying it is no cheaper than this
             elif key in self._seen:  # a second time: kept (a key met once costs its hash)
-                if len(self._memo) >= _SHAPE_MEMO:
-                    self._memo.clear()
-                self._memo[key] = [r.copy() for r in results]
+                if len(memo) >= _SHAPE_MEMO:
+                    memo.clear()
+                memo[key] = [r.copy() for r in results]
             else:
                 if len(self._seen) >= 4 * _SHAPE_MEMO:
                     self._seen.clear()
