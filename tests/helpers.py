@@ -468,3 +468,25 @@ def scripted_race(monkeypatch, seconds: dict, load: float | None = 0.0) -> list[
     # the watch of a cached plan measures the machine too: the same machine
     monkeypatch.setattr("fusion.runtime.choice.Machine", lambda: FakeMachine(load))
     return raced
+
+
+def in_threads(work, n: int = 4) -> None:
+    """work(i) for i < n, each in a thread of its own, all at once; the first exception any
+    raised is raised here."""
+    import threading
+
+    errors = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as exc:  # re-raised by the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import onnx
-from helpers import assert_close, control_flow_model, save_external
+from helpers import assert_close, control_flow_model, in_threads, save_external
 from hypothesis import HealthCheck, given, settings
 from strategies import models
 
@@ -69,23 +69,14 @@ def test_session_run_from_four_threads_equals_sequential_runs():
     ]
     sequential = [session.run(None, f) for f in feeds]
     threaded: list = [None] * len(feeds)
-    errors: list = []
     start = threading.Barrier(4)
 
     def worker(t: int) -> None:
-        try:
-            start.wait()
-            for k in range(t, len(feeds), 4):  # 100 calls each, interleaved with the others
-                threaded[k] = session.run(None, feeds[k])
-        except Exception as exc:  # re-raised by the main thread
-            errors.append(exc)
+        start.wait()
+        for k in range(t, len(feeds), 4):  # 100 calls each, interleaved with the others
+            threaded[k] = session.run(None, feeds[k])
 
-    workers = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors[0]
+    in_threads(worker)
     for want, got in zip(sequential, threaded, strict=True):
         for w, g in zip(want, got, strict=True):
             assert_close(g, w, rtol=0, atol=0)

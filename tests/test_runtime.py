@@ -7,14 +7,21 @@ measured by bench/overheads.py.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import assert_all_close, fused_model, run_ort, scaled_relu, scaled_relu_kernel, tensor
+from helpers import (
+    assert_all_close,
+    fused_model,
+    in_threads,
+    run_ort,
+    scaled_relu,
+    scaled_relu_kernel,
+    tensor,
+)
 from helpers import scaled_relu_catalog as catalog
 from onnx import TensorProto as T
 from onnx import helper as h
@@ -292,22 +299,13 @@ def test_concurrent_runs_give_each_caller_its_own_result():
     model = two_chains_model()
     sess = Session(model, threads=1, catalog=catalog())
     oracle = inference_session(model)
-    errors = []
 
     def worker(seed):
-        try:
-            for k in range(25):
-                feeds = feeds_for(model, seed * 100 + k, batch=1 + k % 3)
-                assert_same(sess.run(None, feeds), oracle.run(None, feeds))
-        except Exception as e:  # surfaced by the main thread
-            errors.append(e)
+        for k in range(25):
+            feeds = feeds_for(model, seed * 100 + k, batch=1 + k % 3)
+            assert_same(sess.run(None, feeds), oracle.run(None, feeds))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(worker)
 
 
 def test_profile_times_every_step():
@@ -496,22 +494,13 @@ def test_islands_from_memory_under_concurrent_runs():
     path = f"{FIXTURES}/gpt2_tiny_sdpa.ts17.onnx"
     sess = Session(path, threads=1, tactics="kernel")
     oracle = inference_session(onnx.load(path))
-    errors = []
 
     def worker(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for k in range(12):
-                b, s = 1 + (seed + k) % 3, 3 + k % 4
-                feeds = {"input_ids": rng.integers(0, 50, (b, s)).astype(np.int64),
-                         "attention_mask": np.ones((b, s), np.int64)}  # fmt: skip
-                assert_all_close(sess.run(None, feeds), oracle.run(None, feeds), 1e-4, 1e-4)
-        except Exception as e:  # surfaced by the main thread
-            errors.append(e)
+        for k in range(12):
+            b, s = 1 + (seed + k) % 3, 3 + k % 4
+            feeds = {"input_ids": rng.integers(0, 50, (b, s)).astype(np.int64),
+                     "attention_mask": np.ones((b, s), np.int64)}  # fmt: skip
+            assert_all_close(sess.run(None, feeds), oracle.run(None, feeds), 1e-4, 1e-4)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(worker)
