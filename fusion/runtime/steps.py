@@ -41,7 +41,7 @@ from fusion.runtime.tactics import ONNXRUNTIME
 _SHAPE_OPS = frozenset({"Shape", "Size"})
 _RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform",
                          "RandomUniformLike", "Multinomial", "Bernoulli"})  # fmt: skip
-_SHAPE_MEMO = 16  # input shapes remembered per island before the memory starts afresh
+_MEMO_KEYS = 16  # keys remembered per island before the memory starts afresh
 _MEMO_BYTES = 1 << 20  # outputs kept up to this size (shapes, masks): a copy beats the call
 _KEY_VALUES = 1 << 12  # integers an input read by value may hold to be part of a memo key
 
@@ -175,11 +175,11 @@ class IslandStep:
             ):
                 self._memo = None  # a tensor, not shapes: copying it is no cheaper than this
             elif key in self._seen:  # a second time: kept (a key met once costs its hash)
-                if len(memo) >= _SHAPE_MEMO:
+                if len(memo) >= _MEMO_KEYS:
                     memo.clear()
                 memo[key] = [r.copy() for r in results]
             else:
-                if len(self._seen) >= 4 * _SHAPE_MEMO:
+                if len(self._seen) >= 4 * _MEMO_KEYS:
                     self._seen.clear()
                 self._seen.add(key)
         values.update(zip(self.outputs, results, strict=True))
