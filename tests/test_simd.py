@@ -41,6 +41,7 @@ from kernels.simd import (
     vmax,
     vmin,
     vpack,
+    vpermute,
     vselect,
     vset,
     vstore,
@@ -211,6 +212,29 @@ def test_lane_ops_and_reductions(L):
     ref = x.reshape(-1, w).copy()
     ref[lanes, (lanes + 1) % w] = -5.0
     np.testing.assert_array_equal(lane_out, ref.ravel())
+
+
+@numba.jit(**HARNESS)
+def _permute(L, x, idx, out):
+    w = L.width
+    for i in range(x.size // w):
+        vstore(out, i * w, vpermute(vload(L, x, i * w), idx, i * w))
+
+
+def test_permute_takes_the_lanes_its_table_names(L):
+    """Each vector its own random lane map (repeats allowed, NaN and inf carried as any
+    value); an index past the width wraps (idx & (W - 1)), it is never undefined."""
+    w = L.width
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(w * 64).astype(np.float32)
+    x[::7] = rng.choice(SPECIAL, x[::7].size)
+    idx = rng.integers(0, w, x.size).astype(np.int32)
+    idx[-w:] = np.arange(w, 2 * w)  # out of range: lane k
+    out = np.zeros_like(x)
+    _permute(L, x, idx, out)
+    rows = x.reshape(-1, w)
+    want = rows[np.arange(len(rows))[:, None], idx.reshape(-1, w) % w]
+    np.testing.assert_array_equal(out.reshape(-1, w), want)
 
 
 # ---- loads and stores ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ emitted into the calling function, none is a call:
     vselect(m, a, b)                a where m, else b (vectors or numbers)
     hsum(v), hmax(v), hmin(v)       a pairwise tree over the lanes; hmax/hmin NaN if any is
     vget(v, k), vset(v, k, s)       lane k
+    vpermute(v, idx, i)             lane k is v's lane idx[i + k] (an int32 array; one permute)
     vpack(t), vunpack(v)            a tuple of W numbers as a vector, a vector as W float32s
     roundeven(x), ldexp_small(p, k)  the pieces of exp
     exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v), clip(v, lo, hi)
@@ -68,6 +69,7 @@ from ._ops import (
     vmax,
     vmin,
     vpack,
+    vpermute,
     vselect,
     vset,
     vstore,
@@ -86,5 +88,5 @@ __all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "
            "ldexp_small", "log1p01", "registers", "roundeven", "sigmoid", "tail_mask",
            "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",
            "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned",
-           "vload_masked", "vmax", "vmin", "vpack", "vselect", "vset", "vstore",
+           "vload_masked", "vmax", "vmin", "vpack", "vpermute", "vselect", "vset", "vstore",
            "vstore_aligned", "vstore_masked", "vunpack", "vzero", "width"]  # fmt: skip

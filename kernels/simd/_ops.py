@@ -335,6 +335,32 @@ def vset(typingctx, v, k, s):
     return v(v, k, s), codegen
 
 
+@intrinsic
+def vpermute(typingctx, v, idx, i):
+    """Lane k of the result is lane idx[i + k] & (W - 1) of v: a lane permutation read from an
+    int32 table (the & keeps an index in range; LLVM's extract of a lane past W is poison).
+    LLVM turns the W extracts by index into one variable permute (vpermps, on AVX2 and
+    AVX-512 alike); a channel gather in the blocked layout is one per source vector."""
+    w = vector_arg(v, "vpermute")
+    index_arg(i, "vpermute")
+    if not (isinstance(idx, types.Array) and idx.dtype == types.int32 and idx.layout == "C"):
+        raise TypingError(f"vpermute takes its lanes from a C-contiguous int32 array, got {idx}")
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        at = builder.gep(data, [context.cast(builder, args[2], sig.args[2], types.intp)],
+                         inbounds=True)  # fmt: skip
+        lanes = builder.load(builder.bitcast(at, vector_type(w, I32).as_pointer()), align=4)
+        lanes = builder.and_(lanes, ir.Constant(vector_type(w, I32), [w - 1] * w))
+        out = ir.Constant(vector_type(w), ir.Undefined)
+        for k in range(w):
+            picked = builder.extract_element(args[0], builder.extract_element(lanes, I32(k)))
+            out = builder.insert_element(out, picked, I32(k))
+        return out
+
+    return v(v, idx, i), codegen
+
+
 def _mask_reduction(op, name):
     def typer(typingctx, m):
         if not isinstance(m, Mask):
