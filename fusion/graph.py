@@ -16,9 +16,11 @@ from functools import cached_property
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.helper import make_tensor_value_info
 
 from fusion.modelfile import over_2gb, weightless_copy
 from fusion.onnx_defaults import attribute_defaults
+from fusion.shapes import refine_types
 
 
 @dataclass(frozen=True)
@@ -98,12 +100,8 @@ class GraphView:
         types: dict[str, ValueType] = {}
         for t in self.graph.initializer:
             types[t.name] = ValueType(t.data_type, tuple(t.dims))
-        model = weightless_copy(self.model) if over_2gb(self.model) else self.model
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-        except Exception:  # inference is best effort: declared types still count
-            inferred = self.graph
-        for vi in list(inferred.value_info) + list(self.graph.value_info):
+        skeleton = weightless_copy(self.model) if over_2gb(self.model) else self.model
+        for vi in [*self._inferred(skeleton).values(), *self.graph.value_info]:
             vt = _value_type(vi.type)
             if vt is not None:
                 types.setdefault(vi.name, vt)
@@ -111,7 +109,37 @@ class GraphView:
             vt = _value_type(vi.type)
             if vt is not None:
                 types[vi.name] = vt  # declarations win over inference
+        self.__dict__["_types"] = types  # refine_types reads them through type_of
+
+        hinted = []  # the model without its weights' bytes, copied once if a round needs it
+
+        def infer(dims: dict[str, tuple]) -> dict[str, ValueType]:
+            if not hinted:
+                hinted.append(weightless_copy(self.model))
+            model = hinted[0]
+            del model.graph.value_info[:]  # ONNX keeps a declared unk__N over what it infers
+            for out in model.graph.output:
+                for dim in out.type.tensor_type.shape.dim:
+                    if dim.dim_param.startswith("unk__"):
+                        dim.Clear()
+            for name, shape in dims.items():
+                elem = types[name].elem_type if name in types else 0
+                model.graph.value_info.append(make_tensor_value_info(name, elem, shape))
+            found = {name: _value_type(vi.type) for name, vi in self._inferred(model).items()}
+            return {name: vt for name, vt in found.items() if vt is not None}
+
+        refine_types(self, types, infer)
         return types
+
+    @staticmethod
+    def _inferred(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+        """ONNX shape inference's value infos, by name (none where it fails: it is best effort,
+        declared types still count)."""
+        try:
+            graph = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+        except Exception:
+            return {}
+        return {vi.name: vi for vi in [*graph.value_info, *graph.output]}
 
     def type_of(self, value: str) -> ValueType | None:
         vt = self._types.get(value)

@@ -5,14 +5,18 @@ the match computes itself (GPT-2's attention reads Shape(Split output) to reshap
 Shape, and the integer arithmetic below it (Gather, Unsqueeze, Concat, ...), would make the
 match's inner value escape. When everything that arithmetic computes is read only by the match
 (and by itself), it joins the match: the fused node's body computes it, the kernel ignores it.
+
+The same reading of shape tensors gives GraphView the sizes ONNX shape inference leaves unknown
+(refine_types). Every `view` here is a fusion.graph.GraphView (not imported: graph.py imports
+this module).
 """
 
 from __future__ import annotations
 
+import math
+
 from onnx import TensorProto
 from onnx.numpy_helper import to_array as onnx_numpy
-
-from fusion.graph import GraphView
 
 SHAPE_OPS = frozenset({
     "Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Cast", "Div", "Mul", "Add",
@@ -22,7 +26,7 @@ SHAPE_OPS = frozenset({
 INTEGER = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL})
 
 
-def absorb_shapes(view: GraphView, nodes: list[int], outputs) -> tuple[list[int], set, list[str]]:
+def absorb_shapes(view, nodes: list[int], outputs) -> tuple[list[int], set, list[str]]:
     """(nodes with the shape computations that read them, the values those compute, the
     non-constant values they read from outside, in graph order). Every Shape of a value the
     match computes starts one; the integer nodes below it join while each is a SHAPE_OPS node
@@ -72,7 +76,7 @@ _ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a,
           "Div": lambda a, b: a // b if b else None, "Equal": lambda a, b: int(a == b)}  # fmt: skip
 
 
-def shape_entries(view: GraphView, value: str, known: Known | None = None,
+def shape_entries(view, value: str, known: Known | None = None,
                   depth: int = 16) -> list[Entry] | None:  # fmt: skip
     """The entries of a 1-D integer shape tensor as the exporters compute it: each a constant,
     (tensor, axis) when it is the size of `tensor` along `axis` (read by Shape, then Gather,
@@ -182,3 +186,122 @@ def _broadcast(fn, a: list, b: list) -> list | None:
         return None
     n = max(len(a), len(b))
     return [fn(a[i % len(a)], b[i % len(b)]) for i in range(n)]
+
+
+# ---- sizes ONNX's inference leaves unknown -------------------------------------------------------
+_BIG = 2**62  # INT64 max and min mean "to the end" in Slice
+_ROUNDS = 64
+
+
+def unknown(dim) -> bool:
+    """A dim no rule can use: missing, or a name ONNX's inference made up for it."""
+    return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
+
+
+def refine_types(view, types: dict, infer) -> None:
+    """Fill in, in `types` (value -> ValueType, what `view.type_of` reads), the sizes that ONNX
+    shape inference leaves unknown behind a Reshape or Slice whose target or bounds the graph
+    computes from Shape: TorchScript writes ShuffleNet's chunk as two Slices ending at
+    Shape(x)[1] // 2 and its shuffle's Reshape targets from Shape(x), so every channel count
+    after the first shuffle is `unk__N` and no rule can prove a shuffle or pack a conv's input.
+    Each round reads those shape tensors (shape_entries, with every size known so far) and
+    hands what it found to `infer` (value -> dims to declare; returns the types ONNX's
+    inference derives from them), which carries them on through the ops below; rounds go on
+    while a round finds a size."""
+    found: dict[str, tuple] = {}
+    for _ in range(_ROUNDS):
+        known = {(value, axis): d for value, t in types.items() if t.shape
+                 for axis, d in enumerate(t.shape) if isinstance(d, int)}  # fmt: skip
+        new = {}
+        for node in view.nodes:
+            if node.domain in ("", "ai.onnx") and node.op_type in ("Reshape", "Slice"):
+                dims = _computed_dims(view, node, types, known)
+                if dims is not None:
+                    new[node.output[0]] = dims
+        if not new:
+            return
+        found |= new
+        inferred = infer(found)
+        for value, vt in inferred.items():
+            old = types.get(value)
+            if old is None or old.shape is None or _better(vt.shape, old.shape):
+                types[value] = vt
+
+
+def _better(new: tuple | None, old: tuple) -> bool:
+    """`new` knows a size `old` does not, and contradicts none that it does."""
+    if new is None or len(new) != len(old):
+        return False
+    agree = all(unknown(o) or o == n for o, n in zip(old, new, strict=True))
+    return agree and any(unknown(o) and not unknown(n) for o, n in zip(old, new, strict=True))
+
+
+def _computed_dims(view, node, types: dict, known: dict) -> tuple | None:
+    """The output dims of Reshape or Slice `node`, when its target or bounds tell one that its
+    output's type leaves unknown; None otherwise."""
+    out, source = types.get(node.output[0]), types.get(node.input[0])
+    if source is None or source.shape is None:
+        return None
+    if out is not None and out.shape is not None and not any(unknown(d) for d in out.shape):
+        return None
+    dims = (_reshape_dims if node.op_type == "Reshape" else _slice_dims)(view, node, source, known)
+    if dims is None:
+        return None
+    old = out.shape if out is not None and out.shape is not None else (None,) * len(dims)
+    if len(old) != len(dims):
+        return None
+    merged = tuple(
+        d if unknown(o) and not unknown(d) else o for o, d in zip(old, dims, strict=True)
+    )
+    return merged if _better(merged, old) else None
+
+
+def _reshape_dims(view, node, source, known: dict) -> list | None:
+    target = shape_entries(view, node.input[1], known) if len(node.input) > 1 else None
+    if target is None:
+        return None
+    keep_zero = view.attributes(node).get("allowzero", 0)
+    dims = []
+    for k, entry in enumerate(target):
+        if isinstance(entry, tuple):  # a size read from a tensor whose size is symbolic
+            vt = view.type_of(entry[0])
+            size = vt.shape[entry[1]] if vt and vt.shape and entry[1] < len(vt.shape) else None
+            entry = None if unknown(size) else size
+        elif entry == 0 and not keep_zero:  # 0 copies the input's size
+            entry = source.shape[k] if k < len(source.shape) else None
+        elif entry is not None and entry < -1:
+            return None
+        dims.append(None if unknown(entry) else entry)
+    if dims.count(-1) == 1:  # the rest of the elements: symbols cancel when both sides have them
+        rest = [d for d in dims if d != -1]
+        known_sizes = all(d is not None and not unknown(d) for d in [*rest, *source.shape])
+        symbols = [sorted(d for d in side if isinstance(d, str)) for side in (rest, source.shape)]
+        have = math.prod(d for d in source.shape if isinstance(d, int))
+        take = math.prod(d for d in rest if isinstance(d, int))
+        ok = known_sizes and symbols[0] == symbols[1] and take > 0 and have % take == 0
+        dims[dims.index(-1)] = have // take if ok else None
+    return None if -1 in dims else dims
+
+
+def _slice_dims(view, node, source, known: dict) -> list | None:
+    rank = len(source.shape)
+    ins = [*node.input, "", "", "", ""]
+    starts, ends, axes, steps = (shape_entries(view, v, known) if v else None for v in ins[1:5])
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = axes if ins[3] else list(range(len(starts)))
+    steps = steps if ins[4] else [1] * len(starts)
+    if axes is None or steps is None or len(axes) != len(starts) or len(steps) != len(starts):
+        return None
+    dims = [None if unknown(d) else d for d in source.shape]
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        if not isinstance(axis, int) or not -rank <= axis < rank:
+            return None
+        axis %= rank
+        bounds = (start, end, step)
+        if all(isinstance(b, int) for b in bounds) and step and isinstance(dims[axis], int):
+            start, end = (max(-_BIG, min(_BIG, b)) for b in (start, end))
+            dims[axis] = len(range(*slice(start, end, step).indices(dims[axis])))
+        elif not (start == 0 and isinstance(end, int) and end >= _BIG and step == 1):
+            dims[axis] = None  # all of a symbolic axis keeps its size; anything else is unknown
+    return dims

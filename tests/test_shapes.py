@@ -1,0 +1,86 @@
+"""GraphView's types where ONNX shape inference gives up: sizes computed from Shape (TorchScript's
+chunk as two Slices ending at Shape(x)[1] // 2, Reshape targets assembled from Shape entries)
+are read from the graph's own arithmetic and carried on to the ops below; what the graph does
+not determine stays unknown."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from helpers import GraphBuilder
+
+from fusion.graph import GraphView
+
+
+def scalar_dim(gb, x, axis):
+    """Shape(x)[axis] as TorchScript writes it: a Gather with a scalar index."""
+    return gb.node("Gather", [gb.node("Shape", [x]), gb.const(np.array(axis, np.int64))], axis=0)
+
+
+def inferred_by_onnx(model, value):
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    for vi in list(graph.value_info) + list(graph.output):
+        if vi.name == value:
+            dims = vi.type.tensor_type.shape.dim
+            return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims)
+    return None
+
+
+def chunk_model(channels):
+    """x [N, C, 5, 5] cut in two halves along C by Slices whose bounds come from Shape(x)[1]
+    (TorchScript's chunk), each half then through a Relu."""
+    gb = GraphBuilder(opset=17)
+    one, two = gb.const(np.array([1], np.int64)), gb.const(np.array([2], np.int64))
+    c = gb.node("Unsqueeze", [scalar_dim(gb, "x", 1), gb.const(np.array([0], np.int64))])
+    half = gb.node("Div", [gb.node("Add", [c, one]), two])
+    zero = gb.const(np.array([0], np.int64))
+    first = gb.node("Slice", ["x", zero, gb.node("Mul", [half, one]), one])
+    second = gb.node("Slice", ["x", half, gb.node("Mul", [half, two]), one])
+    outs = [gb.node("Relu", [first]), gb.node("Relu", [second])]
+    return gb.model({"x": ["N", channels, 5, 5]}, outs), outs
+
+
+def test_slices_with_computed_bounds_have_their_sizes():
+    model, (a, b) = chunk_model(6)
+    assert not isinstance(inferred_by_onnx(model, a)[1], int)  # what the test is about
+    view = GraphView(model)
+    assert view.type_of(a).shape == ("N", 3, 5, 5)
+    assert view.type_of(b).shape == ("N", 3, 5, 5)
+
+
+def test_odd_channels_split_as_the_slices_say():
+    model, (a, b) = chunk_model(7)  # (7 + 1) // 2 = 4, then the 3 left
+    view = GraphView(model)
+    assert view.type_of(a).shape == ("N", 4, 5, 5)
+    assert view.type_of(b).shape == ("N", 3, 5, 5)
+
+
+def test_reshape_target_from_shape_entries():
+    """[N, 2, C / 2, -1] from x's Shape: C/2 and the -1 are known, N stays the input's name,
+    and a Transpose and a Relu below it get the sizes too."""
+    gb = GraphBuilder(opset=17)
+    axes = gb.const(np.array([0], np.int64))
+    n = gb.node("Unsqueeze", [scalar_dim(gb, "x", 0), axes])
+    c = gb.node("Unsqueeze", [gb.node("Div", [scalar_dim(gb, "x", 1), gb.const(np.array(2))]),
+                              axes])  # fmt: skip
+    target = gb.node("Concat", [n, gb.const(np.array([2], np.int64)), c,
+                                gb.const(np.array([-1], np.int64))], axis=0)  # fmt: skip
+    y = gb.node("Reshape", ["x", target])
+    z = gb.node("Relu", [gb.node("Transpose", [y], perm=[0, 2, 1, 3])])
+    model = gb.model({"x": ["N", 6, 5, 5]}, [z])
+    assert not isinstance(inferred_by_onnx(model, y)[2], int)
+    view = GraphView(model)
+    assert view.type_of(y).shape == ("N", 2, 3, 25)
+    assert view.type_of(z).shape == ("N", 3, 2, 25)
+
+
+def test_nothing_is_made_up():
+    """A channel count the graph does not fix (a symbolic C) stays unknown."""
+    model, (a, _) = chunk_model(6)
+    dim = model.graph.input[0].type.tensor_type.shape.dim[1]
+    dim.Clear()
+    dim.dim_param = "C"
+    del model.graph.value_info[:]
+    view = GraphView(model)
+    shape = view.type_of(a).shape
+    assert shape is None or not isinstance(shape[1], int)
