@@ -52,7 +52,7 @@ def _producer(view: GraphView, value: str) -> int | None:
 
 
 SHAPE_OPS = frozenset({"Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Div", "Mul",
-                       "Slice", "Constant", "Identity"})  # fmt: skip
+                       "Add", "Slice", "Constant", "Identity"})  # fmt: skip
 
 
 def shape_cone(view: GraphView, targets: list[str], readers: set[int]) -> list[int]:
@@ -146,6 +146,17 @@ def find_shuffle(view: GraphView, index: int) -> list[Match] | str | None:
     ):
         sizes = [v for v in view.nodes[split].input[1:] if v]
         after = {"split": split}, {"y": list(view.nodes[split].output), "shapes": shapes + sizes}
+    elif (cut := slice_parts(view, values["y"], c)) is not None:  # TorchScript's chunk
+        slices = [view.nodes[i] for i in cut[0]]
+        bounds = dict.fromkeys(v for node in slices for v in node.input[1:] if v not in shapes)
+        bounds.pop("", None)
+        after = (
+            {f"slice{k}": i for k, i in enumerate(cut[0])},
+            {
+                "y": [node.output[0] for node in slices],
+                "shapes": shapes + list(bounds),
+            },
+        )
     # The largest match first; the Concat may be taken already (ConvConcat removes its copy).
     found = []
     for before in [concat, None] if concat else [None]:
@@ -172,6 +183,40 @@ def split_sizes(view: GraphView, node, channels: int) -> list[int] | None:
     return [min(part, channels - i * part) for i in range(k)] if part * (k - 1) < channels else None
 
 
+def slice_parts(view: GraphView, y: str, channels: int) -> tuple[list[int], list[int]] | None:
+    """(the Slices reading `y` in channel order, the channels each takes) when every reader of
+    `y` but its Shape is a Slice of axis 1, step 1, and they cut its `channels` into
+    consecutive parts: TorchScript's chunk, whose bounds it computes from Shape(y)[1]."""
+    if view.is_graph_output(y):
+        return None
+    known, parts = {(y, 1): channels}, []
+    for index in view.consumers.get(y, ()):
+        node = view.nodes[index]
+        if node.op_type == "Shape":
+            continue
+        if node.op_type != "Slice" or len(node.input) < 4 or node.input[0] != y:
+            return None
+        names = ("starts", "ends", "axes")
+        bounds = Match.of(view, dict(zip(names, node.input[1:4], strict=True)), {}, [])
+        starts, ends, axes = (bounds.shape_entries(k, known) for k in names)
+        step = view.constant(node.input[4]) if len(node.input) > 4 and node.input[4] else 1
+        steps = None if step is None else np.reshape(step, -1).tolist()
+        if axes not in ([1], [-3]) or steps != [1] or starts is None or ends is None:
+            return None
+        if len(starts) != 1 or not all(isinstance(b, int) for b in starts + ends):
+            return None
+        taken = range(channels)[slice(starts[0], min(ends[0], channels))]
+        parts.append((taken.start, taken.stop, index))
+    parts.sort()
+    if not parts or parts[0][0] != 0 or parts[-1][1] != channels:
+        return None
+    if any(start >= stop for start, stop, _ in parts) or any(
+        a[1] != b[0] for a, b in zip(parts, parts[1:], strict=False)
+    ):
+        return None
+    return [index for *_, index in parts], [stop - start for start, stop, _ in parts]
+
+
 def attributes(m: Match) -> dict:
     """Each part's channels, the groups, each output's channels."""
     view = m.view
@@ -180,6 +225,8 @@ def attributes(m: Match) -> dict:
     splits = [sum(channels)]
     if "split" in m.node_index:
         splits = split_sizes(view, m.node("split"), sum(channels))
+    elif "slice0" in m.node_index:
+        splits = slice_parts(view, m.node("last").output[0], sum(channels))[1]
     return {"channels": channels, "groups": groups, "splits": splits}
 
 
@@ -187,7 +234,7 @@ def make_kernel(attrs: dict, constants: list):
     """One gather per output, from the shuffle's map cut at the Split's sizes; tactics blocked
     (every part and output in the blocked layout), then NCHW."""
     from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-    from kernels.shuffle import channel_gather, channel_gather_blocked, shuffle_map
+    from kernels.shuffle import channel_gather, channel_gathers_blocked, shuffle_map
 
     channels, splits = list(attrs["channels"]), list(attrs["splits"])
     src = shuffle_map(sum(channels), attrs["groups"])
@@ -198,7 +245,7 @@ def make_kernel(attrs: dict, constants: list):
         return tuple(channel_gather(args[:k], s) for s in cuts)
 
     def blocked(*args):
-        return tuple(channel_gather_blocked(args[:k], channels, s, b) for s in cuts)
+        return channel_gathers_blocked(args[:k], channels, cuts, b)
 
     nchw.tactics = [
         Tactic("blocked", blocked, blocked_inputs=tuple(range(k)),
