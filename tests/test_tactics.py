@@ -395,8 +395,11 @@ def test_fusion_tune_fills_the_cache_and_says_what_runs(capsys, monkeypatch, tmp
     )
     assert all(said.match(line) for line in out.splitlines() if line.startswith("batch ")), out
     entries = json.loads(next((tmp_path / "cache").glob("tactics-*.json")).read_text())["entries"]
-    timed = {k.split("|")[1].split(";")[0] for k in entries if not k.startswith("plan:")}
+    nodes = [k for k in entries if not k.startswith(("plan:", "convert:"))]
+    timed = {k.split("|")[1].split(";")[0] for k in nodes}
     assert timed == {"1x8x10x10", "2x8x10x10"}  # each conv at both batch sizes
+    converts = {k.split("|")[0] for k in entries if k.startswith("convert:")}
+    assert converts >= {"convert:1x8x10x10", "convert:2x8x10x10"}  # the input's, both batches
     assert main(["tune", str(path), "--batch", "0"]) == 2
     assert "argument --batch: must be at least 1" in capsys.readouterr().err
 

@@ -9,7 +9,9 @@ whole plan of those choices checked against simpler ones.
 - Per node (`Chooser.choose`, by the policy of fusion/runtime/tactics.py): under "fastest",
   each tactic of the node's kernel and onnxruntime on the node's body are timed on its input
   shapes (`Chooser.time_tactics`), the fastest kept; the timings are cached
-  (fusion/runtime/timing_cache.py).
+  (fusion/runtime/timing_cache.py). The choices are then revised together for the layout
+  conversions each costs its neighbours (fusion/runtime/borders.py), which a node timed alone
+  never sees.
 - Whole plan (`Chooser.settle`): the plan of per-node choices races the same choices kept to
   NCHW tactics, each node's fastest kernel tactic (no onnxruntime islands: a node that loses
   to its body alone may still win once the conversions around it count), and the model in
@@ -46,8 +48,10 @@ from fusion.graph import GraphView, ValueType, node_label
 from fusion.modelfile import weightless_copy
 from fusion.ort import ISLAND, inference_session
 from fusion.rewriter import rewrite
+from fusion.runtime.borders import revise
 from fusion.runtime.feed_checks import FeedCheck
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, is_built_in
+from fusion.runtime.layout import out_block
 from fusion.runtime.plan import is_fused
 from fusion.runtime.race import BUSY_CORES, Machine, Verdict, agrees, race
 from fusion.runtime.tactics import (
@@ -58,7 +62,16 @@ from fusion.runtime.tactics import (
     random_inputs,
     time_call,
 )
-from fusion.runtime.timing_cache import PLAN, TimingCache, node_key, plan_key, timing_version
+from fusion.runtime.timing_cache import (
+    FROM_BLOCKED,
+    PLAN,
+    TO_BLOCKED,
+    TimingCache,
+    convert_key,
+    node_key,
+    plan_key,
+    timing_version,
+)
 
 # What each whole-plan candidate (Chooser.settle) is, for people.
 PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
@@ -204,7 +217,7 @@ class Chooser:
         if self.policy not in TIMED:  # "kernel", or a tactic name
             return {i: preferred(tactics, self.policy) for i, tactics in self.kernels.items()}
         kernels_only = kernels_only or self.policy == "kernels"
-        choices, fresh = {}, {}
+        choices, fresh, timed = {}, {}, {}
         for i, tactics in self.kernels.items():
             node = self.view.nodes[i]
             ins = [shapes.get(v) if v else None for v in node.input]
@@ -246,9 +259,41 @@ class Chooser:
                 times = {k: v for k, v in times.items() if k != ONNXRUNTIME}
             best = min(times, key=times.get)
             choices[i] = next((t for t in tactics if t.name == best), None)
+            timed[i] = times
+        if timed and not nchw_only:  # what each choice costs its neighbours in conversions
+            options = {i: [t for t in self.kernels[i] if t.name in timed[i]]
+                       + ([None] if ONNXRUNTIME in timed[i] else []) for i in timed}  # fmt: skip
+            choices = revise(
+                self.view,
+                choices,
+                options,
+                timed,
+                shapes,
+                out_block(),
+                lambda shape, block: self._convert_times(shape, block, fresh),
+            )
         if fresh:
             self._cache.put(fresh)
         return choices
+
+    def _convert_times(self, shape: tuple, block: int, fresh: dict) -> tuple[float, float]:
+        """Seconds of converting a float32 array of NCHW `shape` to blocks of `block` channels
+        and back, from the timing cache or timed now (and put in `fresh`)."""
+        from kernels.blocked import from_blocked, to_blocked  # heavy: Numba
+
+        key = convert_key(shape, block, self.threads, self._source_version)
+        entry = fresh.get(key) or (None if self.retime else self._cache.get(key))
+        if entry is None:
+            ensure_threads(self.threads)
+            x = random_inputs([shape], [None])[0]
+            xb = to_blocked(x, block=block)
+            budget = BUDGET_S / TIMING_ROUNDS
+            times = {
+                TO_BLOCKED: time_call(lambda: to_blocked(x, block=block), budget=budget),
+                FROM_BLOCKED: time_call(lambda: from_blocked(xb, shape[1]), budget=budget),
+            }
+            entry = fresh[key] = {"times": times}  # fmt: skip
+        return entry["times"][TO_BLOCKED], entry["times"][FROM_BLOCKED]
 
     def time_tactics(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:
         """Median seconds of each tactic and of onnxruntime on the node's body, on random

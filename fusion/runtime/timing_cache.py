@@ -47,6 +47,8 @@ CACHE_FORMAT = 1
 # 1 MB (a conv's entry with three tactics is some 230 bytes).
 MAX_ENTRIES = 4096
 PLAN = "plan:"  # the start of a whole-plan race's key (plan_key); any other is a node's
+CONVERT = "convert:"  # the start of a layout conversion's key (convert_key)
+TO_BLOCKED, FROM_BLOCKED = "to blocked", "from blocked"  # a conversion entry's two times
 LOCK = ".tactics.lock"
 
 
@@ -153,7 +155,14 @@ _VERDICT = {
 ENTRY_FIELDS = {
     "plan": {"plans": Field(_timings()), "written": Field(_seconds, required=False), **_VERDICT},
     "node": {"times": Field(_timings(ONNXRUNTIME)), "written": Field(_seconds, required=False)},
-}
+    "convert": {"times": Field(_timings(TO_BLOCKED, FROM_BLOCKED)),
+                "written": Field(_seconds, required=False)},
+}  # fmt: skip
+
+
+def kind(key: str) -> str:
+    """Which of ENTRY_FIELDS' kinds the entry under `key` is."""
+    return "plan" if key.startswith(PLAN) else "convert" if key.startswith(CONVERT) else "node"
 
 
 def damage(key: str, entry) -> str | None:
@@ -162,7 +171,7 @@ def damage(key: str, entry) -> str | None:
     chosen plan among its timings, and has at least one plan that ran (a finite time)."""
     if not isinstance(entry, dict):
         return "an entry is not an object"
-    for name, spec in ENTRY_FIELDS["plan" if key.startswith(PLAN) else "node"].items():
+    for name, spec in ENTRY_FIELDS[kind(key)].items():
         if name not in entry:
             if spec.required:
                 return f"{name!r} is missing"
@@ -327,6 +336,12 @@ def plan_key(model_digest: str, shapes: Sequence, threads: int, version: str) ->
     source (`version`, timing_version(): the last field)."""
     dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
     return f"{PLAN}{model_digest}|{dims}|t{threads}|{version}"
+
+
+def convert_key(shape: Sequence[int], block: int, threads: int, version: str) -> str:
+    """What a layout conversion's timing depends on: the NCHW shape, the block, threads, the
+    kernels' source."""
+    return f"{CONVERT}{'x'.join(map(str, shape))}|b{block}|t{threads}|{version}"
 
 
 def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:

@@ -1,0 +1,108 @@
+"""Per-node choices that count what they cost their neighbours: the layout conversions at the
+borders of a blocked region.
+
+Each fused node's tactics are timed alone (Chooser.time_tactics), on inputs already in the form
+the tactic reads. In a plan, a node whose fastest tactic reads NCHW between two blocked ones
+costs two conversions its timing never saw: ShuffleNet's MaxPool ran its NCHW tactic 10 us
+faster than its blocked one, and the plan converted the stem's 24 x 112 x 112 output out of the
+blocked layout and back for it, 190 us (bench/NOTES.md, "ShuffleNet without islands"). So the
+per-node choices are revised as a whole:
+
+    cost = sum over fused nodes of their tactic's time
+         + sum over values of the conversions their readers need from the form they are made in
+
+each conversion timed once per shape and block (cached with the tactics), and one node at a
+time moves to the tactic that lowers the cost most, until none does. A node keeps its choice
+unless another is cheaper by the conversions it saves, so this never undoes a per-node choice
+that pays for itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fusion.catalog import Tactic
+from fusion.graph import GraphView
+from fusion.runtime.tactics import ONNXRUNTIME
+
+NCHW = "nchw"
+PASSES = 8  # over every node; each pass that moves a node lowers the cost, so few are needed
+
+# (value's NCHW shape, block) -> (seconds NCHW -> blocked, seconds blocked -> NCHW)
+ConvertTimes = Callable[[tuple, int], tuple[float, float]]
+
+
+def reads_and_writes(node, tactic: Tactic | None, out_block: int) -> tuple[dict, dict]:
+    """The form (NCHW, or a block size) each input `tactic` reads and each output it writes,
+    by value name (None: the node's body in onnxruntime, all NCHW)."""
+    reads = {v: NCHW for v in node.input if v}
+    writes = {v: NCHW for v in node.output if v}
+    if tactic is not None:
+        for pos, block in zip(tactic.blocked_inputs, tactic.in_blocks, strict=True):
+            reads[node.input[pos]] = block
+        for pos in tactic.blocked_outputs:
+            writes[node.output[pos]] = out_block
+    return reads, writes
+
+
+def revise(view: GraphView, choices: dict, options: dict, times: dict, shapes: dict,
+           out_block: int, convert_times: ConvertTimes) -> dict:  # fmt: skip
+    """`choices` (fused node index -> Tactic, or None for its body) revised as the module
+    says. options[i]: the tactics node i may take (None among them for the body); times[i]:
+    their seconds by name (ONNXRUNTIME for the body); nodes without `times` keep their choice.
+    shapes: value -> NCHW shape where known (a value of unknown shape costs nothing to
+    convert: it cannot be timed)."""
+    choices = dict(choices)
+    forms = {i: reads_and_writes(view.nodes[i], t, out_block) for i, t in choices.items()}
+
+    def made_in(value: str):
+        producer = view.producer.get(value)
+        if producer is None or producer[0] not in forms:
+            return NCHW  # a feed, a constant, an island's output
+        return forms[producer[0]][1].get(value, NCHW)
+
+    def needed(value: str) -> set:
+        wanted = {NCHW} if view.is_graph_output(value) else set()
+        for j in view.consumers.get(value, ()):
+            wanted.add(forms[j][0].get(value, NCHW) if j in forms else NCHW)
+        return wanted
+
+    def conversions(value: str) -> float:
+        shape = shapes.get(value)
+        if shape is None or len(shape) != 4 or view.constant(value) is not None:
+            return 0.0
+        made, wanted = made_in(value), needed(value) - {made_in(value)}
+        if not wanted:
+            return 0.0
+        cost = 0.0
+        if made != NCHW:  # every other form goes through NCHW
+            cost += convert_times(shape, made)[1]
+        for form in wanted - {NCHW}:
+            cost += convert_times(shape, form)[0]
+        return cost
+
+    def node_time(i: int, tactic: Tactic | None) -> float:
+        return times[i].get(ONNXRUNTIME if tactic is None else tactic.name, float("inf"))
+
+    def border_cost(i: int) -> float:
+        node = view.nodes[i]
+        return sum(conversions(v) for v in {*node.input, *node.output} if v)
+
+    for _ in range(PASSES):
+        moved = False
+        for i in sorted(times):
+            current = choices[i]
+            best, best_cost = current, node_time(i, current) + border_cost(i)
+            for tactic in options[i]:
+                if tactic is current or node_time(i, tactic) == float("inf"):
+                    continue
+                forms[i] = reads_and_writes(view.nodes[i], tactic, out_block)
+                cost = node_time(i, tactic) + border_cost(i)
+                if cost < best_cost:
+                    best, best_cost = tactic, cost
+            choices[i] = best
+            forms[i] = reads_and_writes(view.nodes[i], best, out_block)
+            moved |= best is not current
+        if not moved:
+            break
+    return choices
