@@ -107,8 +107,8 @@ class GraphView:
                 types.setdefault(vi.name, vt)
         for vi in list(self.graph.input) + list(self.graph.output):
             vt = _value_type(vi.type)
-            if vt is not None:
-                types[vi.name] = vt  # declarations win over inference
+            if vt is not None and (vt.shape is not None or vi.name not in types):
+                types[vi.name] = vt  # declarations win over inference (unless shapeless)
         self.__dict__["_types"] = types  # refine_types reads them through type_of
 
         hinted = []  # the model without its weights' bytes, copied once if a round needs it

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from fusion.graph import node_label
+from fusion.graph import GraphView, node_label
 
 
 @dataclass
@@ -26,16 +26,16 @@ class Flops:
 
 
 def inferred_shapes(model: onnx.ModelProto, feeds: dict | None = None) -> dict[str, list[int]]:
-    """Every value's shape that ONNX shape inference can work out for these feeds' shapes
-    (initializers included); values of unknown or symbolic shape are left out."""
-    inferred = onnx.shape_inference.infer_shapes(_with_input_shapes(model, feeds or {}))
-    shapes = {t.name: list(t.dims) for t in inferred.graph.initializer}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-            if all(d is not None for d in dims):
-                shapes[vi.name] = dims
+    """Every value's shape that the graph's types work out for these feeds' shapes
+    (GraphView's: ONNX shape inference, and the sizes it leaves to Shape arithmetic, as in
+    TorchScript's ShuffleNet), initializers included; values of unknown or symbolic shape are
+    left out."""
+    view = GraphView(_with_input_shapes(model, feeds or {}))
+    shapes = {}
+    for name in {*view.producer, *view.graph_inputs, *view.initializers}:
+        vt = view.type_of(name)
+        if vt is not None and vt.shape is not None and all(isinstance(d, int) for d in vt.shape):
+            shapes[name] = list(vt.shape)
     return shapes
 
 
@@ -103,4 +103,7 @@ def _with_input_shapes(model: onnx.ModelProto, feeds: dict) -> onnx.ModelProto:
             for d in np.shape(feeds[vi.name]):
                 shape.dim.add().dim_value = int(d)
     del copy.graph.value_info[:]  # stale symbolic shapes would win over the inferred ones
+    for vi in copy.graph.output:  # so would the outputs' declared ones
+        if vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.ClearField("shape")
     return copy
