@@ -288,7 +288,8 @@ def prepare_conv_nchwc(
     channels per block, the SIMD width the kernel computes at (8 or 16; default the process's,
     kernels.simd.width()); in_block: the input's channels per block (default: `block`, or C
     when C < block and group is 1, as kernels.blocked.block_size gives; `block` for an input
-    another blocked kernel wrote at its width whatever its channel count)."""
+    another blocked kernel wrote at its width whatever its channel count; 1 with group 1: an
+    NCHW array read as it lies, reshaped to [N, C, H, W, 1], as a stem's image arrives)."""
     if not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4:
         raise ValueError(f"weight must be a float32 array [M, C/group, kh, kw], got {weight!r:.80}")
     m, cg, kh, kw = weight.shape
@@ -335,7 +336,8 @@ def prepare_conv_nchwc(
         common["group"] = group
     bi = (block if c >= block else c) if group == 1 and not narrow else block
     if in_block is not None:
-        if in_block not in (bi, block):
+        plain = in_block == 1 and group == 1 and not narrow  # NCHW itself: [N, C, H, W, 1]
+        if in_block not in (bi, block) and not plain:
             raise ValueError(f"in_block must be {block} or {bi} for {c} channels, got {in_block}")
         bi = in_block
     mg = m // group

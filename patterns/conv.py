@@ -442,10 +442,31 @@ class ConvKernel:
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
             )  # fmt: skip
 
+        def nchw_in_tactic(plan):
+            """The direct kernel reading x in NCHW, as blocks of one channel: a stem's image
+            (C under a block) is not converted to the blocked layout first (3 x 224 x 224:
+            25-60 us, or the plan takes an NCHW tactic there to avoid it)."""
+
+            def run_nchw_in(x, *others):
+                r = others[RESIDUAL_SLOT - 1] if residual else None
+                x5 = np.ascontiguousarray(x).reshape(*x.shape, 1)
+                return (conv_nchwc(x5, plan, residual=r),)
+
+            return Tactic(
+                f"blocked-f{plan.fb}-nchw-in", run_nchw_in,
+                blocked_inputs=(RESIDUAL_SLOT,) if residual else (),
+                in_blocks=(plan.block,) if residual else (),
+                blocked_outputs=(0,), out_channels=(weight.shape[0],),
+            )  # fmt: skip
+
         plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
+        stems = []  # the first tile's plan reading NCHW, for an input narrower than a block
+        if plans and attrs["group"] == 1 and weight.shape[1] < plans[0].block:
+            stems = [blocked_plan(attrs, weight, bias, plans[0].fb, in_block=1)]
         self.winograd_reasons = {t: winograd_reason(attrs, weight, rank, t) for t in (2, 4)}
         winos = [wino_tactic(t) for t, why in self.winograd_reasons.items() if why is None]
-        self.tactics = [*map(blocked_tactic, plans), *winos, Tactic(f"nchw-{nchw.method}", run)]
+        self.tactics = [*map(blocked_tactic, plans), *map(nchw_in_tactic, stems), *winos,
+                        Tactic(f"nchw-{nchw.method}", run)]  # fmt: skip
 
     def __call__(self, x, *others):
         return self.run(x, *others)

@@ -29,6 +29,7 @@ from kernels.conv_nchwc import (
     tile_rows,
 )
 from kernels.simd import width
+from patterns.conv import RESIDUAL_SLOT as RESIDUAL
 
 RTOL, ATOL = 1e-4, 1e-5
 BLOCKS = (8, 16)
@@ -170,6 +171,63 @@ def test_against_onnxruntime(shape, block):
         pytest.skip(supports(wt.shape, attrs["group"], block))
     got = run_blocked(x, wt, b, attrs, "relu", block=block)
     assert_close(got, reference(x, wt, b, attrs, "relu"), RTOL, ATOL)
+
+
+NCHW_IN = [s for s in SHAPES if s[6].get("group", 1) == 1][:8] + [
+    (2, 3, 24, 30, 31, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1)}),  # a stem, odd width
+]
+
+
+@pytest.mark.parametrize("residual", [None, "after"])
+@pytest.mark.parametrize(
+    ("shape", "block"), [(s, b) for s in NCHW_IN for b in BLOCKS],
+    ids=lambda v: f"{v[:6]}{v[6]}" if isinstance(v, tuple) else f"b{v}",
+)  # fmt: skip
+def test_nchw_input_read_as_blocks_of_one(shape, block, residual):
+    """in_block=1: the NCHW array itself, reshaped to [N, C, H, W, 1] (a stem's image read
+    without a conversion), against onnxruntime."""
+    n, c, m, h, w, k, attrs = shape
+    x, wt, b, attrs = case(n, c, m, h, w, k, **attrs)
+    plan = prepare_conv_nchwc(
+        wt, b, strides=attrs.get("strides", (1, 1)), pads=attrs.get("pads", (0, 0, 0, 0)),
+        dilations=attrs.get("dilations", (1, 1)), activation="relu", residual=residual,
+        block=block, in_block=1,
+    )  # fmt: skip
+    r = np.random.default_rng(1).standard_normal(reference(x, wt, b, attrs).shape)
+    r = r.astype(np.float32)
+    rb = to_blocked(r, block=block) if residual else None
+    got = from_blocked(conv_nchwc(x.reshape(*x.shape, 1), plan, residual=rb), m)
+    assert_close(got, reference(x, wt, b, attrs, "relu", residual, r), RTOL, ATOL)
+
+
+@pytest.mark.parametrize("residual", [None, "after"])
+def test_a_stem_offers_a_tactic_reading_nchw(residual):
+    """A conv on fewer channels than a block offers the direct kernel on its NCHW input (no
+    input conversion: blocked_inputs holds the residual alone), equal to the NCHW kernel; a
+    wider one does not."""
+    from patterns.conv import ConvKernel
+
+    attrs = {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1,
+             "auto_pad": "NOTSET", "activation": "relu", "residual": residual}  # fmt: skip
+    x, wt, b, _ = case(2, 3, 24, 17, 20, 3)
+    kernel = ConvKernel(attrs, wt, b, 4)
+    stems = [t for t in kernel.tactics if t.name.endswith("-nchw-in")]
+    assert len(stems) == 1 and stems[0].blocked_outputs == (0,)
+    assert stems[0].blocked_inputs == ((RESIDUAL,) if residual else ())
+    r = np.random.default_rng(2).standard_normal((2, 24, 9, 10)).astype(np.float32)
+    args = [x] + [None] * (RESIDUAL - 1) + [r] if residual else [x]
+    want = kernel(*args)[0]
+    if residual:
+        args[RESIDUAL] = to_blocked(r, block=stems[0].in_blocks[0])
+    assert_close(from_blocked(stems[0].run(*args)[0], 24), want, RTOL, ATOL)
+    _, wide, b, _ = case(1, 32, 24, 5, 5, 3)
+    assert not [t for t in ConvKernel(attrs, wide, b, 4).tactics if t.name.endswith("-nchw-in")]
+
+
+def test_blocks_of_one_only_for_whole_convs():
+    x, wt, b, attrs = case(1, 32, 32, 5, 5, 3, group=2)
+    with pytest.raises(ValueError, match="in_block must be"):
+        prepare_conv_nchwc(wt, b, group=2, in_block=1, block=16)
 
 
 @pytest.mark.parametrize("activation", list(ACTS))
