@@ -83,3 +83,22 @@ def test_forms_of_a_tactic():
     node = onnx.helper.make_node("Op", ["a", "w"], ["b"], domain="fusion")
     assert reads_and_writes(node, BLOCKED, 16) == ({"a": 16, "w": NCHW}, {"b": 16})
     assert reads_and_writes(node, None, 16) == ({"a": NCHW, "w": NCHW}, {"b": NCHW})
+
+
+def test_two_nodes_that_must_move_together():
+    """A stem that can write blocked (reading NCHW) and a pool after it, both fastest in NCHW
+    alone, before a blocked-only node: either moving alone adds a conversion, both moving
+    removes one. The walk from every node's fastest blocked tactic finds it."""
+    stem = Tactic("stem", print, blocked_outputs=(0,), out_channels=(24,))
+    view = chain()
+    times = {0: {"nchw": 10e-6, "stem": 12e-6, ONNXRUNTIME: 1.0},
+             1: {"nchw": 10e-6, "blocked": 12e-6, ONNXRUNTIME: 1.0},
+             2: {"blocked": 1e-6, ONNXRUNTIME: 1.0}}  # fmt: skip
+    options = {0: [stem, PLAIN, None], 1: [BLOCKED, PLAIN, None], 2: [BLOCKED, None]}
+    choices = {0: PLAIN, 1: PLAIN, 2: BLOCKED}
+    shapes = {"x": SHAPE, "v0": SHAPE, "v1": SHAPE, "y": SHAPE}
+    convert, _ = converting(50e-6)
+    got = revise(view, choices, options, times, shapes, 16, convert)
+    assert got == {0: stem, 1: BLOCKED, 2: BLOCKED}
+    cheap, _ = converting(0.0)  # free conversions: the fastest alone stay
+    assert revise(view, choices, options, times, shapes, 16, cheap) == choices

@@ -14,7 +14,9 @@ per-node choices are revised as a whole:
 each conversion timed once per shape and block (cached with the tactics), and one node at a
 time moves to the tactic that lowers the cost most, until none does. A node keeps its choice
 unless another is cheaper by the conversions it saves, so this never undoes a per-node choice
-that pays for itself.
+that pays for itself. One node at a time can stall where two must move together (a stem conv
+and the pool after it, both NCHW: either alone going blocked adds a conversion), so the walk
+also starts from every node on its fastest blocked tactic, and the cheaper end is kept.
 """
 
 from __future__ import annotations
@@ -52,57 +54,80 @@ def revise(view: GraphView, choices: dict, options: dict, times: dict, shapes: d
     their seconds by name (ONNXRUNTIME for the body); nodes without `times` keep their choice.
     shapes: value -> NCHW shape where known (a value of unknown shape costs nothing to
     convert: it cannot be timed)."""
-    choices = dict(choices)
-    forms = {i: reads_and_writes(view.nodes[i], t, out_block) for i, t in choices.items()}
-
-    def made_in(value: str):
-        producer = view.producer.get(value)
-        if producer is None or producer[0] not in forms:
-            return NCHW  # a feed, a constant, an island's output
-        return forms[producer[0]][1].get(value, NCHW)
-
-    def needed(value: str) -> set:
-        wanted = {NCHW} if view.is_graph_output(value) else set()
-        for j in view.consumers.get(value, ()):
-            wanted.add(forms[j][0].get(value, NCHW) if j in forms else NCHW)
-        return wanted
-
-    def conversions(value: str) -> float:
-        shape = shapes.get(value)
-        if shape is None or len(shape) != 4 or view.constant(value) is not None:
-            return 0.0
-        made, wanted = made_in(value), needed(value) - {made_in(value)}
-        if not wanted:
-            return 0.0
-        cost = 0.0
-        if made != NCHW:  # every other form goes through NCHW
-            cost += convert_times(shape, made)[1]
-        for form in wanted - {NCHW}:
-            cost += convert_times(shape, form)[0]
-        return cost
 
     def node_time(i: int, tactic: Tactic | None) -> float:
         return times[i].get(ONNXRUNTIME if tactic is None else tactic.name, float("inf"))
 
-    def border_cost(i: int) -> float:
-        node = view.nodes[i]
-        return sum(conversions(v) for v in {*node.input, *node.output} if v)
+    def blocked_start(i: int) -> Tactic | None:
+        fast = [t for t in options[i] if t is not None and (t.blocked_inputs or t.blocked_outputs)
+                and node_time(i, t) < float("inf")]  # fmt: skip
+        return min(fast, key=lambda t: node_time(i, t)) if fast else choices[i]
 
-    for _ in range(PASSES):
-        moved = False
-        for i in sorted(times):
-            current = choices[i]
-            best, best_cost = current, node_time(i, current) + border_cost(i)
-            for tactic in options[i]:
-                if tactic is current or node_time(i, tactic) == float("inf"):
-                    continue
-                forms[i] = reads_and_writes(view.nodes[i], tactic, out_block)
-                cost = node_time(i, tactic) + border_cost(i)
-                if cost < best_cost:
-                    best, best_cost = tactic, cost
-            choices[i] = best
-            forms[i] = reads_and_writes(view.nodes[i], best, out_block)
-            moved |= best is not current
-        if not moved:
-            break
-    return choices
+    ends = []
+    for start in (dict(choices), {i: blocked_start(i) if i in times else t
+                                  for i, t in choices.items()}):  # fmt: skip
+        walk = _Walk(view, start, out_block, shapes, convert_times)
+        walk.descend(options, times, node_time)
+        ends.append((walk.total(times, node_time), walk.choices))
+    return min(ends, key=lambda end: end[0])[1]
+
+
+class _Walk:
+    """Choices, the forms they read and write, and the cost of the conversions between."""
+
+    def __init__(self, view, choices, out_block, shapes, convert_times):
+        self.view, self.choices, self.out_block = view, choices, out_block
+        self.shapes, self.convert_times = shapes, convert_times
+        self.forms = {i: reads_and_writes(view.nodes[i], t, out_block) for i, t in choices.items()}
+
+    def made_in(self, value: str):
+        producer = self.view.producer.get(value)
+        if producer is None or producer[0] not in self.forms:
+            return NCHW  # a feed, a constant, an island's output
+        return self.forms[producer[0]][1].get(value, NCHW)
+
+    def needed(self, value: str) -> set:
+        wanted = {NCHW} if self.view.is_graph_output(value) else set()
+        for j in self.view.consumers.get(value, ()):
+            wanted.add(self.forms[j][0].get(value, NCHW) if j in self.forms else NCHW)
+        return wanted
+
+    def conversions(self, value: str) -> float:
+        shape = self.shapes.get(value)
+        if shape is None or len(shape) != 4 or self.view.constant(value) is not None:
+            return 0.0
+        made = self.made_in(value)
+        wanted = self.needed(value) - {made}
+        cost = self.convert_times(shape, made)[1] if wanted and made != NCHW else 0.0
+        return cost + sum(self.convert_times(shape, form)[0] for form in wanted - {NCHW})
+
+    def border_cost(self, i: int) -> float:
+        node = self.view.nodes[i]
+        return sum(self.conversions(v) for v in {*node.input, *node.output} if v)
+
+    def total(self, times: dict, node_time) -> float:
+        values = {v for i in self.forms for n in (self.view.nodes[i],) for v in
+                  (*n.input, *n.output) if v}  # fmt: skip
+        return sum(node_time(i, self.choices[i]) for i in times) + sum(
+            self.conversions(v) for v in values
+        )
+
+    def descend(self, options: dict, times: dict, node_time) -> None:
+        """One node at a time to its cheapest tactic, given the others', until none moves."""
+        for _ in range(PASSES):
+            moved = False
+            for i in sorted(times):
+                current = self.choices[i]
+                best, best_cost = current, node_time(i, current) + self.border_cost(i)
+                for tactic in options[i]:
+                    if tactic is current or node_time(i, tactic) == float("inf"):
+                        continue
+                    self.forms[i] = reads_and_writes(self.view.nodes[i], tactic, self.out_block)
+                    cost = node_time(i, tactic) + self.border_cost(i)
+                    if cost < best_cost:
+                        best, best_cost = tactic, cost
+                self.choices[i] = best
+                self.forms[i] = reads_and_writes(self.view.nodes[i], best, self.out_block)
+                moved |= best is not current
+            if not moved:
+                break
