@@ -36,6 +36,7 @@ __all__ = [
     "maxpool_blocked",
     "output_shape",
     "prepare_maxpool",
+    "tiled_average_pool",
 ]
 
 # onnxruntime starts every window at the lowest float (a window with no tap inside the image,
@@ -301,4 +302,66 @@ def global_average_pool_blocked(xb, channels: int):
                          f"{channels} channels, got {xb.shape!r}")  # fmt: skip
     y = np.empty((n, channels), np.float32)
     _block_means(lanes(b), np.ascontiguousarray(xb).reshape(n, cb, h * w, b), y)
+    return y
+
+
+# ---- AveragePool with windows that tile the image (DenseNet's transitions) -----------------
+@numba.jit(**PARALLEL)
+def _tiled_means(x4, y4, kh, kw):
+    """y4[q, i, j, l] = mean of x4[q, i kh + a, j kw + c, l] over the kh x kw window, for
+    planes q of [H, W, b] pixels (b = 1: NCHW planes; a block of another width than the
+    vectors'). Summed row by row of the window, then divided by its size (onnxruntime's order
+    for an AveragePool without padding). One work item: one output row of one plane."""
+    q_len, oh_len, ow_len, b = y4.shape
+    count = np.float32(kh * kw)
+    for item in numba.prange(q_len * oh_len):
+        t = np.int64(item)  # prange's index is unsigned
+        q, i = t // oh_len, t % oh_len
+        for j in range(ow_len):
+            for lane in range(b):
+                s = np.float32(0.0)
+                for a in range(kh):
+                    for c in range(kw):
+                        s += x4[q, i * kh + a, j * kw + c, lane]
+                y4[q, i, j, lane] = s / count
+
+
+@numba.jit(**PARALLEL)
+def _tiled_means_blocked(L, x4, y4, kh, kw):
+    """_tiled_means for blocks of the vectors' width: each output pixel one vector, the sum of
+    the window's kh x kw input vectors (in the same order), divided by its size."""
+    q_len, h, w = x4.shape[0], x4.shape[1], x4.shape[2]
+    oh_len, ow_len, b = y4.shape[1], y4.shape[2], L.width
+    xf, yf = x4.reshape(-1), y4.reshape(-1)
+    count = np.float32(kh * kw)
+    for item in numba.prange(q_len * oh_len):
+        t = np.int64(item)  # prange's index is unsigned
+        q, i = t // oh_len, t % oh_len
+        for j in range(ow_len):
+            s = vzero(L)
+            for a in range(kh):
+                row = ((q * h + i * kh + a) * w + j * kw) * b
+                for c in range(kw):
+                    s += vload(L, xf, row + c * b)
+            vstore(yf, ((q * oh_len + i) * ow_len + j) * b, s / count)
+
+
+def tiled_average_pool(x, kh: int, kw: int):
+    """AveragePool with kh x kw windows, strides the window, no padding (a remainder row or
+    column dropped, as ONNX's floor does) of a float32 NCHW [N, C, H, W] or blocked [N, CB, H,
+    W, b] array; the output in the same layout."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim not in (4, 5):
+        raise ValueError(f"x must be a float32 NCHW or blocked array, got {x!r:.60}")
+    if kh < 1 or kw < 1:
+        raise ValueError(f"the window must be at least 1 x 1, got {kh} x {kw}")
+    n, c, h, w = x.shape[:4]
+    b = x.shape[4] if x.ndim == 5 else 1
+    oh, ow = h // kh, w // kw
+    y = empty((n, c, oh, ow, b)) if x.ndim == 5 else np.empty((n, c, oh, ow), np.float32)
+    if y.size:
+        x4, y4 = np.ascontiguousarray(x).reshape(n * c, h, w, b), y.reshape(n * c, oh, ow, b)
+        if b in WIDTHS and b > 1:
+            _tiled_means_blocked(lanes(b), x4, y4, kh, kw)
+        else:
+            _tiled_means(x4, y4, kh, kw)
     return y

@@ -279,6 +279,22 @@ def test_tiling_average_pool_fuses_and_runs(k):
             assert_close(got[0], want, 1e-6, 1e-6, what=f"{tactic} {shape}")
 
 
+@pytest.mark.parametrize("block", [None, 8, 16])  # NCHW, then both SIMD widths' blocks
+@pytest.mark.parametrize(("kh", "kw"), [(2, 3), (3, 1), (1, 1)])
+def test_tiled_average_pool_kernel_on_rectangular_windows(kh, kw, block):
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.pool import tiled_average_pool
+
+    x = np.random.default_rng(1).standard_normal((2, 19, 8, 10)).astype(np.float32)
+    oh, ow = 8 // kh, 10 // kw
+    want = x[:, :, : oh * kh, : ow * kw].reshape(2, 19, oh, kh, ow, kw).mean(axis=(3, 5))
+    if block is None:
+        got = tiled_average_pool(x, kh, kw)
+    else:
+        got = from_blocked(tiled_average_pool(to_blocked(x, block=block), kh, kw), 19)
+    assert_close(got, want.astype(np.float32), 1e-6, 1e-6)
+
+
 def test_overlapping_or_padded_average_pool_is_declined():
     g = GraphBuilder()
     y = g.node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1],
