@@ -119,6 +119,10 @@ class GraphView:
             model = hinted[0]
             del model.graph.value_info[:]  # ONNX keeps a declared unk__N over what it infers
             for out in model.graph.output:
+                if out.name in dims:  # ONNX takes an output's type from its declaration
+                    out.type.CopyFrom(make_tensor_value_info(out.name, 0, dims[out.name]).type)
+                    out.type.tensor_type.elem_type = types[out.name].elem_type
+                    continue
                 for dim in out.type.tensor_type.shape.dim:
                     if dim.dim_param.startswith("unk__"):
                         dim.Clear()
@@ -128,7 +132,12 @@ class GraphView:
             found = {name: _value_type(vi.type) for name, vi in self._inferred(model).items()}
             return {name: vt for name, vt in found.items() if vt is not None}
 
-        refine_types(self, types, infer)
+        declared = dict(types)
+        try:
+            refine_types(self, types, infer)
+        except Exception:  # noqa: BLE001 (refinement is best effort: ONNX's types stand)
+            types.clear()
+            types.update(declared)
         return types
 
     @staticmethod

@@ -14,6 +14,7 @@ this module).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from onnx import TensorProto
 from onnx.numpy_helper import to_array as onnx_numpy
@@ -72,8 +73,18 @@ def absorb_shapes(view, nodes: list[int], outputs) -> tuple[list[int], set, list
 
 Entry = int | tuple[str, int] | None  # a constant, (value, axis): that value's dim, or unknown
 Known = dict  # (value, axis) -> its size, where a rule knows it (a head tensor's head size)
+
+
+def _div(a: int, b: int) -> int | None:
+    """ONNX's integer Div: the quotient rounded toward zero (Python's // rounds down)."""
+    if not b:
+        return None
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
 _ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
-          "Div": lambda a, b: a // b if b else None, "Equal": lambda a, b: int(a == b)}  # fmt: skip
+          "Div": _div, "Equal": lambda a, b: int(a == b)}  # fmt: skip
 
 
 def shape_entries(view, value: str, known: Known | None = None,
@@ -88,11 +99,14 @@ def shape_entries(view, value: str, known: Known | None = None,
     [-1], [8]), dynamo as Concat(Shape(x, start=0, end=1), ...): either way a rule can tell
     that the target is [q's batch, q's sequence, -1, 8] without knowing those sizes. torch's
     expand writes its target t as Where(Equal(t, -1), 1, t): a size read from a tensor is
-    never -1, so that is t."""
+    never -1, so that is t. Only integer arithmetic is followed: a float constant, or a Cast
+    to a float type (x.size(1) * 0.5 traced), gives None, never a truncated guess."""
     known = known or {}
     const = view.constant(value)
     if const is not None:
-        return [int(d) for d in const.reshape(-1)] if const.ndim <= 1 else None
+        if const.ndim > 1 or const.dtype.kind not in "iub":
+            return None
+        return [int(d) for d in const.reshape(-1)]
     producer = view.producer.get(value)
     if producer is None or depth == 0:
         return None
@@ -117,6 +131,8 @@ def shape_entries(view, value: str, known: Known | None = None,
         start, end = attrs.get("start", 0), attrs.get("end", rank)
         dims = [(ins[0], axis) for axis in range(rank)[slice(start, end)]]
         return [known.get(d, d) for d in dims]
+    if op == "Cast" and attrs.get("to") not in INTEGER:
+        return None  # float arithmetic on sizes: not followed
     if op in ("Cast", "Identity", "Unsqueeze", "Squeeze"):  # a scalar is a list of one here
         return entries(0)
     if op == "Reshape":  # of a shape tensor: only to 1-D
@@ -194,7 +210,10 @@ _ROUNDS = 64
 
 
 def unknown(dim) -> bool:
-    """A dim no rule can use: missing, or a name ONNX's inference made up for it."""
+    """A dim no rule can use: missing, a name ONNX's inference made up for it, or a negative
+    number (a model may declare -1)."""
+    if isinstance(dim, int):
+        return dim < 0
     return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
 
 
@@ -211,7 +230,7 @@ def refine_types(view, types: dict, infer) -> None:
     found: dict[str, tuple] = {}
     for _ in range(_ROUNDS):
         known = {(value, axis): d for value, t in types.items() if t.shape
-                 for axis, d in enumerate(t.shape) if isinstance(d, int)}  # fmt: skip
+                 for axis, d in enumerate(t.shape) if isinstance(d, int) and d >= 0}  # fmt: skip
         new = {}
         for node in view.nodes:
             if node.domain in ("", "ai.onnx") and node.op_type in ("Reshape", "Slice"):
@@ -221,11 +240,17 @@ def refine_types(view, types: dict, infer) -> None:
         if not new:
             return
         found |= new
-        inferred = infer(found)
-        for value, vt in inferred.items():
+        changed = False
+        for value, dims in new.items():  # what ONNX may not take (a graph output's hint)
+            old = types.get(value)
+            if old is not None and (old.shape is None or _better(dims, old.shape)):
+                types[value], changed = replace(old, shape=dims), True
+        for value, vt in infer(found).items():
             old = types.get(value)
             if old is None or old.shape is None or _better(vt.shape, old.shape):
-                types[value] = vt
+                types[value], changed = vt, True
+        if not changed:
+            return
 
 
 def _better(new: tuple | None, old: tuple) -> bool:
@@ -271,7 +296,7 @@ def _reshape_dims(view, node, source, known: dict) -> list | None:
             entry = source.shape[k] if k < len(source.shape) else None
         elif entry is not None and entry < -1:
             return None
-        dims.append(None if unknown(entry) else entry)
+        dims.append(entry if entry == -1 else None if unknown(entry) else entry)
     if dims.count(-1) == 1:  # the rest of the elements: symbols cancel when both sides have them
         rest = [d for d in dims if d != -1]
         known_sizes = all(d is not None and not unknown(d) for d in [*rest, *source.shape])

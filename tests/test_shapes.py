@@ -84,3 +84,53 @@ def test_nothing_is_made_up():
     view = GraphView(model)
     shape = view.type_of(a).shape
     assert shape is None or not isinstance(shape[1], int)
+
+
+def test_float_arithmetic_on_a_size_is_not_followed():
+    """x[:, :int(x.size(1) * 0.5)] traced: Cast to float, Mul 0.5, Cast back. Not an integer
+    computation: the size stays unknown rather than a truncated guess (it was 0)."""
+    gb = GraphBuilder(opset=17)
+    c = gb.node("Cast", [scalar_dim(gb, "x", 1)], to=onnx.TensorProto.FLOAT)
+    half = gb.node("Mul", [c, gb.const(np.array(0.5, np.float32))])
+    end = gb.node("Unsqueeze", [gb.node("Cast", [half], to=onnx.TensorProto.INT64),
+                                gb.const(np.array([0], np.int64))])  # fmt: skip
+    one = gb.const(np.array([1], np.int64))
+    y = gb.node("Relu", [gb.node("Slice", ["x", gb.const(np.array([0], np.int64)), end, one])])
+    view = GraphView(gb.model({"x": ["N", 8, 4, 4]}, [y]))
+    shape = view.type_of(y).shape
+    assert shape is None or not isinstance(shape[1], int)
+
+
+def test_integer_division_rounds_toward_zero():
+    from fusion.shapes import _div
+
+    assert [_div(7, 2), _div(-7, 2), _div(7, -2), _div(-7, -2), _div(1, 0)] == [3, -3, -3, 3, None]
+
+
+def test_a_declared_negative_size_is_unknown_not_an_error():
+    model, (a, _) = chunk_model(6)
+    model.graph.input[0].type.tensor_type.shape.dim[3].dim_value = -1
+    view = GraphView(model)
+    assert view.type_of(a).shape[1] == 3  # the channels still follow
+
+
+def test_a_slice_that_is_a_graph_output_gets_its_size_in_one_round(monkeypatch):
+    """ONNX takes an output's type from its declaration, not from value_info hints: the
+    size is set directly, and the rounds stop when nothing changes (they ran all 64)."""
+    import fusion.graph
+
+    gb = GraphBuilder(opset=17)
+    c = gb.node("Unsqueeze", [scalar_dim(gb, "x", 1), gb.const(np.array([0], np.int64))])
+    half = gb.node("Div", [c, gb.const(np.array([2], np.int64))])
+    one = gb.const(np.array([1], np.int64))
+    y = gb.node("Slice", ["x", gb.const(np.array([0], np.int64)), half, one])
+    model = gb.model({"x": ["N", 6, 5, 5]}, [y])
+    calls = []
+    real = fusion.graph.refine_types
+
+    def counting(view, types, infer):
+        return real(view, types, lambda dims: calls.append(1) or infer(dims))
+
+    monkeypatch.setattr(fusion.graph, "refine_types", counting)
+    assert GraphView(model).type_of(y).shape == ("N", 3, 5, 5)
+    assert len(calls) <= 2
