@@ -81,8 +81,12 @@ def test_a_node_may_go_to_its_body_or_leave_it():
 
 def test_forms_of_a_tactic():
     node = onnx.helper.make_node("Op", ["a", "w"], ["b"], domain="fusion")
-    assert reads_and_writes(node, BLOCKED, 16) == ({"a": 16, "w": NCHW}, {"b": 16})
-    assert reads_and_writes(node, None, 16) == ({"a": NCHW, "w": NCHW}, {"b": NCHW})
+    assert reads_and_writes(node, BLOCKED, 16) == ({"a": {16}, "w": {NCHW}}, {"b": 16})
+    assert reads_and_writes(node, None, 16) == ({"a": {NCHW}, "w": {NCHW}}, {"b": NCHW})
+    residual = Tactic("nchw-in", print, blocked_inputs=(1,), in_blocks=(16,),
+                      blocked_outputs=(0,), out_channels=(8,))  # fmt: skip
+    twice = onnx.helper.make_node("Op", ["x", "x"], ["y"], domain="fusion")  # conv(x) + x
+    assert reads_and_writes(twice, residual, 16)[0] == {"x": {NCHW, 16}}
 
 
 def test_two_nodes_that_must_move_together():

@@ -35,15 +35,19 @@ ConvertTimes = Callable[[tuple, int], tuple[float, float]]
 
 
 def reads_and_writes(node, tactic: Tactic | None, out_block: int) -> tuple[dict, dict]:
-    """The form (NCHW, or a block size) each input `tactic` reads and each output it writes,
-    by value name (None: the node's body in onnxruntime, all NCHW)."""
-    reads = {v: NCHW for v in node.input if v}
+    """The forms (NCHW, or a block size) `tactic` reads each input in, a set (one value at two
+    positions may be read in two: conv(x) + x with x plain and the residual blocked), and the
+    form it writes each output in, by value name (None: the node's body, all NCHW)."""
+    forms = {pos: NCHW for pos, v in enumerate(node.input) if v}
     writes = {v: NCHW for v in node.output if v}
     if tactic is not None:
         for pos, block in zip(tactic.blocked_inputs, tactic.in_blocks, strict=True):
-            reads[node.input[pos]] = block
+            forms[pos] = block
         for pos in tactic.blocked_outputs:
             writes[node.output[pos]] = out_block
+    reads: dict = {}
+    for pos, form in forms.items():
+        reads.setdefault(node.input[pos], set()).add(form)
     return reads, writes
 
 
@@ -89,7 +93,7 @@ class _Walk:
     def needed(self, value: str) -> set:
         wanted = {NCHW} if self.view.is_graph_output(value) else set()
         for j in self.view.consumers.get(value, ()):
-            wanted.add(self.forms[j][0].get(value, NCHW) if j in self.forms else NCHW)
+            wanted |= self.forms[j][0].get(value, {NCHW}) if j in self.forms else {NCHW}
         return wanted
 
     def conversions(self, value: str) -> float:

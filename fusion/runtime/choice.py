@@ -282,7 +282,7 @@ class Chooser:
         from kernels.blocked import from_blocked, to_blocked  # heavy: Numba
 
         key = convert_key(shape, block, self.threads, self._source_version)
-        entry = fresh.get(key) or (None if self.retime else self._cache.get(key))
+        entry = fresh.get(key) or (self._retimed if self.retime else self._cache).get(key)
         if entry is None:
             ensure_threads(self.threads)
             x = random_inputs([shape], [None])[0]
@@ -292,7 +292,7 @@ class Chooser:
                 TO_BLOCKED: time_call(lambda: to_blocked(x, block=block), budget=budget),
                 FROM_BLOCKED: time_call(lambda: from_blocked(xb, shape[1]), budget=budget),
             }
-            entry = fresh[key] = {"times": times}  # fmt: skip
+            entry = fresh[key] = self._retimed[key] = {"times": times}  # fmt: skip
         return entry["times"][TO_BLOCKED], entry["times"][FROM_BLOCKED]
 
     def time_tactics(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:

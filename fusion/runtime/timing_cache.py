@@ -6,7 +6,12 @@ later process on this machine chooses without timing anything (fusion/runtime/ch
           {"times": {"blocked-4x16": 1.2e-05, "nchw-winograd": 2.1e-05, "onnxruntime": 3e-05},
            "written": 1764620000},
       "plan:<model digest>|1x3x32x32|t2|<version>":
-          {"plans": {"per-node": 1.1e-03, "nchw": 1.2e-03, "onnxruntime": 1.3e-03}, ...}}}
+          {"plans": {"per-node": 1.1e-03, "nchw": 1.2e-03, "onnxruntime": 1.3e-03}, ...},
+      "convert:1x24x112x112|b16|t2|<version>":
+          {"times": {"to blocked": 4.1e-05, "from blocked": 6.3e-05}}}}
+
+(A checkout older than the `convert:` entries reads them as node entries without an
+onnxruntime time: it warns once and drops them when it writes; nothing else is lost.)
 
 The file only saves time, so nothing wrong with it fails a command: a file that cannot be read,
 is not a regular file (a FIFO, a symbolic link: neither is followed or waited on), is corrupt or
