@@ -152,11 +152,13 @@ def _vector(a, n):
 
 
 def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_sum=False,
-               width=None):  # fmt: skip
+               width=None, parallel=None):  # fmt: skip
     """LayerNorm (rms=False) or RMSNorm (rms=True) of x + residual over the last axis.
     x float32 [..., N]; gamma, beta [N] (or broadcastable to it); residual broadcastable to x.
     Returns y, or (y, x + residual) with return_sum. width: the lanes, 8 or 16 (None: the
-    process's, kernels.simd.width()).
+    process's, kernels.simd.width()). parallel: rows over the threads (True) or on the calling
+    thread (False); None: in parallel above SERIAL_MAX values (a fused node's tactics time
+    both instead: patterns/layernorm.py).
 
     >>> layer_norm(np.ones((2, 4), np.float32), np.ones(4, np.float32), np.zeros(4, np.float32))
     """
@@ -178,7 +180,7 @@ def layer_norm(x, gamma, beta=None, eps=1e-5, residual=None, rms=False, return_s
     s = np.empty(x2.shape, np.float32) if return_sum else _EMPTY
     args = (lanes(width), x2, r2, residual is not None, s, return_sum)
     rest = (g, b, has_b, np.float32(eps), bool(rms), y)
-    if x2.size > SERIAL_MAX:
+    if (x2.size > SERIAL_MAX) if parallel is None else parallel:
         _layer_norm(*args, *rest, min(x2.shape[0], 4 * get_threads()))
     else:
         norm_rows(*args, 0, x2.shape[0], *rest)

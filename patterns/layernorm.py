@@ -10,7 +10,7 @@ Reciprocal or by 1 / sqrt; Llama's float32 Casts around it (identities in float3
 
 from __future__ import annotations
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
 from patterns.linear_gelu import near
 
@@ -83,12 +83,29 @@ def attributes(m) -> dict:
     return {"epsilon": float(eps)}
 
 
+def row_tactics(run_with):
+    """The kernel run_with(None) (rows in parallel from kernels.layernorm.SERIAL_MAX values on,
+    a threshold measured on one CPU), with tactics that time both drivers on the node's shape:
+    "rows" (that default), "rows-parallel", "rows-serial"."""
+    run = run_with(None)
+    run.tactics = [Tactic("rows", run), Tactic("rows-parallel", run_with(True)),
+                   Tactic("rows-serial", run_with(False))]  # fmt: skip
+    return run
+
+
 def make_kernel(attrs: dict, constants: list, rms: bool = False):
     """LayerNorm (or RMSNorm) of x with g (and b)."""
     from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
 
     eps = attrs["epsilon"]
-    return lambda x, g, b=None: (norm(x, g, None if rms else b, eps, rms=rms),)
+
+    def run_with(parallel):
+        def run(x, g, b=None):
+            return (norm(x, g, None if rms else b, eps, rms=rms, parallel=parallel),)
+
+        return run
+
+    return row_tactics(run_with)
 
 
 def make_rms_kernel(attrs: dict, constants: list):
@@ -100,7 +117,14 @@ def make_skip_kernel(attrs: dict, constants: list):
     from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
 
     eps = attrs["epsilon"]
-    return lambda x, r, g, b=None: norm(x, g, b, eps, residual=r, return_sum=True)
+
+    def run_with(parallel):
+        def run(x, r, g, b=None):
+            return norm(x, g, b, eps, residual=r, return_sum=True, parallel=parallel)
+
+        return run
+
+    return row_tactics(run_with)
 
 
 x, r = Var("x", dtype="float32"), Var("residual", dtype="float32")

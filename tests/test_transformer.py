@@ -127,6 +127,31 @@ def test_rms_norm_matches_onnxruntime(form):
     check_shapes(model_of(g, rms_graph(g, g.node("Tanh", ["x"]), form)), ["RMSNorm"])
 
 
+@pytest.mark.parametrize("tactic", ["rows", "rows-parallel", "rows-serial"])
+def test_norms_run_either_row_driver(tactic):
+    """The norms' tactics: the threshold's choice, rows over the threads, rows on the calling
+    thread (timed per shape under the "fastest" and "kernels" policies), each against
+    onnxruntime."""
+    models = []
+    g = GraphBuilder(seed=5)
+    models.append(model_of(g, layer_norm_graph(g, g.node("Tanh", ["x"]), "op")))
+    g = GraphBuilder(seed=6)
+    s = g.node("Add", [g.node("Tanh", ["x"]), g.node("Sigmoid", ["x"])])
+    y = layer_norm_graph(g, s, "op")
+    models.append(model_of(g, y, outputs=[y, s]))  # SkipLayerNorm: the sum is read too
+    g = GraphBuilder(seed=7)
+    models.append(model_of(g, rms_graph(g, g.node("Tanh", ["x"]), "div")))
+    for model, op in zip(models, ["LayerNorm", "SkipLayerNorm", "RMSNorm"], strict=True):
+        result = fusion.rewrite(model)
+        assert fused_ops(result.model) == [op], result.explain()
+        for batch, seq in SHAPES:
+            feeds = {"x": np.random.default_rng(seq).standard_normal((batch, seq, E))
+                     .astype(np.float32)}  # fmt: skip
+            session = fusion.Session(result.model, tactics=tactic)
+            assert set(session.choices.values()) == {tactic}
+            assert_all_close(session.run(None, feeds), run_ort(model, feeds), 1e-4, 1e-5)
+
+
 # ---- near-misses -----------------------------------------------------------------------------
 def gated(g, x, act, form, width=N, up_width=None):
     """act(x Wg + bg) * (x Wu + bu), then the down product back to E (Llama's MLP for SiLU)."""
@@ -333,19 +358,21 @@ def test_linear_act_kernel_against_naive(seed, act, n):
 
 # rows of one lane, a whole number of vectors at either width, a tail; the serial and the
 # parallel driver
+@pytest.mark.parametrize("parallel", [None, True, False])
 @pytest.mark.parametrize("n", [1, 31, 256, SERIAL_MAX // 30 + 1])
 @pytest.mark.parametrize("width", [8, 16])
-def test_layer_norm_kernel_against_naive(n, width):
+def test_layer_norm_kernel_against_naive(n, width, parallel):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((5, 6, n)) + 100).astype(np.float32)  # |mean| >> std
     g, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     s = x.astype(np.float64) + 1
     want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-5) * g + b
-    y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True, width=width)
+    y, total = layer_norm(x, g, b, 1e-5, residual=np.float32(1), return_sum=True, width=width,
+                          parallel=parallel)  # fmt: skip
     assert_close(y, want, 1e-4, 1e-4, check_dtype=False)
     assert_close(total, s, 1e-6, 0, check_dtype=False)
     rms = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * g
-    got = layer_norm(x, g, None, 1e-6, rms=True, width=width)
+    got = layer_norm(x, g, None, 1e-6, rms=True, width=width, parallel=parallel)
     assert_close(got, rms, 1e-4, 1e-5, check_dtype=False)
 
 
