@@ -111,12 +111,11 @@ class GraphView:
                 types[vi.name] = vt  # declarations win over inference (unless shapeless)
         self.__dict__["_types"] = types  # refine_types reads them through type_of
 
-        hinted = []  # the model without its weights' bytes, copied once if a round needs it
+        hinted = None  # the model without its weights' bytes, copied once if a round needs it
 
         def infer(dims: dict[str, tuple]) -> dict[str, ValueType]:
-            if not hinted:
-                hinted.append(weightless_copy(self.model))
-            model = hinted[0]
+            nonlocal hinted
+            model = hinted = hinted or weightless_copy(self.model)
             del model.graph.value_info[:]  # ONNX keeps a declared unk__N over what it infers
             for out in model.graph.output:
                 if out.name in dims:  # ONNX takes an output's type from its declaration

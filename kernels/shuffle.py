@@ -10,8 +10,10 @@ pass over memory, the pass onnxruntime's Transpose makes too, but in process and
 blocked layout ([N, C/b, H, W, b], kernels/blocked.py), without converting to NCHW and back.
 
 Blocked, output lane l of block cb at pixel p reads lane src % b_in of block src // b_in at the
-same pixel: each pixel's b output channels are a gather from the input's pixel, which sits in
-a few cache lines; the lanes past the output's channels are written 0, as the layout requires.
+same pixel: each pixel's b output channels come from the input's pixel, in a few source
+blocks. With blocks of the vectors' width, each source block gives its lanes by one
+permute (vpermute) and a select; other widths are gathered lane by lane. The lanes past the
+output's channels are written 0, as the layout requires.
 """
 
 import functools
@@ -93,12 +95,12 @@ def _gather_permute(L, a, b, plan, ys):
     ys[o][n, j // W, p, j % W] = z[n, src_o[j], p], 0 past the channels src_o names, by the
     joined plans of _plan (global block g = first[o] + the block of ys[o]).
 
-    An output block's W channels come from a few source blocks (a shuffle of g groups: about
-    g + 1). A pixel's output vector is those blocks' vectors at that pixel, each permuted
-    (vpermute, one vpermps) and merged by its mask, so the gather moves whole vectors. Each work
-    item, a run of RUN pixels of one output block, merges its source blocks one after another
-    into the run (4 KB at W = 16, in L1). Every output in one launch: a launch costs about
-    what a small gather does."""
+    An output block's W channels come from a few source blocks (two, in either half of
+    ShuffleNet's 116-channel shuffle). A pixel's output vector is those blocks' vectors at that
+    pixel, each permuted (vpermute, one vpermps) and merged by its mask, so the gather moves
+    whole vectors. Each work item, a run of RUN pixels of one output block, merges its source
+    blocks one after another into the run (4 KB at W = 16, in L1). Every output in one launch:
+    a launch costs about what a small gather does."""
     count, part, blk, lane_map, mask, first = plan
     w = L.width
     n_len, p_len, blocks = a.shape[0], a.shape[2], first[-1]

@@ -412,15 +412,24 @@ class ConvKernel:
         self.run = run
         residual = bool(attrs.get("residual"))
 
-        def blocked_tactic(plan):
+        def blocked_tactic(plan, nchw_in=False):
+            """The direct kernel on `plan`. nchw_in: x read in NCHW as blocks of one channel
+            (a plan with in_block 1): a stem's image (C under a block) is not converted to the
+            blocked layout first (3 x 224 x 224: 25-60 us, or the plan takes an NCHW tactic
+            there to avoid it)."""
+
             def run_blocked(xb, *others):
                 r = others[RESIDUAL_SLOT - 1] if residual else None
+                if nchw_in:
+                    xb = np.ascontiguousarray(xb).reshape(*xb.shape, 1)
                 return (conv_nchwc(xb, plan, residual=r),)
 
+            reads = ([] if nchw_in else [(0, plan.in_block)]) + (
+                [(RESIDUAL_SLOT, plan.block)] if residual else [])  # fmt: skip
             return Tactic(
-                f"blocked-f{plan.fb}", run_blocked,
-                blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
-                in_blocks=(plan.in_block, plan.block) if residual else (plan.in_block,),
+                f"blocked-f{plan.fb}" + ("-nchw-in" if nchw_in else ""), run_blocked,
+                blocked_inputs=tuple(pos for pos, _ in reads),
+                in_blocks=tuple(block for _, block in reads),
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
             )  # fmt: skip
 
@@ -442,31 +451,14 @@ class ConvKernel:
                 blocked_outputs=(0,), out_channels=(weight.shape[0],),
             )  # fmt: skip
 
-        def nchw_in_tactic(plan):
-            """The direct kernel reading x in NCHW, as blocks of one channel: a stem's image
-            (C under a block) is not converted to the blocked layout first (3 x 224 x 224:
-            25-60 us, or the plan takes an NCHW tactic there to avoid it)."""
-
-            def run_nchw_in(x, *others):
-                r = others[RESIDUAL_SLOT - 1] if residual else None
-                x5 = np.ascontiguousarray(x).reshape(*x.shape, 1)
-                return (conv_nchwc(x5, plan, residual=r),)
-
-            return Tactic(
-                f"blocked-f{plan.fb}-nchw-in", run_nchw_in,
-                blocked_inputs=(RESIDUAL_SLOT,) if residual else (),
-                in_blocks=(plan.block,) if residual else (),
-                blocked_outputs=(0,), out_channels=(weight.shape[0],),
-            )  # fmt: skip
-
         plans = blocked_plans(attrs, weight, bias) if rank == 4 else []
         stems = []  # the first tile's plan reading NCHW, for an input narrower than a block
         if plans and attrs["group"] == 1 and weight.shape[1] < plans[0].block:
             stems = [blocked_plan(attrs, weight, bias, plans[0].fb, in_block=1)]
         self.winograd_reasons = {t: winograd_reason(attrs, weight, rank, t) for t in (2, 4)}
         winos = [wino_tactic(t) for t, why in self.winograd_reasons.items() if why is None]
-        self.tactics = [*map(blocked_tactic, plans), *map(nchw_in_tactic, stems), *winos,
-                        Tactic(f"nchw-{nchw.method}", run)]  # fmt: skip
+        self.tactics = [*map(blocked_tactic, plans), *(blocked_tactic(p, True) for p in stems),
+                        *winos, Tactic(f"nchw-{nchw.method}", run)]  # fmt: skip
 
     def __call__(self, x, *others):
         return self.run(x, *others)

@@ -5,7 +5,7 @@ Each fused node's tactics are timed alone (Chooser.time_tactics), on inputs alre
 the tactic reads. In a plan, a node whose fastest tactic reads NCHW between two blocked ones
 costs two conversions its timing never saw: ShuffleNet's MaxPool ran its NCHW tactic 10 us
 faster than its blocked one, and the plan converted the stem's 24 x 112 x 112 output out of the
-blocked layout and back for it, 190 us (bench/NOTES.md, "ShuffleNet without islands"). So the
+blocked layout and back for it, 143 + 43 us (bench/NOTES.md, "ShuffleNet without islands"). So the
 per-node choices are revised as a whole:
 
     cost = sum over fused nodes of their tactic's time
