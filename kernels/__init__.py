@@ -30,6 +30,7 @@ _EXPORTS = {
     "dense_gemm": ("DensePlan", "prepare_dense"),
     "linear_act": ("GatedMLPPlan", "gated_mlp", "prepare_gated_mlp"),
     "attention": ("attention_core",),
+    "concat": ("concat_channels",),
     "shuffle": ("channel_gather", "channel_gather_blocked", "shuffle_map"),
     "layernorm": ("layer_norm",),
     "lstm": ("LSTMPlan", "lstm_cell", "lstm_sequence", "prepare_lstm"),

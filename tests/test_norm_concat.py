@@ -120,3 +120,40 @@ def test_batchnorm_in_training_mode_is_declined():
     bn.output.extend(["/bn_mean", "/bn_var"])
     near_miss(g.model({"x": [1, 4, 5, 5]}, [y]), "BatchNormAct",
               "BatchNormalization /bn: training_mode=1")  # fmt: skip
+
+
+def test_a_concatenation_reserves_room_for_the_one_that_extends_it():
+    """DenseNet's layer k concatenates x_0 ... x_k again: each ChannelConcat but the last knows
+    the channels of the longest one extending it, and its kernel leaves room for them."""
+    g = GraphBuilder()
+    model = g.model({"x": ["N", 16, "H", "W"]}, [dense_block(g, "x", layers=3)])
+    result = fusion.rewrite(model)
+    concats = [n for n in result.model.graph.node if n.op_type == "ChannelConcat"]
+    reserves = [
+        next((list(a.ints) for a in n.attribute if a.name == "reserve"), None) for n in concats
+    ]
+    assert reserves == [[16, 8, 8, 8], [16, 8, 8, 8], None]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_dense_block_of_whole_blocks_appends_and_stays_right(n, monkeypatch):
+    """Channels and growth in whole blocks: every concatenation is blocked, each appends to
+    the one before (4 parts copied, not 2 + 3 + 4), and two runs in a row (the second reusing
+    nothing of the first) both give onnxruntime's result."""
+    import kernels.concat
+
+    placed = []
+    place = kernels.concat._place
+    monkeypatch.setattr(kernels.concat, "_place", lambda buf, ps, at: (
+        placed.extend(ps), place(buf, ps, at))[1])  # fmt: skip
+    b = block()
+    g = GraphBuilder()
+    model = g.model({"x": ["N", b, "H", "W"]}, [dense_block(g, "x", channels=b, growth=b)])
+    feeds = {"x": np.random.default_rng(1).standard_normal((n, b, 7, 6)).astype(np.float32)}
+    want = run_ort(model, feeds)[0]
+    session = fusion.Session(fusion.rewrite(model).model, threads=2, fuse=False,
+                             tactics="blocked")  # fmt: skip
+    for _ in range(2):
+        placed.clear()
+        assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=f"N = {n}")
+        assert len(placed) == 4
