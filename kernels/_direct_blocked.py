@@ -396,3 +396,18 @@ def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         sw_ = np.empty(chunk_taps, np.int64)
         call(run, L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
              act_a, act_b, ci)  # fmt: skip
+
+
+@numba.jit(**JIT_GEMM)
+def pointwise_pixels(L, run, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, tx, tw, sx,
+                     sw_, a, b, ci):  # fmt: skip
+    """A 1x1 conv over `pixels` contiguous pixels of each block (x from xv, y to yv, the residual
+    from rv at y's offsets), filter groups og_a <= og < og_b of g: the direct kernel's item on
+    one row (run: its tile's, an Item), g's block strides XBS and YBS those of xv and yv (a
+    1x1 conv's pixel reads x at that pixel alone, so any run of pixels is one row). The
+    depth-first kernels' convs on their scratches (inverted residual, pre-activated conv)."""
+    g[W] = g[OW] = g[COL_B] = pixels
+    zero, one = np.int64(0), np.int64(1)
+    for og in range(og_a, og_b):
+        call(run, L, xv, wf, bf, yv, rv, g, zero, zero, np.int64(og), zero, one, acc, tbuf, tx,
+             tw, sx, sw_, a, b, ci)  # fmt: skip

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
-from ._first_class import call
+from ._direct_blocked import pointwise_pixels
 from .config import JIT_GEMM, PARALLEL
 from .epilogue import finish
 from .simd import tail_mask, vload, vload_masked, vstore, vzero
@@ -76,19 +76,6 @@ def _copy_rows(L, xf, g, n, ih0, ih1, r0, ex):
     e0 = r0 * w * b
     for p in range((ih1 - ih0) * w):
         vstore(ex, e0 + p * b, vload_masked(L, xf, x0 + p * bi, mask))
-
-
-@numba.jit(**JIT_GEMM)
-def _pointwise(L, run, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbuf, tx, tw, sx, sw_, a,
-               b, ci):  # fmt: skip
-    """A 1x1 conv over `pixels` contiguous pixels of each block (x from xv, y to yv, the residual
-    from rv at y's offsets), filter groups og_a <= og < og_b of g: the direct kernel's item on
-    one row (run: its tile's, an Item)."""
-    g[geo.W] = g[geo.OW] = g[geo.COL_B] = pixels
-    zero, one = np.int64(0), np.int64(1)
-    for og in range(og_a, og_b):
-        call(run, L, xv, wf, bf, yv, rv, g, zero, zero, np.int64(og), zero, one, acc, tbuf, tx,
-             tw, sx, sw_, a, b, ci)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
@@ -163,7 +150,7 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
                 if g[EXPAND]:
                     xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
                     ev = ex[(lo - ih0) * w * b :]
-                    _pointwise(L, re, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
+                    pointwise_pixels(L, re, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
                                og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
                                ci)  # fmt: skip
                 else:
@@ -172,7 +159,7 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
             for eb in range(eb_a, eb_b):
                 dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
                          acts[1, 2])  # fmt: skip
-        _pointwise(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
+        pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
                    acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
 
 

@@ -457,6 +457,22 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     )
 
 
+def pixels_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
+    """A 1x1 conv's geometry run on one row of pixels (a depth-first kernel's band, whose
+    pixel counts are set per band: _direct_blocked.pointwise_pixels), the block strides
+    given, and the tallest tile of its filter groups (not tile_rows' narrower ones for short
+    runs: each tile shape is compiled once, ~2 s, so one per filter-group count whatever the
+    image, the same conv_nchwc runs most; a run shorter than the tile takes the one-pixel
+    path)."""
+    g = geometry(conv, x_shape, threads)
+    pixels = fields.pop("pixels")
+    fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
+                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block))  # fmt: skip
+    for name, value in fields.items():
+        g[getattr(geo, name)] = value
+    return g
+
+
 def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
     """(PAD, ROWS) for the depthwise kernel (_depthwise_blocked.py): how its tiles read and the
     output rows per work item, the cheapest by a count of vector operations per call: the

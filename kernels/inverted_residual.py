@@ -34,10 +34,9 @@ from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point, get_threads
-from .conv_nchwc import ConvPlan, busiest, geometry, prepare_conv_nchwc, tile_item
+from .conv_nchwc import ConvPlan, busiest, pixels_geometry, prepare_conv_nchwc, tile_item
 from .machine import cache_bytes
 from .simd import lanes, width
-from .simd import tile as tiles
 from .simd.activation import encode
 from .windows import conv_output_shape
 from .workspace import empty, per_thread
@@ -180,21 +179,6 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
     return cuts if by_channels < CHANNEL_GAIN * by_rows else None
 
 
-def _conv_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarray:
-    """A 1x1 conv's geometry run on one row of pixels (inside a band; the pixel counts are set
-    per band), the block strides given, and the tallest tile of its filter groups (not
-    tile_rows' narrower ones for short runs: each tile shape is compiled once, ~2 s, so one
-    per filter-group count whatever the image, the same conv_nchwc runs most; a run shorter
-    than the tile takes the one-pixel path)."""
-    g = geometry(conv, x_shape, threads)
-    pixels = fields.pop("pixels")
-    fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
-                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block))  # fmt: skip
-    for name, value in fields.items():
-        g[getattr(geo, name)] = value
-    return g
-
-
 def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
     """The depthwise kernel's PAD for a band (_depthwise_blocked): 1, the band's rows copied
     once into a padded scratch, when that moves fewer vectors than 0, each tile at a left or
@@ -222,7 +206,7 @@ def _channel_parts(plan: InvertedResidualPlan, cuts, band_shape, threads: int, b
     one = dict(strides=(1, 1), pads=(0,) * 4, block=b, in_block=b, tile=p.fb)
     convs = [prepare_conv_nchwc(plan.project_weight[:, lo * b : min(e, hi * b)], None, **one)
              for lo, hi in zip(cuts, cuts[1:], strict=False)]  # fmt: skip
-    gps = [_conv_geometry(conv, (1, hi - lo, rows, ow, b), threads, **band)
+    gps = [pixels_geometry(conv, (1, hi - lo, rows, ow, b), threads, **band)
            for conv, lo, hi in zip(convs, cuts, cuts[1:], strict=False)]  # fmt: skip
     offsets = np.cumsum([0] + [conv.packed.size for conv in convs[:-1]]).astype(np.int64)
     return (convs, gps, np.concatenate([conv.packed for conv in convs]), offsets,
@@ -279,10 +263,10 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
                   OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows),
                   **image)  # fmt: skip
     band = dict(pixels=rows * ow, XBS=rows * ow, YBS=oh * ow)
-    gp = _conv_geometry(p, (1, eb, rows, ow, b), threads, **band)
+    gp = pixels_geometry(p, (1, eb, rows, ow, b), threads, **band)
     ge = gp
     if plan.expand is not None:
-        ge = _conv_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
+        ge = pixels_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
                             YBS=span * w)  # fmt: skip
     split = _channel_parts(plan, cuts, (rows, ow, b), threads, band)
     gps = split[1]
