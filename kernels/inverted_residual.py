@@ -33,13 +33,13 @@ from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
-from .config import entry_point, get_threads
+from .config import entry_point
 from .conv_nchwc import ConvPlan, busiest, pixels_geometry, prepare_conv_nchwc, tile_item
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd.activation import encode
 from .windows import conv_output_shape
-from .workspace import empty, per_thread
+from .workspace import cached_launch, empty, output, per_thread
 
 L2_SHARE = 2  # the band's two scratches take at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
 ACT_KEYS = tuple(inspect.signature(encode).parameters)  # activation, alpha, beta, clip_min, ...
@@ -295,15 +295,9 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
 def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
     """y = the block of xb (blocked float32 [N, ceil(C/bi), H, W, bi]); returns y blocked at
     plan.block. The per-shape work is done on a shape's first call."""
-    key = (getattr(xb, "shape", None), get_threads())
-    launch = plan.launches.get(key)
-    if launch is None or xb.dtype != np.float32:
-        launch = plan.launches[key] = _launch(xb, plan, key[1])
+    launch = cached_launch(plan.launches, xb, lambda x, threads: _launch(x, plan, threads))
     shape = launch.shape
-    if out is None:
-        out = empty(shape)
-    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    out = output(shape, out)
     if shape[0] == 0:
         return out
     xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)

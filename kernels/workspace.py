@@ -21,7 +21,7 @@ import threading
 import numba
 import numpy as np
 
-from .config import JIT
+from .config import JIT, get_threads
 
 _AREA = threading.local()  # .floats: the calling thread's area
 KEEP_MAX = 64 << 20  # bytes kept per Python thread; a larger scratch is allocated per call
@@ -84,3 +84,22 @@ def as_rows(a, shape) -> np.ndarray:
         return a.reshape(-1, shape[-1])
     a = np.ascontiguousarray(np.broadcast_to(a, shape), dtype=np.float32)
     return a.reshape(-1, shape[-1]) if a.ndim else a.reshape(1, 1)
+
+
+def cached_launch(launches: dict, xb, build):
+    """A depth-first kernel's launch for x's shape on this thread's thread count, built by
+    build(xb, threads) on its first call (checks, geometry, tiles) and kept in `launches`."""
+    key = (getattr(xb, "shape", None), get_threads())
+    launch = launches.get(key)
+    if launch is None or xb.dtype != np.float32:
+        launch = launches[key] = build(xb, key[1])
+    return launch
+
+
+def output(shape, out=None) -> np.ndarray:
+    """`out` checked to be a C-contiguous float32 array of `shape`, or a new one (empty)."""
+    if out is None:
+        return empty(shape)
+    if out.shape != tuple(shape) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {tuple(shape)}")
+    return out

@@ -19,12 +19,13 @@ from patterns import (
     lstm_sequence,
     norm,
     pool,
+    preact_conv,
     shuffle,
     squeeze_excite,
 )  # fmt: skip
 
 RULES = [
-    inverted_residual.RULE, conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE,
+    inverted_residual.RULE, preact_conv.RULE, conv.RULE, fire.RULE, lstm.RULE, lstm_sequence.RULE,
     lstm_native.RULE, gru.RULE,
     gru_sequence.RULE, gru_native.RULE, conv_concat.RULE, pool.RULE, pool.GAP_FLATTEN,
     pool.AVG_POOL, pool.SPATIAL_MEAN, squeeze_excite.RULE, norm.RULE, concat.RULE, dense.RULE,

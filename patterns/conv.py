@@ -181,6 +181,17 @@ def check_conv(m, prefix: str = "", res: str | None = None) -> str | None:
             or _check_residual(m, prefix, res or prefix + "res"))  # fmt: skip
 
 
+def pointwise_reason(m, p: str) -> str | None:
+    """Why the conv captured with prefix p is not a plain 1x1 one (stride 1, no pads, group
+    1), if it is not: what the depth-first kernels run on a band's pixels."""
+    w, a = m.const(p + "W"), m.attrs(p + "conv")
+    if w.ndim != 4 or w.shape[2:] != (1, 1) or int(a["group"]) != 1:
+        return f"{p[:-1]}: a {list(w.shape)} conv of group {a['group']}, not a 1x1 one"
+    if any(a["pads"]) or any(s != 1 for s in a["strides"]) or a["auto_pad"] not in ("NOTSET", ""):
+        return f"{p[:-1]}: a 1x1 conv with pads {list(a['pads'])}, strides {list(a['strides'])}"
+    return None
+
+
 def check_bn(m, prefix: str, channels: int) -> str | None:
     """Why a matched BatchNormalization cannot be folded, if it cannot."""
     bn = m.node(prefix + "bn")

@@ -22,7 +22,7 @@ from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Op, Opt, Var
 from patterns.activation import activation_keywords
 from patterns.conv import INPUTS as CONV_INPUTS
-from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded
+from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded, pointwise_reason
 
 PREFIXES = ("e_", "d_", "p_")
 PER_CONV = CONV_INPUTS[1:-1]  # W, B, bias_add, bn_scale, bn_bias, bn_mean, bn_var
@@ -63,15 +63,6 @@ def attributes(m) -> dict:
     return {**attrs, "expand": int("e_" in convs)}  # p_residual: "before", "after" or absent
 
 
-def _pointwise_reason(m, p: str) -> str | None:
-    w, a = m.const(p + "W"), m.attrs(p + "conv")
-    if w.ndim != 4 or w.shape[2:] != (1, 1) or int(a["group"]) != 1:
-        return f"{p[:-1]}: a {list(w.shape)} conv of group {a['group']}, not a 1x1 one"
-    if any(a["pads"]) or any(s != 1 for s in a["strides"]) or a["auto_pad"] not in ("NOTSET", ""):
-        return f"{p[:-1]}: a 1x1 conv with pads {list(a['pads'])}, strides {list(a['strides'])}"
-    return None
-
-
 def check(m) -> str | None:
     wd, a = m.const("d_W"), m.attrs("d_conv")
     if wd.ndim != 4 or wd.shape[1] != 1 or int(a["group"]) != wd.shape[0]:
@@ -87,7 +78,7 @@ def check(m) -> str | None:
         return f"d: auto_pad {a['auto_pad']}, pads {pads}"
     expand = "e_conv" in m.node_index
     for p in ("e_", "p_") if expand else ("p_",):
-        reason = _pointwise_reason(m, p)
+        reason = pointwise_reason(m, p)
         if reason:
             return reason
     we, wp = m.const("e_W"), m.const("p_W")

@@ -19,9 +19,13 @@ from patterns.conv import bn_affine, check_bn
 BN = ("bn_scale", "bn_bias", "bn_mean", "bn_var")
 
 
-def batch_norm_act():
-    bn = op.BatchNormalization(Var("x", dtype="float32"), *(Const(n) for n in BN), _name="bn")
-    return Alt(activation(bn), bn)
+def batch_norm_act(x=None, prefix: str = "", where=None):
+    """act(BatchNormalization(x)) or the BatchNormalization alone; captures named with
+    `prefix` (PreActConv's norm before its conv), `where` a check on the BatchNormalization."""
+    x = x if x is not None else Var("x", dtype="float32")
+    bn = op.BatchNormalization(x, *(Const(prefix + n) for n in BN), _name=prefix + "bn",
+                               _where=where)  # fmt: skip
+    return Alt(activation(bn, prefix), bn)
 
 
 def attributes(m) -> dict:
