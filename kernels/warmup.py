@@ -242,6 +242,22 @@ def _inverted_residual():
             inverted_residual(to_blocked(w(1, c, 5, 5), block=b), plan)
 
 
+def _preact_conv():
+    """The pre-activated 1x1 conv at this CPU's width: its driver (compiled once) and the
+    tallest tiles of 4, 2 and 1 output blocks (the inverted residual's projections share them)."""
+    from .blocked import to_blocked
+    from .preact_conv import preact_conv, prepare_preact_conv
+    from .simd import width
+
+    rng = np.random.default_rng(0)
+    b = width()
+    s, t = rng.standard_normal((2, 2 * b), dtype=np.float32)
+    for m in (4 * b, 2 * b, b):
+        w = rng.standard_normal((m, 2 * b, 1, 1), dtype=np.float32)
+        plan = prepare_preact_conv(s, t, w, None, norm_act={"activation": "relu"})
+        preact_conv(to_blocked(rng.standard_normal((1, 2 * b, 5, 5), dtype=np.float32)), plan)
+
+
 def _blocked_layout():
     from .blocked import from_blocked, to_blocked
 
@@ -271,6 +287,7 @@ GROUPS = {
     "attention": _attention,
     "blocked_depthwise": _blocked_depthwise,
     "inverted_residual": _inverted_residual,
+    "preact_conv": _preact_conv,
     "fire": _fire,  # last: with 2 jobs, im2col and winograd are usually cached by then
 }
 
