@@ -44,36 +44,44 @@ MAX_OPEN = 64  # buffers held at once; more are chains nobody extended (repeated
 def concat_channels(parts, reserve: int = 0) -> np.ndarray:
     """np.concatenate(parts, axis=1) for float32 arrays of one layout; with `reserve` above
     their total along axis 1 (channels, or channel blocks), written into a buffer with room
-    for `reserve`, which a later call whose parts begin with these same arrays appends to."""
-    parts = [np.asarray(p) for p in parts]
-    if not parts or any(p.dtype != np.float32 or p.ndim < 2 for p in parts):
+    for `reserve`, which a later call whose parts begin with these same arrays appends to.
+    An append checks only the parts it adds (the others were checked when placed): DenseNet's
+    deepest layers concatenate 30 and more."""
+    parts = list(parts)
+    if not parts:
         raise ValueError("parts must be float32 arrays of rank >= 2, at least one")
-    rest = (parts[0].shape[0], *parts[0].shape[2:])
-    if any((p.shape[0], *p.shape[2:]) != rest for p in parts):
-        shapes = ", ".join(str(p.shape) for p in parts)
-        raise ValueError(f"parts differ outside axis 1 ({shapes}): cannot concatenate")
-    total = sum(p.shape[1] for p in parts)
     with _LOCK:
         open_ = _OPEN.get(id(parts[0]))
         if open_ is not None:
             placed, buf, filled = open_
             k = len(placed)
-            if (
-                k < len(parts)
-                and all(r() is p for r, p in zip(placed, parts, strict=False))
-                and filled + sum(p.shape[1] for p in parts[k:]) <= buf.shape[1]
-                and (buf.shape[0], *buf.shape[2:]) == rest
-            ):
-                _place(buf, parts[k:], filled)
-                _remember(parts, buf, total)
-                return buf[:, :total]
+            if k < len(parts) and all(r() is p for r, p in zip(placed, parts, strict=False)):
+                new = parts[k:]
+                _check(new, (buf.shape[0], *buf.shape[2:]))
+                end = filled + sum(p.shape[1] for p in new)
+                if end <= buf.shape[1]:
+                    _place(buf, new, filled)
+                    _remember(parts[0], placed + _refs(new, parts[0], buf), buf, end)
+                    return buf[:, :end]
+    _check(parts, (np.shape(parts[0])[0], *np.shape(parts[0])[2:]))
+    total = sum(p.shape[1] for p in parts)
     if reserve <= total:
         return np.concatenate(parts, axis=1)
-    buf = empty((rest[0], int(reserve), *rest[1:]))
+    first = parts[0]
+    buf = empty((first.shape[0], int(reserve), *first.shape[2:]))
     _place(buf, parts, 0)
     with _LOCK:
-        _remember(parts, buf, total)
+        _remember(first, _refs(parts, first, buf), buf, total)
     return buf[:, :total]
+
+
+def _check(parts: list, rest: tuple) -> None:
+    for p in parts:
+        if not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.ndim < 2:
+            raise ValueError(f"parts must be float32 arrays of rank >= 2, got {p!r:.60}")
+        if (p.shape[0], *p.shape[2:]) != rest:
+            raise ValueError(f"parts differ outside axis 1 ({p.shape} against {rest}): "
+                             "cannot concatenate")  # fmt: skip
 
 
 def _place(buf: np.ndarray, parts: list, at: int) -> None:
@@ -82,19 +90,25 @@ def _place(buf: np.ndarray, parts: list, at: int) -> None:
         at += p.shape[1]
 
 
-def _remember(parts: list, buf: np.ndarray, filled: int) -> None:
-    """Hold buf open for an extension of these parts (the caller holds _LOCK)."""
-    key = id(parts[0])
+def _refs(parts: list, first, buf: np.ndarray) -> list:
+    """Weak references to parts placed in buf: when one is freed, nothing can extend buf."""
+    key = id(first)
 
-    def forget(_ref, key=key, buf=buf):  # a placed part was freed: nothing can extend it
+    def forget(_ref, key=key, buf=buf):
         with _LOCK:
             entry = _OPEN.get(key)
             if entry is not None and entry[1] is buf:
                 del _OPEN[key]
 
+    return [weakref.ref(p, forget) for p in parts]
+
+
+def _remember(first, refs: list, buf: np.ndarray, filled: int) -> None:
+    """Hold buf open for an extension of the parts `refs` name (the caller holds _LOCK)."""
+    key = id(first)
     if filled >= buf.shape[1]:
         _OPEN.pop(key, None)  # full
         return
-    _OPEN[key] = ([weakref.ref(p, forget) for p in parts], buf, filled)
+    _OPEN[key] = (refs, buf, filled)
     while len(_OPEN) > MAX_OPEN:
         del _OPEN[next(iter(_OPEN))]
