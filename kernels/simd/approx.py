@@ -2,8 +2,10 @@
 kernels.simd and for float32 scalars: `exp(v)` in a kernel compiles for the type of v.
 
     exp(x)      Cody-Waite reduction x = k ln2 + r, |r| <= ln2 / 2, e^r = 1 + r + r^2 P(r)
-                (Cephes's expf), then 2^k in two factors: below -87.3 the result goes through
-                the denormals to 0 (0 below -104), above 88.72 it is inf; -inf / inf: 0 / inf.
+                (Cephes's expf), then times 2^k (ldexp_small: AVX-512's vscalefps on 16
+                lanes where the target has it, else two factors): below -87.3 the result goes
+                through the denormals to 0 (0 below -104), above 88.72 it is inf; -inf / inf:
+                0 / inf.
     sigmoid(x)  1 / (1 + e^-|x|), times e^-|x| for x < 0: exactly 0 below -104 (following e^x
                 through the denormals before), exactly 1 above 16.7, never NaN for a finite x.
     tanh(x)     x P(x^2) / Q(x^2), Eigen's rational fit on [-7.9, 7.9]; +-1 beyond 8.32, x
