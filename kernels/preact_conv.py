@@ -53,8 +53,9 @@ class PreActConvPlan:
 
 
 def prepare_preact_conv(scale, shift, w, bias=None, *, norm_act=None, conv_act=None,
-                        block=None) -> PreActConvPlan:  # fmt: skip
-    """Pack the pair for preact_conv (ValueError on shapes it cannot run)."""
+                        block=None, tile=None) -> PreActConvPlan:  # fmt: skip
+    """Pack the pair for preact_conv (ValueError on shapes it cannot run); tile: the conv's
+    output blocks per register tile (conv_nchwc.tile_options; default its first)."""
     b = width() if block is None else int(block)
     if b not in (8, 16):
         raise ValueError(f"block must be 8 or 16 channels, got {block!r}")
@@ -65,7 +66,7 @@ def prepare_preact_conv(scale, shift, w, bias=None, *, norm_act=None, conv_act=N
         raise ValueError(f"w {w.shape} is not a 1x1 conv")
     norm = prepare_pointwise(c, scale, shift, **(norm_act or {}))
     conv = prepare_conv_nchwc(w, bias, strides=(1, 1), pads=(0,) * 4, block=b, in_block=b,
-                              **(conv_act or {}))  # fmt: skip
+                              tile=tile, **(conv_act or {}))  # fmt: skip
     return PreActConvPlan(c, m, b, norm, conv)
 
 

@@ -8,8 +8,9 @@ sub-pattern of patterns/conv.py (bias, BatchNorm, any activation), captures pref
 norm's is BatchNormAct's (patterns/norm.py), prefixed n_.
 
 Tactics on blocked tensors: kernels/preact_conv.py, the norm of a band of pixels computed into
-L2 and read there by the conv's register tiles ("blocked-preact"), and the two passes through
-memory ("blocked-opbyop"), so the race compares them. A norm output that is also a graph
+L2 and read there by the conv's register tiles ("blocked-preact-fN", one per register tile
+worth timing, as the conv's own), and the two passes through memory ("blocked-opbyop"), so the
+race compares them. A norm output that is also a graph
 output or read by another node is not fused away (the rewriter's safety check).
 """
 
@@ -70,12 +71,13 @@ def check(m) -> str | None:
 
 
 class PreActConvKernel:
-    """Tactics on blocked tensors: the depth-first kernel, then the norm's pass and the conv
-    (its output through memory); called on NCHW it runs the first."""
+    """Tactics on blocked tensors: the depth-first kernel once per register tile worth timing
+    (the conv's own choice: "blocked-preact-f4" = 4 output blocks a tile), then the norm's pass
+    and the conv (its output through memory); called on NCHW it runs the first."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import conv_nchwc
+        from kernels.conv_nchwc import conv_nchwc, tile_options
         from kernels.pointwise import pointwise_blocked
         from kernels.preact_conv import preact_conv, prepare_preact_conv
 
@@ -84,24 +86,27 @@ class PreActConvKernel:
         conv = {key[2:]: v for key, v in attrs.items() if key.startswith("c_")}
         norm = {key[2:]: v for key, v in attrs.items() if key.startswith("n_")}
         w, bias = folded(conv, [None, *constants[k:]])
-        plan = prepare_preact_conv(s, t, w, bias, norm_act=activation_keywords(norm),
-                                   conv_act=activation_keywords(conv))  # fmt: skip
-        m = plan.out_channels
+        plans = [prepare_preact_conv(s, t, w, bias, norm_act=activation_keywords(norm),
+                                     conv_act=activation_keywords(conv), tile=tile)
+                 for tile in tile_options(w.shape)]  # fmt: skip
+        first, m = plans[0], plans[0].out_channels
 
-        def depthfirst(xb, *_constants):
-            return (preact_conv(xb, plan),)
+        def depthfirst(plan):
+            return lambda xb, *_constants: (preact_conv(xb, plan),)
 
         def opbyop(xb, *_constants):
-            return (conv_nchwc(pointwise_blocked(xb, plan.norm), plan.conv),)
+            return (conv_nchwc(pointwise_blocked(xb, first.norm), first.conv),)
 
         def run(x, *_constants):
-            return (from_blocked(preact_conv(to_blocked(x, block=plan.block), plan), m),)
+            return (from_blocked(preact_conv(to_blocked(x, block=first.block), first), m),)
 
         blocked = dict(blocked_inputs=(0,), in_blocks=(block(),), blocked_outputs=(0,),
                        out_channels=(m,))  # fmt: skip
         self.run = run
-        self.tactics = [Tactic("blocked-preact", depthfirst, **blocked),
-                        Tactic("blocked-opbyop", opbyop, **blocked)]  # fmt: skip
+        self.tactics = [
+            *(Tactic(f"blocked-preact-f{p.conv.fb}", depthfirst(p), **blocked) for p in plans),
+            Tactic("blocked-opbyop", opbyop, **blocked),
+        ]
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

@@ -150,3 +150,30 @@ def test_a_norm_after_a_conv_folds_into_that_conv_instead(bias_add):
     y = preact(g, a, 16, 8)
     model = g.model({"x": ["N", 8, 7, 7]}, [y])
     assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"], rtol=1e-4, atol=1e-5)
+
+
+def test_every_register_tile_is_a_tactic_and_right():
+    """One depth-first tactic per tile the conv would time (tile_options), each right."""
+    from kernels.blocked import block, from_blocked, to_blocked
+    from kernels.conv_nchwc import tile_options
+    from patterns.preact_conv import PreActConvKernel
+
+    b = block()
+    c, m = 2 * b + 3, 6 * b  # six output blocks: several tiles worth timing
+    s, t = RNG.standard_normal(c).astype(np.float32), RNG.standard_normal(c).astype(np.float32)
+    mean, var = np.zeros(c, np.float32), np.ones(c, np.float32)
+    w = (RNG.standard_normal((m, c, 1, 1)) * 0.2).astype(np.float32)
+    attrs = {"n_epsilon": 0.0, "n_activation": "relu", "c_strides": [1, 1], "c_pads": [0] * 4,
+             "c_dilations": [1, 1], "c_group": 1, "c_auto_pad": "NOTSET",
+             "c_activation": "identity"}  # fmt: skip
+    kernel = PreActConvKernel(attrs, [None, s, t, mean, var, w, None, None, None, None, None,
+                                      None])  # fmt: skip
+    tiles = tile_options(w.shape)
+    names = [k.name for k in kernel.tactics]
+    assert names == [f"blocked-preact-f{k}" for k in tiles] + ["blocked-opbyop"]
+    x = RNG.standard_normal((2, c, 9, 10)).astype(np.float32)
+    want = np.einsum("nchw,mc->nmhw", np.maximum(x * s[:, None, None] + t[:, None, None], 0),
+                     w[:, :, 0, 0])  # fmt: skip
+    for tactic in kernel.tactics:
+        got = from_blocked(tactic.run(to_blocked(x, block=b))[0], m)
+        assert_close(got, want, 1e-4, 1e-5, what=tactic.name)
