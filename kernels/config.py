@@ -11,7 +11,9 @@ reorders what the kernel wrote: bench/NOTES.md); every kernel writes its vectors
 layer (kernels/simd), none relies on an auto-vectorizer.
 """
 
+import ctypes
 import os
+import platform
 import threading
 
 import numba
@@ -34,6 +36,44 @@ def apply_thread_settings():
     must run before that: fusion.Session calls it before it builds its first kernel."""
     for name, value in THREAD_SETTINGS.items():
         os.environ.setdefault(name, value)
+
+
+# glibc maps each allocation above its mmap threshold fresh from the kernel and unmaps it when
+# freed. The threshold adapts to the sizes freed, but not past 32 MB: a larger tensor
+# (EfficientNet-B0's first expanded map at batch 8, 38.5 MB) faulted in every page on every
+# run, 13.3 ms for a 1x1 conv that takes 3.0 ms with its memory reused (bench/NOTES.md).
+# onnxruntime keeps its tensors in an arena of its own; these ask glibc to serve sizes up to
+# 1 GB from its heap and to keep what is freed for the next run (at the price of memory the
+# process does not give back). FUSION_MALLOC=0, or any MALLOC_* tunable of the user's, leaves
+# glibc as it is.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MEMORY_SETTINGS = {M_TRIM_THRESHOLD: 2**31 - 1, M_MMAP_THRESHOLD: 2**30}
+MEMORY_SWITCH = "FUSION_MALLOC"
+_memory = {"applied": False}
+
+
+def memory_settings_wanted(env=os.environ) -> bool:
+    """Whether apply_memory_settings should change glibc's: not when FUSION_MALLOC=0 or the
+    user tuned malloc through its environment (MALLOC_*_ variables, GLIBC_TUNABLES)."""
+    if env.get(MEMORY_SWITCH, "1") == "0":
+        return False
+    return not any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in env)
+
+
+def apply_memory_settings() -> bool:
+    """Set MEMORY_SETTINGS through glibc's mallopt, once per process, when wanted and the C
+    library is glibc; returns whether they are in force."""
+    if _memory["applied"]:
+        return True
+    if not memory_settings_wanted() or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _memory["applied"] = all(mallopt(k, v) == 1 for k, v in MEMORY_SETTINGS.items())
+    return _memory["applied"]
 
 
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})

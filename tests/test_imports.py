@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fusion", "kernels", "patterns")
 
@@ -161,6 +163,37 @@ def test_the_runtime_applies_the_thread_settings_before_numba_starts():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["PASSIVE", "7"]
+
+
+@pytest.mark.parametrize("switch", ["", "FUSION_MALLOC=0", "MALLOC_ARENA_MAX=2"])
+def test_the_runtime_sets_glibc_memory_reuse_unless_told_not_to(switch):
+    """The first Session with kernels asks glibc to serve large tensors from its heap and keep
+    them (kernels/config.py: a 38.5 MB tensor otherwise faulted in every page on every run);
+    FUSION_MALLOC=0 or a MALLOC_* variable of the user's leaves glibc alone. Importing does
+    nothing."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    code = """
+        import fusion
+        import kernels.config as c
+        from fusion.models import conv_stack
+        before = c._memory["applied"]
+        fusion.Session(conv_stack(blocks=1, channels=4, size=8), threads=1)
+        print(before, c._memory["applied"])
+    """
+    mine = ("FUSION_MALLOC", "GLIBC_TUNABLES")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in mine}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if switch:
+        key, value = switch.split("=")
+        env[key] = value
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False" if switch else "True"]
 
 
 def test_kernels_export_every_family_without_shadowing_a_module():

@@ -315,15 +315,18 @@ _applied = threading.local()  # .threads: what this thread last gave Numba
 
 def use_threads(threads: int) -> None:
     """Give Numba `threads` (at most the threads it started) for the calling thread. The first
-    call also applies the kernels' thread settings, before Numba starts its thread pool."""
+    call also applies the kernels' thread settings, before Numba starts its thread pool, and
+    their memory settings (kernels/config.py: large tensors reused, not mapped per run)."""
     prepare_kernel_cache()  # before Numba is imported: it reads NUMBA_CACHE_DIR then
     import numba  # heavy: only once a session has kernels
 
     try:
-        from kernels.config import apply_thread_settings, set_threads
+        from kernels.config import apply_memory_settings, apply_thread_settings, set_threads
     except ImportError:  # kernels/ is optional for models whose kernels live elsewhere
         apply_thread_settings, set_threads = (lambda: None), numba.set_num_threads
+        apply_memory_settings = lambda: None  # noqa: E731
     apply_thread_settings()
+    apply_memory_settings()
     set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     _applied.threads = threads
 
