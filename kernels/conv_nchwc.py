@@ -424,6 +424,12 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     a, b = _inside(w, kw, sw, dw, pl, ow)
     row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
     pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
+    if not plan.depthwise and not plan.pixels and fb == 1 and bi < block:
+        # A one-column tile whose channel loop runs a count (a small-C stem, NCHW planes): the
+        # tallest tile (30 x 1 on AVX-512) left no register for that loop, and the planes ran
+        # 1.4x slower than the same conv on blocks of C (296 against 218 us on 3 -> 16 3x3 s2
+        # 224 x 224, one thread, 16 x 1 against 30 x 1; bench/NOTES.md).
+        pw = min(pw, tiles.registers()[0] // 2)
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     rb_len = min(oh, max(1, -(-4 * threads // others)))
     rows, pad = -(-oh // rb_len), 0
