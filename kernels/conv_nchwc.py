@@ -41,7 +41,7 @@ from .epilogue import RESIDUALS
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd import tile as tiles
-from .simd.activation import clips, encode
+from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
 from .workspace import empty, per_thread
 
@@ -226,9 +226,6 @@ def _row_costs(fb: int, w: int, interior: int) -> dict:
     return costs
 
 
-ROW_SHARE = 4  # a pointwise row's output, activated after it is computed, in L2 / ROW_SHARE
-
-
 def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tuple[int, int]:
     """(rows, columns) to run a 1x1, stride-1, unpadded conv's H x W pixels as: any
     factorization of H W, since such a conv's pixel p reads x at pixel p alone and the blocked
@@ -236,22 +233,15 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tup
     a 6-pixel tile and an overlapping one, where 49 pixels in one row take 8 and one. The
     cheapest by the tiles' cost (_row_costs, as tile_rows ranks them) over the busiest thread's
     share of the work items (rows are what items split: a single row of few filter groups
-    leaves a thread idle). An activation that is not a clip runs over each finished row
-    (epilogue.activate_rows), so then a row's output must stay in L2 until it does: at batch 8
-    EfficientNet's 16 -> 96 1x1 SiLU conv at 112 x 112 ran as rows of 12544 pixels, 1.6 MB a
-    filter group, 13.9 ms where onnxruntime's conv + SiLU took 5.5 (bench/NOTES.md)."""
+    leaves a thread idle)."""
     if plan.pixels:  # a forced tile: the conv's own rows
         return h, w
     ogg = -(-plan.out_blocks_per_group // plan.fb)
     others = max(1, n * plan.group * ogg)
     pixels = h * w
     small = [r for r in range(1, math.isqrt(pixels) + 1) if pixels % r == 0]
-    factors = sorted({*small, *(pixels // r for r in small)})
-    if not clips(plan.act[0]):
-        longest = cache_bytes(2) // ROW_SHARE // (plan.fb * plan.block * 4)
-        factors = [r for r in factors if pixels // r <= longest] or factors[-1:]
     best = None
-    for rows in factors:
+    for rows in sorted({*small, *(pixels // r for r in small)}):
         cols = pixels // rows
         costs = _row_costs(plan.fb, plan.block, cols)
         if not costs:
