@@ -105,12 +105,13 @@ class ConcatKernel:
 
         channels, b = list(attrs["channels"]), block()
         reserve = list(attrs.get("reserve", []))
+        room, room_blocked = sum(reserve), sum(-(-c // b) for c in reserve)  # 0: none
 
         def concat(*parts):
-            return (concat_channels(parts, sum(reserve)),)
+            return (concat_channels(parts, room),)
 
         def concat_blocked(*parts):
-            return (concat_channels(parts, sum(-(-c // b) for c in reserve)),)
+            return (concat_channels(parts, room_blocked),)
 
         self.run = concat
         self.tactics = [Tactic("nchw", concat)]
