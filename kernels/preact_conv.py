@@ -5,12 +5,12 @@
 
 DenseNet's layers and transitions start this way (pre-activation: BN and ReLU of the
 concatenated features, then the 1x1 conv). Op by op, t is written to memory and read back by
-the conv: on densenet121 at batch 1 those passes took 2.5 ms of a 28 ms run on a 2-core Zen 4,
-2.5 times what the same pass took called alone on data in cache (bench/NOTES.md). Here a work
-item walks a run of pixels of one image in bands: the band's t, for every input block, is
-computed into a per-thread scratch sized to a share of L2, and the conv's register tiles
-(the direct conv family's item, _direct_blocked.pointwise_pixels) read it from there. Each
-tensor touching memory is x, the weights and y.
+the conv: on densenet121 at batch 1 those passes took 2.48 ms of the plan's 29.0 ms (AMD EPYC
+family 25 model 17, 2 cores), 2.6 times what the same passes took called alone
+(bench/NOTES.md). Here a work item walks a run of pixels of one image in bands: the band's t,
+for every input block, is computed into a per-thread scratch sized to a share of L2, and the
+conv's register tiles (the direct conv family's item, _direct_blocked.pointwise_pixels) read it
+from there. Each tensor touching memory is x, the weights and y.
 
     >>> plan = prepare_preact_conv(s, t0, w, b, norm_act={"activation": "relu"},
     ...                            conv_act={"activation": "relu"})
