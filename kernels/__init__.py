@@ -3,7 +3,7 @@
 One family per module, each with its validating wrapper(s), all exported here by name. The
 exports load on first use: a family module compiles (or loads from the cache) Numba code,
 which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
-A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense, dense_gemm,
+A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense_gemm,
 pointwise, linear_act) is reached through the module, `kernels.fire.fire`: exporting it by
 name would shadow the module (`import kernels.fire as m` would then give the function).
 

@@ -65,10 +65,15 @@ def row_tile(m, T):
     1.5 FMAs per load (as gemm_shape asks; T.rows at most), the one that pads M the least,
     ties to more rows. Rows past M cost a whole tile's FMAs: at M = 128 the 14-row tile of
     AVX-512 computes 140 rows, and the 8-row one, within 2% of its speed, 128 (bench/NOTES.md,
-    "The dense GEMM's row tile from M"). M: a GEMM's rows (dense_gemm), attention's queries."""
+    "The dense GEMM's row tile from M"). M: a GEMM's rows (dense_gemm), attention's queries.
+    An M below every such count (a classifier head at batch 1, M = 1 ... 5 at AVX-512's 14 x 2)
+    gets a tile of M rows: the padded rows were FMAs for nothing (5 of 6 at M = 1), and such a
+    product is bound by streaming W, not by its FMAs."""
     best = T.rows
     for rows in range(T.rows - 1, 0, -1):
         if 2 * rows * T.cols < 3 * (rows + T.cols):
+            if m < best:
+                best = max(1, m)
             break
         if -(-m // rows) * rows < -(-m // best) * best:
             best = rows

@@ -220,16 +220,17 @@ def _dense(L, T, x, xp, w, y, r, has_r, bias, kind, act_a, act_b, n_rb, n_cb, kc
     row_tiles = -(-m_len // mr)
     panels = -(-y.shape[1] // (T.cols * L.width))
     lw = L.width
-    for i in numba.prange(row_tiles):  # xp[(i K + k) MR + j] = x[i MR + j, k], 0 past M
-        base, m0 = i * k_len * mr, i * mr
-        k = 0
-        if m0 + mr <= m_len:
-            while k + lw <= k_len:
-                _gemm.interleave_rows(L, T, x, m0 * k_len + k, k_len, xp, base + k * mr)
-                k += lw
-        for kk in range(k, k_len):
-            for j in range(mr):
-                xp[base + kk * mr + j] = x[m0 + j, kk] if m0 + j < m_len else 0.0
+    if mr > 1:  # a one-row tile reads x as it is (its packing is x): no parallel region for it
+        for i in numba.prange(row_tiles):  # xp[(i K + k) MR + j] = x[i MR + j, k], 0 past M
+            base, m0 = i * k_len * mr, i * mr
+            k = 0
+            if m0 + mr <= m_len:
+                while k + lw <= k_len:
+                    _gemm.interleave_rows(L, T, x, m0 * k_len + k, k_len, xp, base + k * mr)
+                    k += lw
+            for kk in range(k, k_len):
+                for j in range(mr):
+                    xp[base + kk * mr + j] = x[m0 + j, kk] if m0 + j < m_len else 0.0
     for item in numba.prange(n_rb * n_cb):
         cb, rb = item // n_rb, item % n_rb
         i0, i1 = rb * row_tiles // n_rb, (rb + 1) * row_tiles // n_rb
@@ -331,6 +332,11 @@ def dense_gemm(x, plan, residual=None, out=None):
     L = plan.lanes
     T, n_rb, n_cb, kc = launch(plan, m)
     xp = shared(-(-m // T.rows) * T.rows * plan.k)  # x packed by row tiles
+    if T.rows == 1:  # one row (M = 1: row_tile) is its own packing
+        if x.flags.writeable:  # xp is typed writable (the packing loop, skipped, still is)
+            xp = x.reshape(-1)
+        else:
+            xp[:] = x.reshape(-1)
     kind, a, b = plan.act
     _dense(L, T, x, xp, plan.packed, out, r, residual is not None, plan.bias, kind, a, b, n_rb,
            n_cb, kc)  # fmt: skip

@@ -9,8 +9,9 @@ layers of the head); the products of transformers and recurrent cells are left t
 entries, and a product elsewhere is not a near-miss. Unfused, the head is the last
 onnxruntime island of a fused CNN.
 
-The kernel: the product in kernels/dense.py (not NumPy's BLAS, whose spinning threads slow the
-kernels after it), the bias and activation in one pass of kernels/pointwise.py.
+The kernel: kernels/dense_gemm.py's GEMM (W packed once; bias and activation applied to each
+tile as it is stored), as the transformers' linear layers run; at batch 1 its one-row tile
+streams W. Not NumPy's BLAS: its threads spin on the cores the next kernel needs.
 """
 
 from __future__ import annotations
@@ -64,17 +65,17 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.dense import dense  # heavy (Numba): only when a kernel is built
-    from kernels.pointwise import pointwise, prepare_pointwise
+    from kernels.dense_gemm import prepare_dense  # heavy (Numba): only when a kernel is built
+    from kernels.linear_act import linear_act
+    from kernels.simd.activation import encode
 
     w, b = linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4])
-    wt = np.ascontiguousarray(w.T)  # [M, K]: a dot product per output
-    plan = prepare_pointwise(w.shape[1], shift=b, **activation_keywords(attrs))
+    plan = prepare_dense(w, b, encode(**activation_keywords(attrs)))  # W [K, M] packed once
 
     softmax = bool(attrs.get("softmax"))
 
     def run(x, *_constants):
-        y = pointwise(dense(x, wt), plan)
+        y = linear_act(x, plan)
         if softmax:  # per row, as onnxruntime: e^(y - max) / sum (a NaN makes its row NaN)
             y -= y.max(axis=1, keepdims=True)
             np.exp(y, out=y)

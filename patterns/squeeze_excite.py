@@ -9,8 +9,8 @@ between the fused convs around them, and each island boundary converts x's layou
 
 The kernel: on blocked tensors (the layout of the convs around it) the whole block in one call
 (kernels/squeeze_excite.py); on NCHW ones the plane means summed in float64 (kernels/pool.py,
-GlobalAveragePool's), the two small products in kernels/dense.py with their epilogues in
-kernels/pointwise.py, then one pass of kernels/pointwise.py multiplying x by the gate.
+GlobalAveragePool's), the two small products on kernels/dense_gemm.py's GEMM with their
+epilogues, then one pass of kernels/pointwise.py multiplying x by the gate.
 """
 
 from __future__ import annotations
@@ -75,21 +75,21 @@ class SqueezeExciteKernel:
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.dense import dense
+        from kernels.dense_gemm import prepare_dense
+        from kernels.linear_act import linear_act
         from kernels.pointwise import pointwise, prepare_pointwise
         from kernels.pool import global_average_pool
         from kernels.simd.activation import encode
         from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
 
         self.layers, convs = [], []
-        for k, p in enumerate(PREFIXES):  # (W [M, C] float32, its bias + activation plan)
+        for k, p in enumerate(PREFIXES):  # each 1x1 conv: W [M, C], bias, activation
             conv = {key[len(p) :]: v for key, v in attrs.items() if key.startswith(p)}
             w, b = folded(conv, [None, *constants[1 + 3 * k : 4 + 3 * k]])
-            plan = prepare_pointwise(w.shape[0], shift=b, **activation_keywords(conv))
-            self.layers.append((np.ascontiguousarray(w[:, :, 0, 0]), plan))
             convs.append((w[:, :, 0, 0], b, encode(**activation_keywords(conv))))
-        self.channels = self.layers[0][0].shape[1]
-        self._pointwise, self._dense = pointwise, dense
+            self.layers.append(prepare_dense(w[:, :, 0, 0].T, b, convs[-1][2]))  # W [C, M]
+        self.channels = self.layers[0].k
+        self._linear_act = linear_act
         gate_plan = prepare_pointwise(self.channels, gated=True)
         (w1, b1, act1), (w2, b2, act2) = convs
         se_plan = prepare_squeeze_excite(w1, b1, w2, b2, act1, act2)
@@ -115,9 +115,8 @@ class SqueezeExciteKernel:
     def gate(self, means: np.ndarray) -> np.ndarray:
         """[N, C] gate from [N, C] plane means: two 1x1 convs with their epilogues."""
         t = np.ascontiguousarray(means, np.float32)
-        for w, plan in self.layers:
-            t = self._dense(t, w)  # not NumPy's matmul: see kernels/dense.py
-            t = self._pointwise(t, plan, out=t)
+        for plan in self.layers:  # not NumPy's matmul: see kernels/dense_gemm.py
+            t = self._linear_act(t, plan)
         return t
 
     def __call__(self, x, *constants):

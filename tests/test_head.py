@@ -64,15 +64,3 @@ def test_gemm_with_a_matrix_for_bias_is_declined():
     y = g.node("Gemm", [t, g.weight(8, 4), g.weight(3, 4)], name="/fc")  # C: a [3, 4] matrix
     near_miss(g.model({"x": [3, 8, 2, 2]}, [y]), "LinearAct", "is not a row of 4 values",
               fused=["GlobalAvgPoolFlatten"])  # fmt: skip
-
-
-def test_dense_kernel_matches_numpy():
-    from kernels.dense import dense
-
-    rng = np.random.default_rng(0)
-    for n, k, m in [(1, 512, 1000), (3, 7, 5), (0, 4, 2)]:
-        x = rng.standard_normal((n, k)).astype(np.float32)
-        wt = rng.standard_normal((m, k)).astype(np.float32)
-        assert_close(dense(x, wt), x.astype(np.float64) @ wt.T, 1e-5, 1e-4, check_dtype=False)
-    with pytest.raises(ValueError, match="do not share the inner size"):
-        dense(x, wt[:, :1])
