@@ -10,8 +10,8 @@ kernels (GlobalAveragePool's means, two dense products and their epilogues, a ga
 pass), each Python call and parallel region cost a few microseconds: 37-94 us a block in
 EfficientNet-B0 where onnxruntime's five nodes take ~30 (bench/NOTES.md). Here one jitted call
 runs three phases: the means in parallel over (image, block, part of the plane) items (an early
-block of 2 channel blocks at 112x112 split in parts: blocked.plane_parts), then the gate per
-image in vectors over C (W1 by rows dotted with m; W2 stored transposed, [M, C], so that h[j]
+block of 2 channel blocks at 112x112 split in parts: blocked.plane_parts), then every image's
+gate in vectors over C (W1 by rows dotted with m; W2 stored transposed, [M, C], so that h[j]
 scales a row of it into g; rows and vectors split between the threads), then the scaling in
 parallel over the same items. Channels past C stay zero (their gate is 0).
 
@@ -102,9 +102,11 @@ def _excite(L, h, w2f, b2, acts, g, c0, c_len):
 @numba.jit(**PARALLEL)
 def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
     """y4 = x4 g (module docstring), x4 and y4 blocked [N, CB, P, b] (b = L.width), each plane
-    cut in `parts` runs of pixels for the two parallel phases."""
+    cut in `parts` runs of pixels for the two parallel phases. Four parallel regions whatever
+    the batch: the gate's two run every image's rows, then vectors, at once (a pair per image
+    was 2 N regions of ~3 us each: bench/NOTES.md)."""
     n_len, cb_len, p_len, b = x4.shape
-    c_len = w1.shape[1]
+    m_len, c_len = w1.shape
     items = n_len * cb_len * parts
     sums = np.empty((items, b), np.float64)
     xf, yf = x4.reshape(-1), y4.reshape(-1)
@@ -113,11 +115,11 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
         s = np.zeros(b, np.float64)
         block_sums(L, xf, item * p_len * b, p0, p1, s)
         sums[np.int64(task)] = s
-    # the gate, per image: its weights (2 M C floats, 442 KB for EfficientNet's last blocks)
-    # read by both threads, the squeeze's rows and then the channels' vectors split
+    # the gate: its weights (2 M C floats, 442 KB for EfficientNet's last blocks) read by both
+    # threads, the squeeze's rows and then the channels' vectors of every image split
     gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C: the padding stays 0
-    means = np.empty(cb_len * b, np.float32)
-    h = np.empty(w1.shape[0], np.float32)
+    means = np.empty((n_len, cb_len * b), np.float32)
+    h = np.empty((n_len, m_len), np.float32)
     w1f, w2f = w1.reshape(-1), w2t.reshape(-1)
     for n in range(n_len):
         for cb in range(cb_len):
@@ -125,12 +127,14 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
                 total = 0.0
                 for k in range(parts):
                     total += sums[(n * cb_len + cb) * parts + k, lane]
-                means[cb * b + lane] = total / p_len
-        for j in numba.prange(w1.shape[0]):
-            h[j] = _hidden(L, means, w1f, b1, acts, j, c_len)
-        g = gates[n]
-        for c0 in numba.prange(-(-c_len // b)):
-            _excite(L, h, w2f, b2, acts, g, c0 * b, c_len)
+                means[n, cb * b + lane] = total / p_len
+    for t in numba.prange(n_len * m_len):
+        n, j = np.int64(t) // m_len, np.int64(t) % m_len
+        h[n, j] = _hidden(L, means[n], w1f, b1, acts, j, c_len)
+    v_len = -(-c_len // b)
+    for t in numba.prange(n_len * v_len):
+        n, c0 = np.int64(t) // v_len, np.int64(t) % v_len
+        _excite(L, h[n], w2f, b2, acts, gates[n], c0 * b, c_len)
     for task in numba.prange(items):
         item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
