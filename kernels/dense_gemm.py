@@ -331,12 +331,12 @@ def dense_gemm(x, plan, residual=None, out=None):
         return out
     L = plan.lanes
     T, n_rb, n_cb, kc = launch(plan, m)
-    xp = shared(-(-m // T.rows) * T.rows * plan.k)  # x packed by row tiles
-    if T.rows == 1:  # one row (M = 1: row_tile) is its own packing
-        if x.flags.writeable:  # xp is typed writable (the packing loop, skipped, still is)
-            xp = x.reshape(-1)
-        else:
-            xp[:] = x.reshape(-1)
+    if T.rows == 1 and x.flags.writeable:  # one row (M = 1: row_tile) is its own packing
+        xp = x.reshape(-1)
+    else:
+        xp = shared(-(-m // T.rows) * T.rows * plan.k)  # x packed by row tiles
+        if T.rows == 1:  # a read-only row, copied: the skipped packing loop still types xp
+            xp[:] = x.reshape(-1)  # as writable
     kind, a, b = plan.act
     _dense(L, T, x, xp, plan.packed, out, r, residual is not None, plan.bias, kind, a, b, n_rb,
            n_cb, kc)  # fmt: skip
