@@ -151,8 +151,8 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
                     xv = xf[((n * g[CB]) * h + lo) * w * g[BI] :]
                     ev = ex[(lo - ih0) * w * b :]
                     pointwise_pixels(L, re, xv, we, be, ev, ev, ge, (hi - lo) * w, og_a,
-                               og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
-                               ci)  # fmt: skip
+                                     og_b, acc, tbuf, tx, tw, sx, sw_, acts[0, 1], acts[0, 2],
+                                     ci)  # fmt: skip
                 else:
                     _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
             have_lo, have_hi = ih0, ih0 + span
@@ -160,7 +160,7 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
                 dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
                          acts[1, 2])  # fmt: skip
         pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
-                   acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+                         acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)

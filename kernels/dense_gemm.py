@@ -9,8 +9,8 @@ W is packed once, when the plan is built (prepare_dense), into the micro-kernel'
 panels [ceil(N / NR), K, NR] (zero columns past N); x is packed per call into its row panels
 [ceil(M / MR), K, MR] (zero rows past M: one parallel pass, M K copies against M K N FMAs),
 so that the micro-kernel (_gemm.panel_sum) reads both operands contiguously (x read in place,
-MR rows at a time, was slower than packing it: bench/NOTES.md, "Dense GEMM"). Blocking, BLIS's
-order:
+MR rows at a time, was slower than packing it: bench/NOTES.md, "Dense GEMM"); a one-row tile
+(M = 1, _gemm.row_tile) reads x as it is, its own packing. Blocking, BLIS's order:
 
     for each work item (a block of row tiles x a block of column panels), in parallel:
       for each block of kc of K:

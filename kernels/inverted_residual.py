@@ -267,7 +267,7 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     ge = gp
     if plan.expand is not None:
         ge = pixels_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
-                            YBS=span * w)  # fmt: skip
+                             YBS=span * w)  # fmt: skip
     split = _channel_parts(plan, cuts, (rows, ow, b), threads, band)
     gps = split[1]
     g = np.zeros(ir.N_GEO, np.int64)

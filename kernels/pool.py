@@ -188,7 +188,7 @@ def maxpool_nchwc(L, xf, yf, n_len, cb_len, h, w, oh_len, ow_len, kh, kw, sh, sw
     vector lanes, so a window is kh kw vector maxima, no column-wise pass needed. An item is
     one output row of one block: its taps' rows inside the image are found once, and the
     columns c0 <= ow < c1 whose windows lie inside the image (all but a padded edge's) run
-    with no test per tap (with a test per tap the kernel was 1.3-2x slower at batch 1:
+    with no test per tap (with a test per tap the kernel took 1.2-2.4x as long at batch 1:
     bench/NOTES.md). The maximum is _max's, lane by lane (one vmaxps: a NaN in the new value
     wins, one in the running maximum does not)."""
     u = np.uint64
