@@ -25,6 +25,11 @@ with the scratch as its image (its rows already padded, its columns padded by th
 at expansion 1 with x itself (its rows written to the band's scratch from g[ROW0]: no copy of
 x into ex). One small image on more threads than it has runs of rows worth cutting takes
 channel parts instead (inverted_residual_blocked's docstring).
+
+Without a projection (g[PROJECT] = 0: the expand and the depthwise conv alone, y = d, the
+block that squeeze-excitation splits: its gate needs all of d), the depthwise conv writes the
+band's rows straight into y (gd's OH is y's, ROW0 minus the band's first row) and channel
+parts write their own blocks of y: no partial sums.
 """
 
 import numba
@@ -40,7 +45,7 @@ from .simd.activation import clip_bounds, clips
 
 # the block's own geometry, beside the three convs' (ge, gd, gp: _blocked_geometry)
 (N, CB, BI, H, W, EB, K, S, PT, OH, OW, MB, ROWS, SPAN, PARTS, EXPAND, IN_PLACE, SPLIT, TAPS,
- FBMAX, N_GEO) = range(21)  # fmt: skip
+ FBMAX, PROJECT, N_GEO) = range(22)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
@@ -103,7 +108,7 @@ def scratch_size(g, ge, gd, gps, pw_e: int, pw_p: int) -> tuple[int, int, int, i
     and its channel parts')."""
     b = gd[geo.BI]
     ex = 0 if g[IN_PLACE] else g[EB] * g[SPAN] * g[W] * b
-    dw = g[EB] * g[ROWS] * g[OW] * b
+    dw = g[EB] * g[ROWS] * g[OW] * b if g[PROJECT] else 0  # else the depthwise conv writes y
     park = b  # (a placeholder when none is cut)
     convs = [(ge, g[SPAN] * g[W], pw_e)] + [(gp, g[ROWS] * g[OW], pw_p) for gp in gps]
     for gc, pixels, pw in convs:
@@ -126,10 +131,16 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
     taps = np.empty(2 * k * k, np.int64)
     og_a, og_b = eb_a // ge[geo.FB], (eb_b + ge[geo.FB] - 1) // ge[geo.FB]  # the expand's
     dv = dw[eb_a * rows * ow * b :]  # the projection reads d from block eb_a
+    project = g[PROJECT] == 1
+    if not project:  # d is y: the depthwise conv writes image n's rows oh0 + r of y
+        dw = yf[n * g[MB] * g[OH] * ow * b :]
+        gd[geo.OH] = g[OH]
     have_lo, have_hi = 0, 0  # rows of e in ex[:, 0 : have_hi - have_lo]
     for oh0 in range(oh_a, oh_b, rows):
         used = min(rows, oh_b - oh0)
         y0 = (n * g[MB] * g[OH] + oh0) * ow * b
+        if not project:
+            gd[geo.ROW0] = -oh0
         if g[IN_PLACE]:  # e = x in blocks of b: the depthwise conv reads x's rows where they are
             gd[geo.ROW0] = oh0
             xv = xf[n * g[CB] * h * w * b :]
@@ -159,8 +170,10 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
             for eb in range(eb_a, eb_b):
                 dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
                          acts[1, 2])  # fmt: skip
-        pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0, gp[geo.OGG],
-                         acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2], L)  # fmt: skip
+        if project:
+            pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0,
+                             gp[geo.OGG], acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2],
+                             L)  # fmt: skip
 
 
 @numba.jit(**PARALLEL)
@@ -205,8 +218,8 @@ def inverted_residual_blocked(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g,
                 item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp.copy(),
                      acts, ci, n, oh_a, oh_b, np.int64(0), g[EB], ex, dw, dscr, acc, tbuf, tx, tw,
                      sx, sw_)  # fmt: skip
-        else:
-            pv = parts[part * part_len :]
+        else:  # a channel part: its partial sums, or its own blocks of d without a projection
+            pv = parts[part * part_len :] if g[PROJECT] else yf
             item(L, re, rp, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g, ge_,
                  gd_, gps[part].copy(), acts, ci, n, np.int64(0), oh_len, cuts[part],
                  cuts[part + 1], ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip

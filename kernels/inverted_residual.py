@@ -56,8 +56,9 @@ class InvertedResidualPlan:
     block: int
     expand: ConvPlan | None  # C -> E 1x1, None for expansion 1
     depthwise: ConvPlan  # E -> E kxk
-    project: ConvPlan  # E -> M 1x1, the residual added before or after its activation
-    project_weight: np.ndarray = dataclasses.field(compare=False, repr=False)  # [M, E, 1, 1]
+    project: ConvPlan | None  # E -> M 1x1, the residual added before or after its activation;
+    # None: the block stops at d (y = d, M = E: the part before a squeeze-excitation)
+    project_weight: np.ndarray | None = dataclasses.field(compare=False, repr=False)
     launches: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -79,7 +80,8 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
                               residual=False, block=None):  # fmt: skip
     """Pack the block's weights for inverted_residual (ValueError on shapes it cannot run).
     residual: the block's input added after act_p ("after" or True: MobileNetV2), "before" it,
-    or not (None or False)."""
+    or not (None or False). wp None (and bp, act_p, residual with it): the block stops at d,
+    the expand and the depthwise conv alone (we then required), y = d with E channels."""
     b = width() if block is None else int(block)
     kinds = {None: None, False: None, True: "after", "after": "after", "before": "before"}
     if residual not in kinds:
@@ -87,7 +89,10 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     residual = kinds[residual]
     if b not in (8, 16):
         raise ValueError(f"block must be 8 or 16 channels, got {block!r}")
-    for name, w in (("wd", wd), ("wp", wp), *((("we", we),) if we is not None else ())):
+    if wp is None and (we is None or bp is not None or residual):
+        raise ValueError("without a projection the block needs we, and takes no bp or residual")
+    named = (("wd", wd), ("wp", wp), ("we", we))
+    for name, w in ((n, w) for n, w in named if w is not None or n == "wd"):
         if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.ndim != 4:
             raise ValueError(f"{name} must be a float32 [O, I, kh, kw] array, got {w!r:.60}")
     e, _, kh, kw = wd.shape
@@ -96,8 +101,8 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     c = we.shape[1] if we is not None else e
     if we is not None and (we.shape[0] != e or we.shape[2:] != (1, 1)):
         raise ValueError(f"we {we.shape} is not a 1x1 conv to the depthwise's {e} channels")
-    m = wp.shape[0]
-    if wp.shape[1:] != (e, 1, 1):
+    m = e if wp is None else wp.shape[0]
+    if wp is not None and wp.shape[1:] != (e, 1, 1):
         raise ValueError(f"wp {wp.shape} is not a 1x1 conv from {e} channels")
     if residual and (m != c or stride != 1):
         raise ValueError(f"a residual needs stride 1 and M = C, got stride {stride}, {c} -> {m}")
@@ -106,7 +111,7 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
     pads = ((kh - 1) // 2,) * 4 if pads is None else tuple(int(p) for p in pads)
     if len(pads) != 4 or min(pads) < 0 or max(pads) >= kh:
         raise ValueError(f"pads must be 4 values in [0, k), got {pads}")
-    act_e, act_d, act_p = (_keywords(a) for a in acts)
+    act_e, act_d, act_p = (_keywords(a) for a in (*acts, None)[:3])
     one = dict(strides=(1, 1), pads=(0,) * 4, block=b)
     return InvertedResidualPlan(
         in_channels=c, expanded=e, out_channels=m, kernel=kh, stride=int(stride),
@@ -115,7 +120,8 @@ def prepare_inverted_residual(we, be, wd, bd, wp, bp, *, stride=1, pads=None, ac
         depthwise=prepare_conv_nchwc(wd, bd, strides=(stride,) * 2, pads=pads, group=e,
                                      block=b, **act_d),
         # d is in blocks of b, E < b included (the depthwise conv's, or the scratch's)
-        project=prepare_conv_nchwc(wp, bp, **one, **act_p, residual=residual, in_block=b),
+        project=None if wp is None else prepare_conv_nchwc(wp, bp, **one, **act_p,
+                                                           residual=residual, in_block=b),
         project_weight=wp,
     )  # fmt: skip
 
@@ -198,8 +204,8 @@ def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
 def _channel_parts(plan: InvertedResidualPlan, cuts, band_shape, threads: int, band: dict):
     """For channel parts (cuts not None): (the parts' projections, their geometries, packed
     weights one after the other, each one's offset, a zero bias); else placeholders."""
-    p = plan.project
-    if cuts is None:
+    p = plan.project or plan.expand  # no projection: the expand's stand in, never read
+    if cuts is None or plan.project is None:
         return [], [], p.packed, np.zeros(1, np.int64), p.bias
     rows, ow, b = band_shape
     e = plan.expanded
@@ -249,10 +255,11 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     _, mb, oh, ow, _ = shape
     eb = -(-plan.expanded // b)
     parts, rows = bands(n, oh, ow, w, eb, b, k, s, threads)
-    dw, p = plan.depthwise, plan.project
+    dw, project = plan.depthwise, plan.project is not None
+    p = plan.project or plan.expand  # no projection: the expand's stands in, never run
     e = plan.expand or p  # expansion 1: the project's stands in, never run
-    cuts = channel_cuts(c, plan.expanded, plan.out_channels, h, w, oh, ow, k, s, parts, b,
-                        e.fb, threads, plan.expand is not None)  # fmt: skip
+    cuts = channel_cuts(c, plan.expanded, plan.out_channels if project else 0, h, w, oh, ow, k,
+                        s, parts, b, e.fb, threads, plan.expand is not None)  # fmt: skip
     if cuts is not None:
         rows = band_rows(oh, ow, w, eb, b, k, s)
     span = (rows - 1) * s + k
@@ -263,11 +270,11 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
                   OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows),
                   **image)  # fmt: skip
     band = dict(pixels=rows * ow, XBS=rows * ow, YBS=oh * ow)
-    gp = pixels_geometry(p, (1, eb, rows, ow, b), threads, **band)
-    ge = gp
+    ge = gp = pixels_geometry(p, (1, eb, rows, ow, b), threads, **band) if project else None
     if plan.expand is not None:
         ge = pixels_geometry(e, (1, cb, h, w, bi), threads, pixels=rows * s * w, XBS=h * w,
                              YBS=span * w)  # fmt: skip
+    gp = ge if gp is None else gp  # no projection: the expand's stands in, never read
     split = _channel_parts(plan, cuts, (rows, ow, b), threads, band)
     gps = split[1]
     g = np.zeros(ir.N_GEO, np.int64)
@@ -276,7 +283,8 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
                    ir.PARTS: parts, ir.EXPAND: int(plan.expand is not None),
                    ir.IN_PLACE: int(in_place), ir.SPLIT: 1 if cuts is None else len(cuts) - 1,
                    ir.TAPS: max(int(x[geo.CHUNK]) for x in (ge, gp, *gps)),
-                   ir.FBMAX: max(int(x[geo.FB]) for x in (ge, gp, *gps))}.items():  # fmt: skip
+                   ir.FBMAX: max(int(x[geo.FB]) for x in (ge, gp, *gps)),
+                   ir.PROJECT: int(project)}.items():  # fmt: skip
         g[key] = v
     pw_e, pw_p = int(ge[geo.PW]), int(gp[geo.PW])
     sizes = np.array(ir.scratch_size(g, ge, gd, [gp, *gps], pw_e, pw_p), np.int64)
@@ -306,7 +314,7 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
         r = xb if xb.shape[-1] == plan.block else to_blocked(from_blocked(xb, plan.in_channels),
                                                              plan.block)  # fmt: skip
         rf = np.ascontiguousarray(r).reshape(-1)
-    split = launch.split  # channel parts: their partial sums
+    split = launch.split if plan.project is not None else 1  # channel parts' partial sums
     parts = empty(split * yf.size) if split > 1 else yf
     a = launch.args
     args = (*a[:3], xf, *a[3:9], yf, rf, *a[9:16], per_thread(launch.scratch), *a[16:], parts)

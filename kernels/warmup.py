@@ -221,7 +221,8 @@ def _blocked_depthwise():
 def _inverted_residual():
     """The depth-first inverted residual at this CPU's width: its driver (compiled once) and the
     tallest tiles of its 1x1 convs, the direct kernel's own: expands of 4 and 2 output blocks
-    per tile and none (expansion 1, the depthwise conv reading x), projections of 4, 2 and 1."""
+    per tile and none (expansion 1, the depthwise conv reading x), projections of 4, 2 and 1,
+    and the block without its projection."""
     from .blocked import to_blocked
     from .inverted_residual import inverted_residual, prepare_inverted_residual
     from .simd import width
@@ -238,6 +239,10 @@ def _inverted_residual():
             plan = prepare_inverted_residual(w(e, c, 1, 1) if fb_e else None, w(e),
                                              w(e, 1, 3, 3), w(e), w(m, e, 1, 1), w(m),
                                              acts=(("relu",), ("relu",), None))  # fmt: skip
+            inverted_residual(to_blocked(w(1, c, 5, 5), block=b), plan)
+        if fb_e:  # the block stopping at d (ExpandDepthwise): the same driver and expand tiles
+            plan = prepare_inverted_residual(w(e, c, 1, 1), w(e), w(e, 1, 3, 3), w(e), None, None,
+                                             acts=(("relu",), ("relu",)))  # fmt: skip
             inverted_residual(to_blocked(w(1, c, 5, 5), block=b), plan)
 
 

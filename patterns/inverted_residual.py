@@ -13,7 +13,11 @@ by-op plan with the blocked conv kernels ("blocked-opbyop"), so the race compare
 A tensor inside the block that is also a graph output or read elsewhere is not fused away (the
 rewriter's safety check). Squeeze-excitation between the depthwise conv and the projection
 (MobileNetV3, EfficientNet) is not this pattern: its gate needs the whole plane of d, which a
-band does not have; SqueezeExcite and ConvBiasRelu take that block.
+band does not have. There the block splits at the gate: ExpandDepthwise takes the expand and
+the depthwise conv (the same kernel, stopping at d: e never leaves the core's cache), then
+SqueezeExcite and ConvBiasRelu the rest.
+
+ExpandDepthwise:  d = act_d(bn(depthwise_kxk(act_e(bn(conv1x1(x))))))
 """
 
 from __future__ import annotations
@@ -49,12 +53,22 @@ def _constrain(p, name: str, where) -> None:
         _constrain(p.pattern, name, where)
 
 
+def _depthwise_chain(x):
+    """expand (1x1 + epilogue, or x itself: expansion 1) -> depthwise kxk + epilogue."""
+    d = conv_epilogue(x, "d_", residual=False, pad=True)  # Keras pads before a strided one
+    _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
+    return d
+
+
 def inverted_residual():
     x = Var("x", dtype="float32", rank=4)
-    e = Alt(conv_epilogue(x, "e_", residual=False), x)
-    d = conv_epilogue(e, "d_", residual=False, pad=True)  # Keras pads before a strided one
-    _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
+    d = _depthwise_chain(Alt(conv_epilogue(x, "e_", residual=False), x))
     return conv_epilogue(d, "p_", residual=x)  # the block's input added before or after act_p
+
+
+def expand_depthwise():
+    x = Var("x", dtype="float32", rank=4)
+    return _depthwise_chain(conv_epilogue(x, "e_", residual=False))
 
 
 def attributes(m) -> dict:
@@ -63,7 +77,8 @@ def attributes(m) -> dict:
     return {**attrs, "expand": int("e_" in convs)}  # p_residual: "before", "after" or absent
 
 
-def check(m) -> str | None:
+def _depthwise_reason(m) -> str | None:
+    """Why the middle conv is not a depthwise one the block kernel runs, if it is not."""
     wd, a = m.const("d_W"), m.attrs("d_conv")
     if wd.ndim != 4 or wd.shape[1] != 1 or int(a["group"]) != wd.shape[0]:
         return f"d: a {list(wd.shape)} conv of group {a['group']}, not a depthwise one"
@@ -76,6 +91,28 @@ def check(m) -> str | None:
     pads = conv_attributes(m, "d_")["pads"]  # a Pad before it included
     if a["auto_pad"] not in ("NOTSET", "") and "d_pad" not in m.node_index or max(pads) >= k:
         return f"d: auto_pad {a['auto_pad']}, pads {pads}"
+    return None
+
+
+def check_expand_depthwise(m) -> str | None:
+    reason = _depthwise_reason(m) or pointwise_reason(m, "e_")
+    if reason:
+        return reason
+    we, wd = m.const("e_W"), m.const("d_W")
+    if we.shape[0] != wd.shape[0]:
+        return f"weights {list(we.shape)}, {list(wd.shape)} do not chain"
+    for p in PREFIXES[:2]:
+        reason = check_conv(m, p, res="x")
+        if reason:
+            return f"{p[:-1]}: {reason}"
+    return None
+
+
+def check(m) -> str | None:
+    reason = _depthwise_reason(m)
+    if reason:
+        return reason
+    wd, strides = m.const("d_W"), list(m.attrs("d_conv")["strides"])
     expand = "e_conv" in m.node_index
     for p in ("e_", "p_") if expand else ("p_",):
         reason = pointwise_reason(m, p)
@@ -102,7 +139,8 @@ def check(m) -> str | None:
 
 class InvertedResidualKernel:
     """Tactics on blocked tensors: the depth-first block kernel, then the op-by-op plan (the
-    blocked conv kernels, e and d through memory); called on NCHW it runs the first."""
+    blocked conv kernels, e and d through memory); called on NCHW it runs the first. Without
+    p_ attributes (ExpandDepthwise) the block stops at d."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block_size, from_blocked, to_blocked  # heavy (Numba)
@@ -176,4 +214,19 @@ RULE = Rule(
     # is any conv after a conv, and would be noise in every CNN's explanation.
     explain_after="InvertedResidual",
     from_last=True,  # the root may be any node of the chain: the longest chain claims first
+)
+
+
+EXPAND_DEPTHWISE = Rule(
+    "ExpandDepthwise",
+    expand_depthwise(),
+    inputs=INPUTS[: 1 + 2 * len(PER_CONV)],  # x, the e_ and d_ constants
+    prepare=make_kernel,
+    attributes=attributes,
+    check=check_expand_depthwise,
+    accumulates=True,
+    priority=16,  # after InvertedResidual (a whole block first), before ConvBiasRelu (10)
+    description="1x1 expand -> depthwise kxk, depth first (the block before an SE gate), float32",
+    explain_after="ExpandDepthwise",  # as InvertedResidual: only whole matches are near-misses
+    from_last=True,
 )

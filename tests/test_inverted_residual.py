@@ -189,8 +189,9 @@ def test_depthwise_output_with_a_second_consumer_is_not_fused_away():
     g = GraphBuilder(opset=17)
     y, _ = block(g, "x", 8, 6, 8)
     other = g.node("Relu", [g.inner[1]], name="/other")
+    # the expand and the depthwise conv still run depth first, stopping at d
     near_miss(g.model({"x": ["N", 8, 7, 7]}, [y, other]), "InvertedResidual",
-              "is also used by Relu /other", fused=["ConvBiasRelu"] * 3)  # fmt: skip
+              "is also used by Relu /other", fused=["ExpandDepthwise", "ConvBiasRelu"])  # fmt: skip
 
 
 def test_squeeze_excite_between_depthwise_and_project_is_left_to_its_patterns():
@@ -205,7 +206,7 @@ def test_squeeze_excite_between_depthwise_and_project_is_left_to_its_patterns():
     y = g.node("Conv", [g.node("Mul", [d, s]), g.const(weights(8, 48, 1, 1))])
     model = g.model({"x": ["N", 8, 7, 7]}, [y])
     near_miss(model, "InvertedResidual",
-              fused=["ConvBiasRelu", "ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
+              fused=["ExpandDepthwise", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
 
 
 def test_grouped_middle_conv_is_not_a_depthwise_one():
@@ -296,3 +297,114 @@ def test_channel_cuts_where_rows_would_compute_shared_rows_twice():
     # 56x56: 30 rows of 56 per run, the shared rows cost less than adding partial sums
     assert channel_cuts(24, 144, 24, 56, 56, 56, 56, 3, 1, 2, 16, 2, 2, True) is None
     assert channel_cuts(160, 960, 160, 7, 7, 7, 7, 3, 1, 1, 16, 4, 2, True) is None  # batch 2
+
+
+def se_block(g, x, c, t, m, s=1, k=3, acts=("silu", "silu"), bn=False, se=True):
+    """EfficientNet's block: expand -> depthwise -> squeeze-excitation -> project (no
+    residual); returns (output, (we, be, wd, bd)); g.inner_d: the depthwise conv's output."""
+    e = c * t
+    we, be = weights(e, c, 1, 1), weights(e, scale=0.1)
+    wd, bd = weights(e, 1, k, k), weights(e, scale=0.1)
+    d = conv(g, conv(g, x, we, be, acts[0], bn), wd, bd, acts[1], bn, group=e, strides=[s, s],
+             pads=[k // 2] * 4)  # fmt: skip
+    g.inner_d = d
+    if se:
+        h = conv(g, g.node("GlobalAveragePool", [d]), weights(4, e, 1, 1), weights(4), "silu")
+        gate = g.node("Conv", [h, g.const(weights(e, 4, 1, 1)), g.const(weights(e))])
+        d = g.node("Mul", [d, g.node("Sigmoid", [gate])])
+    return g.node("Conv", [d, g.const(weights(m, e, 1, 1))]), (we, be, wd, bd)
+
+
+ED_CASES = [  # c, t, s, k, hw, batch, activations, BatchNorm
+    (16, 6, 2, 3, 29, 1, ("silu", "silu"), True),  # EfficientNet's features.2.0, smaller
+    (24, 6, 1, 5, 13, 2, ("silu", "silu"), False),
+    (16, 4, 2, 5, 14, 3, ("hardswish", "hardswish"), True),  # MobileNetV3
+    (5, 3, 1, 3, 7, 2, ("relu6", "relu"), False),  # E = 15: less than a block
+    (17, 6, 1, 3, 1, 1, ("relu", None), True),  # a 1x1 image, no activation on d
+    (8, 6, 2, 3, 9, 0, ("silu", "silu"), False),  # batch 0
+]
+
+
+@pytest.mark.parametrize("c,t,s,k,hw,batch,acts,bn", ED_CASES)
+def test_expand_depthwise_before_a_gate_matches_onnxruntime(c, t, s, k, hw, batch, acts, bn):
+    """Squeeze-excitation splits the block at its gate: the expand and the depthwise conv are
+    one ExpandDepthwise node (e never leaves the cache), both tactics against onnxruntime."""
+    g = GraphBuilder(opset=17)
+    y, _ = se_block(g, "x", c, t, 8, s, k, acts, bn)
+    model = g.model({"x": ["N", c, hw, hw]}, [y])
+    result = assert_fuses(model, ["ExpandDepthwise", "SqueezeExcite", "ConvBiasRelu"],
+                          batch=max(batch, 1), rtol=1e-4, atol=1e-5)  # fmt: skip
+    feeds = {"x": RNG.standard_normal((batch, c, hw, hw)).astype(np.float32)}
+    (want,) = run_ort(model, feeds)
+    for tactic in ("blocked-depthfirst", "blocked-opbyop"):
+        session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
+        assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=tactic)
+
+
+@pytest.mark.parametrize("hw,parts", [(57, 1), (7, 2)])
+def test_expand_depthwise_kernel_in_bands_and_channel_parts(monkeypatch, hw, parts):
+    """The kernel alone against onnxruntime on the graph's d: a large image in several bands
+    of rows per run, and a small one whose two threads take half of the channels each (their
+    blocks of d written straight into y: no partial sums to add)."""
+    import kernels.inverted_residual as K
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.config import get_threads, set_threads
+
+    if parts == 2:
+        monkeypatch.setattr(K, "channel_cuts", lambda *a: K.block_cuts(-(-a[1] // a[10]), 1, 2))
+    monkeypatch.setattr(K, "L2_SHARE", 64)  # small scratches: many bands
+    c, t, k = 24, 6, 3
+    g = GraphBuilder(opset=17)
+    _, (we, be, wd, bd) = se_block(g, "x", c, t, 8, 1, k, acts=("relu6", "silu"), se=False)
+    model = g.model({"x": ["N", c, hw, hw]}, [g.inner_d])
+    relu6 = ("clip", None, None, 0.0, 6.0)
+    plan = K.prepare_inverted_residual(we, be, wd, bd, None, None, acts=(relu6, ("silu",)))
+    x = RNG.standard_normal((1, c, hw, hw)).astype(np.float32)
+    threads = get_threads()
+    set_threads(2)
+    try:
+        got = from_blocked(K.inverted_residual(to_blocked(x), plan), c * t)
+    finally:
+        set_threads(threads)
+    (launch,) = plan.launches.values()
+    assert launch.split == parts
+    if parts == 1:
+        assert launch.geometry[K.ir.ROWS] < launch.shape[2]  # several bands per image
+    assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
+
+
+def test_a_block_that_stops_at_d_needs_the_expand():
+    from kernels.inverted_residual import prepare_inverted_residual
+
+    wd, bd = weights(8, 1, 3, 3), weights(8)
+    with pytest.raises(ValueError, match="without a projection the block needs we"):
+        prepare_inverted_residual(None, None, wd, bd, None, None)
+
+
+def test_expanded_tensor_read_elsewhere_is_not_fused_into_expand_depthwise():
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(48, 8, 1, 1), weights(48), "relu")
+    d = conv(g, e, weights(48, 1, 3, 3), weights(48), "relu", group=48, pads=[1] * 4)
+    m = g.node("GlobalAveragePool", [d])
+    y = g.node("Mul", [d, g.node("Sigmoid", [m])])
+    near_miss(g.model({"x": ["N", 8, 7, 7]}, [y, e]), "ExpandDepthwise", "is also a graph output",
+              fused=["ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
+
+
+def test_expand_that_is_not_a_1x1_conv_is_a_near_miss_that_says_why():
+    """A stem's 3x3 conv before a depthwise one (EfficientNet's features.0 -> features.1)."""
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(32, 3, 3, 3), weights(32), "relu", strides=[2, 2], pads=[1] * 4)
+    d = conv(g, e, weights(32, 1, 3, 3), weights(32), "relu", group=32, pads=[1] * 4)
+    near_miss(g.model({"x": ["N", 3, 16, 16]}, [d]), "ExpandDepthwise",
+              "e: a [32, 3, 3, 3] conv of group 1, not a 1x1 one",
+              fused=["ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
+
+
+def test_dilated_depthwise_after_an_expand_is_a_near_miss_that_says_why():
+    g = GraphBuilder(opset=17)
+    e = conv(g, "x", weights(48, 8, 1, 1), weights(48), "relu6")
+    d = conv(g, e, weights(48, 1, 3, 3), weights(48), "relu6", group=48, pads=[2] * 4,
+             dilations=[2, 2])  # fmt: skip
+    near_miss(g.model({"x": ["N", 8, 9, 9]}, [d]), "ExpandDepthwise", "dilations [2, 2]",
+              fused=["ConvBiasRelu", "ConvBiasRelu"])  # fmt: skip
