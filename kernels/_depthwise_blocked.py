@@ -69,7 +69,9 @@ TILE = 8  # pixels per tile
 def _put(L, a, bias, yf, q, res, residual, lo, hi):
     """y[q : q + b] = the epilogue of accumulator a: bias, the residual (when `residual` is
     BEFORE or AFTER), the clip [lo, hi] (-inf, inf when the activation is no clip)."""
-    r = vload(L, res, q)  # y itself when there is none: read, never used
+    # y itself when there is none: read, never used, and worth it: the load brings y's line
+    # into the cache ahead of the store (without it 1.2-1.6x slower, bench/NOTES.md)
+    r = vload(L, res, q)
     vstore(yf, q, finish(a + bias, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
 
 
@@ -142,14 +144,81 @@ def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
 
 
 @numba.jit(**FORCE_GEMM)
+def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
+    """The same sums for a filter 5 wide, undilated, stride sw 1 or 2, its loads shared as in
+    _sum_rows3: per filter row 12 input vectors and 5 weights for 40 FMAs at stride 1 (tap by
+    tap: 45 loads), at stride 2 two half tiles of 4 pixels, 11 input vectors each (19 at once
+    would take every register). A 512-bit load takes a cycle of Zen 4's L1 bandwidth, as an
+    FMA takes a cycle of its FMA pipes: tap by tap the loop is bound by its loads (13 cycles a
+    tap for 8 FMAs, L1-resident: bench/NOTES.md), shared by its FMAs. 25 vectors live: a
+    register file of 32 (AVX-512) holds them, so item takes this path at 16 lanes only."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
+    b = u(L.width)
+    for i in range(kh):
+        q = u(taps[5 * i] + x0)
+        wo = u(w0) + u(5 * i) * b
+        wa, wb, wc = vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b)
+        wd, we = vload(L, wf, wo + u(3) * b), vload(L, wf, wo + u(4) * b)
+        v0, v1, v2 = vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b)
+        v3, v4, v5 = (
+            vload(L, src, q + u(3) * b),
+            vload(L, src, q + u(4) * b),
+            vload(L, src, q + u(5) * b),
+        )
+        v6, v7, v8 = (
+            vload(L, src, q + u(6) * b),
+            vload(L, src, q + u(7) * b),
+            vload(L, src, q + u(8) * b),
+        )
+        v9, v10 = vload(L, src, q + u(9) * b), vload(L, src, q + u(10) * b)
+        if sw == 1:
+            v11 = vload(L, src, q + u(11) * b)
+            a0 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))))
+            a1 = vfma(v5, we, vfma(v4, wd, vfma(v3, wc, vfma(v2, wb, vfma(v1, wa, a1)))))
+            a2 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a2)))))
+            a3 = vfma(v7, we, vfma(v6, wd, vfma(v5, wc, vfma(v4, wb, vfma(v3, wa, a3)))))
+            a4 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a4)))))
+            a5 = vfma(v9, we, vfma(v8, wd, vfma(v7, wc, vfma(v6, wb, vfma(v5, wa, a5)))))
+            a6 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a6)))))
+            a7 = vfma(v11, we, vfma(v10, wd, vfma(v9, wc, vfma(v8, wb, vfma(v7, wa, a7)))))
+        else:  # pixel p reads v[2 p + j]: pixels 0-3 v0-v10, then 4-7 v8-v18
+            a0 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))))
+            a1 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a1)))))
+            a2 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a2)))))
+            a3 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a3)))))
+            r = q + u(8) * b  # pixels 4-7: the same sums 8 vectors on
+            v0, v1, v2 = vload(L, src, r), vload(L, src, r + b), vload(L, src, r + u(2) * b)
+            v3, v4, v5 = (
+                vload(L, src, r + u(3) * b),
+                vload(L, src, r + u(4) * b),
+                vload(L, src, r + u(5) * b),
+            )
+            v6, v7, v8 = (
+                vload(L, src, r + u(6) * b),
+                vload(L, src, r + u(7) * b),
+                vload(L, src, r + u(8) * b),
+            )
+            v9, v10 = vload(L, src, r + u(9) * b), vload(L, src, r + u(10) * b)
+            a4 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a4)))))
+            a5 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a5)))))
+            a6 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a6)))))
+            a7 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a7)))))
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@numba.jit(**FORCE_GEMM)
 def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi,
-          rows3):  # fmt: skip
+          shared):  # fmt: skip
     """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=
-    TILE pixels p of a tile (b = L.width channels of one block, lane by lane); rows3: the
-    filter is 3 wide, undilated, at stride step / b of 1 or 2 (_sum_rows3), else any."""
-    if rows3:
+    TILE pixels p of a tile (b = L.width channels of one block, lane by lane); shared: the
+    filter's width when a filter row's loads are shared (3: _sum_rows3, 5: _sum_rows5; stride
+    step / b of 1 or 2, undilated), else 0 (any filter, tap by tap)."""
+    if shared == 3:
         a0, a1, a2, a3, a4, a5, a6, a7 = _sum_rows3(L, src, x0, step // u(L.width), wf, w0,
                                                     taps, n_taps // 3)  # fmt: skip
+    elif shared == 5:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _sum_rows5(L, src, x0, step // u(L.width), wf, w0,
+                                                    taps, n_taps // 5)  # fmt: skip
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = _sum_taps(L, src, x0, step, wf, w0, taps, n_taps)
     b = u(L.width)
@@ -248,7 +317,10 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     bias = vload(L, bf, u(cb * b))
     w0 = cb * kh * kw * b
     step = u(sw * b)
-    rows3 = kw == 3 and g[DW] == 1 and (sw == 1 or sw == 2)  # row-shared loads (_sum_rows3)
+    # row-shared loads: 3 wide (_sum_rows3), 5 wide with 32 vector registers (_sum_rows5)
+    shared = kw if g[DW] == 1 and (sw == 1 or sw == 2) and (kw == 3 or kw == 5) else 0
+    if kw == 5 and L.width < 16:
+        shared = 0
     padded = g[PAD] == 1
     if padded:  # one padded copy of the item's rows; every tile reads it
         _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
@@ -269,16 +341,16 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
             if padded:
                 x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
                 _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, rows3)  # fmt: skip
+                      early, lo, hi, shared)  # fmt: skip
             elif rows_in and iw0 >= 0 and iw0 + wt <= w:
                 # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
                 x0 = plane + (ih0 * w + iw0) * b
                 _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, rows3)  # fmt: skip
+                      early, lo, hi, shared)  # fmt: skip
             else:
                 _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
                 _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, rows3)  # fmt: skip
+                      early, lo, hi, shared)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
 

@@ -5,7 +5,8 @@ The kernel is driven here with its own packing ([CB, KH, KW, b] weights, [CB b] 
 geometry, the contract conv_nchwc keeps, so that both widths are tested whatever block the
 process's conv_nchwc packs for. Channel counts that fill whole blocks of 8 and 16 (32), of 8
 only (24), and neither (5, 20); widths that leave part of a tile (1, 13, 17), strides,
-dilations, asymmetric pads, several row items per block; both ways the tiles read (PAD 1: an
+dilations, asymmetric pads, several row items per block, 3- and 5-wide filters (their row-shared
+loads) and others; both ways the tiles read (PAD 1: an
 item's padded copy; PAD 0: x in place, tiles inside the image among them, and a tile's padded
 copy at an edge).
 """
@@ -124,6 +125,10 @@ SHAPES = [
     (2, 24, 1, 1, 3, {"pads": (1, 1, 1, 1)}, 1),
     (1, 40, 6, 17, (1, 3), {"pads": (0, 1, 0, 1)}, 2),
     (1, 24, 11, 40, 3, {"strides": (2, 2), "pads": (1, 1, 1, 1)}, 2),
+    # 5 wide: its row-shared loads at block 16 (two half tiles at stride 2), tap by tap at 8
+    (2, 32, 15, 37, 5, {"strides": (2, 2), "pads": (2, 2, 2, 2)}, 3),
+    (1, 16, 12, 21, 5, {"pads": (2, 2, 2, 2)}, 5),
+    (1, 16, 12, 12, 5, {"pads": (4, 4, 4, 4), "dilations": (2, 2)}, 4),  # dilated: tap by tap
 ]
 
 
