@@ -57,7 +57,7 @@ from ._blocked_geometry import (
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import vfma, vload, vstore, vzero
-from .simd.activation import IDENTITY, clip_bounds, clips
+from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
 
@@ -73,6 +73,12 @@ def _put(L, a, bias, yf, q, res, residual, lo, hi):
     # into the cache ahead of the store (without it 1.2-1.6x slower, bench/NOTES.md)
     r = vload(L, res, q)
     vstore(yf, q, finish(a + bias, r, residual, True, lo, hi, IDENTITY, ZERO, ZERO))
+
+
+@numba.jit(**INLINE_GEMM)
+def _put_clip(L, a, bias, yf, q, lo, hi):
+    """y[q : q + b] = clip(a + bias, lo, hi): _put without a residual."""
+    vstore(yf, q, clip(a + bias, lo, hi))
 
 
 @numba.jit(**FORCE_GEMM)
@@ -148,10 +154,10 @@ def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
     """The same sums for a filter 5 wide, undilated, stride sw 1 or 2, its loads shared as in
     _sum_rows3: per filter row 12 input vectors and 5 weights for 40 FMAs at stride 1 (tap by
     tap: 45 loads), at stride 2 two half tiles of 4 pixels, 11 input vectors each (19 at once
-    would take every register). A 512-bit load takes a cycle of Zen 4's L1 bandwidth, as an
-    FMA takes a cycle of its FMA pipes: tap by tap the loop is bound by its loads (13 cycles a
-    tap for 8 FMAs, L1-resident: bench/NOTES.md), shared by its FMAs. 25 vectors live: a
-    register file of 32 (AVX-512) holds them, so item takes this path at 16 lanes only."""
+    would take every register). Tap by tap the loop ran at 13 cycles a tap for 8 FMAs with its
+    data in L1 on Zen 4 (bench/NOTES.md), about the rate of its 9 loads if each 512-bit load
+    takes one of the L1's cycles; shared, 17 loads feed 40 FMAs. 25 vectors live: a register
+    file of 32 (AVX-512) holds them, so item takes this path at 16 lanes only."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
     b = u(L.width)
     for i in range(kh):
@@ -224,6 +230,17 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
     b = u(L.width)
     # a row narrower than a tile: pixels past its end computed from padding, not stored
     yo = u(yo)
+    if residual == NO_RESIDUAL and npx == TILE:  # the common tile: 8 stores, no test between
+        # (a test per store, or finish's per vector, cost 1.2-1.4x on 3x3 convs: bench/NOTES.md)
+        _put_clip(L, a0, bias, yf, yo, lo, hi)
+        _put_clip(L, a1, bias, yf, yo + b, lo, hi)
+        _put_clip(L, a2, bias, yf, yo + u(2) * b, lo, hi)
+        _put_clip(L, a3, bias, yf, yo + u(3) * b, lo, hi)
+        _put_clip(L, a4, bias, yf, yo + u(4) * b, lo, hi)
+        _put_clip(L, a5, bias, yf, yo + u(5) * b, lo, hi)
+        _put_clip(L, a6, bias, yf, yo + u(6) * b, lo, hi)
+        _put_clip(L, a7, bias, yf, yo + u(7) * b, lo, hi)
+        return
     _put(L, a0, bias, yf, yo, res, residual, lo, hi)
     if npx > 1:
         _put(L, a1, bias, yf, yo + b, res, residual, lo, hi)

@@ -54,7 +54,8 @@ def _constrain(p, name: str, where) -> None:
 
 
 def _depthwise_chain(x):
-    """expand (1x1 + epilogue, or x itself: expansion 1) -> depthwise kxk + epilogue."""
+    """The depthwise kxk conv with its epilogue on x: the expand's output, or the block's
+    input (expansion 1)."""
     d = conv_epilogue(x, "d_", residual=False, pad=True)  # Keras pads before a strided one
     _constrain(d, "d_conv", _grouped)  # structural: a chain of plain convs is no near-miss
     return d
