@@ -231,7 +231,7 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
     # a row narrower than a tile: pixels past its end computed from padding, not stored
     yo = u(yo)
     if residual == NO_RESIDUAL and npx == TILE:  # the common tile: 8 stores, no test between
-        # (a test per store, or finish's per vector, cost 1.2-1.4x on 3x3 convs: bench/NOTES.md)
+        # (a test per store, or finish's per vector, cost 1.1-1.4x on 3x3 convs: bench/NOTES.md)
         _put_clip(L, a0, bias, yf, yo, lo, hi)
         _put_clip(L, a1, bias, yf, yo + b, lo, hi)
         _put_clip(L, a2, bias, yf, yo + u(2) * b, lo, hi)
@@ -240,6 +240,15 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
         _put_clip(L, a5, bias, yf, yo + u(5) * b, lo, hi)
         _put_clip(L, a6, bias, yf, yo + u(6) * b, lo, hi)
         _put_clip(L, a7, bias, yf, yo + u(7) * b, lo, hi)
+        return
+    if residual == NO_RESIDUAL and npx == TILE - 1:  # a 7-wide row (7x7 images, 14 at s2)
+        _put_clip(L, a0, bias, yf, yo, lo, hi)
+        _put_clip(L, a1, bias, yf, yo + b, lo, hi)
+        _put_clip(L, a2, bias, yf, yo + u(2) * b, lo, hi)
+        _put_clip(L, a3, bias, yf, yo + u(3) * b, lo, hi)
+        _put_clip(L, a4, bias, yf, yo + u(4) * b, lo, hi)
+        _put_clip(L, a5, bias, yf, yo + u(5) * b, lo, hi)
+        _put_clip(L, a6, bias, yf, yo + u(6) * b, lo, hi)
         return
     _put(L, a0, bias, yf, yo, res, residual, lo, hi)
     if npx > 1:
