@@ -81,6 +81,19 @@ def _put_clip(L, a, bias, yf, q, lo, hi):
     vstore(yf, q, clip(a + bias, lo, hi))
 
 
+@numba.jit(**INLINE_GEMM)
+def _put_clip7(L, a0, a1, a2, a3, a4, a5, a6, bias, yf, q, lo, hi):
+    """_put_clip of a tile's first 7 accumulators, one vector of b apart from q."""
+    b = u(L.width)
+    _put_clip(L, a0, bias, yf, q, lo, hi)
+    _put_clip(L, a1, bias, yf, q + b, lo, hi)
+    _put_clip(L, a2, bias, yf, q + u(2) * b, lo, hi)
+    _put_clip(L, a3, bias, yf, q + u(3) * b, lo, hi)
+    _put_clip(L, a4, bias, yf, q + u(4) * b, lo, hi)
+    _put_clip(L, a5, bias, yf, q + u(5) * b, lo, hi)
+    _put_clip(L, a6, bias, yf, q + u(6) * b, lo, hi)
+
+
 @numba.jit(**FORCE_GEMM)
 def _sum_taps(L, src, x0, step, wf, w0, taps, n_taps):
     """The 8 accumulators sum_t src[x0 + taps[t] + p step] * wf[w0 + t b], p < TILE: one weight
@@ -150,6 +163,32 @@ def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
 
 
 @numba.jit(**FORCE_GEMM)
+def _load11(L, src, q):
+    """The 11 vectors src[q + j b], j < 11: a 5-wide filter row's inputs for 4 pixels at
+    stride 2, or all but the last for 8 at stride 1."""
+    b = u(L.width)
+    return (vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b),
+            vload(L, src, q + u(3) * b), vload(L, src, q + u(4) * b),
+            vload(L, src, q + u(5) * b), vload(L, src, q + u(6) * b),
+            vload(L, src, q + u(7) * b), vload(L, src, q + u(8) * b),
+            vload(L, src, q + u(9) * b), vload(L, src, q + u(10) * b))  # fmt: skip
+
+
+@numba.jit(**FORCE_GEMM)
+def _fma5(a, v0, v1, v2, v3, v4, w):
+    """a + sum_j v_j w[j]: one pixel's 5 taps of a filter row, in tap order."""
+    return vfma(v4, w[4], vfma(v3, w[3], vfma(v2, w[2], vfma(v1, w[1], vfma(v0, w[0], a)))))
+
+
+@numba.jit(**FORCE_GEMM)
+def _half5s2(a0, a1, a2, a3, v, w):
+    """4 pixels at stride 2 from their row's 11 input vectors v (pixel p reads v[2 p + j])."""
+    return (_fma5(a0, v[0], v[1], v[2], v[3], v[4], w), _fma5(a1, v[2], v[3], v[4], v[5], v[6], w),
+            _fma5(a2, v[4], v[5], v[6], v[7], v[8], w),
+            _fma5(a3, v[6], v[7], v[8], v[9], v[10], w))  # fmt: skip
+
+
+@numba.jit(**FORCE_GEMM)
 def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
     """The same sums for a filter 5 wide, undilated, stride sw 1 or 2, its loads shared as in
     _sum_rows3: per filter row 12 input vectors and 5 weights for 40 FMAs at stride 1 (tap by
@@ -163,52 +202,22 @@ def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
     for i in range(kh):
         q = u(taps[5 * i] + x0)
         wo = u(w0) + u(5 * i) * b
-        wa, wb, wc = vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b)
-        wd, we = vload(L, wf, wo + u(3) * b), vload(L, wf, wo + u(4) * b)
-        v0, v1, v2 = vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b)
-        v3, v4, v5 = (
-            vload(L, src, q + u(3) * b),
-            vload(L, src, q + u(4) * b),
-            vload(L, src, q + u(5) * b),
-        )
-        v6, v7, v8 = (
-            vload(L, src, q + u(6) * b),
-            vload(L, src, q + u(7) * b),
-            vload(L, src, q + u(8) * b),
-        )
-        v9, v10 = vload(L, src, q + u(9) * b), vload(L, src, q + u(10) * b)
+        w = (vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b),
+             vload(L, wf, wo + u(3) * b), vload(L, wf, wo + u(4) * b))  # fmt: skip
+        v = _load11(L, src, q)
         if sw == 1:
             v11 = vload(L, src, q + u(11) * b)
-            a0 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))))
-            a1 = vfma(v5, we, vfma(v4, wd, vfma(v3, wc, vfma(v2, wb, vfma(v1, wa, a1)))))
-            a2 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a2)))))
-            a3 = vfma(v7, we, vfma(v6, wd, vfma(v5, wc, vfma(v4, wb, vfma(v3, wa, a3)))))
-            a4 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a4)))))
-            a5 = vfma(v9, we, vfma(v8, wd, vfma(v7, wc, vfma(v6, wb, vfma(v5, wa, a5)))))
-            a6 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a6)))))
-            a7 = vfma(v11, we, vfma(v10, wd, vfma(v9, wc, vfma(v8, wb, vfma(v7, wa, a7)))))
-        else:  # pixel p reads v[2 p + j]: pixels 0-3 v0-v10, then 4-7 v8-v18
-            a0 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))))
-            a1 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a1)))))
-            a2 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a2)))))
-            a3 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a3)))))
-            r = q + u(8) * b  # pixels 4-7: the same sums 8 vectors on
-            v0, v1, v2 = vload(L, src, r), vload(L, src, r + b), vload(L, src, r + u(2) * b)
-            v3, v4, v5 = (
-                vload(L, src, r + u(3) * b),
-                vload(L, src, r + u(4) * b),
-                vload(L, src, r + u(5) * b),
-            )
-            v6, v7, v8 = (
-                vload(L, src, r + u(6) * b),
-                vload(L, src, r + u(7) * b),
-                vload(L, src, r + u(8) * b),
-            )
-            v9, v10 = vload(L, src, r + u(9) * b), vload(L, src, r + u(10) * b)
-            a4 = vfma(v4, we, vfma(v3, wd, vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a4)))))
-            a5 = vfma(v6, we, vfma(v5, wd, vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a5)))))
-            a6 = vfma(v8, we, vfma(v7, wd, vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a6)))))
-            a7 = vfma(v10, we, vfma(v9, wd, vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a7)))))
+            a0 = _fma5(a0, v[0], v[1], v[2], v[3], v[4], w)
+            a1 = _fma5(a1, v[1], v[2], v[3], v[4], v[5], w)
+            a2 = _fma5(a2, v[2], v[3], v[4], v[5], v[6], w)
+            a3 = _fma5(a3, v[3], v[4], v[5], v[6], v[7], w)
+            a4 = _fma5(a4, v[4], v[5], v[6], v[7], v[8], w)
+            a5 = _fma5(a5, v[5], v[6], v[7], v[8], v[9], w)
+            a6 = _fma5(a6, v[6], v[7], v[8], v[9], v[10], w)
+            a7 = _fma5(a7, v[7], v[8], v[9], v[10], v11, w)
+        else:  # pixels 0-3 read v0-v10, pixels 4-7 the 11 vectors 8 on
+            a0, a1, a2, a3 = _half5s2(a0, a1, a2, a3, v, w)
+            a4, a5, a6, a7 = _half5s2(a4, a5, a6, a7, _load11(L, src, q + u(8) * b), w)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -230,25 +239,14 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
     b = u(L.width)
     # a row narrower than a tile: pixels past its end computed from padding, not stored
     yo = u(yo)
-    if residual == NO_RESIDUAL and npx == TILE:  # the common tile: 8 stores, no test between
-        # (a test per store, or finish's per vector, cost 1.1-1.4x on 3x3 convs: bench/NOTES.md)
-        _put_clip(L, a0, bias, yf, yo, lo, hi)
-        _put_clip(L, a1, bias, yf, yo + b, lo, hi)
-        _put_clip(L, a2, bias, yf, yo + u(2) * b, lo, hi)
-        _put_clip(L, a3, bias, yf, yo + u(3) * b, lo, hi)
-        _put_clip(L, a4, bias, yf, yo + u(4) * b, lo, hi)
-        _put_clip(L, a5, bias, yf, yo + u(5) * b, lo, hi)
-        _put_clip(L, a6, bias, yf, yo + u(6) * b, lo, hi)
+    # 8 or 7 stores (7-wide rows) with no test between them (a test per store, or finish's per
+    # vector, cost 1.1-1.4x on 3x3 convs: bench/NOTES.md)
+    if residual == NO_RESIDUAL and npx == TILE:
+        _put_clip7(L, a0, a1, a2, a3, a4, a5, a6, bias, yf, yo, lo, hi)
         _put_clip(L, a7, bias, yf, yo + u(7) * b, lo, hi)
         return
-    if residual == NO_RESIDUAL and npx == TILE - 1:  # a 7-wide row (7x7 images, 14 at s2)
-        _put_clip(L, a0, bias, yf, yo, lo, hi)
-        _put_clip(L, a1, bias, yf, yo + b, lo, hi)
-        _put_clip(L, a2, bias, yf, yo + u(2) * b, lo, hi)
-        _put_clip(L, a3, bias, yf, yo + u(3) * b, lo, hi)
-        _put_clip(L, a4, bias, yf, yo + u(4) * b, lo, hi)
-        _put_clip(L, a5, bias, yf, yo + u(5) * b, lo, hi)
-        _put_clip(L, a6, bias, yf, yo + u(6) * b, lo, hi)
+    if residual == NO_RESIDUAL and npx == TILE - 1:
+        _put_clip7(L, a0, a1, a2, a3, a4, a5, a6, bias, yf, yo, lo, hi)
         return
     _put(L, a0, bias, yf, yo, res, residual, lo, hi)
     if npx > 1:
@@ -344,9 +342,8 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     w0 = cb * kh * kw * b
     step = u(sw * b)
     # row-shared loads: 3 wide (_sum_rows3), 5 wide with 32 vector registers (_sum_rows5)
-    shared = kw if g[DW] == 1 and (sw == 1 or sw == 2) and (kw == 3 or kw == 5) else 0
-    if kw == 5 and L.width < 16:
-        shared = 0
+    rows_ok = g[DW] == 1 and (sw == 1 or sw == 2)
+    shared = kw if rows_ok and (kw == 3 or (kw == 5 and L.width >= 16)) else 0
     padded = g[PAD] == 1
     if padded:  # one padded copy of the item's rows; every tile reads it
         _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
