@@ -265,6 +265,35 @@ def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residu
         _put(L, a7, bias, yf, yo + u(7) * b, res, residual, lo, hi)
 
 
+@numba.jit(**INLINE_GEMM)
+def _pixel(L, xf, row0, iw0, w, wf, w0, rows, kw, dh, dw):
+    """One pixel's sum over filter rows 0 <= i < rows from x's row at row0 (the offset of its
+    pixel 0) on, the taps left or right of x's w columns skipped (iw0: the pixel's first input
+    column, maybe negative): a pixel at a left or right edge, read in place (PAD 2). The taps
+    in the tiles' order, so a sum equals a tile's on zero padding."""
+    b = L.width
+    a = vzero(L)
+    for i in range(rows):
+        ro = row0 + i * dh * w * b
+        for j in range(kw):
+            iw = iw0 + j * dw
+            if iw >= 0 and iw < w:
+                a = vfma(vload(L, xf, u(ro + iw * b)), vload(L, wf, u(w0 + (i * kw + j) * b)), a)
+    return a
+
+
+def inner_columns(w, kw, sw, dw, pl, ow_len):
+    """(a, b): the output columns a <= ow < b whose every tap lies inside a row of w pixels
+    (a = b when none do)."""
+    a = min(ow_len, (pl + sw - 1) // sw)
+    last = w - 1 - (kw - 1) * dw + pl  # the last column a tile's first tap may start at, + pl
+    b = min(ow_len, last // sw + 1) if last >= 0 else 0
+    return a, max(a, b)
+
+
+_inner_columns = numba.jit(**INLINE_GEMM)(inner_columns)
+
+
 @numba.jit(**JIT_GEMM)
 def _pad_rows(L, xf, g, n, cb, ih0, rows, iw0, wp, scr):
     """scr[r, q, :] = x[n, cb, ih0 + r, iw0 + q, :] for r < rows, q < wp; zero outside x. Each
@@ -324,6 +353,38 @@ def _widths(g):
 _widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 
 
+@numba.jit(**INLINE_GEMM)
+def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps, bias, early,
+                  lo, hi, shared):  # fmt: skip
+    """One output row read from x in place (PAD 2), as onnxruntime's NCHWc kernel does: the
+    filter rows outside the image skipped (the tiles run on the rows inside), tiles of TILE
+    pixels over the columns a <= ow < b whose taps are all inside the row (the last ending at b,
+    overlapping the one before), the pixels left of a and from b on one at a time with a test
+    per tap (_pixel). No copy: PAD 1 copies every input vector once per item, ~2 of a 3x3
+    tile's 12 operations a pixel; needs b - a >= TILE (conv_nchwc chooses it only then)."""
+    kh, kw, sw, dh, dw = g[KH], g[KW], g[SW], g[DH], g[DW]
+    h, w, ow_len, pl, b = g[H], g[W], g[OW], g[PL], L.width
+    i_lo = max(0, (dh - 1 - ih0) // dh)  # the first filter row inside the image
+    i_hi = min(kh, (h - ih0 + dh - 1) // dh)  # past the last
+    rows = max(0, i_hi - i_lo)
+    row0 = plane + (ih0 + i_lo * dh) * w * b  # x's row of filter row i_lo, pixel 0
+    wr = w0 + i_lo * kw * b
+    step = u(sw * b)
+    inner = col_b - col_a
+    n_tiles = (inner + TILE - 1) // TILE if inner >= TILE else 0
+    for t in range(n_tiles):
+        ow0 = col_a + (t * TILE if t < n_tiles - 1 else inner - TILE)
+        _tile(L, xf, row0 + (ow0 * sw - pl) * b, step, wf, wr, taps, rows * kw, TILE, bias, yf,
+              yo + ow0 * b, res, early, lo, hi, shared)  # fmt: skip
+    edge = col_a if n_tiles > 0 else ow_len  # without tiles, every pixel one at a time
+    for ow in range(edge):
+        a = _pixel(L, xf, row0, ow * sw - pl, w, wf, wr, rows, kw, dh, dw)
+        _put(L, a, bias, yf, u(yo + ow * b), res, early, lo, hi)
+    for ow in range(col_b if n_tiles > 0 else ow_len, ow_len):
+        a = _pixel(L, xf, row0, ow * sw - pl, w, wf, wr, rows, kw, dh, dw)
+        _put(L, a, bias, yf, u(yo + ow * b), res, early, lo, hi)
+
+
 @numba.jit(**JIT_GEMM)
 def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     """Output rows r0 <= oh < r1 of block cb of image n: the serial work item of dwconv_nchwc,
@@ -344,7 +405,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     # row-shared loads: 3 wide (_sum_rows3), 5 wide with 32 vector registers (_sum_rows5)
     rows_ok = g[DW] == 1 and (sw == 1 or sw == 2)
     shared = kw if rows_ok and (kw == 3 or (kw == 5 and L.width >= 16)) else 0
-    padded = g[PAD] == 1
+    padded, in_place = g[PAD] == 1, g[PAD] == 2
     if padded:  # one padded copy of the item's rows; every tile reads it
         _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
         k = _taps(g, wp, b, taps)
@@ -353,10 +414,18 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
         _taps(g, wt, b, taps[k:])
     plane = (n * g[CB] + cb) * h * w * b
     n_tiles = (ow_len + TILE - 1) // TILE
+    col_a, col_b = _inner_columns(w, kw, sw, g[DW], pl, ow_len)
     for oh in range(r0, r1):
         yo = ((n * g[CB] + cb) * oh_len + oh - g[ROW0]) * ow_len * b
         ih0 = oh * sh - pt
         rows_in = ih0 >= 0 and ih0 + span <= h
+        if in_place:
+            _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps, bias,
+                          early, lo, hi, shared)  # fmt: skip
+            if not simple:
+                activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a,
+                              act_b)  # fmt: skip
+            continue
         for t in range(n_tiles):
             ow0 = _tile_column(t, n_tiles, ow_len)
             npx = min(TILE, ow_len - ow0)
@@ -379,12 +448,15 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
 
 
 def scratch_size(g) -> int:
-    """Floats of scratch one work item takes (padded input rows: the item's when g[PAD], else
-    a tile's), g[BI] being the block (a depthwise conv's input block is its output block,
-    L.width of the call)."""
+    """Floats of scratch one work item takes (padded input rows: the item's when g[PAD] is 1, a
+    tile's when 0; none when 2, but the kernel's argument is an array all the same: 1), g[BI]
+    being the block (a depthwise conv's input block is its output block, L.width of the
+    call)."""
     wp, wt = _widths(g)
     span = (g[KH] - 1) * g[DH] + 1
-    if g[PAD]:
+    if g[PAD] == 2:
+        return 1
+    if g[PAD] == 1:
         return ((g[ROWS] - 1) * g[SH] + span) * wp * g[BI]
     return span * wt * g[BI]
 

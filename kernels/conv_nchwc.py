@@ -479,13 +479,23 @@ def pixels_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarr
     return g
 
 
+# The depthwise split's weights, in a tile FMA's time (with its load): a copied vector (its
+# load, its store, the zeros) and an edge pixel's tap (PAD 2: a test and one FMA chain that
+# waits on the FMA's latency). Fitted to one thread's times of the three ways on 3x3 and 5x5
+# convs (144 x 28 and 56 s1, 240 x 28 and 672 x 14 5x5: COPY 4.3, PIXEL 5.5 at 5 wide, 10.6
+# at 3; Zen 4, bench/NOTES.md); they only rank the ways against each other.
+COPY, PIXEL = 4, 10
+
+
 def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
     """(PAD, ROWS) for the depthwise kernel (_depthwise_blocked.py): how its tiles read and the
     output rows per work item, the cheapest by a count of vector operations per call: the
-    tiles' FMAs (each with its load), the vectors the padded copies move (a load and a
-    store), and the imbalance of others x bands items split evenly among the threads (the
-    busiest thread sets the time). PAD = 1 copies an item's rows, halo included, and is
-    capped at a quarter of L2; PAD = 0 copies the tiles at an edge."""
+    tiles' FMAs (each with its load), the vectors the padded copies move, the edge pixels'
+    taps (COPY, PIXEL), and the imbalance of others x bands items split evenly among the
+    threads (the busiest thread sets the time). PAD = 1 copies an item's rows, halo included,
+    and is capped at a quarter of L2; PAD = 0 copies the tiles at an edge; PAD = 2 copies
+    nothing (filter rows outside the image skipped, edge pixels one at a time), where a row
+    has a tile's worth of columns whose taps are all inside."""
     (h, w), (oh, ow), (pt, pl) = size, out, pads
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     tile, b = _depthwise_blocked.TILE, plan.block
@@ -499,14 +509,25 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     rows_in = (ih0 >= 0) & (ih0 + span <= h)
     cols_in = (iw0 >= 0) & (iw0 + wt <= w)
     edge_copies = (~(rows_in[:, None] & cols_in[None, :])).sum() * span * wt
+    col_a, col_b = _depthwise_blocked.inner_columns(w, kw, sw, dw, pl, ow)
+    inner = col_b - col_a
+    taps_in = sum((dh * i + ih0 >= 0) & (dh * i + ih0 < h) for i in range(kh)) * kw  # per row
+    in_place = int(taps_in.sum()) * (-(-inner // tile) * tile + PIXEL * (ow - inner))
     best = None
-    for pad in (0, 1):
+    for pad in (0, 1, 2):
+        if pad == 2 and inner < tile:
+            continue
         for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
-            if pad and rows > 1 and ((rows - 1) * sh + span) * wp * b * 4 > cache_bytes(2) // 4:
+            item_bytes = ((rows - 1) * sh + span) * wp * b * 4
+            if pad == 1 and rows > 1 and item_bytes > cache_bytes(2) // 4:
                 continue
             bands = -(-oh // rows)
-            copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
-            cost = busiest(others * bands, threads) * (fmas + copies)
+            if pad == 2:
+                work = in_place
+            else:
+                copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
+                work = fmas + COPY * copies
+            cost = busiest(others * bands, threads) * work
             if best is None or cost < best[0]:
                 best = (cost, pad, rows)
     return best[1], best[2]

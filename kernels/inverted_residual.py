@@ -34,7 +34,15 @@ from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point
-from .conv_nchwc import ConvPlan, busiest, pixels_geometry, prepare_conv_nchwc, tile_item
+from .conv_nchwc import (
+    COPY,
+    PIXEL,
+    ConvPlan,
+    busiest,
+    pixels_geometry,
+    prepare_conv_nchwc,
+    tile_item,
+)
 from .machine import cache_bytes
 from .simd import lanes, width
 from .simd.activation import encode
@@ -186,9 +194,11 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
 
 
 def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
-    """The depthwise kernel's PAD for a band (_depthwise_blocked): 1, the band's rows copied
-    once into a padded scratch, when that moves fewer vectors than 0, each tile at a left or
-    right edge copying its own k rows (every tile of a row narrower than about two tiles)."""
+    """The depthwise kernel's PAD for a band (_depthwise_blocked), the cheapest by the count
+    conv_nchwc's own split makes (tile FMAs, COPY a copied vector, PIXEL an edge pixel's tap):
+    1, the band's rows copied once into a padded scratch; 0, each tile at a left or right edge
+    copying its own k rows; 2, no copy, the pixels at the edges one at a time (where a tile's
+    worth of columns has all its taps inside). A band's rows are all inside its scratch."""
     tile = dwb.TILE
     n_tiles = -(-ow // tile)
     wp = (n_tiles * tile - 1) * s + k  # a padded band row, pixels
@@ -198,7 +208,13 @@ def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
         for t in range(n_tiles)
         if (iw := dwb.tile_column(t, n_tiles, ow) * s - pl) < 0 or iw + wt > w
     )
-    return int(((rows - 1) * s + k) * wp < edges * rows * k * wt)
+    fmas = rows * n_tiles * tile * k * k
+    costs = {1: fmas + COPY * ((rows - 1) * s + k) * wp, 0: fmas + COPY * edges * rows * k * wt}
+    col_a, col_b = dwb.inner_columns(w, k, s, 1, pl, ow)
+    inner = col_b - col_a
+    if inner >= tile:
+        costs[2] = rows * k * k * (-(-inner // tile) * tile + PIXEL * (ow - inner))
+    return min(costs, key=lambda pad: (costs[pad], pad))
 
 
 def _channel_parts(plan: InvertedResidualPlan, cuts, band_shape, threads: int, band: dict):

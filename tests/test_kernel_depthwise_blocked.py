@@ -6,9 +6,9 @@ geometry, the contract conv_nchwc keeps, so that both widths are tested whatever
 process's conv_nchwc packs for. Channel counts that fill whole blocks of 8 and 16 (32), of 8
 only (24), and neither (5, 20); widths that leave part of a tile (1, 13, 17), strides,
 dilations, asymmetric pads, several row items per block, 3- and 5-wide filters (their row-shared
-loads) and others; both ways the tiles read (PAD 1: an
-item's padded copy; PAD 0: x in place, tiles inside the image among them, and a tile's padded
-copy at an edge).
+loads) and others; the three ways the tiles read (PAD 1: an item's padded copy; PAD 0: x in
+place, tiles inside the image among them, and a tile's padded copy at an edge; PAD 2: x in
+place, edge pixels one at a time), PAD 2 equal to PAD 1 float for float.
 """
 
 import numpy as np
@@ -130,10 +130,12 @@ SHAPES = [
     (1, 16, 12, 21, 5, {"pads": (2, 2, 2, 2)}, 5),
     (1, 16, 12, 12, 5, {"pads": (4, 4, 4, 4), "dilations": (2, 2)}, 4),  # dilated: tap by tap
     (1, 24, 14, 14, 5, {"strides": (2, 2), "pads": (2, 2, 2, 2)}, 3),  # 7-wide rows: 7-pixel tiles
+    # rows whose taps all lie in the padding (bias alone), and a row of 8 inner columns
+    (1, 16, 3, 10, 3, {"pads": (3, 1, 3, 1)}, 2),
 ]
 
 
-@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("pad", [0, 1, 2])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
 def test_against_onnxruntime(shape, block, pad):
@@ -144,7 +146,19 @@ def test_against_onnxruntime(shape, block, pad):
     assert_close(got, want, RTOL, ATOL, what=f"block {block} pad {pad}")
 
 
-@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
+def test_read_in_place_equals_padded_copy(shape, block):
+    """PAD 2 (x read in place, edge pixels one at a time, filter rows outside skipped) sums
+    each pixel's taps in the order the padded copy's tiles do: the same floats."""
+    n, c, h, w, k, conv, rows = shape
+    x, wt, b = case(n, c, h, w, k, seed=5)
+    got = [run_kernel(block, x, wt, b, conv, "hard_swish", None, None, rows, pad)
+           for pad in (1, 2)]  # fmt: skip
+    np.testing.assert_array_equal(got[1], got[0])
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("residual", [None, "before", "after"])
 @pytest.mark.parametrize("activation", list(ACTS))
