@@ -15,6 +15,14 @@ gate in vectors over C (W1 by rows dotted with m; W2 stored transposed, [M, C], 
 scales a row of it into g; rows and vectors split between the threads), then the scaling in
 parallel over the same items. Channels past C stay zero (their gate is 0).
 
+A second form runs the block in one parallel region (squeeze_excite_one_region): each thread
+takes an even share of the (image, channel block) pairs, computes the means and the squeeze of
+every image its share touches (one image shared by two threads is computed by both), then the
+gates and the scaling of its own blocks. Each region costs ~2 us here and the four regions
+above were most of a small block's 11-22 us (bench/NOTES.md); one region pays for it with the
+work it repeats, which at one image is the means and the squeeze. Which is faster is a
+question of the shapes: the rule offers both as tactics and the session times them.
+
     >>> plan = prepare_squeeze_excite(w1, b1, w2, b2, act1=encode("relu"), act2=encode("sigmoid"))
     >>> yb = squeeze_excite_blocked(xb, plan)
 """
@@ -25,7 +33,7 @@ import numba
 import numpy as np
 
 from .blocked import plane_part, plane_parts
-from .config import JIT, PARALLEL
+from .config import JIT, PARALLEL, entry_point, get_threads
 from .pool import block_sums
 from .simd import (
     hsum,
@@ -50,6 +58,7 @@ class SqueezeExcitePlan:
     w2t: np.ndarray  # [M, C]: W2 transposed
     b2: np.ndarray  # [C]
     acts: np.ndarray  # [2, 3] float32: (kind, a, b) of act1 and act2 (kernels/simd/activation)
+    entry: dict = dataclasses.field(default_factory=dict, compare=False)  # (kernel, b) -> code
 
 
 def prepare_squeeze_excite(w1, b1, w2, b2, act1, act2) -> SqueezeExcitePlan:
@@ -99,6 +108,55 @@ def _excite(L, h, w2f, b2, acts, g, c0, c_len):
     vstore_masked(g, c0, acc, m)
 
 
+@numba.jit(**JIT)
+def _image_gates(L, xf, x0, cb_len, p_len, w1f, b1, w2f, b2, acts, c0, c1, gates):
+    """gates[c0 : c1] of the image whose blocks start at xf[x0]: all its plane means and the
+    whole squeeze (every gate needs them), the excitation for channels c0 <= c < c1 only
+    (multiples of L.width; those past C are left as they are)."""
+    b = L.width
+    m_len, c_len = b1.shape[0], b2.shape[0]
+    means = np.zeros(cb_len * b, np.float32)
+    s = np.empty(b, np.float64)
+    for cb in range(cb_len):
+        s[:] = 0.0
+        block_sums(L, xf, x0 + cb * p_len * b, 0, p_len, s)
+        for lane in range(b):
+            means[cb * b + lane] = s[lane] / p_len
+    h = np.empty(m_len, np.float32)
+    for j in range(m_len):
+        h[j] = _hidden(L, means, w1f, b1, acts, j, c_len)
+    for c in range(c0, min(c1, c_len), b):
+        _excite(L, h, w2f, b2, acts, gates, c, c_len)
+
+
+@numba.jit(**PARALLEL)
+def squeeze_excite_one_region(L, x4, y4, w1, b1, w2t, b2, acts, threads):
+    """squeeze_excite_nchwc in one parallel region (module docstring): item t of `threads`
+    takes the (image, block) pairs [t P / threads, (t + 1) P / threads) of P = N CB, and for
+    each image among them its gates (_image_gates: that image's means and squeeze, the
+    excitation of the item's blocks), then scales those blocks."""
+    n_len, cb_len, p_len, b = x4.shape
+    xf, yf = x4.reshape(-1), y4.reshape(-1)
+    w1f, w2f = w1.reshape(-1), w2t.reshape(-1)
+    pairs = n_len * cb_len
+    for t in numba.prange(threads):
+        first, end = np.int64(t) * pairs // threads, (np.int64(t) + 1) * pairs // threads
+        gates = np.zeros(cb_len * b, np.float32)  # 0 past C: the padding stays 0
+        pair = first
+        while pair < end:
+            n = pair // cb_len
+            cb0, cb1 = pair % cb_len, min(cb_len, end - n * cb_len)  # this image's blocks
+            _image_gates(L, xf, n * cb_len * p_len * b, cb_len, p_len, w1f, b1, w2f, b2, acts,
+                         cb0 * b, cb1 * b, gates)  # fmt: skip
+            for cb in range(cb0, cb1):
+                gv = vload(L, gates, cb * b)
+                base = (n * cb_len + cb) * p_len * b
+                for p in range(p_len):
+                    q = base + p * b
+                    vstore(yf, q, vload(L, xf, q) * gv)
+            pair = (n + 1) * cb_len
+
+
 @numba.jit(**PARALLEL)
 def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
     """y4 = x4 g (module docstring), x4 and y4 blocked [N, CB, P, b] (b = L.width), each plane
@@ -145,9 +203,10 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
             vstore(yf, q, vload(L, xf, q) * gv)
 
 
-def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None):
+def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=False):
     """The block on a blocked float32 x [N, CB, H, W, b] of plan.channels channels; returns y
-    (blocked, x's shape), into `out` if given."""
+    (blocked, x's shape), into `out` if given. one_region: squeeze_excite_one_region, else
+    squeeze_excite_nchwc (module docstring)."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
     n, cb, h, w, b = xb.shape
@@ -160,8 +219,17 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None):
         raise ValueError(f"out must be a C-contiguous float32 array of shape {xb.shape}")
     if n == 0:
         return out
-    parts = plane_parts(n * cb, h * w)
     x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)
-    squeeze_excite_nchwc(lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1,
-                         plan.w2t, plan.b2, plan.acts, parts)  # fmt: skip
+    kernel = squeeze_excite_one_region if one_region else squeeze_excite_nchwc
+    last = get_threads() if one_region else plane_parts(n * cb, h * w)
+    args = (lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1, plan.w2t, plan.b2,
+            plan.acts, last)  # fmt: skip
+    # the arguments' types are the same on every call of a kernel at a width: its compiled
+    # entry point, found on the first call, skips the dispatcher (~1 us)
+    run = plan.entry.get((kernel, b))
+    if run is None:
+        kernel(*args)
+        plan.entry[(kernel, b)] = entry_point(kernel, args)
+    else:
+        run(*args)
     return out

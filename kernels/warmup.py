@@ -118,7 +118,8 @@ def _pool():
     global_average_pool(x)
     w = np.ones((2, 3), np.float32)
     se = prepare_squeeze_excite(w, None, w.T, None, encode("relu"), encode("sigmoid"))
-    squeeze_excite_blocked(to_blocked(x, block=block()), se)
+    for one_region in (False, True):
+        squeeze_excite_blocked(to_blocked(x, block=block()), se, one_region=one_region)
 
 
 def _pointwise():

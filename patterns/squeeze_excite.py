@@ -70,8 +70,9 @@ def check(m) -> str | None:
 
 
 class SqueezeExciteKernel:
-    """Tactics: the blocked layout (x and y blocked, as the convs around it leave them), then
-    NCHW. Both compute the gate the same way from the plane means."""
+    """Tactics: the blocked layout (x and y blocked, as the convs around it leave them) in one
+    parallel region and in four (kernels/squeeze_excite.py: which is faster depends on the
+    shapes), then NCHW. All compute the gate the same way from the plane means."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
@@ -103,14 +104,19 @@ class SqueezeExciteKernel:
         # Blocked: the whole block in one call (kernels/squeeze_excite.py): as separate
         # kernels, each call and parallel region cost a few microseconds, 37-94 us a block.
         def run_blocked(xb, *_constants):
+            return (squeeze_excite_blocked(xb, se_plan, one_region=True),)
+
+        def run_regions(xb, *_constants):
             return (squeeze_excite_blocked(xb, se_plan),)
 
         self.run = run
+        layout = dict(blocked_inputs=(0,), in_blocks=(block(),), blocked_outputs=(0,),
+                      out_channels=(self.channels,))  # fmt: skip
         self.tactics = [
-            Tactic("blocked", run_blocked, blocked_inputs=(0,), in_blocks=(block(),),
-                   blocked_outputs=(0,), out_channels=(self.channels,)),
+            Tactic("blocked", run_blocked, **layout),
+            Tactic("blocked-regions", run_regions, **layout),
             Tactic("nchw", run),
-        ]  # fmt: skip
+        ]
 
     def gate(self, means: np.ndarray) -> np.ndarray:
         """[N, C] gate from [N, C] plane means: two 1x1 convs with their epilogues."""

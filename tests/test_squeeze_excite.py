@@ -103,10 +103,12 @@ def se_model(channels, hidden, act1, act2, seed):
         ((1, 100, 7, 9), 24, "silu", "sigmoid"),
         ((1, 32, 56, 56), 8, "relu", "hard_sigmoid"),  # few blocks: planes cut in parts
         ((0, 16, 5, 5), 4, "relu", "sigmoid"),
+        ((3, 48, 5, 5), 6, "relu", "sigmoid"),  # one region: an image's blocks on two threads
     ],
     ids=str,
 )
-def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2):
+@pytest.mark.parametrize("one_region", [False, True], ids=["four-regions", "one-region"])
+def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2, one_region):
     from kernels.blocked import from_blocked, to_blocked
     from kernels.simd.activation import encode
     from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
@@ -121,7 +123,7 @@ def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2):
     plan = prepare_squeeze_excite(w1, b1, w2, b2, acts[act1], acts[act2])
     x = np.random.default_rng(n + c).standard_normal(shape).astype(np.float32)
     xb = to_blocked(x, block=block)
-    yb = squeeze_excite_blocked(xb, plan)
+    yb = squeeze_excite_blocked(xb, plan, one_region=one_region)
     assert yb.shape == xb.shape
     assert not yb[:, -1, ..., c % block or block :].any()  # the padding stays zero
     if n:
@@ -142,9 +144,11 @@ def test_blocked_kernel_propagates_nan_and_checks_its_input():
     x = np.random.default_rng(0).standard_normal((2, 20, 6, 6)).astype(np.float32)
     x[1, 3, 2, 2] = np.nan  # image 1's mean of channel 3 is NaN: so is every gate of image 1
     (want,) = run_ort(model, {"x": x})
-    got = from_blocked(squeeze_excite_blocked(to_blocked(x, block=16), plan), 20)
-    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1]).all()
-    assert_close(got[0], want[0], 1e-4, 1e-5)
+    for one_region in (False, True):
+        got = from_blocked(squeeze_excite_blocked(to_blocked(x, block=16), plan, None, one_region),
+                           20)  # fmt: skip
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1]).all()
+        assert_close(got[0], want[0], 1e-4, 1e-5)
     with pytest.raises(ValueError, match="does not hold 20 channels"):
         squeeze_excite_blocked(to_blocked(x[:, :16], block=16), plan)
     with pytest.raises(ValueError, match="do not chain"):
