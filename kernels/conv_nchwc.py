@@ -246,12 +246,38 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tup
         costs = _row_costs(plan.fb, plan.block, cols)
         if not costs:
             continue  # no tile fits a row this narrow
-        rb_len = min(rows, -(-4 * threads // others))
-        bands = -(-rows // -(-rows // rb_len))
-        cost = rows * min(costs.values()) * busiest(others * bands, threads)
+        load = _busiest_rows(rows, others, band_rows(rows, others, threads), threads)
+        cost = min(costs.values()) * load * threads
         if best is None or cost < best[0]:
             best = (cost, rows, cols)
     return (h, w) if best is None else best[1:]
+
+
+def _busiest_rows(oh: int, others: int, rows: int, threads: int) -> int:
+    """Output rows of the busiest thread when `others` x bands items (bands of `rows` rows,
+    the last one shorter) are cut for `threads` as a prange cuts its range: runs of equal
+    item counts, t from t n / threads, in order."""
+    bands = -(-oh // rows)
+    items = others * bands
+    last = oh - (bands - 1) * rows
+    sizes = [last if i % bands == bands - 1 else rows for i in range(items)]
+    return max(sum(sizes[t * items // threads : (t + 1) * items // threads])
+               for t in range(threads))  # fmt: skip
+
+
+def band_rows(oh: int, others: int, threads: int) -> int:
+    """Output rows per work item of a conv whose oh rows are cut in bands, `others` items per
+    band (images x filter groups): at least 4 items a thread where there are rows for it, then
+    up to twice as many bands where they lighten the busiest thread (each item has its own
+    set-up: scratch, its filter group's weights): 9 filter groups of a 7 x 7 image on two
+    threads ran as 9 items, 5 of them on one thread (576 -> 576 1x1, 4-block tile)."""
+    base = max(1, -(-oh // min(oh, max(1, -(-4 * threads // others)))))
+    best = None
+    for rows in range(base, -(-base // 2) - 1, -1):  # the fewest items first on a tie
+        load = _busiest_rows(oh, others, rows, threads)
+        if best is None or load < best[0]:
+            best = (load, rows)
+    return best[1]
 
 
 def busiest(items: int, threads: int) -> float:
@@ -421,8 +447,7 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         # 224 x 224, one thread, 16 x 1 against 30 x 1; bench/NOTES.md).
         pw = min(pw, tiles.registers()[0] // 2)
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
-    rb_len = min(oh, max(1, -(-4 * threads // others)))
-    rows, pad = -(-oh // rb_len), 0
+    rows, pad = band_rows(oh, others, threads), 0
     if plan.depthwise:
         pad, rows = _depthwise_split(plan, (h, w), (oh, ow), (pt, pl), others, threads)
     return geo.pack(

@@ -20,6 +20,8 @@ import kernels.conv_nchwc as conv_module
 from kernels.blocked import block_size, from_blocked, to_blocked
 from kernels.config import get_threads, set_threads
 from kernels.conv_nchwc import (
+    _busiest_rows,
+    band_rows,
     conv_nchwc,
     output_shape,
     prepare_conv_nchwc,
@@ -659,3 +661,20 @@ def test_get_threads_follows_set_threads():
             assert get_threads() == n == numba.get_num_threads()
     finally:
         set_threads(before)
+
+
+def test_row_bands_lighten_the_busiest_thread():
+    """band_rows: never a busier thread than at least 4 items a thread gave, never more than
+    twice its items; 9 filter groups of 7 rows on two threads no longer leave 5 of 9 whole
+    items on one thread."""
+    for threads in (1, 2, 3, 4):
+        for oh in (1, 2, 7, 13, 14, 28, 56, 112):
+            for others in (1, 2, 3, 5, 9, 16, 36):
+                base = -(-oh // min(oh, max(1, -(-4 * threads // others))))
+                rows = band_rows(oh, others, threads)
+                assert 1 <= rows <= base
+                assert -(-oh // rows) <= 2 * -(-oh // base)
+                load = _busiest_rows(oh, others, rows, threads)
+                assert load <= _busiest_rows(oh, others, base, threads)
+                assert load >= -(-oh * others // threads)  # no thread below the mean
+    assert _busiest_rows(7, 9, band_rows(7, 9, 2), 2) == 32 < _busiest_rows(7, 9, 7, 2) == 35
