@@ -24,13 +24,15 @@ argument is unboxed per call and both kernels name its fields the same way.
     YMB                   direct: blocks from one image of y to the next: MB, or more when y
                           is a run of channel blocks of a larger tensor (a concatenation's
                           part: ConvConcat, FireModule)
+    PARTS                 direct, a 1x1 conv run as one row (G = 1): runs of pixels per filter
+                          group, each a work item (0 or 1: the row whole)
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB,
- N_GEO) = range(36)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB, PARTS,
+ N_GEO) = range(37)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

@@ -59,6 +59,7 @@ from ._blocked_geometry import (
     OGG,
     OH,
     OW,
+    PARTS,
     PL,
     PT,
     PW,
@@ -381,19 +382,38 @@ def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     n_edges = g[OW] - (c_end - g[COL_A])
     # item's parking buffer: rows and their overlapping tiles, and column tiles
     park = (rows * (g[OW] + pw) + n_edges * (rows + pw)) * fb * w if multi else 1
-    for it in numba.prange(g[N] * per_image):
-        # (prange's index is unsigned: run takes int64)
-        n, rest = np.int64(it // per_image), np.int64(it % per_image)
-        grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
-        og, rb = rest // rb_len, rest % rb_len
-        r0 = rb * rows
-        r1 = min(g[OH], r0 + rows)
+    # g[PARTS] > 1: a 1x1 conv's pixels, one row (H = OH = 1, G = 1), cut in runs, each
+    # (image, filter group, run) an item run by pointwise_pixels from the run's first pixel
+    # (x's and y's block strides XBS and YBS the row's): where a 7 x 7 image's 49 pixels are
+    # one row, bands cannot split its filter groups between the threads (9 ran 5 and 4)
+    parts = g[PARTS]
+    chunk = (g[OW] + parts - 1) // max(1, parts)
+    # (a conditional in prange's bound leaves no parallel loop: arithmetic instead)
+    items = g[N] * (per_image + np.int64(parts > 1) * (ogg * parts - per_image))
+    for it in numba.prange(items):
         acc = np.empty(park, np.float32)
         tbuf = np.empty(fb * w, np.float32)  # the one-pixel path's second tile
         tx = np.empty(chunk_taps, np.int64)
         tw = np.empty(chunk_taps, np.int64)
         sx = np.empty(chunk_taps, np.int64)
         sw_ = np.empty(chunk_taps, np.int64)
+        if parts > 1:
+            t = np.int64(it)
+            n, og, part = t // (ogg * parts), (t // parts) % ogg, t % parts
+            p0 = part * chunk
+            p1 = min(g[OW], p0 + chunk)
+            if p0 < p1:
+                x0, y0 = (n * g[CB] * g[XBS] + p0) * g[BI], (n * g[YMB] * g[YBS] + p0) * w
+                pointwise_pixels(L, run, xf[x0:], wf, bf, yf[y0:], res[y0:], g.copy(), p1 - p0,
+                                 og, og + 1, acc, tbuf, tx, tw, sx, sw_, act_a, act_b,
+                                 ci)  # fmt: skip
+            continue
+        # (prange's index is unsigned: run takes int64)
+        n, rest = np.int64(it // per_image), np.int64(it % per_image)
+        grp, rest = rest // (ogg * rb_len), rest % (ogg * rb_len)
+        og, rb = rest // rb_len, rest % rb_len
+        r0 = rb * rows
+        r1 = min(g[OH], r0 + rows)
         call(run, L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
              act_a, act_b, ci)  # fmt: skip
 

@@ -226,16 +226,16 @@ def _row_costs(fb: int, w: int, interior: int) -> dict:
     return costs
 
 
-def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tuple[int, int]:
-    """(rows, columns) to run a 1x1, stride-1, unpadded conv's H x W pixels as: any
+def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int):
+    """(rows, columns, runs) to run a 1x1, stride-1, unpadded conv's H x W pixels as: any
     factorization of H W, since such a conv's pixel p reads x at pixel p alone and the blocked
-    layout holds a block's pixels in one run. Row tiles do not cross rows: a 7-wide row takes
-    a 6-pixel tile and an overlapping one, where 49 pixels in one row take 8 and one. The
-    cheapest by the tiles' cost (_row_costs, as tile_rows ranks them) over the busiest thread's
-    share of the work items (rows are what items split: a single row of few filter groups
-    leaves a thread idle)."""
+    layout holds a block's pixels in one run; or one row cut in runs of pixels, each a work
+    item (G = 1). Row tiles do not cross rows: a 7-wide row takes a 6-pixel tile and an
+    overlapping one, where 49 pixels in one row take 8 and one. The cheapest by the tiles'
+    cost (_row_costs, as tile_rows ranks them) on the busiest thread (rows and runs are what
+    items split: a single row of few filter groups leaves a thread idle)."""
     if plan.pixels:  # a forced tile: the conv's own rows
-        return h, w
+        return h, w, 1
     ogg = -(-plan.out_blocks_per_group // plan.fb)
     others = max(1, n * plan.group * ogg)
     pixels = h * w
@@ -247,10 +247,18 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int) -> tup
         if not costs:
             continue  # no tile fits a row this narrow
         load = _busiest_rows(rows, others, band_rows(rows, others, threads), threads)
-        cost = min(costs.values()) * load * threads
+        cost = min(costs.values()) * load
         if best is None or cost < best[0]:
-            best = (cost, rows, cols)
-    return (h, w) if best is None else best[1:]
+            best = (cost, rows, cols, 1)
+    for runs in range(2, 2 * threads + 1) if plan.group == 1 and threads > 1 else ():
+        chunk = -(-pixels // runs)
+        costs = _row_costs(plan.fb, plan.block, chunk)
+        if not costs or (runs - 1) * chunk >= pixels:
+            continue  # no tile fits a run this short, or a run would be empty
+        cost = min(costs.values()) * _busiest_rows(runs, others, 1, threads)
+        if best is None or cost < best[0]:
+            best = (cost, 1, pixels, runs)
+    return (h, w, 1) if best is None else best[1:]
 
 
 def _busiest_rows(oh: int, others: int, rows: int, threads: int) -> int:
@@ -435,8 +443,10 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     # A pointwise conv runs its pixels in the rows that tile best, but not when K is cut into
     # chunks: a chunk sweeps an item's rows with the accumulators parked, so rows stay short.
     pointwise = (kh, kw, sh, sw) == (1, 1, 1, 1) and not any(pads) and not plan.depthwise
+    runs = 1
     if pointwise and chunk == cbg:
-        h, w = oh, ow = _pointwise_rows(plan, n, h, w, threads)
+        h, w, runs = _pointwise_rows(plan, n, h, w, threads)
+        oh, ow = h, w
     a, b = _inside(w, kw, sw, dw, pl, ow)
     row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
     pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
@@ -485,6 +495,7 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
         XBS=h * w,
         YBS=oh * ow,
         YMB=plan.out_blocks,
+        PARTS=runs,
     )
 
 
@@ -498,7 +509,7 @@ def pixels_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarr
     g = geometry(conv, x_shape, threads)
     pixels = fields.pop("pixels")
     fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
-                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block))  # fmt: skip
+                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block), PARTS=1)  # fmt: skip
     for name, value in fields.items():
         g[getattr(geo, name)] = value
     return g

@@ -590,13 +590,43 @@ def test_pointwise_runs_in_the_rows_that_tile_best(threads, block, n, c, m, h, w
     assert rows * cols == h * w and (g[conv_module.geo.H], g[conv_module.geo.W]) == (rows, cols)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_pointwise_runs_of_pixels_as_work_items(block, n):
+    """A 1x1 conv on 7 x 7 with 3 filter groups on two threads: its one row of 49 pixels cut
+    in runs (g[PARTS]), each (image, group, run) an item; the epilogue, a residual and a write
+    into a concatenation's part (its own block stride) at every run's offset."""
+    before = get_threads()
+    set_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        x, wt, b, attrs = case(n, 40, 3 * block, 7, 7, 1, seed=21)
+        r = np.random.default_rng(22).standard_normal((n, 3 * block, 7, 7), dtype=np.float32)
+        plan = prepare_conv_nchwc(wt, b, activation="silu", residual="after", tile=1,
+                                  block=block)  # fmt: skip
+        g = conv_module.geometry(plan, to_blocked(x, block=plan.in_block).shape, get_threads())
+        assert get_threads() == 1 or g[conv_module.geo.PARTS] > 1
+        got = conv_nchwc(to_blocked(x, block=block), plan, residual=to_blocked(r, block=block))
+        want = reference(x, wt, b, attrs, "silu", "after", r)
+        assert_close(from_blocked(got, 3 * block), want, RTOL, ATOL)
+        plan = prepare_conv_nchwc(wt, b, activation="relu", tile=1, block=block)
+        y = np.full((n, 5, 7, 7, block), np.nan, np.float32)
+        conv_nchwc(to_blocked(x, block=block), plan, out=y, at=1)
+        assert np.isnan(y[:, 0]).all() and np.isnan(y[:, 4]).all()
+        assert_close(from_blocked(np.ascontiguousarray(y[:, 1:4]), 3 * block),
+                     reference(x, wt, b, attrs, "relu"), RTOL, ATOL)  # fmt: skip
+    finally:
+        set_threads(before)
+
+
 def test_pointwise_rows_follow_the_tiles(monkeypatch):
     # at 16 lanes (6x4 tiles), 7-wide rows take a tile of 6 and an overlapping one: 49 pixels
     # in one row take 8 and one; with many filter groups the one row still splits evenly
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     wt = np.zeros((960, 160, 1, 1), np.float32)
     plan = prepare_conv_nchwc(wt, block=16, tile=4)
-    assert conv_module._pointwise_rows(plan, 1, 7, 7, 2) == (1, 49)
+    assert conv_module._pointwise_rows(plan, 1, 7, 7, 1) == (1, 49, 1)
+    # on two threads its 3 filter groups (10 blocks) run as 6 items, the row cut in 2 runs
+    assert conv_module._pointwise_rows(plan, 1, 7, 7, 2) == (1, 49, 2)
     # a padded or strided 1x1 conv keeps its own rows
     plan = prepare_conv_nchwc(wt, block=16, tile=4, strides=(2, 2))
     g = conv_module.geometry(plan, (1, 10, 14, 14, 16), 2)
