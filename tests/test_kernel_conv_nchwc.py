@@ -668,6 +668,21 @@ def test_blocked_tensors_and_scratch_start_on_a_cache_line():
         assert rows.shape[1] >= 1001 and all(r.ctypes.data % ALIGN == 0 for r in rows)
 
 
+def test_per_thread_scratch_views_are_kept_until_the_area_grows():
+    """per_thread hands the same view for the same size (a kernel call's 0.5 us), rows on cache
+    lines; a larger size replaces the area and the views cut from the old one; sizes past
+    KEEP_MAX are allocated per call."""
+    from kernels.workspace import ALIGN, KEEP_MAX, per_thread
+
+    a = per_thread(100)
+    assert per_thread(100) is a and a.shape[1] >= 100
+    big = per_thread(1 << 16)
+    b = per_thread(100)
+    assert b is not a and np.shares_memory(b, big) and b.ctypes.data % ALIGN == 0
+    huge = KEEP_MAX // 4
+    assert per_thread(huge) is not per_thread(huge)
+
+
 @pytest.mark.parametrize("shape", [0, 1, 17, (2, 3, 5, 7, 16), (1, 16, 56, 56, 16), ()])
 def test_workspace_empty_is_aligned_and_owns_its_memory(shape):
     """Blocked tensors start on a cache line (workspace.ALIGN), any size, a length or a shape."""

@@ -291,7 +291,7 @@ class KernelStep:
                 results = self.kernel(*args)
             except Exception as exc:
                 raise self._error(f"failed: {type(exc).__name__}: {one_line(exc)}") from exc
-        if not isinstance(results, Sequence):
+        if type(results) is not tuple and not isinstance(results, Sequence):  # (ABC: 0.3 us)
             results = tuple(results)  # a generator, say
         if len(results) != len(self.outputs):
             raise self._error(f"returned {len(results)} outputs; the node has {len(self.outputs)}")
