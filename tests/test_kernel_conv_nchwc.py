@@ -672,11 +672,12 @@ def test_per_thread_scratch_views_are_kept_until_the_area_grows():
     """per_thread hands the same view for the same size (a kernel call's 0.5 us), rows on cache
     lines; a larger size replaces the area and the views cut from the old one; sizes past
     KEEP_MAX are allocated per call."""
+    from kernels import workspace
     from kernels.workspace import ALIGN, KEEP_MAX, per_thread
 
     a = per_thread(100)
     assert per_thread(100) is a and a.shape[1] >= 100
-    big = per_thread(1 << 16)
+    big = per_thread(workspace._AREA.floats.size + 1)  # past this thread's area, whatever it is
     b = per_thread(100)
     assert b is not a and np.shares_memory(b, big) and b.ctypes.data % ALIGN == 0
     huge = KEEP_MAX // 4
