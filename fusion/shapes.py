@@ -237,6 +237,10 @@ def refine_types(view, types: dict, infer) -> None:
                 dims = _computed_dims(view, node, types, known)
                 if dims is not None:
                     new[node.output[0]] = dims
+            elif node.domain in ("", "ai.onnx") and node.op_type in WINDOW_OPS:
+                dims = _window_dims(view, node, types)
+                if dims is not None:
+                    new[node.output[0]] = dims
         if not new:
             return
         found |= new
@@ -251,6 +255,56 @@ def refine_types(view, types: dict, infer) -> None:
                 types[value], changed = vt, True
         if not changed:
             return
+
+
+WINDOW_OPS = frozenset({"Conv", "MaxPool", "AveragePool"})
+
+
+def _window_dims(view, node, types: dict) -> tuple | None:
+    """The output dims of a Conv or pool whose input's spatial sizes are named (a model exported
+    with a symbolic H and W) where ONNX's inference names the output's afresh (`unk__N`): each
+    as a name of its own input name and the window's arithmetic, out = floor((in + pads -
+    dilation (k - 1) - 1) / stride) + 1 (ceil with ceil_mode), the input's own name where that
+    is the identity (stride 1, the pads the window's span, as 'same' convs have). Two values
+    computed by the same windows from the same size get the same name, so a residual Add's two
+    inputs are the same shape again (without it every residual fusion of such a model is
+    refused); a name is never shared by two different sizes."""
+    out, source = types.get(node.output[0]), types.get(node.input[0])
+    if source is None or source.shape is None or out is None or out.shape is None:
+        return None
+    rank = len(source.shape)
+    if rank < 3 or len(out.shape) != rank or not any(unknown(d) for d in out.shape[2:]):
+        return None
+    attrs = view.attributes(node)
+    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", ""):
+        return None
+    if node.op_type == "Conv":
+        weight = types.get(node.input[1]) if len(node.input) > 1 else None
+        if weight is None or weight.shape is None or len(weight.shape) != rank:
+            return None
+        kernel = list(attrs.get("kernel_shape") or weight.shape[2:])
+    else:
+        kernel = list(attrs.get("kernel_shape") or [])
+    n = rank - 2
+    if len(kernel) != n or not all(isinstance(k, int) and k > 0 for k in kernel):
+        return None
+    strides = list(attrs.get("strides") or [1] * n)
+    dilations = list(attrs.get("dilations") or [1] * n)
+    pads = list(attrs.get("pads") or [0] * (2 * n))
+    ceil = bool(attrs.get("ceil_mode", 0))
+    dims = list(out.shape)
+    for axis in range(n):
+        size, old = source.shape[2 + axis], out.shape[2 + axis]
+        if not unknown(old) or not isinstance(size, str) or unknown(size):
+            continue
+        span = dilations[axis] * (kernel[axis] - 1) + 1
+        extra = pads[axis] + pads[axis + n] - span + 1  # out = (in + extra) / stride, rounded
+        if strides[axis] == 1 and extra == 0:
+            dims[2 + axis] = size
+        else:
+            dims[2 + axis] = f"({size}{extra:+d})/{strides[axis]}{'^' if ceil else ''}"
+    dims = tuple(dims)
+    return dims if _better(dims, out.shape) else None
 
 
 def _better(new: tuple | None, old: tuple) -> bool:

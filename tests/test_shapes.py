@@ -134,3 +134,43 @@ def test_a_slice_that_is_a_graph_output_gets_its_size_in_one_round(monkeypatch):
     monkeypatch.setattr(fusion.graph, "refine_types", counting)
     assert GraphView(model).type_of(y).shape == ("N", 3, 5, 5)
     assert len(calls) <= 2
+
+
+def residual_model():
+    """x [N, 8, H, W] with H and W symbolic: a stride-2 conv, then two 'same' 3x3 convs on one
+    path and a 1x1 on the other, added (a ResNet block after its downsampling), and a max pool
+    with ceil_mode below."""
+    gb = GraphBuilder(opset=17)
+    rng = np.random.default_rng(0)
+
+    def conv(x, k, s=1, pad=0):
+        w = gb.const(rng.standard_normal((8, 8, k, k)).astype(np.float32))
+        return gb.node("Conv", [x, w], kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4)
+
+    down = gb.node("Relu", [conv("x", 3, 2, 1)])
+    path = conv(gb.node("Relu", [conv(down, 3, 1, 1)]), 3, 1, 1)
+    total = gb.node("Add", [path, conv(down, 1)])
+    pool = gb.node("MaxPool", [total], kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)
+    return gb.model({"x": ["N", 8, "H", "W"]}, [pool]), (down, path, total, pool)
+
+
+def test_windows_name_the_sizes_of_symbolic_planes():
+    """ONNX names each conv output's H and W afresh (unk__N); the window's arithmetic names
+    them instead, the same name for the same arithmetic, so the Add's two inputs are provably
+    one shape and the rules that absorb a residual Add can."""
+    model, (down, path, total, pool) = residual_model()
+    assert inferred_by_onnx(model, path)[2] != inferred_by_onnx(model, down)[2]
+    view = GraphView(model)
+    h, w = view.type_of(down).shape[2:]
+    assert (h, w) == ("(H+0)/2", "(W+0)/2")  # (H + 2 - 3 + 1) / 2, floored
+    assert view.type_of(path).shape == view.type_of(total).shape == ("N", 8, h, w)
+    assert view.type_of(pool).shape[2:] == (f"({h}-2)/2^", f"({w}-2)/2^")  # ceil_mode
+
+
+def test_symbolic_planes_keep_their_residual_fusion():
+    import fusion
+
+    model, _ = residual_model()
+    fused = fusion.rewrite(model).model
+    ops = [n.op_type for n in fused.graph.node]
+    assert "Add" not in ops and "Conv" not in ops  # the Add inside a fused conv
