@@ -15,7 +15,8 @@ argument is unboxed per call and both kernels name its fields the same way.
     RESIDUAL, ACT         epilogue: kernels/epilogue.py's residual, the activation's kind
     ROW_A, ROW_B          output rows whose every vertical tap is inside the image
     PAD                   depthwise: 1 if a work item pads its input rows in one copy, 0 if
-                          its tiles read x, and only tiles at an edge read a padded copy
+                          its tiles read x, and only tiles at an edge read a padded copy, 2
+                          if nothing is copied (edge pixels one at a time)
     XBS, YBS              direct: pixels from one input (output) block to the next, H W (OH
                           OW) for whole tensors; more when the conv runs on a run of rows of a
                           larger tensor (the depth-first block's bands, _inverted_residual_blocked)

@@ -11,8 +11,8 @@ registers and stored once; other activations run on the finished row (epilogue.a
 
 Where a tile reads. Every tap of a tile reads base + taps[t] + p step for its pixels p: the
 source is either x itself or a zero-padded copy of the rows it needs, so there is one tile body
-and no bound test inside it. Two ways to pad, chosen per shape by the vectors they copy
-(conv_nchwc._geometry sets g[PAD]):
+and no bound test inside it. Three ways, chosen per shape by a count of the vector operations
+they cost (conv_nchwc._depthwise_split sets g[PAD]):
 - PAD = 1: a work item (image, block, rows) copies the input rows its outputs read into a
   zero-padded scratch once, and every tile reads the scratch: each input vector is copied
   once per item (plus the halo rows), the cheaper way at stride 1 and on small images (7x7,
@@ -22,6 +22,11 @@ and no bound test inside it. Two ways to pad, chosen per shape by the vectors th
   item's padded copy moves twice the vectors the FMAs read per output row (sh input rows of
   the padded width per output row, each copied once, against TILE FMAs per 8 outputs): x
   read in place saves that copy.
+- PAD = 2: nothing copied (_row_in_place): per output row the filter rows outside the image
+  are skipped, tiles cover the columns whose taps all lie inside, and the few columns at the
+  left and right edges run one pixel at a time with a test per tap (_pixel). Faster than
+  both copies on rows of 56-112 pixels; on small images the edge pixels cost more than
+  PAD 1's copy (bench/NOTES.md).
 A row's last tile ends at the row's end, overlapping the one before (tile_column): a tile
 past the end would read padding, a copy at PAD 0, where at stride 2 on an even width the
 overlapping one reads only x.
@@ -360,8 +365,8 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
     filter rows outside the image skipped (the tiles run on the rows inside), tiles of TILE
     pixels over the columns a <= ow < b whose taps are all inside the row (the last ending at b,
     overlapping the one before), the pixels left of a and from b on one at a time with a test
-    per tap (_pixel). No copy: PAD 1 copies every input vector once per item, ~2 of a 3x3
-    tile's 12 operations a pixel; needs b - a >= TILE (conv_nchwc chooses it only then)."""
+    per tap (_pixel), nothing copied (module docstring). Needs b - a >= TILE (conv_nchwc
+    chooses it only then; with fewer, every pixel goes one at a time)."""
     kh, kw, sw, dh, dw = g[KH], g[KW], g[SW], g[DH], g[DW]
     h, w, ow_len, pl, b = g[H], g[W], g[OW], g[PL], L.width
     i_lo = max(0, (dh - 1 - ih0) // dh)  # the first filter row inside the image

@@ -224,12 +224,14 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=Fal
     last = get_threads() if one_region else plane_parts(n * cb, h * w)
     args = (lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1, plan.w2t, plan.b2,
             plan.acts, last)  # fmt: skip
-    # the arguments' types are the same on every call of a kernel at a width: its compiled
-    # entry point, found on the first call, skips the dispatcher (~1 us)
-    run = plan.entry.get((kernel, b))
+    # the arguments' types are the same on every call of a kernel at a width (x's and y's
+    # writability aside, part of the key): its compiled entry point, found on the first call,
+    # skips the dispatcher (~1 us)
+    key = (kernel, b, x4.flags.writeable, out.flags.writeable)
+    run = plan.entry.get(key)
     if run is None:
         kernel(*args)
-        plan.entry[(kernel, b)] = entry_point(kernel, args)
+        plan.entry[key] = entry_point(kernel, args)
     else:
         run(*args)
     return out

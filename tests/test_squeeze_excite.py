@@ -149,6 +149,10 @@ def test_blocked_kernel_propagates_nan_and_checks_its_input():
                            20)  # fmt: skip
         assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1]).all()
         assert_close(got[0], want[0], 1e-4, 1e-5)
+    xb = to_blocked(x, block=16)
+    xb.flags.writeable = False  # a read-only x after a writable one: its own entry point
+    got = from_blocked(squeeze_excite_blocked(xb, plan, None, True), 20)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
     with pytest.raises(ValueError, match="does not hold 20 channels"):
         squeeze_excite_blocked(to_blocked(x[:, :16], block=16), plan)
     with pytest.raises(ValueError, match="do not chain"):
