@@ -10,8 +10,9 @@ default: every fused node on a kernel) and onnxruntime at its defaults (fusion.o
 spinning) each run in a process of their own, alternating, `--rounds` processes each; a
 process takes the minimum of 5 medians of 300 runs; the figure is the minimum over its
 processes. --profile adds fusion.Session.profile's step times summed by rule. On
-mobilenet_v3_small at 32 x 32 (Zen 4, bench/NOTES.md) onnxruntime ran in 220 us and fusion
-in 640-680: most of what batch 1 loses on the small models is per step, not per FLOP.
+mobilenet_v3_small at 32 x 32 (`--rounds 2 --profile`; AMD EPYC, family 25 model 17, Zen 4;
+bench/NOTES.md) onnxruntime ran in 220.8 us and fusion in 482.3: most of what batch 1 loses
+on the small models is per step, not per FLOP.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ def any_size(path: str, folder: str) -> str:
 
 def worker(path: str, runner: str, size: int, tactics: str, profile: bool) -> None:
     """One process: a run's time (min of 5 medians of 300), printed; its profile if asked."""
-    import onnxruntime as ort
-
     import fusion
     from fusion.ort import DEFAULT, inference_session
 
@@ -57,7 +56,7 @@ def worker(path: str, runner: str, size: int, tactics: str, profile: bool) -> No
         session = inference_session(path, DEFAULT)
     else:
         session = fusion.Session(path, tactics=tactics)
-    first = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).get_inputs()[0]
+    first = session.get_inputs()[0]  # both sessions describe their inputs alike
     channels = first.shape[1] if isinstance(first.shape[1], int) else 3
     feeds = {first.name: np.random.default_rng(0).standard_normal(
         (1, channels, size, size), dtype=np.float32)}  # fmt: skip

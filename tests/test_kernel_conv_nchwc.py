@@ -592,10 +592,12 @@ def test_pointwise_runs_in_the_rows_that_tile_best(threads, block, n, c, m, h, w
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_pointwise_runs_of_pixels_as_work_items(block, n):
+def test_pointwise_runs_of_pixels_as_work_items(monkeypatch, block, n):
     """A 1x1 conv on 7 x 7 with 3 filter groups on two threads: its one row of 49 pixels cut
-    in runs (g[PARTS]), each (image, group, run) an item; the epilogue, a residual and a write
-    into a concatenation's part (its own block stride) at every run's offset."""
+    in 3 runs of 17, 17 and 15 (g[PARTS]; the runs forced, not left to this CPU's tile count),
+    each (image, group, run) an item; the epilogue, a residual and a write into a
+    concatenation's part (its own block stride) at every run's offset."""
+    monkeypatch.setattr(conv_module, "_pointwise_rows", lambda plan, n, h, w, t: (1, h * w, 3))
     before = get_threads()
     set_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
@@ -604,7 +606,7 @@ def test_pointwise_runs_of_pixels_as_work_items(block, n):
         plan = prepare_conv_nchwc(wt, b, activation="silu", residual="after", tile=1,
                                   block=block)  # fmt: skip
         g = conv_module.geometry(plan, to_blocked(x, block=plan.in_block).shape, get_threads())
-        assert get_threads() == 1 or g[conv_module.geo.PARTS] > 1
+        assert g[conv_module.geo.PARTS] == 3
         got = conv_nchwc(to_blocked(x, block=block), plan, residual=to_blocked(r, block=block))
         want = reference(x, wt, b, attrs, "silu", "after", r)
         assert_close(from_blocked(got, 3 * block), want, RTOL, ATOL)
