@@ -268,9 +268,12 @@ def _busiest_rows(oh: int, others: int, rows: int, threads: int) -> int:
     bands = -(-oh // rows)
     items = others * bands
     last = oh - (bands - 1) * rows
-    sizes = [last if i % bands == bands - 1 else rows for i in range(items)]
-    return max(sum(sizes[t * items // threads : (t + 1) * items // threads])
-               for t in range(threads))  # fmt: skip
+    busiest = 0
+    for t in range(threads):  # items a <= i < b; i % bands == bands - 1 is a last band
+        a, b = t * items // threads, (t + 1) * items // threads
+        lasts = b // bands - a // bands
+        busiest = max(busiest, (b - a - lasts) * rows + lasts * last)
+    return busiest
 
 
 def band_rows(oh: int, others: int, threads: int) -> int:
@@ -527,11 +530,11 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     """(PAD, ROWS) for the depthwise kernel (_depthwise_blocked.py): how its tiles read and the
     output rows per work item, the cheapest by a count of vector operations per call: the
     tiles' FMAs (each with its load), the vectors the padded copies move, the edge pixels'
-    taps (COPY, PIXEL), and the imbalance of others x bands items split evenly among the
-    threads (the busiest thread sets the time). PAD = 1 copies an item's rows, halo included,
-    and is capped at a quarter of L2; PAD = 0 copies the tiles at an edge; PAD = 2 copies
-    nothing (filter rows outside the image skipped, edge pixels one at a time), where a row
-    has a tile's worth of columns whose taps are all inside."""
+    taps (COPY, PIXEL), on the busiest thread's rows of others x bands items (the busiest
+    thread sets the time; a short last band is a short item). PAD = 1 copies an item's rows,
+    halo included, and is capped at a quarter of L2; PAD = 0 copies the tiles at an edge;
+    PAD = 2 copies nothing (filter rows outside the image skipped, edge pixels one at a time),
+    where a row has a tile's worth of columns whose taps are all inside."""
     (h, w), (oh, ow), (pt, pl) = size, out, pads
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     tile, b = _depthwise_blocked.TILE, plan.block
@@ -563,7 +566,8 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
             else:
                 copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
                 work = fmas + COPY * copies
-            cost = busiest(others * bands, threads) * work
+            # the busiest thread's rows (a short last band is a short item) over all
+            cost = work * _busiest_rows(oh, others, rows, threads) / oh
             if best is None or cost < best[0]:
                 best = (cost, pad, rows)
     return best[1], best[2]

@@ -10,6 +10,8 @@ register files (AVX2's 16, AVX-512's 32). The tolerance is the rules' (1e-4 rela
 absolute) on outputs of order 1.
 """
 
+import itertools
+
 import numba
 import numpy as np
 import pytest
@@ -726,3 +728,27 @@ def test_row_bands_lighten_the_busiest_thread():
                 assert load <= _busiest_rows(oh, others, base, threads)
                 assert load >= -(-oh * others // threads)  # no thread below the mean
     assert _busiest_rows(7, 9, band_rows(7, 9, 2), 2) == 32 < _busiest_rows(7, 9, 7, 2) == 35
+
+
+def test_busiest_rows_counts_as_prange_cuts():
+    """_busiest_rows against the items listed one by one (bands of `rows`, the last shorter),
+    cut for the threads in runs of equal counts, in order."""
+    for oh, others, threads in itertools.product((1, 2, 5, 7, 13, 28), (1, 2, 3, 9), (1, 2, 3, 4)):
+        for rows in range(1, oh + 1):
+            bands = -(-oh // rows)
+            sizes = [oh - (bands - 1) * rows if j == bands - 1 else rows
+                     for _ in range(others) for j in range(bands)]  # fmt: skip
+            cuts = [t * len(sizes) // threads for t in range(threads + 1)]
+            want = max(sum(sizes[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
+            assert _busiest_rows(oh, others, rows, threads) == want
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_rows_split_by_the_busiest_thread(stride):
+    """One block of one image on two threads: the depthwise kernel's row items are cut evenly.
+    Its split counted items as equal, so 56 rows went as items of 55 and 1 rows (one thread
+    idle, 16 x 56 x 56 3x3 no faster on two threads than on one)."""
+    w = np.ones((16, 1, 3, 3), np.float32)
+    plan = prepare_conv_nchwc(w, None, group=16, pads=(1,) * 4, strides=(stride,) * 2, block=16)
+    g = conv_module.geometry(plan, (1, 1, 56 * stride, 56 * stride, 16), 2)
+    assert g[conv_module.geo.OH] == 56 and g[conv_module.geo.ROWS] == 28
