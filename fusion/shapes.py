@@ -232,15 +232,25 @@ def refine_types(view, types: dict, infer) -> None:
         known = {(value, axis): d for value, t in types.items() if t.shape
                  for axis, d in enumerate(t.shape) if isinstance(d, int) and d >= 0}  # fmt: skip
         new = {}
+        # a window's named sizes carried on within the round, in graph order, through the
+        # elementwise ops between windows (else each round names one conv deeper: ResNet-101
+        # with symbolic H and W needs 100 rounds of ONNX's inference of the whole graph)
+        ahead = dict(types)
         for node in view.nodes:
-            if node.domain in ("", "ai.onnx") and node.op_type in ("Reshape", "Slice"):
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type in ("Reshape", "Slice"):
                 dims = _computed_dims(view, node, types, known)
-                if dims is not None:
-                    new[node.output[0]] = dims
-            elif node.domain in ("", "ai.onnx") and node.op_type in WINDOW_OPS:
-                dims = _window_dims(view, node, types)
-                if dims is not None:
-                    new[node.output[0]] = dims
+            elif node.op_type in WINDOW_OPS:
+                dims = _window_dims(view, node, ahead)
+            elif node.op_type in ELEMENTWISE_OPS and node.output and node.output[0] in ahead:
+                dims = _elementwise_dims(node, ahead)
+            else:
+                continue
+            if dims is not None:
+                new[node.output[0]] = dims
+                if node.output[0] in ahead:
+                    ahead[node.output[0]] = replace(ahead[node.output[0]], shape=dims)
         if not new:
             return
         found |= new
@@ -258,6 +268,36 @@ def refine_types(view, types: dict, infer) -> None:
 
 
 WINDOW_OPS = frozenset({"Conv", "MaxPool", "AveragePool"})
+# ops whose output 0 is their inputs broadcast (numpy's rules), the ones between a CNN's windows
+ELEMENTWISE_OPS = frozenset({
+    "Abs", "Add", "BatchNormalization", "Clip", "Div", "Dropout", "Elu", "Erf", "Exp", "Gelu",
+    "HardSigmoid", "HardSwish", "Identity", "LeakyRelu", "Max", "Min", "Mish", "Mul", "Neg",
+    "PRelu", "Relu", "Selu", "Sigmoid", "Softplus", "Sqrt", "Sub", "Sum", "Tanh",
+})  # fmt: skip
+_PER_CHANNEL_INPUTS = {"BatchNormalization": 1, "Clip": 1}  # inputs past the first not broadcast
+
+
+def _elementwise_dims(node, types: dict) -> tuple | None:
+    """Output 0's dims of an elementwise op whose inputs' sizes are named where its own are
+    unknown: per axis (right-aligned) the one size its inputs have other than 1, when every
+    input's size there is known; None when that tells nothing new."""
+    out = types.get(node.output[0])
+    if out is None or out.shape is None or not any(unknown(d) for d in out.shape):
+        return None
+    names = node.input[: _PER_CHANNEL_INPUTS.get(node.op_type, len(node.input))]
+    shapes = [types[v].shape if v in types else None for v in names if v]
+    if not shapes or any(sh is None or len(sh) > len(out.shape) for sh in shapes):
+        return None
+    dims = list(out.shape)
+    for axis in range(1, len(dims) + 1):
+        sizes = {sh[-axis] for sh in shapes if len(sh) >= axis}
+        if not unknown(dims[-axis]) or any(unknown(d) for d in sizes):
+            continue
+        wide = sizes - {1}
+        if len(wide) <= 1:
+            dims[-axis] = wide.pop() if wide else 1
+    dims = tuple(dims)
+    return dims if _better(dims, out.shape) else None
 
 
 def _window_dims(view, node, types: dict) -> tuple | None:

@@ -10,6 +10,7 @@ import onnx
 from helpers import GraphBuilder
 
 from fusion.graph import GraphView
+from fusion.shapes import unknown
 
 
 def scalar_dim(gb, x, axis):
@@ -174,3 +175,44 @@ def test_symbolic_planes_keep_their_residual_fusion():
     fused = fusion.rewrite(model).model
     ops = [n.op_type for n in fused.graph.node]
     assert "Add" not in ops and "Conv" not in ops  # the Add inside a fused conv
+
+
+def test_deep_symbolic_planes_are_named_in_few_rounds(monkeypatch):
+    """70 residual blocks of 'same' convs on a symbolic H, W (deeper than ResNet-101's 33): the
+    window names are carried on through the Relus and Adds within a round, so the last block's
+    Add is still one shape (one conv deeper per round ran out of rounds at 64, and each round
+    is ONNX's inference of the whole graph)."""
+    import fusion.graph
+
+    gb = GraphBuilder(opset=17)
+    rng = np.random.default_rng(0)
+    x = gb.node("Relu", ["x"])
+    scale = gb.const(np.ones((4, 1, 1), np.float32))
+    for _ in range(70):
+        w = gb.const(rng.standard_normal((4, 4, 3, 3)).astype(np.float32))
+        y = gb.node("Mul", [gb.node("Conv", [x, w], kernel_shape=[3, 3], pads=[1] * 4), scale])
+        x = gb.node("Add", [gb.node("Relu", [y]), x])
+    model = gb.model({"x": ["N", 4, "H", "W"]}, [x])
+    calls = []
+    real = fusion.graph.refine_types
+
+    def counting(view, types, infer):
+        return real(view, types, lambda dims: calls.append(1) or infer(dims))
+
+    monkeypatch.setattr(fusion.graph, "refine_types", counting)
+    assert GraphView(model).type_of(x).shape == ("N", 4, "H", "W")
+    assert len(calls) <= 2
+
+
+def test_elementwise_names_only_what_broadcasting_fixes():
+    """An Add of two planes named differently (H and W), or of a plane and an unknown size,
+    leaves the output's size unknown: a name is never made up."""
+    gb = GraphBuilder(opset=17)
+    w = gb.const(np.ones((2, 2, 1, 1), np.float32))
+    a = gb.node("Conv", ["x", w], kernel_shape=[1, 1], strides=[2, 2])
+    b = gb.node("Conv", ["y", w], kernel_shape=[1, 1], strides=[2, 2])
+    total = gb.node("Add", [a, b])
+    model = gb.model({"x": ["N", 2, "H", "H"], "y": ["N", 2, "W", "W"]}, [total])
+    view = GraphView(model)
+    assert view.type_of(a).shape[2] == "(H+0)/2" and view.type_of(b).shape[2] == "(W+0)/2"
+    assert unknown(view.type_of(total).shape[2])
