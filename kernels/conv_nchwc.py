@@ -45,7 +45,7 @@ from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
 from .workspace import empty, per_thread
 
-TILE_BLOCKS = (4, 2, 1)  # output blocks per register tile worth considering (FB)
+TILE_BLOCKS = (4, 3, 2, 1)  # output blocks per register tile worth considering (FB)
 # Independent FMA chains that keep a core's FMA units busy (two ports x 4-5 cycles of latency):
 # a tile with fewer accumulators waits on latency, in proportion.
 CHAINS = 10
@@ -165,15 +165,17 @@ def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
     load: a core issues loads at least as fast as FMAs, so these wait on FMAs, not on loads),
     the one computing the least padding, then the most FMAs per load; with none such, the
     best by _merit. At 16 lanes 10 output blocks take 14x2 (no padding) before 6x4 (2 padded
-    of 12): Zen 4 ran 960->160 7x7 in 82 us on 14x2 against 123-142 on 6x4 (bench/NOTES.md).
-    Then, when there is another, the one that computes the fewest padding blocks (M = 40 at 8
-    lanes: 6x2 with a padded block, or 14x1 with none), else the best of the others by _merit
-    (10 blocks: 6x4, its 2.4 FMAs per load against 14x2's 1.75; 64 blocks: 6x4 first, 14x2
-    second). Which wins depends on the CPU and the shape more than these counts say (on Zen 1
-    the 3x4 tile beat the taller ones even with padding; on Zen 4 14x2 ran ResNet-50's 1x1
-    stride-2 1024->2048 conv at 14x14 in 1.05 ms against 6x4's 1.30, whose 7-wide output rows
-    take 3-pixel tiles, and lost on 3x3 256->256 at 14x14, 1.14 against 0.97 ms:
-    bench/NOTES.md), so a "fastest" session times both."""
+    of 12): Zen 4 ran 960->160 7x7 in 82 us on 14x2 against 123-142 on 6x4; 9 blocks take 9x3
+    (none padded) before 14x2 (one of 10): 24->144 1x1 at 56 x 56 ran in 160 us on 9x3, 177 on
+    14x2, 96->144 at 28 x 28 106 against 117 (bench/NOTES.md).
+    Then, when there is another, the one of the others that computes the fewest padding
+    blocks, then the most FMAs per load (5 blocks: 9x3 with one padded of 6, then 30x1; 8
+    blocks: 6x4, then 14x2 rather than 9x3's padded block). Which wins depends on the CPU and
+    the shape more than these counts say (on Zen 1 the 3x4 tile beat the taller ones even with
+    padding; on Zen 4 14x2 ran ResNet-50's 1x1 stride-2 1024->2048 conv at 14x14 in 1.05 ms
+    against 6x4's 1.30, whose 7-wide output rows take 3-pixel tiles, and lost on 3x3 256->256
+    at 14x14, 1.14 against 0.97 ms; 16->72 1x1 at 56 x 56 ran fastest on 30x1: bench/NOTES.md),
+    so a "fastest" session times both."""
     fbs = sorted({min(fb, mbg) for fb in TILE_BLOCKS}, reverse=True)
     unbound = [fb for fb in fbs if _per_load(fb, w) >= 1.0]
     if unbound:
@@ -183,9 +185,7 @@ def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
     others = [fb for fb in fbs if fb != first]
     if not others:
         return (first,)
-    tight = min(fbs, key=lambda fb: (_padding(fb, mbg), -_merit(fb, mbg, w), -fb))
-    second = tight if tight != first else max(others, key=lambda fb: (_merit(fb, mbg, w), fb))
-    return first, second
+    return first, min(others, key=lambda fb: (_padding(fb, mbg), -_merit(fb, mbg, w), -fb))
 
 
 def tile_options(weight_shape, group: int = 1, block: int | None = None) -> tuple[int, ...]:

@@ -523,13 +523,14 @@ def test_tile_options(monkeypatch):
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
     # 8 blocks: no tile computes padding; 3x4 first, the next by FMAs per load (6x2) timed too
     assert tile_options((64, 64, 3, 3), block=8) == (4, 2)
-    assert tile_options((24, 16, 1, 1), block=8) == (3, 2)  # 3 blocks: 4x3, no padding
-    assert tile_options((40, 16, 1, 1), block=8) == (2, 1)  # 5: 6x2 padded, or 14x1 tight
+    assert tile_options((24, 16, 1, 1), block=8) == (3, 1)  # 3 blocks: 4x3, then 14x1: tight
+    assert tile_options((40, 16, 1, 1), block=8) == (3, 1)  # 5: 4x3 padded (6x2 too), 14x1
     assert tile_options((8, 16, 1, 1), block=8) == (1,)
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     assert tile_options((64, 64, 3, 3), block=8) == (4, 2)
-    # 5 blocks: 14x2 (one padded of 6, 1.75 FMAs per load) before 6x4 (3 of 8), or 30x1 tight
-    assert tile_options((40, 16, 1, 1), block=8) == (2, 1)
+    # 5 blocks: 9x3 (one padded of 6, 2.25 FMAs per load) before 14x2 (as many, 1.75) and 6x4
+    # (3 of 8), or 30x1 tight
+    assert tile_options((40, 16, 1, 1), block=8) == (3, 1)
     monkeypatch.undo()
     assert tile_options((16, 16, 1, 1), block=16) == (1,)
     assert tile_options((32, 1, 3, 3), group=32) == (1,)  # depthwise: its own kernel
@@ -545,13 +546,16 @@ def test_tile_blocks_rank_by_padding_among_tiles_not_bound_by_loads(monkeypatch)
     # (0.97: a load per FMA, never first while another tile does better).
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
     assert [conv_module.tiles.fit_rows(fb, 16) for fb in (4, 3, 2, 1)] == [6, 9, 14, 30]
-    # no padding either way: the most FMAs per load, then the next (14x2), both timed
+    # no padding: the most FMAs per load first; then the tightest other (9x3 pads 8 blocks
+    # to 9: 14x2 next), both timed
     assert tile_blocks(8, 16) == (4, 2)
     assert tile_blocks(64, 16) == (4, 2)
-    assert tile_blocks(3, 16) == (3, 2)
-    assert tile_blocks(6, 16) == (2, 4)  # 14x2 tight, then 6x4 with a quarter padding
-    assert tile_blocks(10, 16) == (2, 4)
-    assert tile_blocks(5, 16) == (2, 1)  # 14x2 with one padded of 6, or 30x1 tight
+    assert tile_blocks(12, 16) == (4, 3)  # 6x4 and 9x3 both tight: the more FMAs per load
+    assert tile_blocks(3, 16) == (3, 1)
+    assert tile_blocks(6, 16) == (3, 2)  # 9x3 and 14x2 tight, 6x4 pads a third
+    assert tile_blocks(9, 16) == (3, 1)  # 9x3 tight; 14x2 pads one of 10, 30x1 none
+    assert tile_blocks(10, 16) == (2, 1)  # 9x3 and 6x4 pad two of 12
+    assert tile_blocks(5, 16) == (3, 1)  # one padded of 6 either way (9x3, 14x2), or 30x1
     assert tile_blocks(1, 16) == (1,)  # 30x1 alone: nothing else to pick
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
     assert [conv_module.tiles.fit_rows(fb, 8) for fb in (4, 3, 2, 1)] == [3, 4, 6, 14]
