@@ -205,8 +205,8 @@ def test_deep_symbolic_planes_are_named_in_few_rounds(monkeypatch):
 
 
 def test_elementwise_names_only_what_broadcasting_fixes():
-    """An Add of two planes named differently (H and W), or of a plane and an unknown size,
-    leaves the output's size unknown: a name is never made up."""
+    """An Add of two planes named differently (H and W) leaves the output's size unknown: a
+    name is never made up, and broadcasting proves neither."""
     gb = GraphBuilder(opset=17)
     w = gb.const(np.ones((2, 2, 1, 1), np.float32))
     a = gb.node("Conv", ["x", w], kernel_shape=[1, 1], strides=[2, 2])
