@@ -226,7 +226,9 @@ def refine_types(view, types: dict, infer) -> None:
     Each round reads those shape tensors (shape_entries, with every size known so far) and
     hands what it found to `infer` (value -> dims to declare; returns the types ONNX's
     inference derives from them), which carries them on through the ops below; rounds go on
-    while a round finds a size."""
+    while a round finds a size. The same rounds name the spatial sizes of a Conv or pool on
+    named planes (_window_dims: a model exported with a symbolic H and W), carried on within
+    the round through the elementwise ops below them (_elementwise_dims)."""
     found: dict[str, tuple] = {}
     for _ in range(_ROUNDS):
         known = {(value, axis): d for value, t in types.items() if t.shape
@@ -243,7 +245,7 @@ def refine_types(view, types: dict, infer) -> None:
                 dims = _computed_dims(view, node, types, known)
             elif node.op_type in WINDOW_OPS:
                 dims = _window_dims(view, node, ahead)
-            elif node.op_type in ELEMENTWISE_OPS and node.output and node.output[0] in ahead:
+            elif node.op_type in ELEMENTWISE_OPS and node.output:
                 dims = _elementwise_dims(node, ahead)
             else:
                 continue

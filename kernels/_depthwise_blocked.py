@@ -381,11 +381,11 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
         ow0 = col_a + (t * TILE if t < n_tiles - 1 else inner - TILE)
         _tile(L, xf, row0 + (ow0 * sw - pl) * b, step, wf, wr, taps, rows * kw, TILE, bias, yf,
               yo + ow0 * b, res, early, lo, hi, shared)  # fmt: skip
-    edge = col_a if n_tiles > 0 else ow_len  # without tiles, every pixel one at a time
-    for ow in range(edge):
-        a = _pixel(L, xf, row0, ow * sw - pl, w, wf, wr, rows, kw, dh, dw)
-        _put(L, a, bias, yf, u(yo + ow * b), res, early, lo, hi)
-    for ow in range(col_b if n_tiles > 0 else ow_len, ow_len):
+    # the pixels left of the tiles, then right of them (without tiles: every pixel)
+    left = col_a if n_tiles > 0 else ow_len
+    right = col_b if n_tiles > 0 else ow_len
+    for k in range(left + ow_len - right):
+        ow = k if k < left else right + k - left
         a = _pixel(L, xf, row0, ow * sw - pl, w, wf, wr, rows, kw, dh, dw)
         _put(L, a, bias, yf, u(yo + ow * b), res, early, lo, hi)
 

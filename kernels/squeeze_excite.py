@@ -58,7 +58,8 @@ class SqueezeExcitePlan:
     w2t: np.ndarray  # [M, C]: W2 transposed
     b2: np.ndarray  # [C]
     acts: np.ndarray  # [2, 3] float32: (kind, a, b) of act1 and act2 (kernels/simd/activation)
-    entry: dict = dataclasses.field(default_factory=dict, compare=False)  # (kernel, b) -> code
+    # (kernel, b, x writeable, y writeable) -> the kernel's compiled entry point
+    entry: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def prepare_squeeze_excite(w1, b1, w2, b2, act1, act2) -> SqueezeExcitePlan:

@@ -748,10 +748,12 @@ def test_busiest_rows_counts_as_prange_cuts():
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_depthwise_rows_split_by_the_busiest_thread(stride):
+def test_depthwise_rows_split_by_the_busiest_thread(stride, monkeypatch):
     """One block of one image on two threads: the depthwise kernel's row items are cut evenly.
     Its split counted items as equal, so 56 rows went as items of 55 and 1 rows (one thread
-    idle, 16 x 56 x 56 3x3 no faster on two threads than on one)."""
+    idle, 16 x 56 x 56 3x3 no faster on two threads than on one). L2 fixed at 1 MB: the padded
+    copy's cap, not this CPU's."""
+    monkeypatch.setattr(conv_module, "cache_bytes", lambda level: 1 << 20)
     w = np.ones((16, 1, 3, 3), np.float32)
     plan = prepare_conv_nchwc(w, None, group=16, pads=(1,) * 4, strides=(stride,) * 2, block=16)
     g = conv_module.geometry(plan, (1, 1, 56 * stride, 56 * stride, 16), 2)
