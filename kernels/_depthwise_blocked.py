@@ -11,8 +11,15 @@ registers and stored once; other activations run on the finished row (epilogue.a
 
 Where a tile reads. Every tap of a tile reads base + taps[t] + p step for its pixels p: the
 source is either x itself or a zero-padded copy of the rows it needs, so there is one tile body
-and no bound test inside it. Three ways, chosen per shape by a count of the vector operations
-they cost (conv_nchwc._depthwise_split sets g[PAD]):
+and no bound test inside it. Four ways, chosen per shape (conv_nchwc._depthwise_split sets
+g[PAD]):
+- PAD = 3: x read in place, every column in tiles, the filter rows outside the image skipped
+  and the columns outside a row loaded through masks as zeros (masked_edges: the row-shared
+  loads of 3- and 5-wide filters mask a tile's first two and last two input vectors of a row;
+  a masked-off lane is not read, so nothing outside x is touched): no copy and no edge pixel,
+  the least work, taken wherever it applies on a row of at least a tile (on one thread 0-20%
+  faster than the best of the others on 56-112-wide rows, the same on 14-28-wide ones; on
+  7-wide rows the padded copy stays ahead: bench/NOTES.md).
 - PAD = 1: a work item (image, block, rows) copies the input rows its outputs read into a
   zero-padded scratch once, and every tile reads the scratch: each input vector is copied
   once per item (plus the halo rows), the cheaper way at stride 1 and on small images (7x7,
@@ -24,9 +31,10 @@ they cost (conv_nchwc._depthwise_split sets g[PAD]):
   read in place saves that copy.
 - PAD = 2: nothing copied (_row_in_place): per output row the filter rows outside the image
   are skipped, tiles cover the columns whose taps all lie inside, and the few columns at the
-  left and right edges run one pixel at a time with a test per tap (_pixel). Faster than
-  both copies on rows of 56-112 pixels; on small images the edge pixels cost more than
-  PAD 1's copy (bench/NOTES.md).
+  left and right edges run one pixel at a time with a test per tap (_pixel). For the filters
+  whose loads are not shared (dilated, 7 wide, 5 wide at 8 lanes); on small images the edge
+  pixels cost more than PAD 1's copy (bench/NOTES.md).
+PAD 0, 1 and 2 are ranked by a count of the vector operations they cost.
 A row's last tile ends at the row's end, overlapping the one before (tile_column): a tile
 past the end would read padding, a copy at PAD 0, where at stride 2 on an even width the
 overlapping one reads only x.
@@ -61,7 +69,7 @@ from ._blocked_geometry import (
 )  # fmt: skip
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
-from .simd import vfma, vload, vstore, vzero
+from .simd import tail_mask, vfma, vload, vload_masked, vstore, vzero
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
@@ -120,29 +128,25 @@ def _sum_taps(L, src, x0, step, wf, w0, taps, n_taps):
 
 
 @numba.jit(**FORCE_GEMM)
-def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
+def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh, m0, m1, mr1, mr0):
     """The same sums for a filter 3 wide, undilated, stride sw 1 or 2: per filter row the
     (TILE - 1) sw + 3 input vectors the row's taps share are loaded once (10 or 17 loads and 3
-    weights for 24 FMAs, where tap by tap takes 27 loads): pixel p's taps are v[p sw + j]."""
+    weights for 24 FMAs, where tap by tap takes 27 loads): pixel p's taps are v[p sw + j]. The
+    first two and last two of them through masks m0, m1, mr1, mr0 (all lanes, or none: a
+    column outside the row reads as zeros, _edge_masks)."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
     b = u(L.width)
     for i in range(kh):
         q = u(taps[3 * i] + x0)
         wo = u(w0) + u(3 * i) * b
         wa, wb, wc = vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b)
-        v0, v1, v2 = vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b)
-        v3, v4, v5 = (
-            vload(L, src, q + u(3) * b),
-            vload(L, src, q + u(4) * b),
-            vload(L, src, q + u(5) * b),
-        )
-        v6, v7, v8 = (
-            vload(L, src, q + u(6) * b),
-            vload(L, src, q + u(7) * b),
-            vload(L, src, q + u(8) * b),
-        )
-        v9 = vload(L, src, q + u(9) * b)
+        v0, v1 = vload_masked(L, src, q, m0), vload_masked(L, src, q + b, m1)
+        v2, v3 = vload(L, src, q + u(2) * b), vload(L, src, q + u(3) * b)
+        v4, v5 = vload(L, src, q + u(4) * b), vload(L, src, q + u(5) * b)
+        v6, v7 = vload(L, src, q + u(6) * b), vload(L, src, q + u(7) * b)
         if sw == 1:
+            v8 = vload_masked(L, src, q + u(8) * b, mr1)
+            v9 = vload_masked(L, src, q + u(9) * b, mr0)
             a0 = vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))
             a1 = vfma(v3, wc, vfma(v2, wb, vfma(v1, wa, a1)))
             a2 = vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a2)))
@@ -152,10 +156,12 @@ def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
             a6 = vfma(v8, wc, vfma(v7, wb, vfma(v6, wa, a6)))
             a7 = vfma(v9, wc, vfma(v8, wb, vfma(v7, wa, a7)))
         else:
+            v8, v9 = vload(L, src, q + u(8) * b), vload(L, src, q + u(9) * b)
             v10, v11 = vload(L, src, q + u(10) * b), vload(L, src, q + u(11) * b)
             v12, v13 = vload(L, src, q + u(12) * b), vload(L, src, q + u(13) * b)
-            v14, v15 = vload(L, src, q + u(14) * b), vload(L, src, q + u(15) * b)
-            v16 = vload(L, src, q + u(16) * b)
+            v14 = vload(L, src, q + u(14) * b)
+            v15 = vload_masked(L, src, q + u(15) * b, mr1)
+            v16 = vload_masked(L, src, q + u(16) * b, mr0)
             a0 = vfma(v2, wc, vfma(v1, wb, vfma(v0, wa, a0)))
             a1 = vfma(v4, wc, vfma(v3, wb, vfma(v2, wa, a1)))
             a2 = vfma(v6, wc, vfma(v5, wb, vfma(v4, wa, a2)))
@@ -168,15 +174,16 @@ def _sum_rows3(L, src, x0, sw, wf, w0, taps, kh):
 
 
 @numba.jit(**FORCE_GEMM)
-def _load11(L, src, q):
-    """The 11 vectors src[q + j b], j < 11: a 5-wide filter row's inputs for 4 pixels at
-    stride 2, or all but the last for 8 at stride 1."""
+def _load11(L, src, q, m0, m1, m9, m10):
+    """The 11 vectors src[q + j b], j < 11, the first two and last two through masks: a 5-wide
+    filter row's inputs for 4 pixels at stride 2, or all but the last for 8 at stride 1."""
     b = u(L.width)
-    return (vload(L, src, q), vload(L, src, q + b), vload(L, src, q + u(2) * b),
-            vload(L, src, q + u(3) * b), vload(L, src, q + u(4) * b),
-            vload(L, src, q + u(5) * b), vload(L, src, q + u(6) * b),
-            vload(L, src, q + u(7) * b), vload(L, src, q + u(8) * b),
-            vload(L, src, q + u(9) * b), vload(L, src, q + u(10) * b))  # fmt: skip
+    return (vload_masked(L, src, q, m0), vload_masked(L, src, q + b, m1),
+            vload(L, src, q + u(2) * b), vload(L, src, q + u(3) * b),
+            vload(L, src, q + u(4) * b), vload(L, src, q + u(5) * b),
+            vload(L, src, q + u(6) * b), vload(L, src, q + u(7) * b),
+            vload(L, src, q + u(8) * b), vload_masked(L, src, q + u(9) * b, m9),
+            vload_masked(L, src, q + u(10) * b, m10))  # fmt: skip
 
 
 @numba.jit(**FORCE_GEMM)
@@ -194,7 +201,7 @@ def _half5s2(a0, a1, a2, a3, v, w):
 
 
 @numba.jit(**FORCE_GEMM)
-def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
+def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh, m0, m1, mr1, mr0):
     """The same sums for a filter 5 wide, undilated, stride sw 1 or 2, its loads shared as in
     _sum_rows3: per filter row 12 input vectors and 5 weights for 40 FMAs at stride 1 (tap by
     tap: 45 loads), at stride 2 two half tiles of 4 pixels, 11 input vectors each (19 at once
@@ -204,14 +211,15 @@ def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
     file of 32 (AVX-512) holds them, so item takes this path at 16 lanes only."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero(L)
     b = u(L.width)
+    full = tail_mask(L, L.width)
     for i in range(kh):
         q = u(taps[5 * i] + x0)
         wo = u(w0) + u(5 * i) * b
         w = (vload(L, wf, wo), vload(L, wf, wo + b), vload(L, wf, wo + u(2) * b),
              vload(L, wf, wo + u(3) * b), vload(L, wf, wo + u(4) * b))  # fmt: skip
-        v = _load11(L, src, q)
-        if sw == 1:
-            v11 = vload(L, src, q + u(11) * b)
+        if sw == 1:  # v10 and v11 may lie past the row's end
+            v = _load11(L, src, q, m0, m1, full, mr1)
+            v11 = vload_masked(L, src, q + u(11) * b, mr0)
             a0 = _fma5(a0, v[0], v[1], v[2], v[3], v[4], w)
             a1 = _fma5(a1, v[1], v[2], v[3], v[4], v[5], w)
             a2 = _fma5(a2, v[2], v[3], v[4], v[5], v[6], w)
@@ -220,25 +228,30 @@ def _sum_rows5(L, src, x0, sw, wf, w0, taps, kh):
             a5 = _fma5(a5, v[5], v[6], v[7], v[8], v[9], w)
             a6 = _fma5(a6, v[6], v[7], v[8], v[9], v[10], w)
             a7 = _fma5(a7, v[7], v[8], v[9], v[10], v11, w)
-        else:  # pixels 0-3 read v0-v10, pixels 4-7 the 11 vectors 8 on
-            a0, a1, a2, a3 = _half5s2(a0, a1, a2, a3, v, w)
-            a4, a5, a6, a7 = _half5s2(a4, a5, a6, a7, _load11(L, src, q + u(8) * b), w)
+        else:  # pixels 0-3 read v0-v10, pixels 4-7 the 11 vectors 8 on (v17, v18 the last)
+            a0, a1, a2, a3 = _half5s2(a0, a1, a2, a3, _load11(L, src, q, m0, m1, full, full), w)
+            v = _load11(L, src, q + u(8) * b, full, full, mr1, mr0)
+            a4, a5, a6, a7 = _half5s2(a4, a5, a6, a7, v, w)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @numba.jit(**FORCE_GEMM)
 def _tile(L, src, x0, step, wf, w0, taps, n_taps, npx, bias, yf, yo, res, residual, lo, hi,
-          shared):  # fmt: skip
+          shared, m0, m1, mr1, mr0):  # fmt: skip
     """y[yo + p b] = epilogue(sum_t src[x0 + taps[t] + p step] * wf[w0 + t b]) for the npx <=
     TILE pixels p of a tile (b = L.width channels of one block, lane by lane); shared: the
     filter's width when a filter row's loads are shared (3: _sum_rows3, 5: _sum_rows5; stride
-    step / b of 1 or 2, undilated), else 0 (any filter, tap by tap)."""
+    step / b of 1 or 2, undilated), else 0 (any filter, tap by tap). m0, m1, mr1, mr0: the
+    masks of a filter row's first two and last two input vectors when its loads are shared
+    (_edge_masks)."""
     if shared == 3:
         a0, a1, a2, a3, a4, a5, a6, a7 = _sum_rows3(L, src, x0, step // u(L.width), wf, w0,
-                                                    taps, n_taps // 3)  # fmt: skip
+                                                    taps, n_taps // 3, m0, m1, mr1,
+                                                    mr0)  # fmt: skip
     elif shared == 5:
         a0, a1, a2, a3, a4, a5, a6, a7 = _sum_rows5(L, src, x0, step // u(L.width), wf, w0,
-                                                    taps, n_taps // 5)  # fmt: skip
+                                                    taps, n_taps // 5, m0, m1, mr1,
+                                                    mr0)  # fmt: skip
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = _sum_taps(L, src, x0, step, wf, w0, taps, n_taps)
     b = u(L.width)
@@ -359,14 +372,54 @@ _widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 
 
 @numba.jit(**INLINE_GEMM)
+def _column_mask(L, c, w):
+    """All lanes if column c lies in a row of w pixels, else none (a column of zero padding)."""
+    return tail_mask(L, L.width if c >= 0 and c < w else 0)
+
+
+@numba.jit(**INLINE_GEMM)
+def _edge_masks(L, iw0, w, last):
+    """The masks of a tile's first two and last two input vectors of a filter row (columns
+    iw0, iw0 + 1, iw0 + last - 1, iw0 + last): at an edge of the row the columns outside it
+    load as zeros, the padding, and nothing outside the row is read (a masked-off lane is not
+    accessed)."""
+    return (_column_mask(L, iw0, w), _column_mask(L, iw0 + 1, w),
+            _column_mask(L, iw0 + last - 1, w), _column_mask(L, iw0 + last, w))  # fmt: skip
+
+
+def shared_width(kw: int, sw: int, dw: int, width: int) -> int:
+    """The filter width whose rows' loads a tile shares (_sum_rows3, _sum_rows5), else 0 (tap
+    by tap): 3 wide, or 5 wide with 32 vector registers (16 lanes), undilated, stride 1 or 2."""
+    rows_ok = dw == 1 and (sw == 1 or sw == 2)
+    return kw if rows_ok and (kw == 3 or (kw == 5 and width >= 16)) else 0
+
+
+_shared_width = numba.jit(**INLINE_GEMM)(shared_width)
+
+
+def masked_edges(kw: int, sw: int, dw: int, pl: int, w: int, ow: int, width: int) -> bool:
+    """Whether the in-place row may run every column as tiles, the columns outside the row
+    masked (PAD 3): row-shared loads, of which only the first two and last two vectors are
+    masked, so at most two columns of padding at the left, and the last tile's vectors but its
+    last two inside the row (a row narrower than a tile too: one tile, its pixels past the row
+    computed, not stored)."""
+    if not shared_width(kw, sw, dw, width) or pl > 2:
+        return False
+    last = (TILE - 1) * sw + (kw - 1) * dw  # a tile's last input vector
+    return max(0, ow - TILE) * sw - pl + last - 2 < w
+
+
+@numba.jit(**INLINE_GEMM)
 def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps, bias, early,
                   lo, hi, shared):  # fmt: skip
-    """One output row read from x in place (PAD 2), as onnxruntime's NCHWc kernel does: the
-    filter rows outside the image skipped (the tiles run on the rows inside), tiles of TILE
-    pixels over the columns a <= ow < b whose taps are all inside the row (the last ending at b,
-    overlapping the one before), the pixels left of a and from b on one at a time with a test
-    per tap (_pixel), nothing copied (module docstring). Needs b - a >= TILE (conv_nchwc
-    chooses it only then; with fewer, every pixel goes one at a time)."""
+    """One output row read from x in place (PAD 2 and 3), as onnxruntime's NCHWc kernel does:
+    the filter rows outside the image skipped (the tiles run on the rows inside), nothing
+    copied (module docstring). PAD 3: tiles of TILE pixels over every column (the last ending
+    at the row's end, overlapping the one before), the columns outside the row loaded through
+    masks as zeros. PAD 2: tiles over the columns a <= ow < b whose taps are all inside the row,
+    the pixels left of a and from b on one at a time with a test per tap (_pixel). Needs a row
+    of at least TILE columns (PAD 3: masked_edges) or b - a >= TILE (conv_nchwc chooses them
+    only then; with fewer, every pixel goes one at a time)."""
     kh, kw, sw, dh, dw = g[KH], g[KW], g[SW], g[DH], g[DW]
     h, w, ow_len, pl, b = g[H], g[W], g[OW], g[PL], L.width
     i_lo = max(0, (dh - 1 - ih0) // dh)  # the first filter row inside the image
@@ -375,12 +428,19 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
     row0 = plane + (ih0 + i_lo * dh) * w * b  # x's row of filter row i_lo, pixel 0
     wr = w0 + i_lo * kw * b
     step = u(sw * b)
+    masked = g[PAD] == 3
+    if masked:
+        col_a, col_b = 0, ow_len
     inner = col_b - col_a
-    n_tiles = (inner + TILE - 1) // TILE if inner >= TILE else 0
+    last = (TILE - 1) * sw + (kw - 1) * dw  # a tile's last input vector of a filter row
+    n_tiles = (inner + TILE - 1) // TILE if inner >= TILE or masked else 0
     for t in range(n_tiles):
-        ow0 = col_a + (t * TILE if t < n_tiles - 1 else inner - TILE)
-        _tile(L, xf, row0 + (ow0 * sw - pl) * b, step, wf, wr, taps, rows * kw, TILE, bias, yf,
-              yo + ow0 * b, res, early, lo, hi, shared)  # fmt: skip
+        ow0 = col_a + (t * TILE if t < n_tiles - 1 else max(0, inner - TILE))
+        iw0 = ow0 * sw - pl
+        m0, m1, mr1, mr0 = _edge_masks(L, iw0, w, last)
+        _tile(L, xf, row0 + iw0 * b, step, wf, wr, taps, rows * kw, min(TILE, ow_len - ow0),
+              bias, yf, yo + ow0 * b, res, early, lo, hi, shared, m0, m1, mr1,
+              mr0)  # fmt: skip
     # the pixels left of the tiles, then right of them (without tiles: every pixel)
     left = col_a if n_tiles > 0 else ow_len
     right = col_b if n_tiles > 0 else ow_len
@@ -407,10 +467,9 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     bias = vload(L, bf, u(cb * b))
     w0 = cb * kh * kw * b
     step = u(sw * b)
-    # row-shared loads: 3 wide (_sum_rows3), 5 wide with 32 vector registers (_sum_rows5)
-    rows_ok = g[DW] == 1 and (sw == 1 or sw == 2)
-    shared = kw if rows_ok and (kw == 3 or (kw == 5 and L.width >= 16)) else 0
-    padded, in_place = g[PAD] == 1, g[PAD] == 2
+    shared = _shared_width(kw, sw, g[DW], L.width)
+    padded, in_place = g[PAD] == 1, g[PAD] >= 2
+    full = tail_mask(L, L.width)
     if padded:  # one padded copy of the item's rows; every tile reads it
         _pad_rows(L, xf, g, n, cb, r0 * sh - pt, (r1 - 1 - r0) * sh + span, -pl, wp, scr)
         k = _taps(g, wp, b, taps)
@@ -438,16 +497,16 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
             if padded:
                 x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
                 _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, shared)  # fmt: skip
+                      early, lo, hi, shared, full, full, full, full)  # fmt: skip
             elif rows_in and iw0 >= 0 and iw0 + wt <= w:
                 # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
                 x0 = plane + (ih0 * w + iw0) * b
                 _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, shared)  # fmt: skip
+                      early, lo, hi, shared, full, full, full, full)  # fmt: skip
             else:
                 _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
                 _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yf, yo + ow0 * b, res,
-                      early, lo, hi, shared)  # fmt: skip
+                      early, lo, hi, shared, full, full, full, full)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
 
@@ -459,7 +518,7 @@ def scratch_size(g) -> int:
     call)."""
     wp, wt = _widths(g)
     span = (g[KH] - 1) * g[DH] + 1
-    if g[PAD] == 2:
+    if g[PAD] >= 2:
         return 1
     if g[PAD] == 1:
         return ((g[ROWS] - 1) * g[SH] + span) * wp * g[BI]

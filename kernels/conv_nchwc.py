@@ -534,7 +534,9 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     thread sets the time; a short last band is a short item). PAD = 1 copies an item's rows,
     halo included, and is capped at a quarter of L2; PAD = 0 copies the tiles at an edge;
     PAD = 2 copies nothing (filter rows outside the image skipped, edge pixels one at a time),
-    where a row has a tile's worth of columns whose taps are all inside."""
+    where a row has a tile's worth of columns whose taps are all inside; PAD = 3 copies
+    nothing and has no edge pixels (the columns outside a row masked), where masked_edges
+    allows it on a row of at least a tile: its count is the tiles' FMAs alone, the least."""
     (h, w), (oh, ow), (pt, pl) = size, out, pads
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
     tile, b = _depthwise_blocked.TILE, plan.block
@@ -552,16 +554,19 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     inner = col_b - col_a
     taps_in = sum((dh * i + ih0 >= 0) & (dh * i + ih0 < h) for i in range(kh)) * kw  # per row
     in_place = int(taps_in.sum()) * (-(-inner // tile) * tile + PIXEL * (ow - inner))
+    masked = ow >= tile and _depthwise_blocked.masked_edges(kw, sw, dw, pl, w, ow, b)
     best = None
-    for pad in (0, 1, 2):
-        if pad == 2 and inner < tile:
+    for pad in (0, 1, 2, 3):
+        if (pad == 2 and inner < tile) or (pad == 3 and not masked):
             continue
         for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
             item_bytes = ((rows - 1) * sh + span) * wp * b * 4
             if pad == 1 and rows > 1 and item_bytes > cache_bytes(2) // 4:
                 continue
             bands = -(-oh // rows)
-            if pad == 2:
+            if pad == 3:  # every column in tiles, nothing copied, no edge pixel
+                work = int(taps_in.sum()) * n_tiles * tile
+            elif pad == 2:
                 work = in_place
             else:
                 copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies

@@ -193,13 +193,18 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
     return cuts if by_channels < CHANNEL_GAIN * by_rows else None
 
 
-def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int) -> int:
-    """The depthwise kernel's PAD for a band (_depthwise_blocked), the cheapest by the count
-    conv_nchwc's own split makes (tile FMAs, COPY a copied vector, PIXEL an edge pixel's tap):
-    1, the band's rows copied once into a padded scratch; 0, each tile at a left or right edge
-    copying its own k rows; 2, no copy, the pixels at the edges one at a time (where a tile's
-    worth of columns has all its taps inside). A band's rows are all inside its scratch."""
+def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int, b: int) -> int:
+    """The depthwise kernel's PAD for a band (_depthwise_blocked): 3, every column in tiles
+    reading the band's rows in place, the columns outside the row masked (where masked_edges
+    allows it on a row of at least a tile: no copy and no edge pixel, the least work); else the
+    cheapest by the count conv_nchwc's own split makes (tile FMAs, COPY a copied vector, PIXEL
+    an edge pixel's tap): 1, the band's rows copied once into a padded scratch; 0, each tile at
+    a left or right edge copying its own k rows; 2, no copy, the pixels at the edges one at a
+    time (where a tile's worth of columns has all its taps inside). A band's rows are all
+    inside its scratch."""
     tile = dwb.TILE
+    if ow >= tile and dwb.masked_edges(k, s, 1, pl, w, ow, b):
+        return 3
     n_tiles = -(-ow // tile)
     wp = (n_tiles * tile - 1) * s + k  # a padded band row, pixels
     wt = (tile - 1) * s + k  # a tile's
@@ -283,7 +288,7 @@ def _launch(xb, plan: InvertedResidualPlan, threads: int) -> _Launch:
     # the depthwise conv on the band's rows of e in ex (padded rows included), or on x itself
     image = dict(H=h, PT=pt) if in_place else dict(H=span, PT=0)
     gd = geo.pack(N=1, CB=eb, BI=b, W=w, KH=k, KW=k, SH=s, SW=s, DH=1, DW=1, PL=pl, MB=eb,
-                  OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows),
+                  OH=rows, OW=ow, ROWS=rows, ACT=dw.act[0], PAD=_pad(w, ow, k, s, pl, rows, b),
                   **image)  # fmt: skip
     band = dict(pixels=rows * ow, XBS=rows * ow, YBS=oh * ow)
     ge = gp = pixels_geometry(p, (1, eb, rows, ow, b), threads, **band) if project else None

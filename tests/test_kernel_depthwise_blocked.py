@@ -6,9 +6,10 @@ geometry, the contract conv_nchwc keeps, so that both widths are tested whatever
 process's conv_nchwc packs for. Channel counts that fill whole blocks of 8 and 16 (32), of 8
 only (24), and neither (5, 20); widths that leave part of a tile (1, 13, 17), strides,
 dilations, asymmetric pads, several row items per block, 3- and 5-wide filters (their row-shared
-loads) and others; the three ways the tiles read (PAD 1: an item's padded copy; PAD 0: x in
+loads) and others; the four ways the tiles read (PAD 1: an item's padded copy; PAD 0: x in
 place, tiles inside the image among them, and a tile's padded copy at an edge; PAD 2: x in
-place, edge pixels one at a time), PAD 2 equal to PAD 1 float for float.
+place, edge pixels one at a time; PAD 3: x in place, every column in tiles, the columns outside
+the row masked, on the shapes masked_edges allows), PAD 2 and 3 equal to PAD 1 float for float.
 """
 
 import numpy as np
@@ -17,7 +18,7 @@ from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kernels import _blocked_geometry as geo
-from kernels._depthwise_blocked import dwconv_nchwc, scratch_size
+from kernels._depthwise_blocked import dwconv_nchwc, masked_edges, scratch_size
 from kernels.blocked import from_blocked, to_blocked
 from kernels.epilogue import RESIDUALS
 from kernels.simd import lanes
@@ -132,13 +133,44 @@ SHAPES = [
     (1, 24, 14, 14, 5, {"strides": (2, 2), "pads": (2, 2, 2, 2)}, 3),  # 7-wide rows: 7-pixel tiles
     # rows whose taps all lie in the padding (bias alone), and a row of 8 inner columns
     (1, 16, 3, 10, 3, {"pads": (3, 1, 3, 1)}, 2),
+    # PAD 3's masks: two columns of padding at each end of 3-wide rows (a tile's first two and
+    # last two vectors masked), rows narrower than a tile at strides 1 and 2 (one tile, its
+    # pixels past the row not stored), padding only at the right (TensorFlow's SAME at stride 2)
+    (1, 16, 9, 12, 3, {"pads": (2, 2, 2, 2)}, 3),
+    (1, 24, 7, 7, 3, {"pads": (1, 1, 1, 1)}, 7),
+    (1, 16, 9, 15, 3, {"strides": (2, 2), "pads": (1, 1, 0, 0)}, 2),
+    (2, 16, 10, 20, 3, {"strides": (2, 2), "pads": (0, 0, 1, 1)}, 3),
 ]
 
 
-@pytest.mark.parametrize("pad", [0, 1, 2])
+def masked(shape, block) -> bool:
+    """Whether PAD 3 may run the shape (masked_edges: row-shared loads, two columns of padding
+    at most at either end of a tile's row)."""
+    _, _, _, w, k, conv, _ = shape
+    kh, kw = (k, k) if isinstance(k, int) else k
+    (_, sw), (_, dw) = conv.get("strides", (1, 1)), conv.get("dilations", (1, 1))
+    _, pl, _, pr = conv.get("pads", (0, 0, 0, 0))
+    ow = (w + pl + pr - (kw - 1) * dw - 1) // sw + 1
+    return masked_edges(kw, sw, dw, pl, w, ow, block)
+
+
+def test_masked_edges_where_the_shapes_allow():
+    """The shapes above that PAD 3 runs, at 8 and 16 lanes: not the dilated, the 1x1 image, or
+    the 5-wide filters at 8 lanes (tap by tap there, no shared loads to mask)."""
+    allowed = {block: [s[2:5] for s in SHAPES if masked(s, block)] for block in (8, 16)}
+    assert allowed[8] == [(13, 13, 3), (17, 17, 3), (6, 17, (1, 3)), (11, 40, 3), (3, 10, 3),
+                          (9, 12, 3), (7, 7, 3), (9, 15, 3), (10, 20, 3)]  # fmt: skip
+    assert allowed[16] == [(13, 13, 3), (17, 17, 3), (7, 30, 5), (6, 17, (1, 3)), (11, 40, 3),
+                           (15, 37, 5), (12, 21, 5), (3, 10, 3), (9, 12, 3), (7, 7, 3),
+                           (9, 15, 3), (10, 20, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
 def test_against_onnxruntime(shape, block, pad):
+    if pad == 3 and not masked(shape, block):
+        pytest.skip("PAD 3 does not run this shape (test_masked_edges_where_the_shapes_allow)")
     n, c, h, w, k, conv, rows = shape
     x, wt, b = case(n, c, h, w, k)
     want = reference(x, wt, b, conv, "relu", None, None)
@@ -149,16 +181,19 @@ def test_against_onnxruntime(shape, block, pad):
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[:5]}{s[5]}")
 def test_read_in_place_equals_padded_copy(shape, block):
-    """PAD 2 (x read in place, edge pixels one at a time, filter rows outside skipped) sums
-    each pixel's taps in the order the padded copy's tiles do: the same floats."""
+    """PAD 2 (x read in place, edge pixels one at a time, filter rows outside skipped) and PAD 3
+    (every column in tiles, the columns outside the row loaded as zeros) sum each pixel's taps
+    in the order the padded copy's tiles do: the same floats."""
     n, c, h, w, k, conv, rows = shape
     x, wt, b = case(n, c, h, w, k, seed=5)
+    pads = (1, 2, 3) if masked(shape, block) else (1, 2)
     got = [run_kernel(block, x, wt, b, conv, "hard_swish", None, None, rows, pad)
-           for pad in (1, 2)]  # fmt: skip
-    np.testing.assert_array_equal(got[1], got[0])
+           for pad in pads]  # fmt: skip
+    for other in got[1:]:
+        np.testing.assert_array_equal(other, got[0])
 
 
-@pytest.mark.parametrize("pad", [0, 1, 2])
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("residual", [None, "before", "after"])
 @pytest.mark.parametrize("activation", list(ACTS))
