@@ -526,54 +526,64 @@ def pixels_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarr
 COPY, PIXEL = 4, 10
 
 
-def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
-    """(PAD, ROWS) for the depthwise kernel (_depthwise_blocked.py): how its tiles read and the
-    output rows per work item, the cheapest by a count of vector operations per call: the
-    tiles' FMAs (each with its load), the vectors the padded copies move, the edge pixels'
-    taps (COPY, PIXEL), on the busiest thread's rows of others x bands items (the busiest
-    thread sets the time; a short last band is a short item). PAD = 1 copies an item's rows,
-    halo included, and is capped at a quarter of L2; PAD = 0 copies the tiles at an edge;
-    PAD = 2 copies nothing (filter rows outside the image skipped, edge pixels one at a time),
-    where a row has a tile's worth of columns whose taps are all inside; PAD = 3 copies
-    nothing and has no edge pixels (the columns outside a row masked), where masked_edges
-    allows it on a row of at least a tile: its count is the tiles' FMAs alone, the least."""
+def depthwise_counts(size, out, kernel, strides, dilations, pads, b: int):
+    """The depthwise kernel's ways to read (_depthwise_blocked.py, g[PAD]) counted in vector
+    operations per image and block: a function of the output rows per work item giving {PAD:
+    count} for the ways the shape allows. The tiles' FMAs (each with its load), the vectors the
+    padded copies move, the edge pixels' taps (COPY, PIXEL). PAD = 1 copies an item's rows,
+    halo included; PAD = 0 copies the tiles at an edge; PAD = 2 copies nothing (filter rows
+    outside the image skipped, edge pixels one at a time), where a row has a tile's worth of
+    columns whose taps are all inside; PAD = 3 copies nothing and has no edge pixels (the
+    columns outside a row masked), where masked_edges allows it on a row of at least a tile:
+    its count is the tiles' FMAs alone, the least of the four (PAD 0's too where no tile meets
+    an edge: then both are the same tiles on x; a tie goes to the lower PAD). Used by the split and
+    by the depth-first block's bands (inverted_residual._pad: a band is an image of its own)."""
     (h, w), (oh, ow), (pt, pl) = size, out, pads
-    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
-    tile, b = _depthwise_blocked.TILE, plan.block
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    tile = _depthwise_blocked.TILE
     n_tiles = -(-ow // tile)
     wp = (n_tiles * tile - 1) * sw + (kw - 1) * dw + 1  # an item's padded row, pixels
     wt = (tile - 1) * sw + (kw - 1) * dw + 1  # a tile's
     span = (kh - 1) * dh + 1
-    fmas = oh * n_tiles * tile * kh * kw  # per image and block
+    fmas = oh * n_tiles * tile * kh * kw
     columns = [_depthwise_blocked.tile_column(t, n_tiles, ow) for t in range(n_tiles)]
     ih0, iw0 = np.arange(oh) * sh - pt, np.array(columns) * sw - pl
     rows_in = (ih0 >= 0) & (ih0 + span <= h)
     cols_in = (iw0 >= 0) & (iw0 + wt <= w)
-    edge_copies = (~(rows_in[:, None] & cols_in[None, :])).sum() * span * wt
+    edge_copies = int((~(rows_in[:, None] & cols_in[None, :])).sum()) * span * wt
     col_a, col_b = _depthwise_blocked.inner_columns(w, kw, sw, dw, pl, ow)
     inner = col_b - col_a
-    taps_in = sum((dh * i + ih0 >= 0) & (dh * i + ih0 < h) for i in range(kh)) * kw  # per row
-    in_place = int(taps_in.sum()) * (-(-inner // tile) * tile + PIXEL * (ow - inner))
-    masked = ow >= tile and _depthwise_blocked.masked_edges(kw, sw, dw, pl, w, ow, b)
+    taps_in = int((sum((dh * i + ih0 >= 0) & (dh * i + ih0 < h) for i in range(kh)) * kw).sum())
+    fixed = {0: fmas + COPY * edge_copies}
+    if inner >= tile:
+        fixed[2] = taps_in * (-(-inner // tile) * tile + PIXEL * (ow - inner))
+    if ow >= tile and _depthwise_blocked.masked_edges(kw, sw, dw, pl, w, ow, b):
+        fixed[3] = taps_in * n_tiles * tile  # every column in tiles
+
+    def counts(rows: int) -> dict[int, int]:
+        bands = -(-oh // rows)
+        return fixed | {1: fmas + COPY * bands * ((rows - 1) * sh + span) * wp}
+
+    counts.item_bytes = lambda rows: ((rows - 1) * sh + span) * wp * b * 4  # PAD 1's copy
+    return counts
+
+
+def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
+    """(PAD, ROWS) for the depthwise kernel: how its tiles read and the output rows per work
+    item, the cheapest by depthwise_counts on the busiest thread's rows of others x bands items
+    (the busiest thread sets the time; a short last band is a short item); PAD 1's copy capped
+    at a quarter of L2."""
+    oh = out[0]
+    counts = depthwise_counts(size, out, plan.kernel, plan.strides, plan.dilations, pads,
+                              plan.block)  # fmt: skip
     best = None
-    for pad in (0, 1, 2, 3):
-        if (pad == 2 and inner < tile) or (pad == 3 and not masked):
-            continue
-        for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
-            item_bytes = ((rows - 1) * sh + span) * wp * b * 4
-            if pad == 1 and rows > 1 and item_bytes > cache_bytes(2) // 4:
+    for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
+        load = _busiest_rows(oh, others, rows, threads) / oh
+        for pad, work in sorted(counts(rows).items()):
+            if pad == 1 and rows > 1 and counts.item_bytes(rows) > cache_bytes(2) // 4:
                 continue
-            bands = -(-oh // rows)
-            if pad == 3:  # every column in tiles, nothing copied, no edge pixel
-                work = int(taps_in.sum()) * n_tiles * tile
-            elif pad == 2:
-                work = in_place
-            else:
-                copies = bands * ((rows - 1) * sh + span) * wp if pad else edge_copies
-                work = fmas + COPY * copies
-            # the busiest thread's rows (a short last band is a short item) over all
-            cost = work * _busiest_rows(oh, others, rows, threads) / oh
-            if best is None or cost < best[0]:
+            cost = work * load
+            if best is None or cost < best[0] or (cost == best[0] and pad < best[1]):
                 best = (cost, pad, rows)
     return best[1], best[2]
 

@@ -30,15 +30,13 @@ import inspect
 import numpy as np
 
 from . import _blocked_geometry as geo
-from . import _depthwise_blocked as dwb
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
 from .config import entry_point
 from .conv_nchwc import (
-    COPY,
-    PIXEL,
     ConvPlan,
     busiest,
+    depthwise_counts,
     pixels_geometry,
     prepare_conv_nchwc,
     tile_item,
@@ -194,32 +192,15 @@ def channel_cuts(c: int, e: int, m: int, h: int, w: int, oh: int, ow: int, k: in
 
 
 def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int, b: int) -> int:
-    """The depthwise kernel's PAD for a band (_depthwise_blocked): 3, every column in tiles
-    reading the band's rows in place, the columns outside the row masked (where masked_edges
-    allows it on a row of at least a tile: no copy and no edge pixel, the least work); else the
-    cheapest by the count conv_nchwc's own split makes (tile FMAs, COPY a copied vector, PIXEL
-    an edge pixel's tap): 1, the band's rows copied once into a padded scratch; 0, each tile at
-    a left or right edge copying its own k rows; 2, no copy, the pixels at the edges one at a
-    time (where a tile's worth of columns has all its taps inside). A band's rows are all
-    inside its scratch."""
-    tile = dwb.TILE
-    if ow >= tile and dwb.masked_edges(k, s, 1, pl, w, ow, b):
-        return 3
-    n_tiles = -(-ow // tile)
-    wp = (n_tiles * tile - 1) * s + k  # a padded band row, pixels
-    wt = (tile - 1) * s + k  # a tile's
-    edges = sum(
-        1
-        for t in range(n_tiles)
-        if (iw := dwb.tile_column(t, n_tiles, ow) * s - pl) < 0 or iw + wt > w
-    )
-    fmas = rows * n_tiles * tile * k * k
-    costs = {1: fmas + COPY * ((rows - 1) * s + k) * wp, 0: fmas + COPY * edges * rows * k * wt}
-    col_a, col_b = dwb.inner_columns(w, k, s, 1, pl, ow)
-    inner = col_b - col_a
-    if inner >= tile:
-        costs[2] = rows * k * k * (-(-inner // tile) * tile + PIXEL * (ow - inner))
-    return min(costs, key=lambda pad: (costs[pad], pad))
+    """The depthwise kernel's PAD for a band (_depthwise_blocked), the cheapest by
+    conv_nchwc.depthwise_counts, the band being an image of its own: its (rows - 1) s + k rows
+    of e all inside the scratch (rows outside the image are zeros there), one item of `rows`
+    output rows: 3 wherever masked_edges allows it on a row of at least a tile (the least
+    work: no copy, no edge pixel), but 0 where no tile meets an edge (no padding: the same
+    tiles on x, nothing copied)."""
+    counts = depthwise_counts(((rows - 1) * s + k, w), (rows, ow), (k, k), (s, s), (1, 1),
+                              (0, pl), b)(rows)  # fmt: skip
+    return min(counts, key=lambda pad: (counts[pad], pad))
 
 
 def _channel_parts(plan: InvertedResidualPlan, cuts, band_shape, threads: int, band: dict):

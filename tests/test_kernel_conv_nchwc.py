@@ -758,3 +758,27 @@ def test_depthwise_rows_split_by_the_busiest_thread(stride, monkeypatch):
     plan = prepare_conv_nchwc(w, None, group=16, pads=(1,) * 4, strides=(stride,) * 2, block=16)
     g = conv_module.geometry(plan, (1, 1, 56 * stride, 56 * stride, 16), 2)
     assert g[conv_module.geo.OH] == 56 and g[conv_module.geo.ROWS] == 28
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_depthwise_counts_put_masked_edges_first(block):
+    """The count the depthwise split and the depth-first bands rank the ways by: where PAD 3 may
+    run (masked_edges, a row of at least a tile), its tiles' FMAs are the least, level with PAD
+    0 only where no tile meets an edge (no padding); a band (inverted_residual._pad) is ranked
+    by the same count, as an image of its own."""
+    from kernels.inverted_residual import _pad
+
+    for size, k, stride, pl in [(56, 3, 1, 1), (112, 3, 2, 1), (28, 5, 1, 2), (14, 3, 1, 1),
+                                (56, 5, 2, 2), (20, 3, 1, 0)]:  # fmt: skip
+        out = (size + 2 * pl - k) // stride + 1
+        counts = conv_module.depthwise_counts((size, size), (out, out), (k, k), (stride,) * 2,
+                                              (1, 1), (pl, pl), block)  # fmt: skip
+        for rows in (1, 4, out):
+            c = counts(rows)
+            if k == 5 and block == 8:  # tap by tap at 8 lanes: nothing to mask
+                assert 3 not in c
+                continue
+            assert c[3] == min(c.values())
+            assert (c[0] == c[3]) == (pl == 0)
+            want = 0 if pl == 0 else 3
+            assert _pad(size, out, k, stride, pl, rows, block) == want
