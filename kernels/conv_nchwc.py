@@ -528,8 +528,9 @@ COPY, PIXEL = 4, 10
 
 def depthwise_counts(size, out, kernel, strides, dilations, pads, b: int):
     """The depthwise kernel's ways to read (_depthwise_blocked.py, g[PAD]) counted in vector
-    operations per image and block: a function of the output rows per work item giving {PAD:
-    count} for the ways the shape allows. The tiles' FMAs (each with its load), the vectors the
+    operations per image and block: (counts, copy_bytes), functions of the output rows per
+    work item giving {PAD: count} for the ways the shape allows, and the bytes of PAD 1's copy
+    of an item's rows. The tiles' FMAs (each with its load), the vectors the
     padded copies move, the edge pixels' taps (COPY, PIXEL). PAD = 1 copies an item's rows,
     halo included; PAD = 0 copies the tiles at an edge; PAD = 2 copies nothing (filter rows
     outside the image skipped, edge pixels one at a time), where a row has a tile's worth of
@@ -564,8 +565,10 @@ def depthwise_counts(size, out, kernel, strides, dilations, pads, b: int):
         bands = -(-oh // rows)
         return fixed | {1: fmas + COPY * bands * ((rows - 1) * sh + span) * wp}
 
-    counts.item_bytes = lambda rows: ((rows - 1) * sh + span) * wp * b * 4  # PAD 1's copy
-    return counts
+    def copy_bytes(rows: int) -> int:
+        return ((rows - 1) * sh + span) * wp * b * 4
+
+    return counts, copy_bytes
 
 
 def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int):
@@ -574,13 +577,13 @@ def _depthwise_split(plan: ConvPlan, size, out, pads, others: int, threads: int)
     (the busiest thread sets the time; a short last band is a short item); PAD 1's copy capped
     at a quarter of L2."""
     oh = out[0]
-    counts = depthwise_counts(size, out, plan.kernel, plan.strides, plan.dilations, pads,
-                              plan.block)  # fmt: skip
+    counts, copy_bytes = depthwise_counts(size, out, plan.kernel, plan.strides,
+                                          plan.dilations, pads, plan.block)  # fmt: skip
     best = None
     for rows in range(oh, 0, -1):  # on a tie the longest items (fewest per-item costs)
         load = _busiest_rows(oh, others, rows, threads) / oh
         for pad, work in sorted(counts(rows).items()):
-            if pad == 1 and rows > 1 and counts.item_bytes(rows) > cache_bytes(2) // 4:
+            if pad == 1 and rows > 1 and copy_bytes(rows) > cache_bytes(2) // 4:
                 continue
             cost = work * load
             if best is None or cost < best[0] or (cost == best[0] and pad < best[1]):

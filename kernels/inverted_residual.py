@@ -199,7 +199,7 @@ def _pad(w: int, ow: int, k: int, s: int, pl: int, rows: int, b: int) -> int:
     work: no copy, no edge pixel), but 0 where no tile meets an edge (no padding: the same
     tiles on x, nothing copied)."""
     counts = depthwise_counts(((rows - 1) * s + k, w), (rows, ow), (k, k), (s, s), (1, 1),
-                              (0, pl), b)(rows)  # fmt: skip
+                              (0, pl), b)[0](rows)  # fmt: skip
     return min(counts, key=lambda pad: (counts[pad], pad))
 
 

@@ -771,8 +771,9 @@ def test_depthwise_counts_put_masked_edges_first(block):
     for size, k, stride, pl in [(56, 3, 1, 1), (112, 3, 2, 1), (28, 5, 1, 2), (14, 3, 1, 1),
                                 (56, 5, 2, 2), (20, 3, 1, 0)]:  # fmt: skip
         out = (size + 2 * pl - k) // stride + 1
-        counts = conv_module.depthwise_counts((size, size), (out, out), (k, k), (stride,) * 2,
-                                              (1, 1), (pl, pl), block)  # fmt: skip
+        counts, _ = conv_module.depthwise_counts((size, size), (out, out), (k, k),
+                                                 (stride,) * 2, (1, 1), (pl, pl),
+                                                 block)  # fmt: skip
         for rows in (1, 4, out):
             c = counts(rows)
             if k == 5 and block == 8:  # tap by tap at 8 lanes: nothing to mask
