@@ -69,7 +69,7 @@ from ._blocked_geometry import (
 )  # fmt: skip
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
-from .simd import tail_mask, vfma, vload, vload_masked, vstore, vzero
+from .simd import mask_all, tail_mask, vfma, vload, vload_masked, vstore, vzero
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
@@ -374,7 +374,7 @@ _widths_jit = numba.jit(**INLINE_GEMM)(_widths)
 @numba.jit(**INLINE_GEMM)
 def _column_mask(L, c, w):
     """All lanes if column c lies in a row of w pixels, else none (a column of zero padding)."""
-    return tail_mask(L, L.width if c >= 0 and c < w else 0)
+    return mask_all(L, c >= 0 and c < w)
 
 
 @numba.jit(**INLINE_GEMM)

@@ -29,6 +29,7 @@ from kernels.simd import (
     hmax,
     hmin,
     hsum,
+    mask_all,
     tail_mask,
     vall,
     vany,
@@ -252,6 +253,23 @@ def _copy_masked(L, src, dst, i, n, loaded):
     v = vload_masked(L, src, i, m)
     vstore(loaded, 0, v)
     vstore_masked(dst, i, v + 1.0, m)
+
+
+@numba.jit(**HARNESS)
+def _load_if(L, src, i, flag, loaded):
+    vstore(loaded, 0, vload_masked(L, src, i, mask_all(L, flag)))
+
+
+def test_a_whole_vector_mask_loads_all_lanes_or_none(L):
+    """mask_all(L, flag): every lane or none; none reads nothing (here from an offset past the
+    array's end, which a plain load would read)."""
+    w = L.width
+    src = mixed(2 * w, 8)
+    loaded = np.empty(w, np.float32)
+    _load_if(L, src, w, True, loaded)
+    np.testing.assert_array_equal(loaded, src[w:])
+    _load_if(L, src, 2 * w, False, loaded)
+    np.testing.assert_array_equal(loaded, np.zeros(w, np.float32))
 
 
 def aligned_array(n, align=64):

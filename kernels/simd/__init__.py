@@ -28,6 +28,7 @@ emitted into the calling function, none is a call:
         and no wraparound; aligned: a[i] on a 4 W-byte boundary; masked: lanes outside m are
         neither read (they load as 0, and never fault) nor written
     tail_mask(L, n)                 lanes 0 .. n - 1 (n clamped to [0, W])
+    mask_all(L, flag)               every lane, or none (flag a boolean)
     v + v, v - s, s * v, v / v, -v, abs(v), v += v     a number on either side is broadcast
     vfma(a, b, c) = a b + c         fused where the CPU has FMA (llvm.fmuladd)
     vmax(a, b), vmin(a, b)          as np.maximum / np.minimum, NaN if either lane is NaN (as
@@ -56,6 +57,7 @@ from ._ops import (
     hmin,
     hsum,
     ldexp_small,
+    mask_all,
     roundeven,
     tail_mask,
     vall,
@@ -85,7 +87,7 @@ from .tile import Tile, gemm_tile, registers, tile_fma, tile_load, tile_store, t
 
 __all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "approx", "clip",
            "encode", "erf", "exp", "gemm_tile", "hmax", "hmin", "hsum", "lanes",
-           "ldexp_small", "log1p01", "registers", "roundeven", "sigmoid", "tail_mask",
+           "ldexp_small", "log1p01", "mask_all", "registers", "roundeven", "sigmoid", "tail_mask",
            "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",
            "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned",
            "vload_masked", "vmax", "vmin", "vpack", "vpermute", "vselect", "vset", "vstore",

@@ -180,6 +180,20 @@ def tail_mask(typingctx, L, n):
 
 
 @intrinsic
+def mask_all(typingctx, L, flag):
+    w = lanes_arg(L, "mask_all")
+    if not isinstance(flag, types.Boolean):
+        raise TypingError(f"mask_all: the flag must be a boolean, got {flag}")
+
+    def codegen(context, builder, sig, args):
+        # one i1 splat: a whole-vector mask from a scalar test (a k-register move from a
+        # general one), where tail_mask(L, 0 or W) compares a lane index vector
+        return splat(builder, args[1], w)
+
+    return Mask(w)(L, flag), codegen
+
+
+@intrinsic
 def vload_masked(typingctx, L, a, i, m):
     w = lanes_arg(L, "vload_masked")
     array_arg(a, "vload_masked")
