@@ -21,10 +21,11 @@ scratches: the direct kernel's `item` (register tiles, epilogue in registers) fo
 convs, each run of rows described as one row of pixels (a 1x1 conv's pixel reads x at that
 pixel alone, and a block holds a run of rows contiguously), with g[XBS] and g[YBS] the block
 strides of the tensors it reads and writes; the depthwise kernel's `item` for the middle conv,
-with the scratch as its image (its rows already padded, its columns padded by the item), or
-at expansion 1 with x itself (its rows written to the band's scratch from g[ROW0]: no copy of
-x into ex). One small image on more threads than it has runs of rows worth cutting takes
-channel parts instead (inverted_residual_blocked's docstring).
+with the scratch as its image (its rows already padded, its columns read through masks or
+padded by the item: the band's PAD), or at expansion 1 with x itself (its rows written to the
+band's scratch from g[ROW0]: no copy of x into ex). One small image on more threads than it
+has runs of rows worth cutting takes channel parts instead (inverted_residual_blocked's
+docstring).
 
 Without a projection (g[PROJECT] = 0: the expand and the depthwise conv alone, y = d, the
 block that squeeze-excitation splits: its gate needs all of d), the depthwise conv writes the

@@ -530,15 +530,16 @@ def depthwise_counts(size, out, kernel, strides, dilations, pads, b: int):
     """The depthwise kernel's ways to read (_depthwise_blocked.py, g[PAD]) counted in vector
     operations per image and block: (counts, copy_bytes), functions of the output rows per
     work item giving {PAD: count} for the ways the shape allows, and the bytes of PAD 1's copy
-    of an item's rows. The tiles' FMAs (each with its load), the vectors the
-    padded copies move, the edge pixels' taps (COPY, PIXEL). PAD = 1 copies an item's rows,
+    of an item's rows. A count adds the tiles' FMAs (each with its load), the vectors the
+    padded copies move and the edge pixels' taps (COPY, PIXEL). PAD = 1 copies an item's rows,
     halo included; PAD = 0 copies the tiles at an edge; PAD = 2 copies nothing (filter rows
     outside the image skipped, edge pixels one at a time), where a row has a tile's worth of
     columns whose taps are all inside; PAD = 3 copies nothing and has no edge pixels (the
     columns outside a row masked), where masked_edges allows it on a row of at least a tile:
     its count is the tiles' FMAs alone, the least of the four (PAD 0's too where no tile meets
-    an edge: then both are the same tiles on x; a tie goes to the lower PAD). Used by the split and
-    by the depth-first block's bands (inverted_residual._pad: a band is an image of its own)."""
+    an edge: then both are the same tiles on x, and a tie goes to the lower PAD). Used by the
+    split and by the depth-first block's bands (inverted_residual._pad: a band is an image of
+    its own)."""
     (h, w), (oh, ow), (pt, pl) = size, out, pads
     (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
     tile = _depthwise_blocked.TILE
