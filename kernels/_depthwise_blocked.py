@@ -17,9 +17,9 @@ g[PAD]):
   and the columns outside a row loaded through masks as zeros (masked_edges: the row-shared
   loads of 3- and 5-wide filters mask a tile's first two and last two input vectors of a row;
   a masked-off lane is not read, so nothing outside x is touched): no copy and no edge pixel,
-  the least work, taken wherever it applies on a row of at least a tile (on one thread 0-20%
-  faster than the best of the others on 56-112-wide rows, the same on 14-28-wide ones; on
-  7-wide rows the padded copy stays ahead: bench/NOTES.md).
+  the least work, taken wherever it applies on a row of at least a tile (on one thread 2-22%
+  faster than the best of the others on 56-112-wide rows, from 7% faster to 6% slower on
+  14-28-wide ones; on 7-wide rows the padded copy stays ahead: bench/NOTES.md).
 - PAD = 1: a work item (image, block, rows) copies the input rows its outputs read into a
   zero-padded scratch once, and every tile reads the scratch: each input vector is copied
   once per item (plus the halo rows), the cheaper way at stride 1 and on small images (7x7,

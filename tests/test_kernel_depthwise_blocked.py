@@ -165,7 +165,7 @@ def test_masked_edges_where_the_shapes_allow():
                            (9, 15, 3), (10, 20, 3)]  # fmt: skip
 
 
-# every shape at PAD 0, 1 and 2, and at PAD 3 where it runs (test_masked_edges_where_...)
+# every shape at PAD 0, 1 and 2, and at PAD 3 where it runs (masked)
 CASES = [pytest.param(shape, block, pad, id=f"{shape[:5]}{shape[5]}-{block}-pad{pad}")
          for shape in SHAPES for block in BLOCKS for pad in (0, 1, 2, 3)
          if pad < 3 or masked(shape, block)]  # fmt: skip
