@@ -69,7 +69,7 @@ from ._blocked_geometry import (
 )  # fmt: skip
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
-from .simd import mask_all, tail_mask, vfma, vload, vload_masked, vstore, vzero
+from .simd import borrow, mask_all, tail_mask, vfma, vload, vload_masked, vstore, vzero
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
 
 ZERO = np.float32(0.0)
@@ -410,7 +410,7 @@ def masked_edges(kw: int, sw: int, dw: int, pl: int, w: int, ow: int, width: int
 
 
 @numba.jit(**INLINE_GEMM)
-def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps, bias, early,
+def _row_in_place(L, xf, wf, yp, rp, g, plane, ih0, w0, yo, col_a, col_b, taps, bias, early,
                   lo, hi, shared):  # fmt: skip
     """One output row read from x in place (PAD 2 and 3), as onnxruntime's NCHWc kernel does:
     the filter rows outside the image skipped (the tiles run on the rows inside), nothing
@@ -419,7 +419,8 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
     masks as zeros. PAD 2: tiles over the columns a <= ow < b whose taps are all inside the row,
     the pixels left of a and from b on one at a time with a test per tap (_pixel). Needs a row
     of at least TILE columns (PAD 3: masked_edges) or b - a >= TILE (conv_nchwc chooses them
-    only then; with fewer, every pixel goes one at a time)."""
+    only then; with fewer, every pixel goes one at a time). yp, rp: y and the residual,
+    borrowed (pointers)."""
     kh, kw, sw, dh, dw = g[KH], g[KW], g[SW], g[DH], g[DW]
     h, w, ow_len, pl, b = g[H], g[W], g[OW], g[PL], L.width
     i_lo = max(0, (dh - 1 - ih0) // dh)  # the first filter row inside the image
@@ -439,7 +440,7 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
         iw0 = ow0 * sw - pl
         m0, m1, mr1, mr0 = _edge_masks(L, iw0, w, last)
         _tile(L, xf, row0 + iw0 * b, step, wf, wr, taps, rows * kw, min(TILE, ow_len - ow0),
-              bias, yf, yo + ow0 * b, res, early, lo, hi, shared, m0, m1, mr1,
+              bias, yp, yo + ow0 * b, rp, early, lo, hi, shared, m0, m1, mr1,
               mr0)  # fmt: skip
     # the pixels left of the tiles, then right of them (without tiles: every pixel)
     left = col_a if n_tiles > 0 else ow_len
@@ -447,7 +448,7 @@ def _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps,
     for k in range(left + ow_len - right):
         ow = k if k < left else right + k - left
         a = _pixel(L, xf, row0, ow * sw - pl, w, wf, wr, rows, kw, dh, dw)
-        _put(L, a, bias, yf, u(yo + ow * b), res, early, lo, hi)
+        _put(L, a, bias, yp, u(yo + ow * b), rp, early, lo, hi)
 
 
 @numba.jit(**JIT_GEMM)
@@ -465,6 +466,9 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
     early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _tile adds
     ystride = oh_len * ow_len * b
     bias = vload(L, bf, u(cb * b))
+    # y and the residual as pointers for the tiles' stores: _tile is inlined by LLVM, and
+    # given the arrays it increfed and decrefed both per tile (bench/NOTES.md)
+    yp, rp = borrow(yf), borrow(res)
     w0 = cb * kh * kw * b
     step = u(sw * b)
     shared = _shared_width(kw, sw, g[DW], L.width)
@@ -484,7 +488,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
         ih0 = oh * sh - pt
         rows_in = ih0 >= 0 and ih0 + span <= h
         if in_place:
-            _row_in_place(L, xf, wf, yf, res, g, plane, ih0, w0, yo, col_a, col_b, taps, bias,
+            _row_in_place(L, xf, wf, yp, rp, g, plane, ih0, w0, yo, col_a, col_b, taps, bias,
                           early, lo, hi, shared)  # fmt: skip
             if not simple:
                 activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a,
@@ -496,16 +500,16 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
             iw0 = ow0 * sw - pl
             if padded:
                 x0 = ((oh - r0) * sh * wp + ow0 * sw) * b
-                _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
+                _tile(L, scr, x0, step, wf, w0, taps, k, npx, bias, yp, yo + ow0 * b, rp,
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
             elif rows_in and iw0 >= 0 and iw0 + wt <= w:
                 # every tap of all TILE pixels inside x (the pixels past npx too: in the row)
                 x0 = plane + (ih0 * w + iw0) * b
-                _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yf, yo + ow0 * b, res,
+                _tile(L, xf, x0, step, wf, w0, taps, k, npx, bias, yp, yo + ow0 * b, rp,
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
             else:
                 _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
-                _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yf, yo + ow0 * b, res,
+                _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yp, yo + ow0 * b, rp,
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)

@@ -80,7 +80,7 @@ from ._blocked_geometry import (
 from ._first_class import call
 from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows
-from .simd import tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
+from .simd import borrow, tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
 from .simd.activation import clip, clip_bounds, clips
 
 ONE = np.ones(1, np.float32)  # a rank-1 update of ones adds a row of vectors to every row
@@ -281,6 +281,7 @@ def tile_item(T, T1):
         early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
         xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
         y0 = (n * g[YMB] + ob0) * ystride
+        yp, rp = borrow(yf), borrow(res)  # for _store: pointers, not arrays, carry no refcount
         for c0 in range(0, cbg, g[CHUNK]):
             c1 = min(cbg, c0 + g[CHUNK])
             carry, last = c0 > 0, c1 == cbg
@@ -301,7 +302,7 @@ def tile_item(T, T1):
                     a = tile_load(L, T, acc, ao) if carry else zero
                     a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
                     if last:
-                        _store(L, T, a, nb, yf, yo + ow0 * w, w, ystride, res, early, lo, hi)
+                        _store(L, T, a, nb, yp, yo + ow0 * w, w, ystride, rp, early, lo, hi)
                     else:
                         tile_store(acc, ao, a)
                 if n_down > 0 and cr0 <= oh < r_end:
@@ -316,7 +317,7 @@ def tile_item(T, T1):
                     tile_store(tbuf, 0, p2)
                     p = tile_fma(p, ONE, 0, 0, tbuf, 0)  # p + p2
                     if last:
-                        _store(L, T1, p, nb, yf, yo + ow * w, w, ystride, res, early, lo, hi)
+                        _store(L, T1, p, nb, yp, yo + ow * w, w, ystride, rp, early, lo, hi)
                     else:
                         tile_store(acc, ao, p)
                 if last and not simple:  # while the row is in cache
@@ -337,7 +338,7 @@ def tile_item(T, T1):
                         a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
                         if last:
                             yt = y0 + (oh0 * ow_len + ow) * w
-                            _store(L, T, a, nb, yf, yt, ow_len * w, ystride, res, early, lo, hi)
+                            _store(L, T, a, nb, yp, yt, ow_len * w, ystride, rp, early, lo, hi)
                         else:
                             tile_store(acc, ao, a)
                     e += 1

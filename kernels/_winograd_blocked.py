@@ -41,7 +41,18 @@ import numpy as np
 
 from .config import JIT_GEMM, PARALLEL
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
-from .simd import hsum, tile_fma, tile_store, tile_zeros, vbroadcast, vfma, vload, vstore, vzero
+from .simd import (
+    borrow,
+    hsum,
+    tile_fma,
+    tile_store,
+    tile_zeros,
+    vbroadcast,
+    vfma,
+    vload,
+    vstore,
+    vzero,
+)
 from .simd.activation import IDENTITY, clip_bounds, clips
 
 ZERO = np.float32(0.0)
@@ -102,12 +113,12 @@ def _row6(L, xf, o, lo, hi, b):
 
 
 @numba.jit(**JIT_GEMM)
-def _rows(L, xf, g, base, r0, i, s0, b, a):
+def _rows(h, w, base, r0, i, s0, b, a):
     """(flat offset of patch row i's first pixel, first and end column inside x) for the
-    patch at image row r0 + i, column s0; the columns are empty when the row is outside."""
+    patch at image row r0 + i, column s0 of an h x w image; the columns are empty when the
+    row is outside."""
     y = r0 + i
-    w = g[W]
-    if y < 0 or y >= g[H]:
+    if y < 0 or y >= h:
         return 0, 0, 0
     return ((base + y) * w + s0) * b, max(0, -s0), min(a, w - s0)
 
@@ -135,17 +146,19 @@ def _put6(v, o, stride, vals, probe, zero):
 
 
 @numba.jit(**JIT_GEMM)
-def _transform2(L, xf, g, base, r0, s0, v, vo, stride, probe):
-    """V[xi] = (B^T d B)[xi] for the F(2x2) patch at image (r0, s0) of the plane at row `base`
-    (xi = 4 k + u at v[vo + xi stride]), zero outside the image; returns probe + sum V * 0."""
+def _transform2(L, xf, h, w, base, r0, s0, v, vo, stride, probe):
+    """V[xi] = (B^T d B)[xi] for the F(2x2) patch at image (r0, s0) of the h x w plane at row
+    `base` (xi = 4 k + u at v[vo + xi stride]), zero outside the image; returns probe + sum V
+    * 0. xf and v borrowed (pointers): this runs per patch, and arrays passed down cost a
+    reference count each per call (bench/NOTES.md)."""
     b, zero = L.width, vzero(L)
-    o, lo, hi = _rows(L, xf, g, base, r0, 0, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, 0, s0, b, 4)
     e0 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 1, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, 1, s0, b, 4)
     e1 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 2, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, 2, s0, b, 4)
     e2 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 3, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, 3, s0, b, 4)
     e3 = _row4(L, xf, o, lo, hi, b)
     # e[i] = d[i] B (along columns); now B^T along rows, column u at a time
     k = 4 * stride
@@ -156,20 +169,20 @@ def _transform2(L, xf, g, base, r0, s0, v, vo, stride, probe):
 
 
 @numba.jit(**JIT_GEMM)
-def _transform4(L, xf, g, base, r0, s0, v, vo, stride, probe):
+def _transform4(L, xf, h, w, base, r0, s0, v, vo, stride, probe):
     """As _transform2 for the F(4x4) patch (6 x 6, xi = 6 k + u)."""
     b, zero = L.width, vzero(L)
-    o, lo, hi = _rows(L, xf, g, base, r0, 0, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 0, s0, b, 6)
     e0 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 1, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 1, s0, b, 6)
     e1 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 2, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 2, s0, b, 6)
     e2 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 3, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 3, s0, b, 6)
     e3 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 4, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 4, s0, b, 6)
     e4 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(L, xf, g, base, r0, 5, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, 5, s0, b, 6)
     e5 = _row6(L, xf, o, lo, hi, b)
     k = 6 * stride
     probe = _put6(v, vo, k, _in6(L, e0[0], e1[0], e2[0], e3[0], e4[0], e5[0]), probe, zero)
@@ -276,6 +289,7 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
     pr, fb = T.rows, T.cols
     fbw = fb * b
     oh, ow, tw = g[OH], g[OW], g[TW]
+    h, w = g[H], g[W]
     kind, residual = g[KIND], g[RESIDUAL]
     simple = clips(kind)
     lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
@@ -287,6 +301,8 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
     for item in numba.prange(g[N] * n_tg * n_ms):
         n, tg, ms = item // (n_tg * n_ms), (item // n_ms) % n_tg, item % n_ms
         s = scratch[numba.get_thread_id()]
+        # the per-patch transforms and stores on pointers (borrow): no reference counts
+        xp, sp, yp, rp = borrow(xf), borrow(s), borrow(yf), borrow(res)
         t_first = tg * p_len
         tiles = min(p_len, g[T_LEN] - t_first)
         probe = vzero(L)
@@ -297,9 +313,9 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
                 r0, s0 = m * (t // tw) - g[PT], m * (t % tw) - g[PL]
                 vo = p * k_len + cb * b
                 if m == 2:
-                    probe = _transform2(L, xf, g, base, r0, s0, s, vo, v_stride, probe)
+                    probe = _transform2(L, xp, h, w, base, r0, s0, sp, vo, v_stride, probe)
                 else:
-                    probe = _transform4(L, xf, g, base, r0, s0, s, vo, v_stride, probe)
+                    probe = _transform4(L, xp, h, w, base, r0, s0, sp, vo, v_stride, probe)
         if hsum(probe) != 0:  # NaN != 0 too
             bad[0] = 1  # any item may set it; all set the same value
         for og in range(ms * og_per, min(ogg, (ms + 1) * og_per)):
@@ -323,9 +339,9 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
                     mo = mt_off + p * fbw + f * b
                     rows, cols = min(m, oh - y0), min(m, ow - x0)
                     if m == 2:
-                        _output2(L, s, mo, m_stride, yf, res, q, rows, cols, ow, bv, early, lo, hi)
+                        _output2(L, sp, mo, m_stride, yp, rp, q, rows, cols, ow, bv, early, lo, hi)
                     else:
-                        _output4(L, s, mo, m_stride, yf, res, q, rows, cols, ow, bv, early, lo, hi)
+                        _output4(L, sp, mo, m_stride, yp, rp, q, rows, cols, ow, bv, early, lo, hi)
                     if not simple:
                         for i in range(rows):
                             activate_rows(L, yf, res, q + i * ow * b, 1, 0, cols * b, residual,

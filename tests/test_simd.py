@@ -26,6 +26,7 @@ from kernels.config import FASTMATH, JIT, JIT_FIT
 from kernels.simd import (
     activation,
     approx,
+    borrow,
     hmax,
     hmin,
     hsum,
@@ -256,6 +257,20 @@ def _copy_masked(L, src, dst, i, n, loaded):
 
 
 @numba.jit(**HARNESS)
+def _copy_borrowed(L, src, dst, i, n):
+    """_copy and _copy_masked's stores at offsets i and i + W, through borrowed pointers."""
+    sp, dp = borrow(src), borrow(dst)
+    vstore(dp, i, vload(L, sp, i) + 1.0)
+    m = tail_mask(L, n)
+    vstore_masked(dp, i + L.width, vload_masked(L, sp, i + L.width, m) + 1.0, m)
+
+
+@numba.jit(**HARNESS)
+def _borrow_any(a):
+    return borrow(a)
+
+
+@numba.jit(**HARNESS)
 def _load_if(L, src, i, flag, loaded):
     vstore(loaded, 0, vload_masked(L, src, i, mask_all(L, flag)))
 
@@ -290,6 +305,22 @@ def test_loads_and_stores(L):
         ref = np.full(4 * w, 7.0, np.float32)
         ref[i : i + w] = src[i : i + w] + f32(1)
         np.testing.assert_array_equal(dst, ref)
+
+
+def test_borrowed_pointers_load_and_store_as_their_arrays_do(L):
+    """borrow(a): a's data as a pointer, which vload/vstore (masked or not) take in place of a,
+    at the same flat offsets; only float32 C-contiguous arrays lend one."""
+    w = L.width
+    src = mixed(4 * w, 8)
+    for i, n in ((0, w), (3, 5), (w + 1, 0)):
+        dst = np.full(4 * w, 7.0, np.float32)
+        _copy_borrowed(L, src, dst, i, n)
+        ref = np.full(4 * w, 7.0, np.float32)
+        ref[i : i + w + n] = src[i : i + w + n] + f32(1)
+        np.testing.assert_array_equal(dst, ref, err_msg=f"at {i}, tail {n}")
+    for bad in (np.zeros(4, np.int64), np.zeros((4, 4), np.float32)[:, ::2]):
+        with pytest.raises(numba.core.errors.TypingError, match="borrow"):
+            _borrow_any(bad)
 
 
 def test_masked_tails_touch_only_their_lanes(L):

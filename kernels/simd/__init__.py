@@ -24,9 +24,10 @@ emitted into the calling function, none is a call:
     vzero(L), vbroadcast(L, s), L.width
     vload(L, a, i), vload_aligned(L, a, i), vload_masked(L, a, i, m)       a[i : i + W]
     vstore(a, i, v), vstore_aligned(a, i, v), vstore_masked(a, i, v, m)
-        a: a C-contiguous float32 array (any rank), i: a flat element offset, no bounds check
-        and no wraparound; aligned: a[i] on a 4 W-byte boundary; masked: lanes outside m are
-        neither read (they load as 0, and never fault) nor written
+        a: a C-contiguous float32 array (any rank), or borrow(array): its data as a pointer,
+        which a function it is passed to does not reference-count; i: a flat element offset,
+        no bounds check and no wraparound; aligned: a[i] on a 4 W-byte boundary; masked:
+        lanes outside m are neither read (they load as 0, and never fault) nor written
     tail_mask(L, n)                 lanes 0 .. n - 1 (n clamped to [0, W])
     mask_all(L, flag)               every lane, or none (flag a boolean)
     v + v, v - s, s * v, v / v, -v, abs(v), v += v     a number on either side is broadcast
@@ -53,6 +54,7 @@ scalar remainder.
 
 from . import activation, approx, tile
 from ._ops import (
+    borrow,
     hmax,
     hmin,
     hsum,
@@ -85,7 +87,8 @@ from .activation import activate, clip, encode
 from .approx import erf, exp, log1p01, sigmoid, tanh
 from .tile import Tile, gemm_tile, registers, tile_fma, tile_load, tile_store, tile_zeros
 
-__all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "approx", "clip",
+__all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "approx", "borrow",
+           "clip",
            "encode", "erf", "exp", "gemm_tile", "hmax", "hmin", "hsum", "lanes",
            "ldexp_small", "log1p01", "mask_all", "registers", "roundeven", "sigmoid", "tail_mask",
            "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",

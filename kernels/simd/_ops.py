@@ -12,6 +12,7 @@ from numba.core.typing.templates import AbstractTemplate, infer_global, signatur
 from numba.extending import intrinsic, lower_builtin
 
 from ._types import (
+    FLOAT_PTR,
     I1,
     I32,
     WIDTHS,
@@ -161,6 +162,23 @@ def _store(op, aligned):
 
 vload, vload_aligned = _load("vload", False), _load("vload_aligned", True)
 vstore, vstore_aligned = _store("vstore", False), _store("vstore_aligned", True)
+
+
+@intrinsic
+def borrow(typingctx, a):
+    """A C-contiguous float32 array's data as a raw pointer, for vload/vstore (and the tile
+    operations) in place of the array, valid while the array lives. A jitted function given
+    an array increfs it on entry and decrefs it on exit; inlined into a loop, those are two
+    atomic calls per iteration that Numba's reference-count pruning does not always remove (a
+    register tile's store in the direct conv's item: bench/NOTES.md). A pointer has no count."""
+    array_arg(a, "borrow")
+    if a == FLOAT_PTR:
+        raise TypingError("borrow: already a pointer")
+
+    def codegen(context, builder, sig, args):
+        return context.make_array(sig.args[0])(context, builder, args[0]).data
+
+    return FLOAT_PTR(a), codegen
 
 
 @intrinsic

@@ -176,11 +176,18 @@ def result_type(w):
     return Vec(w) if w else types.float32
 
 
+# A float32 array's data as a raw pointer (_ops.borrow): no reference count, so a function it is
+# passed to (and inlined) adds no NRT_incref/NRT_decref calls, as it does for an array argument.
+FLOAT_PTR = types.CPointer(types.float32)
+
+
 def array_arg(a, op, store=False):
+    if a == FLOAT_PTR:
+        return
     ok = isinstance(a, types.Array) and a.dtype == types.float32 and a.layout == "C"
     if not ok or (store and not a.mutable):
         what = "a writable" if store else "a"
-        raise TypingError(f"{op} needs {what} C-contiguous float32 array, got {a}")
+        raise TypingError(f"{op} needs {what} C-contiguous float32 array or borrow(), got {a}")
 
 
 def index_arg(i, op):
@@ -229,8 +236,9 @@ def suffix(ty):
 
 
 def pointer(context, builder, aty, a, ity, i, w):
-    """<w x float>* to array a's element at flat offset i (no bounds check, no wraparound)."""
-    data = context.make_array(aty)(context, builder, a).data
+    """<w x float>* to array a's element at flat offset i (no bounds check, no wraparound); a
+    may be a borrowed pointer (FLOAT_PTR) to the array's data."""
+    data = a if aty == FLOAT_PTR else context.make_array(aty)(context, builder, a).data
     p = builder.gep(data, [context.cast(builder, i, ity, types.intp)], inbounds=True)
     return builder.bitcast(p, vector_type(w).as_pointer())
 
