@@ -27,13 +27,16 @@ argument is unboxed per call and both kernels name its fields the same way.
                           part: ConvConcat, FireModule)
     PARTS                 direct, a 1x1 conv run as one row (G = 1): runs of pixels per filter
                           group, each a work item (0 or 1: the row whole)
+    HALF                  direct: 1 if each group's last input block holds at most BI / 2
+                          channels (24, 40, 72 ... at 16 lanes): its taps run half the channel
+                          loop, the rest of the block being zeros; else 0
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB, PARTS,
- N_GEO) = range(37)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB, PARTS, HALF,
+ N_GEO) = range(38)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

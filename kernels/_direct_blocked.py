@@ -53,6 +53,7 @@ from ._blocked_geometry import (
     DH,
     DW,
     FB,
+    HALF,
     KH,
     KW,
     MBG,
@@ -102,15 +103,25 @@ def _count(typingctx, ci):
 
 
 @numba.jit(**INLINE_GEMM)
-def _run(t, xs, x0, xstep, wf, tx, tw, n_taps, bi, wstep):
-    """t plus the products of its taps: for tap k and channel ci, the rank-1 update of pixel
-    r's x[tx[k] + x0 + r xstep + ci] against the weight vectors from tw[k] + ci wstep."""
-    for k in range(n_taps):
+def _run(t, xs, x0, xstep, wf, tx, tw, k0, k1, bi, wstep):
+    """t plus the products of taps k0 <= k < k1: for tap k and channel ci < bi, the rank-1
+    update of pixel r's x[tx[k] + x0 + r xstep + ci] against the weight vectors from tw[k] +
+    ci wstep."""
+    for k in range(k0, k1):
         xo = tx[k] + x0
         wo = tw[k]
         for ci in range(bi):
             t = tile_fma(t, xs, xo + ci, xstep, wf, wo + ci * wstep)
     return t
+
+
+@numba.jit(**INLINE_GEMM)
+def _run_all(t, xs, x0, xstep, wf, tx, tw, n_head, n_taps, bi, wstep):
+    """t plus the products of all n_taps taps, the taps from n_head on (a group's last input
+    block, g[HALF]) on the first bi / 2 channels only: the rest of that block is zeros in x
+    and in the weights. bi // 2 is a constant where bi is (the loop unrolls)."""
+    t = _run(t, xs, x0, xstep, wf, tx, tw, 0, n_head, bi, wstep)
+    return _run(t, xs, x0, xstep, wf, tx, tw, n_head, n_taps, bi // 2, wstep)
 
 
 @numba.jit(**INLINE_GEMM)
@@ -187,12 +198,16 @@ def _store_overload(L, T, t, nb, yf, yo, ps, ystride, res, residual, lo, hi):
 @numba.jit(**JIT_GEMM)
 def _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep):
     """The taps of output row oh for input blocks c0 <= cb < c1 of group grp: input offsets of
-    column 0 of the row, packed-weight offsets (wstep = FB W floats per input channel).
-    Returns their count."""
+    column 0 of the row, packed-weight offsets (wstep = FB W floats per input channel), in
+    block order. Returns (their count, the count before the group's last block's when g[HALF]
+    says that block runs half its channels, else their count: _run_all)."""
     bi, h, w, kh, kw = g[BI], g[H], g[W], g[KH], g[KW]
     cbg = g[CBG]
     k = 0
+    head = -1
     for cb in range(c0, c1):
+        if cb == cbg - 1 and g[HALF]:
+            head = k
         for i in range(kh):
             ih = oh * g[SH] - g[PT] + i * g[DH]
             if ih < 0 or ih >= h:
@@ -202,7 +217,7 @@ def _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep):
                 tx[k] = (row + j * g[DW] - g[PL]) * bi
                 tw[k] = ((((grp * g[OGG] + og) * cbg + cb) * kh + i) * kw + j) * bi * wstep
                 k += 1
-    return k
+    return k, k if head < 0 else head
 
 
 @numba.jit(**JIT_GEMM)
@@ -289,7 +304,7 @@ def tile_item(T, T1):
             zero, zero1 = tile_fma(tile_zeros(L, T), ONE, 0, 0, bf, bo), tile_zeros(L, T1)
             bias1 = tile_fma(zero1, ONE, 0, 0, bf, bo)
             for oh in range(r0, r1):
-                n_taps = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
+                n_taps, n_head = _taps(g, n, grp, og, oh, c0, c1, tx, tw, wstep)
                 yo = y0 + oh * ow_len * w
                 ao_row = (oh - r0) * ow_len * wstep
                 for t in range(n_whole + extra):
@@ -300,7 +315,8 @@ def tile_item(T, T1):
                         else extra_slots + (oh - r0) * pw * wstep
                     )
                     a = tile_load(L, T, acc, ao) if carry else zero
-                    a = _run(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_taps, bi, wstep)
+                    a = _run_all(a, xf, ow0 * xstep, xstep, wf, tx, tw, n_head, n_taps, bi,
+                                 wstep)  # fmt: skip
                     if last:
                         _store(L, T, a, nb, yp, yo + ow0 * w, w, ystride, rp, early, lo, hi)
                     else:
@@ -325,7 +341,7 @@ def tile_item(T, T1):
                         L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b
                     )
             if n_down > 0:
-                n_taps = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
+                n_taps, _ = _taps(g, n, grp, og, cr0, c0, c1, tx, tw, wstep)  # every vertical tap
                 e = 0
                 for ow in range(ow_len):
                     if col_a <= ow < c_end:
@@ -335,7 +351,7 @@ def tile_item(T, T1):
                         oh0 = cr0 + t * pw if t < n_down else r_end - pw
                         ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
                         a = tile_load(L, T, acc, ao) if carry else zero
-                        a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, m, bi, wstep)
+                        a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, 0, m, bi, wstep)
                         if last:
                             yt = y0 + (oh0 * ow_len + ow) * w
                             _store(L, T, a, nb, yp, yt, ow_len * w, ystride, rp, early, lo, hi)

@@ -18,6 +18,7 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
+import kernels._blocked_geometry as geo
 import kernels.conv_nchwc as conv_module
 from kernels.blocked import block_size, from_blocked, to_blocked
 from kernels.config import get_threads, set_threads
@@ -263,6 +264,38 @@ def test_k_cut_into_chunks_when_weights_pass_half_of_l2(width, block):
     r = np.random.default_rng(8).standard_normal((1, 40, 5, width), dtype=np.float32)
     got = run_blocked(x, wt, b, attrs, "silu", "before", r, tile=fb, block=block)
     assert_close(got, reference(x, wt, b, attrs, "silu", "before", r), RTOL, ATOL)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(("n", "c", "m", "h", "w"), [(1, 24, 40, 7, 9), (2, 100, 16, 1, 13),
+                                                     (1, 20, 24, 56, 56)])  # fmt: skip
+def test_a_last_block_of_at_most_half_its_channels_runs_half_the_channel_loop(n, c, m, h, w, block):
+    """A dense conv whose last input block holds at most block / 2 channels (24 at 16 lanes,
+    20 at 8 or 16) runs that block's taps on its first half only (geometry HALF): the other
+    half is never read. Set to NaN in x, it must not reach the output of a 1x1 conv (whose
+    pixels all run in row tiles); read, it would."""
+    x, wt, b, attrs = case(n, c, m, h, w, 1, seed=11)
+    plan = prepare_conv_nchwc(wt, b, activation="relu", block=block)
+    xb = to_blocked(x, block=plan.in_block)
+    tail = c % block
+    assert conv_module.geometry(plan, xb.shape, 1)[geo.HALF] == (0 < tail <= block // 2)
+    if not 0 < tail <= block // 2:
+        pytest.skip(f"{c} channels fill more than half of their last block of {block}")
+    xb[:, -1, ..., block // 2 :] = np.nan
+    got = from_blocked(conv_nchwc(xb, plan), m)
+    assert_close(got, reference(x, wt, b, attrs, "relu"), RTOL, ATOL)
+
+
+def test_half_blocks_only_where_a_block_s_lanes_are_one_group_s():
+    """HALF is set for dense convs only: a grouped or depthwise conv's blocks, a narrow stem's
+    planes (in_block = C) keep the whole loop."""
+    for wshape, group, want in (((40, 24, 1, 1), 1, 1), ((40, 28, 1, 1), 1, 0),
+                                ((40, 4, 3, 3), 10, 0), ((24, 1, 3, 3), 24, 0),
+                                ((16, 3, 3, 3), 1, 0)):  # fmt: skip
+        plan = prepare_conv_nchwc(np.ones(wshape, np.float32), group=group, block=16)
+        c = wshape[1] * group
+        xb = to_blocked(np.ones((1, c, 5, 5), np.float32), block=plan.in_block)
+        assert conv_module.geometry(plan, xb.shape, 1)[geo.HALF] == want, (wshape, group)
 
 
 CHUNK_CASES = [
