@@ -28,8 +28,9 @@ argument is unboxed per call and both kernels name its fields the same way.
     PARTS                 direct, a 1x1 conv run as one row (G = 1): runs of pixels per filter
                           group, each a work item (0 or 1: the row whole)
     HALF                  direct: 1 if each group's last input block holds at most BI / 2
-                          channels (24, 40, 72 ... at 16 lanes): its taps run half the channel
-                          loop, the rest of the block being zeros; else 0
+                          channels (24, 40, 72 ... at 16 lanes): the row tiles run its taps on
+                          half the channel loop, the rest of the block being zeros (edge
+                          columns and single pixels run the whole loop); else 0
 """
 
 import numpy as np
