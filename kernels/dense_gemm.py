@@ -45,7 +45,7 @@ import numpy as np
 from . import _gemm
 from .config import INLINE_FIT, JIT_GEMM, PARALLEL, get_threads
 from .machine import cache_bytes
-from .simd import activate, clip, sigmoid, tail_mask, vload, vload_masked, vstore, vstore_masked
+from .simd import activate, clip, tail_mask, vload, vload_masked, vstore, vstore_masked
 from .simd.activation import (
     GELU,
     GELU_TANH,
@@ -56,6 +56,7 @@ from .simd.activation import (
     encode,
     gelu,
     gelu_tanh,
+    silu,
 )
 from .workspace import as_rows, shared
 
@@ -126,7 +127,7 @@ def act_vector(kind, act_a, act_b, v):
     if kind == GELU_TANH:
         return gelu_tanh(v)
     if kind == SILU:
-        return v * sigmoid(v)
+        return silu(v)
     return activate(kind, act_a, act_b, v)
 
 

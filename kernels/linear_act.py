@@ -21,8 +21,8 @@ import numpy as np
 
 from .config import JIT, PARALLEL
 from .dense_gemm import DensePlan, dense_gemm, prepare_dense
-from .simd import activate, sigmoid, tail_mask, vload, vload_masked, vstore, vstore_masked
-from .simd.activation import KINDS, SILU, encode
+from .simd import activate, tail_mask, vload, vload_masked, vstore, vstore_masked
+from .simd.activation import KINDS, SILU, encode, silu
 
 __all__ = ["GatedMLPPlan", "gated_mlp", "linear_act", "prepare_gated_mlp"]
 
@@ -41,7 +41,7 @@ def linear_act(x, plan: DensePlan, residual=None, out=None):
 def gate_row(L, gu, i, h, kind, act_a, act_b):
     """h[i, j] = act(gu[i, j]) * gu[i, n + j] for j < n = h.shape[1]: the gate (first n
     columns of the biased product) times the up product (the next n), a vector at a time.
-    SiLU, the common gate (Llama), has its loop with the sigmoid inlined; the table's activate
+    SiLU, the common gate (Llama), has its loop with silu inlined; the table's activate
     (a call that tests the kind per vector) serves the rest."""
     n, w = h.shape[1], L.width
     g0, h0 = i * 2 * n, i * n
@@ -49,7 +49,7 @@ def gate_row(L, gu, i, h, kind, act_a, act_b):
     if kind == SILU:
         while j + w <= n:
             g = vload(L, gu, g0 + j)
-            vstore(h, h0 + j, g * sigmoid(g) * vload(L, gu, g0 + n + j))
+            vstore(h, h0 + j, silu(g) * vload(L, gu, g0 + n + j))
             j += w
     while j + w <= n:
         g = activate(kind, act_a, act_b, vload(L, gu, g0 + j))

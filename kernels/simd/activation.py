@@ -10,7 +10,7 @@ one function, activate(kind, a, b, v), on a vector of kernels.simd or on a float
     tanh          tanh(v)
     hard_sigmoid  max(0, min(1, a v + b))                alpha, beta (0.2, 0.5)
     hard_swish    v max(0, min(1, v / 6 + 1/2))
-    silu          v sigmoid(v)                           (swish)
+    silu          v sigmoid(v), as v / (1 + e^-v)        (swish)
     gelu          v (1 + erf(v / sqrt 2)) / 2
     gelu_tanh     v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))) / 2
     elu           v if v >= 0 else a (e^v - 1)           alpha (1)
@@ -107,6 +107,15 @@ def gelu_tanh(v):
     return HALF * v * (ONE + tanh(GELU_C * vfma(GELU_CUBIC * v, v * v, v)))
 
 
+@numba.jit(**INLINE_FIT)
+def silu(v):
+    """x sigmoid(x) as x / (1 + e^-x), inlined like gelu: no |x|, compare or select around the
+    exp as sigmoid needs, 18.4 against 21.4 cycles a 16-lane vector on Zen 4 (bench/NOTES.md).
+    Below -88.7, e^-x is inf and the result -0 where x e^x is a float under 3e-37; -inf gives
+    NaN, as x sigmoid(x) does."""
+    return v / (ONE + exp(-v))
+
+
 @numba.jit(**JIT_FIT)
 def activate(kind, a, b, v):
     """The activation `kind` with parameters a, b (float32) of v (a vector or a float32)."""
@@ -130,7 +139,7 @@ def activate(kind, a, b, v):
         t = vfma(SIXTH, v, HALF)
         return v * vselect(t < ZERO, ZERO, vselect(t > ONE, ONE, t))
     if kind == SILU:
-        return v * sigmoid(v)
+        return silu(v)
     if kind == GELU:
         return gelu(v)
     if kind == GELU_TANH:
