@@ -3,8 +3,9 @@ whose optimized LLVM IR calls NRT_incref/NRT_decref on an inlined callee's argum
 LLVM's inliner marks !noalias). A jitted function given an array increfs it on entry and
 decrefs it on exit; inlined into a loop, Numba's pruning pass usually removes the pair, but not
 across a callee's branches (a register tile's store with its residual cases): two atomic calls
-per tile, which cost the direct conv 5 us a call and Winograd's transforms up to 30%
-(bench/NOTES.md, "Reference counts in the tiles' stores"). The cure is kernels.simd.borrow.
+per tile, which cost a 1x1 conv 3-5 us a call and the blocked Winograd conv 6-30% of its
+time (bench/NOTES.md, "Reference counts in the tiles' stores"). The cure is
+kernels.simd.borrow.
 
     .venv/bin/python bench/refcounts.py [--groups blocked_conv_f2 blocked_depthwise ...]
 

@@ -88,8 +88,7 @@ from .approx import erf, exp, log1p01, sigmoid, tanh
 from .tile import Tile, gemm_tile, registers, tile_fma, tile_load, tile_store, tile_zeros
 
 __all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "approx", "borrow",
-           "clip",
-           "encode", "erf", "exp", "gemm_tile", "hmax", "hmin", "hsum", "lanes",
+           "clip", "encode", "erf", "exp", "gemm_tile", "hmax", "hmin", "hsum", "lanes",
            "ldexp_small", "log1p01", "mask_all", "registers", "roundeven", "sigmoid", "tail_mask",
            "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",
            "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned",
