@@ -54,6 +54,9 @@ class Tactic:
     in_blocks: tuple[int, ...] = ()
     blocked_outputs: tuple[int, ...] = ()
     out_channels: tuple[int, ...] = ()
+    # a block kernel run depth first: the values between its convs stay in its cache-sized
+    # scratch instead of going to memory (what fusion.bench.traffic's estimate counts)
+    depth_first: bool = False
 
 
 @dataclass(eq=False)

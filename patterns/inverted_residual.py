@@ -190,7 +190,7 @@ class InvertedResidualKernel:
         blocked = dict(blocked_inputs=(0,), in_blocks=(block_size(c),), blocked_outputs=(0,),
                        out_channels=(m,))  # fmt: skip
         self.run = run
-        self.tactics = [Tactic("blocked-depthfirst", depthfirst, **blocked),
+        self.tactics = [Tactic("blocked-depthfirst", depthfirst, **blocked, depth_first=True),
                         Tactic("blocked-opbyop", opbyop, **blocked)]  # fmt: skip
 
     def __call__(self, x, *constants):

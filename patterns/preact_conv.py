@@ -104,7 +104,10 @@ class PreActConvKernel:
                        out_channels=(m,))  # fmt: skip
         self.run = run
         self.tactics = [
-            *(Tactic(f"blocked-preact-f{p.conv.fb}", depthfirst(p), **blocked) for p in plans),
+            *(
+                Tactic(f"blocked-preact-f{p.conv.fb}", depthfirst(p), **blocked, depth_first=True)
+                for p in plans
+            ),
             Tactic("blocked-opbyop", opbyop, **blocked),
         ]
 

@@ -520,3 +520,81 @@ def test_interleave_gives_every_runner_each_other_as_predecessor_equally_often()
         assert all(sorted(r) == names for r in orders)
         pairs = Counter((r[i], r[i + 1]) for r in orders for i in range(k - 1))
         assert len(pairs) == k * (k - 1) and len(set(pairs.values())) == 1, pairs
+
+
+def inverted_residual(c=8, e=48, hw=7, batch=2, gate=False):
+    """x -> 1x1 expand + Relu -> depthwise 3x3 + Relu -> 1x1 project, + x: one block (or, with
+    `gate`, squeeze-excitation alone: its convs read per-channel vectors, no block)."""
+    rng = np.random.default_rng(3)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    g = GraphBuilder(opset=17)
+    if gate:
+        s = g.node("GlobalAveragePool", ["x"])
+        s = g.node("Relu", [g.node("Conv", [s, g.const(w(4, c, 1, 1)), g.const(w(4))])])
+        s = g.node("Sigmoid", [g.node("Conv", [s, g.const(w(c, 4, 1, 1)), g.const(w(c))])])
+        y = g.node("Mul", ["x", s])
+    else:
+        t = g.node("Relu", [g.node("Conv", ["x", g.const(w(e, c, 1, 1)), g.const(w(e))])])
+        t = g.node("Relu", [g.node("Conv", [t, g.const(w(e, 1, 3, 3)), g.const(w(e))],
+                                   group=e, pads=[1, 1, 1, 1])])  # fmt: skip
+        y = g.node("Add", [g.node("Conv", [t, g.const(w(c, e, 1, 1)), g.const(w(c))]), "x"])
+    model = g.model({"x": ["N", c, hw, hw]}, {y: ["N", c, hw, hw]})
+    return model, {"x": rng.standard_normal((batch, c, hw, hw)).astype(np.float32)}
+
+
+def test_block_traffic_counts_the_tensors_between_a_blocks_convs():
+    """fusion.bench.traffic: an inverted residual run depth first moves x and y; op by op it
+    also writes and reads back e and d (2 x 48 x 7 x 7 floats each); a squeeze-excitation's
+    per-channel vectors and a single conv's epilogue make no block."""
+    from fusion.bench.flops import inferred_shapes
+    from fusion.bench.traffic import block_traffic
+    from fusion.registry import default_catalog
+    from fusion.rewriter import rewrite
+
+    model, feeds = inverted_residual()
+    rewritten = rewrite(model, default_catalog())
+    (fused,) = rewritten.fusions
+    assert fused.rule == "InvertedResidual"
+    label = f"{fused.rule} {fused.node}"
+    shapes = inferred_shapes(model, feeds)
+    x, e = 4 * 2 * 8 * 49, 4 * 2 * 48 * 49  # bytes of x (and y), of e (and d)
+    deep = block_traffic(model, rewritten.fusions, shapes,
+                         [{"kind": "kernel", "name": label, "depth_first": True}])  # fmt: skip
+    assert deep == {"blocks": 1, "depth_first": 1, "mb_as_run": 2 * x / 1e6,
+                    "mb_op_by_op": (2 * x + 4 * e) / 1e6}  # fmt: skip
+    flat = block_traffic(model, rewritten.fusions, shapes,
+                         [{"kind": "kernel", "name": label, "depth_first": False}])  # fmt: skip
+    assert flat["depth_first"] == 0 and flat["mb_as_run"] == flat["mb_op_by_op"]
+    assert block_traffic(model, rewritten.fusions, shapes, []) == flat  # onnxruntime ran it
+
+    gate, feeds = inverted_residual(gate=True)
+    fused_gate = rewrite(gate, default_catalog())
+    assert [f.rule for f in fused_gate.fusions] == ["SqueezeExcite"]
+    assert block_traffic(gate, fused_gate.fusions, inferred_shapes(gate, feeds), []) == {}
+
+
+def test_measure_reports_the_traffic_of_the_blocks_it_ran():
+    """The bench's result and summary carry the estimate for the tactic the session ran (the
+    profile row says whether it was depth first); a model without blocks shows '-'."""
+    model, feeds = inverted_residual()
+    result = bench.measure(Workload("block", model, feeds), Options(**FAST))
+    (step,) = [s for s in result.profile["steps"] if s["kind"] == "kernel"]
+    assert step["depth_first"] == ("depthfirst" in step["runs"])
+    x, e = 4 * 2 * 8 * 49, 4 * 2 * 48 * 49
+    as_run = 2 * x if step["depth_first"] else 2 * x + 4 * e
+    assert result.traffic["mb_as_run"] == as_run / 1e6
+    assert result.to_dict()["block_traffic"] == result.traffic
+    head, (row,) = bench.summary_rows([result])
+    summary = dict(zip(head, row, strict=True))
+    assert (
+        summary["block traffic MB (op by op)"]
+        == f"{as_run / 1e6:.1f} ({(2 * x + 4 * e) / 1e6:.1f})"
+    )
+    model, feeds = tiny_conv()
+    plain = bench.measure(Workload("tiny", model, feeds), Options(**FAST))
+    assert plain.traffic == {}
+    head, (row,) = bench.summary_rows([plain])
+    assert dict(zip(head, row, strict=True))["block traffic MB (op by op)"] == "-"

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusion.bench.child import compile_times, peak_memory, write_inputs
-from fusion.bench.flops import count_flops
+from fusion.bench.flops import count_flops, inferred_shapes
 from fusion.bench.result import BenchResult
 from fusion.bench.runners import (
     FUSED,
@@ -37,6 +37,7 @@ from fusion.bench.runners import (
 )
 from fusion.bench.sgemm import sgemm_figures
 from fusion.bench.timing import PROCESSES, SAME_PROCESS, interleave
+from fusion.bench.traffic import block_traffic, originals
 from fusion.bench.workers import (
     BODIES,
     SGEMM,
@@ -113,6 +114,9 @@ def measure(
             close_workers(workers)
         if result.profile:
             result.conv = conv_share(rewritten, flops, result.profile["steps"])
+            shapes = inferred_shapes(workload.model, workload.feeds)
+            result.traffic = block_traffic(workload.model, rewritten.fusions, shapes,
+                                           result.profile["steps"])  # fmt: skip
         gc.collect()
         if (opts.memory or opts.compile) and workload.catalog is not None:
             notes.append("explicit catalog object: memory and compile time not measured")
@@ -237,9 +241,7 @@ def conv_share(rewritten, flops, steps: list[dict]) -> dict:
     """How much of the model's conv FLOPs fusion's own kernels run (the rest runs in
     onnxruntime: islands, or fused nodes left to their function bodies)."""
     conv = {label: f for label, f in flops.by_node.items() if label.startswith("Conv ")}
-    inside: dict[str, set[str]] = {}  # fused node label -> the original nodes it replaced
-    for f in rewritten.fusions:  # a later stage's fused node replaced earlier fused nodes
-        inside[f"{f.rule} {f.node}"] = set().union(*(inside.get(r, {r}) for r in f.replaced))
+    inside = originals(rewritten.fusions)  # fused node label -> the original nodes it replaced
     kernels = {s["name"] for s in steps if s["kind"] == "kernel"}
     ours = {c for label in kernels for c in inside.get(label, ()) if c in conv}
     total = sum(conv.values())

@@ -23,6 +23,7 @@ from fusion.bench.runners import (
     RUNNERS,
     runner_label,
 )
+from fusion.bench.traffic import describe
 from fusion.runtime import describe_race
 
 TOP_STEPS = 8  # profile rows shown in a terminal or Markdown (the JSON has them all)
@@ -131,10 +132,12 @@ def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
     """One row per workload for a set of real models: fusion against onnxruntime at its
-    defaults, the share of conv FLOPs fusion's own kernels run, islands, and how many fused
-    nodes are slower than onnxruntime on their own body."""
+    defaults, the share of conv FLOPs fusion's own kernels run, islands, how many fused nodes
+    are slower than onnxruntime on their own body, and the megabytes of activations the
+    depth-first blocks move per run as run (and op by op): fusion.bench.traffic."""
     head = ["model", "batch", "fused nodes", "fusion", "ort-all", "fusion vs ort-all",
-            "conv FLOPs in kernels", "islands", "slower nodes"]  # fmt: skip
+            "conv FLOPs in kernels", "islands", "slower nodes",
+            "block traffic MB (op by op)"]  # fmt: skip
     body = []
     for r in results:
         share = r.conv.get("share_in_kernels")
@@ -148,6 +151,8 @@ def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]
             "-" if share is None else f"{share:.0%}",
             str(r.profile.get("islands", "-")),
             f"{len(r.slower_nodes)} of {len(r.nodes)}" if r.nodes else "-",
+            (f"{r.traffic['mb_as_run']:.1f} ({r.traffic['mb_op_by_op']:.1f})"
+             if r.traffic else "-"),
         ])  # fmt: skip
     return head, body
 
@@ -228,6 +233,9 @@ def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
         pairs.append(("conv FLOPs in fusion's kernels",
                       f"{c['share_in_kernels']:.0%} ({c['convs_in_kernels']} of {c['convs']} "
                       "convs)"))  # fmt: skip
+    if result.traffic:
+        pairs.append(("activations the depth-first blocks move per run (estimate)",
+                      describe(result.traffic)))  # fmt: skip
     return [(k, v) for k, v in pairs if v not in ("-", "- / -", "-/-/-/-/-")]
 
 

@@ -33,6 +33,7 @@ class BenchResult:
     batch: int = 1  # items per run: throughput = batch / median
     nodes: list[dict] = field(default_factory=list)  # each fused node alone vs its body
     conv: dict = field(default_factory=dict)  # conv FLOPs, and the share fusion's kernels run
+    traffic: dict = field(default_factory=dict)  # depth-first blocks' bytes: fusion.bench.traffic
 
     @property
     def mode(self) -> str:
@@ -110,6 +111,7 @@ class BenchResult:
             },
             "profile": self.profile,
             "conv": self.conv,
+            "block_traffic": self.traffic,
             "nodes": self.nodes,
             "slower_nodes": [n["name"] for n in self.slower_nodes],
             "compile": self.compile,

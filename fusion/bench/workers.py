@@ -127,14 +127,16 @@ class Host:
         for step, (kind, name, seconds) in zip(
             session.steps_for(self.feeds), prof.steps, strict=True
         ):
+            depth_first = False
             if kind == "kernel":
                 runs, nodes = kernel_choice(step), 1
+                depth_first = getattr(step, "depth_first", False)
             elif kind == "convert":
                 runs, nodes = "layout conversion", 0
             else:
                 runs, nodes = f"onnxruntime {step.settings.name}", len(step.nodes)
             rows.append({"kind": kind, "name": name, "runs": runs, "nodes": nodes,
-                         "seconds": seconds})  # fmt: skip
+                         "seconds": seconds, "depth_first": depth_first})  # fmt: skip
         rows.append({"kind": "between", "name": "between steps", "runs": "Python", "nodes": 0,
                      "seconds": prof.overhead})  # fmt: skip
         return rows

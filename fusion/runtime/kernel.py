@@ -172,17 +172,8 @@ def build_kernels(
         if progress is not None:
             progress(node_label(node), built, len(fused))
         kernel = build_kernel(catalog.get(node.op_type), node, view)
-        tactics[i] = [
-            Tactic(
-                t.name,
-                serialized(t.run, lock),
-                t.blocked_inputs,
-                t.in_blocks,
-                t.blocked_outputs,
-                t.out_channels,
-            )  # fmt: skip
-            for t in tactics_of(kernel)
-        ]
+        tactics[i] = [dataclasses.replace(t, run=serialized(t.run, lock))
+                      for t in tactics_of(kernel)]  # fmt: skip
     return BuiltKernels(model, view, catalog, threads, tactics, functions)
 
 

@@ -437,6 +437,7 @@ def assemble(
         body = None if tactic.blocked_inputs else _body_runner(built, p.node)
         step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
         step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
+        step.depth_first = tactic.depth_first
         blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
         for pos, value in enumerate(p.inputs):
             if value:
