@@ -59,7 +59,8 @@ ZERO = np.float32(0.0)
 
 # geometry fields (int64 array g)
 N, CB, H, W, PT, PL, OH, OW, MB, M, TW, T_LEN, P, N_TG, OGG, FB, N_MS, RESIDUAL, KIND = range(19)
-N_GEO = 19
+YMB = 19  # y's blocks per image: MB, or more when y is a part of a concatenation's tensor
+N_GEO = 20
 
 
 @numba.jit(**JIT_GEMM)
@@ -276,8 +277,9 @@ def _output4(L, s, mo, stride, yf, res, q, rows, cols, ow, bias, residual, lo, h
 @numba.jit(**PARALLEL)
 def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
     """yf = epilogue(conv3x3(xf)) with F(m x m, 3x3), m = g[M], on blocked flat arrays: xf
-    [N, CB, H, W, b], yf and res [N, MB, OH, OW, b]; u the packed transformed weights
-    [OGG, a*a, K, FB b]; bias [OGG FB b]; scratch [threads, a*a P (K + FB b)]
+    [N, CB, H, W, b], yf and res [N, MB, OH, OW, b] (yf [N, YMB, OH, OW, b] from its first
+    block when y is blocks of a concatenation's larger tensor: no residual then); u the packed
+    transformed weights [OGG, a*a, K, FB b]; bias [OGG FB b]; scratch [threads, a*a P (K + FB b)]
     (kernels.workspace.per_thread). Sets bad[0] when a transformed value was inf or NaN (the
     caller then runs the direct conv)."""
     b = L.width
@@ -335,7 +337,7 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
                 for p in range(tiles):
                     t = t_first + p
                     y0, x0 = m * (t // tw), m * (t % tw)
-                    q = (((n * g[MB] + mb) * oh + y0) * ow + x0) * b
+                    q = (((n * g[YMB] + mb) * oh + y0) * ow + x0) * b
                     mo = mt_off + p * fbw + f * b
                     rows, cols = min(m, oh - y0), min(m, ow - x0)
                     if m == 2:

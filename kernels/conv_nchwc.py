@@ -664,7 +664,7 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
     b] (a concatenation's part, so no copy makes it; no residual then). The per-shape work
     (checks, geometry, the tile) is done on a shape's first call; a later call costs a dict
     look-up."""
-    ymb = None if at is None else _part_blocks(out, at, plan)
+    ymb = None if at is None else part_blocks(out, at, plan)
     key = (xb.shape, get_threads(), ymb) if isinstance(xb, np.ndarray) else None
     launch = plan.geometry.get(key)
     if launch is None or xb.dtype != np.float32:
@@ -689,7 +689,7 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
     return out
 
 
-def _part_blocks(out, at, plan: ConvPlan) -> int:
+def part_blocks(out, at, plan: ConvPlan) -> int:
     """The blocks per image of `out` when the conv writes blocks [at, at + MB) of it."""
     if (not isinstance(out, np.ndarray) or out.ndim != 5 or out.dtype != np.float32
             or not out.flags.c_contiguous or not out.flags.writeable):  # fmt: skip

@@ -19,7 +19,14 @@ import numpy as np
 
 from . import _winograd_blocked as k
 from .config import get_threads
-from .conv_nchwc import ConvPlan, conv_nchwc, output_shape, prepare_conv_nchwc, tile_blocks
+from .conv_nchwc import (
+    ConvPlan,
+    conv_nchwc,
+    output_shape,
+    part_blocks,
+    prepare_conv_nchwc,
+    tile_blocks,
+)
 from .machine import cache_bytes
 from .simd import lanes
 from .simd import tile as tiles
@@ -129,7 +136,7 @@ def _launch(plan: WinogradPlan, shape, threads: int):
     values = {
         k.N: n, k.CB: cb, k.H: h, k.W: w, k.PT: pt, k.PL: pl, k.OH: oh, k.OW: ow,
         k.MB: out[1], k.M: m, k.TW: tw, k.T_LEN: t_len, k.P: p, k.N_TG: n_tg, k.OGG: ogg,
-        k.FB: plan.fb, k.N_MS: n_ms, k.RESIDUAL: d.residual, k.KIND: d.act[0],
+        k.FB: plan.fb, k.N_MS: n_ms, k.RESIDUAL: d.residual, k.KIND: d.act[0], k.YMB: out[1],
     }  # fmt: skip
     for i, v in values.items():
         g[i] = v
@@ -137,39 +144,53 @@ def _launch(plan: WinogradPlan, shape, threads: int):
     return out, g, T, scratch
 
 
-def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None):
+def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
     """y = epilogue(conv3x3(xb)) for a blocked float32 input; returns the blocked output (as
-    conv_nchwc: residual is a blocked array of the output's shape when the plan adds one)."""
+    conv_nchwc: residual is a blocked array of the output's shape when the plan adds one; at:
+    y written as channel blocks at, at + 1, ... of `out`, a larger blocked array, a
+    concatenation's part, which Fire modules and Inception blocks otherwise copied into
+    place)."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
-    key = (xb.shape, get_threads())
+    d = plan.direct
+    ymb = None if at is None else part_blocks(out, at, d)
+    key = (xb.shape, get_threads(), ymb)
     launch = plan.geometry.get(key)
     if launch is None:
-        launch = plan.geometry[key] = _launch(plan, xb.shape, key[1])
+        launch = _launch(plan, xb.shape, key[1])
+        if ymb is not None:
+            launch[1][k.YMB] = ymb
+        plan.geometry[key] = launch
     shape, g, T, scratch = launch
-    if out is None:
-        out = empty(shape)
-    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    whole = out
+    if ymb is not None:
+        if out.shape[0] != shape[0] or out.shape[2:] != shape[2:]:
+            raise ValueError(f"out of shape {out.shape} cannot hold an output of shape {shape}")
+        yf = out.reshape(-1)[at * shape[2] * shape[3] * shape[4] :]
+    else:
+        if out is None:
+            out = empty(shape)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+        whole = out
+        yf = out.reshape(-1)
     if shape[0] == 0:
-        return out
-    d = plan.direct
+        return whole
     if d.residual:
         if not isinstance(residual, np.ndarray) or residual.shape != shape:
             raise ValueError(f"the residual must be a blocked array of shape {shape}")
         res = np.ascontiguousarray(residual, dtype=np.float32).reshape(-1)
     else:
-        res = out.reshape(-1)  # not read
+        res = yf  # not read
     bad = np.zeros(1, np.int32)
     _, a, b = d.act
     k.winograd_blocked(lanes(d.block), T, np.ascontiguousarray(xb).reshape(-1), plan.packed,
-                       plan.bias, out.reshape(-1), res, g, a, b, per_thread(scratch),
-                       bad)  # fmt: skip
+                       plan.bias, yf, res, g, a, b, per_thread(scratch), bad)  # fmt: skip
     if bad[0]:  # an inf or NaN was transformed: the direct conv gives onnxruntime's outputs
         # (C < b: the direct plan reads one block of C channels, the first C lanes of x's)
         x_direct = xb if d.in_block == d.block else np.ascontiguousarray(xb[..., : d.in_block])
-        conv_nchwc(x_direct, d, out=out, residual=residual)
-    return out
+        conv_nchwc(x_direct, d, out=whole, residual=residual, at=at)
+    return whole
 
 
 __all__ = [

@@ -308,8 +308,8 @@ class BlockedPart:
     """One conv of a concatenation (ConvConcat's branches, a Fire module's expand convs) run in
     the blocked layout, writing its channel blocks of the concatenated output: the direct
     kernel in place (conv_nchwc's `at`: no copy), or, with `winograd`, a 3x3 stride-1 conv on
-    the blocked Winograd kernel (F(4x4) where its reason allows, else F(2x2)) and a copy of its
-    output into place. One register tile, the first that tile_options ranks (a node of several
+    the blocked Winograd kernel (F(4x4) where its reason allows, else F(2x2)), in place too
+    (winograd_nchwc's `at`). One register tile, the first that tile_options ranks (a node of several
     convs is timed as a whole: one tactic per combination of tiles would multiply). `reason`
     says why the conv cannot run blocked; None when it can."""
 
@@ -347,7 +347,7 @@ class BlockedPart:
         if self.wino is None:
             conv_nchwc(xb, self.direct, out=out, at=at)
         else:
-            out[:, at : at + self.blocks] = winograd_nchwc(xb, self.wino)
+            winograd_nchwc(xb, self.wino, out=out, at=at)
 
 
 def blocked_concat(parts: list[BlockedPart], xs) -> np.ndarray:

@@ -97,7 +97,7 @@ class FireKernel:
     when the first expand conv in Concat order fills whole blocks (patterns/concat.
     why_not_blocked; the squeeze's output is blocked whatever its channels): the squeeze conv
     on the direct kernel, then each expand conv writing its channel blocks of y ("blocked": in
-    place; "blocked-wino": the 3x3 one on the blocked Winograd kernel, through a copy); then
+    place; "blocked-wino": the 3x3 one on the blocked Winograd kernel, in place too); then
     "nchw". `nchw_only` says why there is no blocked tactic, when there is none."""
 
     def __init__(self, attrs: dict, constants: list):

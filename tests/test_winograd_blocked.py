@@ -128,6 +128,32 @@ def test_nan_and_inf_propagate_as_in_onnxruntime(tile, block):
     check(got, want)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("tile", (2, 4))
+@pytest.mark.parametrize("nan", (False, True))
+def test_writes_its_blocks_of_a_larger_tensor_in_place(tile, block, nan):
+    """at: y as channel blocks at, at + 1, ... of a concatenation's tensor (a Fire module's
+    expand, an Inception branch), every other block left as it was; with a NaN in x, through
+    the direct conv's fallback, the same."""
+    x, wt, b = case(2, 5, 17, 13, 7, seed=4)  # 17 channels: 2 blocks of 16, 3 of 8
+    if nan:
+        x[1, 2, 6, 3] = np.nan
+    plan = prepare_winograd_nchwc(wt, b, pads=(1, 1, 1, 1), tile=tile, block=block,
+                                  activation="relu")  # fmt: skip
+    xb = to_blocked(x, block=block)
+    alone = winograd_nchwc(xb, plan)
+    mb = alone.shape[1]
+    big = np.random.default_rng(5).standard_normal((2, mb + 3, 13, 7, block)).astype(np.float32)
+    before = big.copy()
+    assert winograd_nchwc(xb, plan, out=big, at=2) is big
+    assert np.array_equal(big[:, 2 : 2 + mb], alone, equal_nan=True)
+    assert np.array_equal(big[:, :2], before[:, :2])
+    assert np.array_equal(big[:, 2 + mb :], before[:, 2 + mb :])
+    check(from_blocked(alone, 17), reference(x, wt, b, (1, 1, 1, 1), "relu"))
+    with pytest.raises(ValueError, match="blocks"):
+        winograd_nchwc(xb, plan, out=big, at=4)  # past the end
+
+
 def test_supports_says_why():
     assert supports((8, 8, 3, 3)) is None
     assert "strides (2, 2)" in supports((8, 8, 3, 3), strides=(2, 2))
