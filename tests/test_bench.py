@@ -552,7 +552,7 @@ def test_block_traffic_counts_the_tensors_between_a_blocks_convs():
     from fusion.bench.flops import inferred_shapes
     from fusion.bench.traffic import block_traffic
     from fusion.registry import default_catalog
-    from fusion.rewriter import rewrite
+    from fusion.rewriter import Fusion, rewrite
 
     model, feeds = inverted_residual()
     rewritten = rewrite(model, default_catalog())
@@ -569,6 +569,11 @@ def test_block_traffic_counts_the_tensors_between_a_blocks_convs():
                          [{"kind": "kernel", "name": label, "depth_first": False}])  # fmt: skip
     assert flat["depth_first"] == 0 and flat["mb_as_run"] == flat["mb_op_by_op"]
     assert block_traffic(model, rewritten.fusions, shapes, []) == flat  # onnxruntime ran it
+    # a later stage's node that replaced the block: counted once, as that node
+    outer = Fusion("Outer", "outer", [label])
+    ran = [{"kind": "kernel", "name": "Outer outer", "depth_first": True}]
+    again = block_traffic(model, [*rewritten.fusions, outer], shapes, ran)
+    assert again == deep
 
     gate, feeds = inverted_residual(gate=True)
     fused_gate = rewrite(gate, default_catalog())

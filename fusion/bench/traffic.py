@@ -97,7 +97,10 @@ def block_traffic(model: onnx.ModelProto, fusions, shapes: dict, steps: list[dic
     deep = {s["name"] for s in steps if s.get("kind") == "kernel" and s.get("depth_first")}
     blocks = depth_first = 0
     as_run = op_by_op = 0
+    inner = {r for f in fusions for r in f.replaced}  # fused nodes a later stage fused again
     for label, members in originals(fusions).items():
+        if label in inner:
+            continue
         got = block_bytes(view, shapes, members)
         if got is None:
             continue
