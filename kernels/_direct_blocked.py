@@ -247,12 +247,18 @@ def _cover(a, b, pw):
 
 
 @functools.cache
-def tile_item(T, T1):
+def tile_item(T, T1, step: int = 0):
     """The serial work item on register tiles T (and T1, the one-pixel path's), closed over: one
     function per tile, compiled for tile_signature and called through an Item
     (kernels/_first_class.py) by conv_direct and by the depth-first block
     (_inverted_residual_blocked): the parallel drivers compile once per width, the serial work
     once per tile, shared by both (cached on disk by the tiles' shapes).
+
+    step: the x floats from a row tile's pixel to the next (SW BI) as a constant of the code,
+    for a small-C conv (a stem on NCHW planes, BI 1); 0: read from the geometry. Given at run
+    time, a tile's PW pixels are PW pointers, and a 16-pixel stem tile kept them on the stack,
+    reloaded before each FMA (two thirds of the FMA peak); a constant step makes them one
+    base and displacements (bench/NOTES.md).
 
     Each closure is named by its tiles before it is compiled: Numba names a function's machine
     code by its qualified name and a counter of the process that compiled it, so the first
@@ -294,7 +300,8 @@ def tile_item(T, T1):
         simple = clips(kind)
         lo, hi = clip_bounds(kind, act_a, act_b)  # -inf, inf when not a clip
         early = residual if simple or residual == BEFORE else NO_RESIDUAL  # what _store adds
-        xstep, down = g[SW] * bi, g[SH] * g[W] * bi  # x floats from pixel to pixel, row to row
+        xstep = step if step else g[SW] * bi  # x floats from pixel to pixel (a constant, or)
+        down = g[SH] * g[W] * bi  # and from row to row
         y0 = (n * g[YMB] + ob0) * ystride
         yp, rp = borrow(yf), borrow(res)  # for _store: pointers, not arrays, carry no refcount
         for c0 in range(0, cbg, g[CHUNK]):
@@ -365,7 +372,7 @@ def tile_item(T, T1):
                         L, yf, res, yo, nb, ystride, ow_len * w, residual, kind, act_a, act_b
                     )
 
-    shape = f"{T.rows}x{T.cols}_{T1.rows}x{T1.cols}"
+    shape = f"{T.rows}x{T.cols}_{T1.rows}x{T1.cols}" + (f"_s{step}" if step else "")
     item.__name__, item.__qualname__ = f"item_{shape}", f"tile_item.<locals>.item_{shape}"
     return numba.jit(**JIT_GEMM)(item)
 

@@ -644,15 +644,17 @@ def _launch(plan: ConvPlan, xb, threads: int, ymb: int | None = None) -> _Launch
     # Whole blocks of input channels: their count is L's width, a constant the channel loop
     # unrolls on; fewer (a small-C stem): a number.
     ci = L if plan.in_block == plan.block else plan.in_block
-    run = tile_item(L, int(g[geo.PW]), plan.fb, ci)
+    step = 0 if ci is L else int(g[geo.SW] * g[geo.BI])  # small C: the pixel step a constant
+    run = tile_item(L, int(g[geo.PW]), plan.fb, ci, step)
     return _Launch(shape, g, d.conv_direct, (L, run), ci, 0, n == 0)
 
 
-def tile_item(L, pw: int, fb: int, ci) -> Item:
+def tile_item(L, pw: int, fb: int, ci, step: int = 0) -> Item:
     """The direct kernel's serial work on tiles of pw pixels x fb blocks (and its one-pixel
     tile), compiled (or loaded from the cache) as an Item for conv_direct and the depth-first
-    block: one per tile shape and ci's type."""
-    run = d.tile_item(tiles.tile(pw, fb), tiles.tile(1, fb))
+    block: one per tile shape and ci's type (and the pixel step of a small-C conv's tiles:
+    _direct_blocked.tile_item)."""
+    run = d.tile_item(tiles.tile(pw, fb), tiles.tile(1, fb), step)
     return Item(run, d.tile_signature(L, ci))
 
 

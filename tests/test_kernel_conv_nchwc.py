@@ -205,6 +205,25 @@ def test_nchw_input_read_as_blocks_of_one(shape, block, residual):
     assert_close(got, reference(x, wt, b, attrs, "relu", residual, r), RTOL, ATOL)
 
 
+def test_small_c_tiles_take_their_pixel_step_as_a_constant():
+    """A small-C conv's row tiles are compiled with the pixel step (SW BI floats) in their code
+    (_direct_blocked.tile_item's step: 16 pixel pointers spilled otherwise); whole blocks keep
+    the geometry's."""
+    x, wt, b, _ = case(1, 3, 16, 20, 20, 3)
+    for in_block, stride, step in ((1, 2, 2), (1, 1, 1), (None, 2, 6)):
+        plan = prepare_conv_nchwc(wt, b, strides=(stride, stride), pads=(1, 1, 1, 1),
+                                  block=16, in_block=in_block)  # fmt: skip
+        xb = x.reshape(*x.shape, 1) if in_block == 1 else to_blocked(x, block=plan.in_block)
+        conv_nchwc(xb, plan)
+        (launch,) = plan.geometry.values()
+        assert launch.head[1].dispatcher.py_func.__name__.endswith(f"_s{step}")
+    wide = case(1, 16, 16, 9, 9, 3)[1]
+    plan = prepare_conv_nchwc(wide, None, pads=(1, 1, 1, 1), block=16)
+    conv_nchwc(to_blocked(case(1, 16, 16, 9, 9, 3)[0], block=16), plan)
+    (launch,) = plan.geometry.values()
+    assert "_s" not in launch.head[1].dispatcher.py_func.__name__
+
+
 @pytest.mark.parametrize("residual", [None, "after"])
 def test_a_stem_offers_a_tactic_reading_nchw(residual):
     """A conv on fewer channels than a block offers the direct kernel on its NCHW input (no
