@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from .blocked import plane_part, plane_parts
-from .config import JIT, PARALLEL, entry_point, get_threads
+from .config import INLINE, JIT, PARALLEL, entry_point, get_threads
 from .pool import block_sums
 from .simd import (
     hsum,
@@ -77,9 +77,10 @@ def prepare_squeeze_excite(w1, b1, w2, b2, act1, act2) -> SqueezeExcitePlan:
                              acts)  # fmt: skip
 
 
-@numba.jit(**JIT)
+@numba.jit(**INLINE)
 def _dot(L, a, a0, b, b0, n):
-    """sum_k a[a0 + k] b[b0 + k] for k < n, in vectors of L.width (flat float32 arrays)."""
+    """sum_k a[a0 + k] b[b0 + k] for k < n, in vectors of L.width (flat float32 arrays); copied
+    into its callers (no call and no reference counts per dot product)."""
     w = L.width
     acc = vzero(L)
     k = 0
@@ -101,21 +102,13 @@ def _hidden(L, means, w1f, b1, acts, j, c_len):
 @numba.jit(**JIT)
 def _squeeze(L, means, w1f, b1, acts, h):
     """h = act1(W1 means + b1), the whole squeeze of one image in one call: its rows dotted
-    with the means in vectors (loops inline, no call per output), then the activation on
-    vectors of h, where _hidden made three calls per output (a 576 -> 144 block on one thread
-    24.2 -> 21.0 us, bench/NOTES.md)."""
+    with the means (_dot, copied in), then the activation on vectors of h, where _hidden made
+    three calls per output (a 576 -> 144 block on one thread 24.2 -> 21.0 us,
+    bench/NOTES.md)."""
     w = L.width
     m_len, c_len = h.shape[0], means.shape[0]
     for j in range(m_len):
-        row = j * c_len
-        acc = vzero(L)
-        k = 0
-        while k + w <= c_len:
-            acc = vfma(vload(L, means, k), vload(L, w1f, row + k), acc)
-            k += w
-        m = tail_mask(L, c_len - k)
-        acc = vfma(vload_masked(L, means, k, m), vload_masked(L, w1f, row + k, m), acc)
-        h[j] = hsum(acc) + b1[j]
+        h[j] = _dot(L, means, 0, w1f, j * c_len, c_len) + b1[j]
     kind, a, b = np.int64(acts[0, 0]), acts[0, 1], acts[0, 2]
     for j in range(0, m_len, w):
         m = tail_mask(L, m_len - j)

@@ -162,8 +162,7 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
             launch[1][k.YMB] = ymb
         plan.geometry[key] = launch
     shape, g, T, scratch = launch
-    whole = out
-    if ymb is not None:
+    if ymb is not None:  # y's blocks from `at` on in out (part_blocks checked its layout)
         if out.shape[0] != shape[0] or out.shape[2:] != shape[2:]:
             raise ValueError(f"out of shape {out.shape} cannot hold an output of shape {shape}")
         yf = out.reshape(-1)[at * shape[2] * shape[3] * shape[4] :]
@@ -172,10 +171,9 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
             out = empty(shape)
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
-        whole = out
         yf = out.reshape(-1)
     if shape[0] == 0:
-        return whole
+        return out
     if d.residual:
         if not isinstance(residual, np.ndarray) or residual.shape != shape:
             raise ValueError(f"the residual must be a blocked array of shape {shape}")
@@ -189,8 +187,8 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
     if bad[0]:  # an inf or NaN was transformed: the direct conv gives onnxruntime's outputs
         # (C < b: the direct plan reads one block of C channels, the first C lanes of x's)
         x_direct = xb if d.in_block == d.block else np.ascontiguousarray(xb[..., : d.in_block])
-        conv_nchwc(x_direct, d, out=whole, residual=residual, at=at)
-    return whole
+        conv_nchwc(x_direct, d, out=out, residual=residual, at=at)
+    return out
 
 
 __all__ = [

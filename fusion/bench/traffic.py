@@ -60,7 +60,7 @@ def block_bytes(view: GraphView, shapes: dict, members: set[str]) -> tuple[int, 
     index = [i for i, n in enumerate(view.nodes) if node_label(n) in members]
     inside = set(index)
     made = {out for i in index for out in view.nodes[i].output if out}
-    ends, between, extra = 0, 0, 0
+    ends, extra, chained = 0, 0, False
     reads: set[str] = set()
     for value in made:
         readers = [j for j in view.consumers.get(value, ()) if j in inside]
@@ -68,13 +68,13 @@ def block_bytes(view: GraphView, shapes: dict, members: set[str]) -> tuple[int, 
         if any(view.nodes[j].op_type == "Conv" for j in readers) and _planes(shapes, value):
             if size is None:
                 return None
-            between += 1
+            chained = True
             extra += size * (1 + len(readers))
         if view.is_graph_output(value) or len(readers) < len(view.consumers.get(value, ())):
             if size is None:
                 return None
             ends += size  # an output of the block
-    if not between:
+    if not chained:
         return None
     for i in index:
         for value in view.nodes[i].input:
