@@ -55,7 +55,8 @@ class Tactic:
     blocked_outputs: tuple[int, ...] = ()
     out_channels: tuple[int, ...] = ()
     # a block kernel run depth first: the values between its convs stay in its cache-sized
-    # scratch instead of going to memory (what fusion.bench.traffic's estimate counts)
+    # scratch instead of going to memory (what fusion.bench.traffic's estimate counts), or
+    # are never made (a squeeze-excitation gate folded into the next conv's weights)
     depth_first: bool = False
 
 

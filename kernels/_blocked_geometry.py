@@ -31,13 +31,17 @@ argument is unboxed per call and both kernels name its fields the same way.
                           channels (24, 40, 72 ... at 16 lanes): the row tiles run its taps on
                           half the channel loop, the rest of the block being zeros (edge
                           columns and single pixels run the whole loop); else 0
+    WN                    direct: floats from one image's packed weights to the next: 0 when
+                          every image shares them, their size when each image has its own (a
+                          squeeze-excitation gate folded into the conv after it:
+                          kernels/squeeze_excite.py gated_weights)
 """
 
 import numpy as np
 
 (N, CB, BI, H, W, KH, KW, SH, SW, DH, DW, PT, PL, MB, OH, OW, G, CBG, MBG, FB, PW, OGG, COL_A,
- COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB, PARTS, HALF,
- N_GEO) = range(38)  # fmt: skip
+ COL_B, CHUNK, ROWS, RESIDUAL, ACT, ROW_A, ROW_B, PAD, XBS, YBS, ROW0, YMB, PARTS, HALF, WN,
+ N_GEO) = range(39)  # fmt: skip
 
 
 def pack(**fields) -> np.ndarray:

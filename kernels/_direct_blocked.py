@@ -70,6 +70,7 @@ from ._blocked_geometry import (
     ROWS,
     SH,
     SW,
+    WN,
     XBS,
     YBS,
     YMB,
@@ -395,8 +396,9 @@ def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
     (its first MB blocks written: YMB = MB but in a concatenation's part), W = L.width; run:
     tile_item's function of the register tile Tile(g[PW], g[FB]), an Item
     (kernels/_first_class.py, tile_signature); packed weights [G, OGG, CBG, KH, KW, BI, FB W],
-    bias [G OGG FB W]; ci: BI, or L when BI = W (the channel loop unrolled); g: the geometry
-    (the indices above), its ACT the activation's kind, act_a and act_b its parameters."""
+    or N of them g[WN] floats apart (each image's own), bias [G OGG FB W]; ci: BI, or L when
+    BI = W (the channel loop unrolled); g: the geometry (the indices above), its ACT the
+    activation's kind, act_a and act_b its parameters."""
     ogg, rows, w, fb, pw = g[OGG], g[ROWS], L.width, g[FB], g[PW]
     rb_len = (g[OH] + rows - 1) // rows
     per_image = g[G] * ogg * rb_len
@@ -428,9 +430,9 @@ def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
             p1 = min(g[OW], p0 + chunk)
             if p0 < p1:
                 x0, y0 = (n * g[CB] * g[XBS] + p0) * g[BI], (n * g[YMB] * g[YBS] + p0) * w
-                pointwise_pixels(L, run, xf[x0:], wf, bf, yf[y0:], res[y0:], g.copy(), p1 - p0,
-                                 og, og + 1, acc, tbuf, tx, tw, sx, sw_, act_a, act_b,
-                                 ci)  # fmt: skip
+                pointwise_pixels(L, run, xf[x0:], wf[n * g[WN] :], bf, yf[y0:], res[y0:],
+                                 g.copy(), p1 - p0, og, og + 1, acc, tbuf, tx, tw, sx, sw_,
+                                 act_a, act_b, ci)  # fmt: skip
             continue
         # (prange's index is unsigned: run takes int64)
         n, rest = np.int64(it // per_image), np.int64(it % per_image)
@@ -438,8 +440,8 @@ def conv_direct(L, run, xf, wf, bf, yf, res, g, act_a, act_b, ci):
         og, rb = rest // rb_len, rest % rb_len
         r0 = rb * rows
         r1 = min(g[OH], r0 + rows)
-        call(run, L, xf, wf, bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx, tw, sx, sw_,
-             act_a, act_b, ci)  # fmt: skip
+        call(run, L, xf, wf[n * g[WN] :], bf, yf, res, g, n, grp, og, r0, r1, acc, tbuf, tx,
+             tw, sx, sw_, act_a, act_b, ci)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)

@@ -613,8 +613,9 @@ class _Launch:
     bound: bool = False  # run is the compiled entry point (config.entry_point), not the dispatcher
 
 
-def _launch(plan: ConvPlan, xb, threads: int, ymb: int | None = None) -> _Launch:
-    """Validate an input shape against the plan and work out its launch (ValueError if bad)."""
+def _launch(plan: ConvPlan, xb, threads: int, ymb: int | None = None, own=False) -> _Launch:
+    """Validate an input shape against the plan and work out its launch (ValueError if bad);
+    own: each image brings its own packed weights (geometry WN)."""
     if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
         raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
     n, cb, _, _, bi = xb.shape
@@ -630,6 +631,8 @@ def _launch(plan: ConvPlan, xb, threads: int, ymb: int | None = None) -> _Launch
     g = geometry(plan, xb.shape, threads)
     if ymb is not None:
         g[geo.YMB] = ymb
+    if own:
+        g[geo.WN] = plan.packed.size
     L = lanes(plan.block)
     if plan.depthwise:
         return _Launch(
@@ -658,19 +661,24 @@ def tile_item(L, pw: int, fb: int, ci, step: int = 0) -> Item:
     return Item(run, d.tile_signature(L, ci))
 
 
-def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
+def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None, weights=None):
     """y = epilogue(conv(xb)) for a blocked float32 input; returns the blocked output.
 
     residual: a blocked array of the output's shape when the plan adds one. at: write the
     output as channel blocks at, at + 1, ... of `out`, a larger blocked array [N, CB', OH, OW,
-    b] (a concatenation's part, so no copy makes it; no residual then). The per-shape work
-    (checks, geometry, the tile) is done on a shape's first call; a later call costs a dict
-    look-up."""
+    b] (a concatenation's part, so no copy makes it; no residual then). weights: each image's
+    own packed weights, [N, plan.packed.size] float32 in the plan's packing, in place of the
+    plan's (a squeeze-excitation gate folded into them: kernels/squeeze_excite.py; not for a
+    depthwise plan). The per-shape work (checks, geometry, the tile) is done on a shape's
+    first call; a later call costs a dict look-up."""
     ymb = None if at is None else part_blocks(out, at, plan)
-    key = (xb.shape, get_threads(), ymb) if isinstance(xb, np.ndarray) else None
+    own = weights is not None
+    key = (xb.shape, get_threads(), ymb, own) if isinstance(xb, np.ndarray) else None
     launch = plan.geometry.get(key)
     if launch is None or xb.dtype != np.float32:
-        launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1, ymb)
+        launch = plan.geometry[key] = _launch(plan, xb, key[1] if key else 1, ymb, own)
+    if own:
+        _check_weights(weights, plan, launch.shape[0])
     shape = launch.shape
     if ymb is not None:
         if out.shape[0] != shape[0] or out.shape[2:] != shape[2:]:
@@ -678,7 +686,7 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
         if plan.depthwise or launch.empty:  # the depthwise kernel writes whole tensors
             out[:, at : at + shape[1]] = conv_nchwc(xb, plan)
             return out
-        _run(launch, xb, plan, out.reshape(-1)[at * math.prod(shape[2:]) :], None)
+        _run(launch, xb, plan, out.reshape(-1)[at * math.prod(shape[2:]) :], None, weights)
         return out
     if out is None:
         out = empty(shape)
@@ -687,8 +695,19 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None):
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
     if launch.empty:
         return out
-    _run(launch, xb, plan, out.reshape(-1), residual)
+    _run(launch, xb, plan, out.reshape(-1), residual, weights)
     return out
+
+
+def _check_weights(weights, plan: ConvPlan, n: int) -> None:
+    """Per-image weights are [N, packed size] float32, C-contiguous, for a direct-kernel plan."""
+    if plan.depthwise:
+        raise ValueError("a depthwise conv takes its plan's weights, not each image's own")
+    want = (n, plan.packed.size)
+    if (not isinstance(weights, np.ndarray) or weights.shape != want
+            or weights.dtype != np.float32 or not weights.flags.c_contiguous):  # fmt: skip
+        raise ValueError(f"weights must be a C-contiguous float32 array of shape {want}, got "
+                         f"{getattr(weights, 'shape', weights)!r}")  # fmt: skip
 
 
 def part_blocks(out, at, plan: ConvPlan) -> int:
@@ -708,9 +727,10 @@ def part_blocks(out, at, plan: ConvPlan) -> int:
     return out.shape[1]
 
 
-def _run(launch: _Launch, xb, plan: ConvPlan, yf, residual):
-    """Run a launch on xb into the flat output yf (the plan's residual, if any, given); the
-    kernel's entry point bound on the first call."""
+def _run(launch: _Launch, xb, plan: ConvPlan, yf, residual, weights=None):
+    """Run a launch on xb into the flat output yf (the plan's residual, if any, given, and
+    each image's weights when the launch takes them); the kernel's entry point bound on the
+    first call."""
     xf = np.ascontiguousarray(xb).reshape(-1)
     if plan.residual:
         if not isinstance(residual, np.ndarray) or residual.shape != launch.shape:
@@ -721,7 +741,8 @@ def _run(launch: _Launch, xb, plan: ConvPlan, yf, residual):
     _, a, b = plan.act
     g = launch.geometry
     last = per_thread(launch.scratch) if launch.scratch else launch.tail
-    args = (*launch.head, xf, plan.packed, plan.bias, yf, res, g, a, b, last)
+    wf = plan.packed if weights is None else weights.reshape(-1)
+    args = (*launch.head, xf, wf, plan.bias, yf, res, g, a, b, last)
     launch.run(*args)
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True

@@ -58,7 +58,7 @@ class SqueezeExcitePlan:
     w2t: np.ndarray  # [M, C]: W2 transposed
     b2: np.ndarray  # [C]
     acts: np.ndarray  # [2, 3] float32: (kind, a, b) of act1 and act2 (kernels/simd/activation)
-    # (kernel, b, x writeable, y writeable) -> the kernel's compiled entry point
+    # (kernel, b, x writeable[, y writeable]) -> the kernel's compiled entry point
     entry: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -175,16 +175,18 @@ def squeeze_excite_one_region(L, x4, y4, w1, b1, w2t, b2, acts, threads):
 
 
 @numba.jit(**PARALLEL)
-def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
-    """y4 = x4 g (module docstring), x4 and y4 blocked [N, CB, P, b] (b = L.width), each plane
-    cut in `parts` runs of pixels for the two parallel phases. Four parallel regions whatever
-    the batch: the gate's two run every image's rows, then vectors, at once (a pair per image
-    was 2 N regions of ~3 us each: bench/NOTES.md)."""
+def gates_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, gates):
+    """gates[n, c] = g[n, c] of every image of x4, blocked [N, CB, P, b] (b = L.width), gates
+    [N, CB b] float32 (left as they are past C): the plane means in parallel over (image,
+    block, part of the plane) items, each plane cut in `parts` runs of pixels, then the
+    squeeze's rows and the excitation's vectors of every image split between the threads.
+    Three parallel regions whatever the batch (a pair per image was 2 N regions of ~3 us
+    each: bench/NOTES.md)."""
     n_len, cb_len, p_len, b = x4.shape
     m_len, c_len = w1.shape
     items = n_len * cb_len * parts
     sums = np.empty((items, b), np.float64)
-    xf, yf = x4.reshape(-1), y4.reshape(-1)
+    xf = x4.reshape(-1)
     for task in numba.prange(items):
         item, p0, p1 = plane_part(task, parts, p_len)
         s = np.zeros(b, np.float64)
@@ -192,7 +194,6 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
         sums[np.int64(task)] = s
     # the gate: its weights (2 M C floats, 442 KB for EfficientNet's last blocks) read by both
     # threads, the squeeze's rows and then the channels' vectors of every image split
-    gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C: the padding stays 0
     means = np.empty((n_len, cb_len * b), np.float32)
     h = np.empty((n_len, m_len), np.float32)
     w1f, w2f = w1.reshape(-1), w2t.reshape(-1)
@@ -210,7 +211,18 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
     for t in numba.prange(n_len * v_len):
         n, c0 = np.int64(t) // v_len, np.int64(t) % v_len
         _excite(L, h[n], w2f, b2, acts, gates[n], c0 * b, c_len)
-    for task in numba.prange(items):
+
+
+@numba.jit(**PARALLEL)
+def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
+    """y4 = x4 g (module docstring), x4 and y4 blocked [N, CB, P, b] (b = L.width): every
+    image's gates (gates_nchwc), then the scaling in parallel over its items. Four parallel
+    regions whatever the batch."""
+    n_len, cb_len, p_len, b = x4.shape
+    gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C: the padding stays 0
+    gates_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, gates)
+    xf, yf = x4.reshape(-1), y4.reshape(-1)
+    for task in numba.prange(n_len * cb_len * parts):
         item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
         gv = vload(L, gates[n], cb * b)
@@ -220,16 +232,64 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
             vstore(yf, q, vload(L, xf, q) * gv)
 
 
+@numba.jit(**PARALLEL)
+def gated_weights_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, packed, out):
+    """out[n, o, c, :] = packed[o, c, :] g[n, c]: a 1x1 conv's packed weights [OGG, CB b, R]
+    (its filter groups, input channels, R = FB b outputs) scaled per image along the input
+    channels by the gate of x4 (gates_nchwc), out [N, OGG, CB b, R]. Then conv(x g) = (W g)
+    x: the conv after the gate reads x itself with these weights (conv_nchwc `weights`), and
+    y = x g is never written. Rows in parallel over (image, filter group, input block)."""
+    n_len, cb_len, _, b = x4.shape
+    gates = np.zeros((n_len, cb_len * b), np.float32)  # 0 past C (packed rows there are 0)
+    gates_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, gates)
+    ogg, cp, r = packed.shape
+    pf, of = packed.reshape(-1), out.reshape(-1)
+    for t in numba.prange(n_len * ogg * cb_len):
+        n, rest = np.int64(t) // (ogg * cb_len), np.int64(t) % (ogg * cb_len)
+        o, cb = rest // cb_len, rest % cb_len
+        for c in range(cb * b, cb * b + b):
+            gc = gates[n, c]
+            src, dst = (o * cp + c) * r, ((n * ogg + o) * cp + c) * r
+            for k in range(0, r, b):
+                vstore(of, dst + k, vload(L, pf, src + k) * gc)
+
+
+@numba.jit(**PARALLEL)
+def gated_weights_one_region(L, x4, w1, b1, w2t, b2, acts, threads, packed, out):
+    """gated_weights_nchwc in one parallel region, as squeeze_excite_one_region: item t of
+    `threads` takes an even share of the (image, filter group, input block) rows and, for
+    each image among them, that image's gates (_image_gates: its means and squeeze, computed
+    by every thread that takes rows of it), then scales its rows."""
+    n_len, cb_len, p_len, b = x4.shape
+    ogg, cp, r = packed.shape
+    per_image = ogg * cb_len
+    rows = n_len * per_image
+    xf, pf, of = x4.reshape(-1), packed.reshape(-1), out.reshape(-1)
+    w1f, w2f = w1.reshape(-1), w2t.reshape(-1)
+    for t in numba.prange(threads):
+        first, end = np.int64(t) * rows // threads, (np.int64(t) + 1) * rows // threads
+        gates = np.zeros(cp, np.float32)  # 0 past C (packed rows there are 0)
+        row = first
+        while row < end:
+            n = row // per_image
+            _image_gates(L, xf, n * cb_len * p_len * b, cb_len, p_len, w1f, b1, w2f, b2, acts,
+                         0, cp, gates)  # fmt: skip
+            stop = min(end, (n + 1) * per_image)
+            for q in range(row, stop):
+                o, cb = (q % per_image) // cb_len, q % cb_len
+                for c in range(cb * b, cb * b + b):
+                    gc = gates[c]
+                    src, dst = (o * cp + c) * r, ((n * ogg + o) * cp + c) * r
+                    for k in range(0, r, b):
+                        vstore(of, dst + k, vload(L, pf, src + k) * gc)
+            row = stop
+
+
 def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=False):
     """The block on a blocked float32 x [N, CB, H, W, b] of plan.channels channels; returns y
     (blocked, x's shape), into `out` if given. one_region: squeeze_excite_one_region, else
     squeeze_excite_nchwc (module docstring)."""
-    if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
-        raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
-    n, cb, h, w, b = xb.shape
-    if -(-plan.channels // b) != cb or h * w == 0:
-        raise ValueError(f"x of shape {xb.shape} does not hold {plan.channels} channels in "
-                         f"blocks of {b}, or its plane is empty")  # fmt: skip
+    n, cb, h, w, b = _blocked_shape(xb, plan)
     if out is None:
         out = empty(xb.shape)
     elif out.shape != xb.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -241,14 +301,56 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=Fal
     last = get_threads() if one_region else plane_parts(n * cb, h * w)
     args = (lanes(b), x4, out.reshape(n, cb, h * w, b), plan.w1, plan.b1, plan.w2t, plan.b2,
             plan.acts, last)  # fmt: skip
-    # the arguments' types are the same on every call of a kernel at a width (x's and y's
-    # writability aside, part of the key): its compiled entry point, found on the first call,
-    # skips the dispatcher (~1 us)
-    key = (kernel, b, x4.flags.writeable, out.flags.writeable)
+    _call(plan, kernel, (kernel, b, x4.flags.writeable, out.flags.writeable), args)
+    return out
+
+
+def _blocked_shape(xb, plan: SqueezeExcitePlan) -> tuple:
+    """xb's shape [N, CB, H, W, b], checked: a blocked float32 array of plan.channels."""
+    if not isinstance(xb, np.ndarray) or xb.dtype != np.float32 or xb.ndim != 5:
+        raise ValueError(f"x must be a blocked float32 array, got {getattr(xb, 'shape', xb)!r}")
+    n, cb, h, w, b = xb.shape
+    if -(-plan.channels // b) != cb or h * w == 0:
+        raise ValueError(f"x of shape {xb.shape} does not hold {plan.channels} channels in "
+                         f"blocks of {b}, or its plane is empty")  # fmt: skip
+    return xb.shape
+
+
+def _call(plan: SqueezeExcitePlan, kernel, key: tuple, args: tuple) -> None:
+    """kernel(*args). The arguments' types are the same on every call of a kernel at a width
+    (the arrays' writability aside, part of `key`): its compiled entry point, found on the
+    first call, skips the dispatcher (~1 us)."""
     run = plan.entry.get(key)
     if run is None:
         kernel(*args)
         plan.entry[key] = entry_point(kernel, args)
     else:
         run(*args)
+
+
+def gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False) -> np.ndarray:
+    """Each image's packed weights of `conv` (a kernels/conv_nchwc ConvPlan of a 1x1 conv of
+    group 1 on plan.channels channels in blocks of xb's width) with the gate of xb (blocked
+    [N, CB, H, W, b]) folded in along its input channels: [N, conv.packed.size], for
+    conv_nchwc(xb, conv, weights=...), which then computes conv(squeeze_excite(xb)) without
+    writing the gated tensor (gated_weights_nchwc). Worth it where a plane has more pixels
+    than the conv has outputs: the weights scaled per image, N M C floats, against the
+    gated tensor written and read back, N C H W. one_region: gated_weights_one_region, else
+    gated_weights_nchwc (as squeeze_excite_blocked's)."""
+    n, cb, h, w, b = _blocked_shape(xb, plan)
+    if (conv.depthwise or conv.group != 1 or conv.kernel != (1, 1) or conv.in_block != b
+            or conv.in_channels != plan.channels or conv.block != b):  # fmt: skip
+        raise ValueError(f"the gate folds into a 1x1 conv of group 1 on {plan.channels} "
+                         f"channels in blocks of {b}")  # fmt: skip
+    ogg = conv.out_blocks_per_group // conv.fb + (conv.out_blocks_per_group % conv.fb > 0)
+    packed = conv.packed.reshape(ogg, cb * b, conv.fb * b)
+    out = empty((n, conv.packed.size))
+    if n == 0:
+        return out
+    x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)
+    kernel = gated_weights_one_region if one_region else gated_weights_nchwc
+    last = get_threads() if one_region else plane_parts(n * cb, h * w)
+    args = (lanes(b), x4, plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last, packed,
+            out.reshape(n, ogg, cb * b, conv.fb * b))  # fmt: skip
+    _call(plan, kernel, (kernel, b, x4.flags.writeable), args)
     return out

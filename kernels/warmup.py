@@ -108,9 +108,10 @@ def _gru():
 
 def _pool():
     from .blocked import block, to_blocked
+    from .conv_nchwc import prepare_conv_nchwc
     from .pool import global_average_pool, maxpool2d, maxpool_blocked, prepare_maxpool
     from .simd.activation import encode
-    from .squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+    from .squeeze_excite import gated_weights, prepare_squeeze_excite, squeeze_excite_blocked
 
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 9), dtype=np.float32)
     maxpool2d(x, prepare_maxpool((3, 3), (2, 2), ceil_mode=True))
@@ -118,8 +119,10 @@ def _pool():
     global_average_pool(x)
     w = np.ones((2, 3), np.float32)
     se = prepare_squeeze_excite(w, None, w.T, None, encode("relu"), encode("sigmoid"))
+    conv = prepare_conv_nchwc(np.ones((4, 3, 1, 1), np.float32), in_block=block())
     for one_region in (False, True):
         squeeze_excite_blocked(to_blocked(x, block=block()), se, one_region=one_region)
+        gated_weights(to_blocked(x, block=block()), se, conv, one_region)  # the gate folded
 
 
 def _pointwise():

@@ -205,8 +205,7 @@ def test_squeeze_excite_between_depthwise_and_project_is_left_to_its_patterns():
     )
     y = g.node("Conv", [g.node("Mul", [d, s]), g.const(weights(8, 48, 1, 1))])
     model = g.model({"x": ["N", 8, 7, 7]}, [y])
-    near_miss(model, "InvertedResidual",
-              fused=["ExpandDepthwise", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
+    near_miss(model, "InvertedResidual", fused=["ExpandDepthwise", "SqueezeExciteConv"])
 
 
 def test_grouped_middle_conv_is_not_a_depthwise_one():
@@ -328,15 +327,17 @@ ED_CASES = [  # c, t, s, k, hw, batch, activations, BatchNorm
 @pytest.mark.parametrize("c,t,s,k,hw,batch,acts,bn", ED_CASES)
 def test_expand_depthwise_before_a_gate_matches_onnxruntime(c, t, s, k, hw, batch, acts, bn):
     """Squeeze-excitation splits the block at its gate: the expand and the depthwise conv are
-    one ExpandDepthwise node (e never leaves the cache), both tactics against onnxruntime."""
+    one ExpandDepthwise node (e never leaves the cache), the gate and the projection another
+    (SqueezeExciteConv), each node's tactics against onnxruntime (the gate folded into the
+    projection's weights, then not)."""
     g = GraphBuilder(opset=17)
     y, _ = se_block(g, "x", c, t, 8, s, k, acts, bn)
     model = g.model({"x": ["N", c, hw, hw]}, [y])
-    result = assert_fuses(model, ["ExpandDepthwise", "SqueezeExcite", "ConvBiasRelu"],
+    result = assert_fuses(model, ["ExpandDepthwise", "SqueezeExciteConv"],
                           batch=max(batch, 1), rtol=1e-4, atol=1e-5)  # fmt: skip
     feeds = {"x": RNG.standard_normal((batch, c, hw, hw)).astype(np.float32)}
     (want,) = run_ort(model, feeds)
-    for tactic in ("blocked-depthfirst", "blocked-opbyop"):
+    for tactic in ("blocked-depthfirst", "blocked-opbyop"):  # blocked-gated for the gate
         session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
         assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5, what=tactic)
 

@@ -8,6 +8,7 @@ import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
+from fusion.verify import verify_node
 
 SHAPES = [(1, 16, 7, 7), (3, 16, 5, 9)]
 
@@ -34,11 +35,20 @@ def squeeze_excite(g, x, channels, hidden=4, pool="gap", act1="silu", act2="sigm
     return g.node("Mul", [s, x], name="/se/mul")
 
 
-def block(g, pool="gap", **se):
-    """A conv, the gate on its output, a projection conv: the gate between two fused convs."""
-    t = g.node("Relu", [g.node("Conv", ["x", g.weight(16, 16, 3, 3)], pads=[1, 1, 1, 1])])
-    y = squeeze_excite(g, t, 16, pool=pool, **se)
-    return g.node("Conv", [y, g.weight(8, 16, 1, 1)])
+def block(g, pool="gap", tail=3, residual=None, c=16, **se):
+    """A conv, the gate on its output, a conv of tail x tail after it (1: the block's
+    projection, which the gate folds into; residual "before" or "after" its Relu: the gate's
+    input added, MobileNetV3's residual on a block that keeps its width)."""
+    t = g.node("Relu", [g.node("Conv", ["x", g.weight(c, 16, 3, 3)], pads=[1, 1, 1, 1])])
+    y = squeeze_excite(g, t, c, pool=pool, **se)
+    m = c if residual else 8
+    z = g.node("Conv", [y, g.weight(m, c, tail, tail), g.weight(m)], pads=[tail // 2] * 4,
+               name="/proj")  # fmt: skip
+    if residual == "before":
+        return g.node("Relu", [g.node("Add", [z, t])])
+    if residual == "after":
+        return g.node("Add", [g.node("Relu", [z]), t])
+    return z
 
 
 @pytest.mark.parametrize(
@@ -82,9 +92,62 @@ def test_reducemean_without_keepdims_is_not_a_squeeze():
 
 def test_a_3x3_conv_in_the_gate_is_declined():
     g = GraphBuilder(opset=17)
-    model = g.model({"x": [1, 16, 5, 5]}, [block(g, k=3)])
+    model = g.model({"x": [1, 16, 5, 5]}, [block(g, k=3, tail=1)])
     near_miss(model, "SqueezeExcite", "fc1: a [4, 16, 3, 3] conv of group 1, not a 1x1 one",
               fused=["ConvBiasRelu"] * 4)  # fmt: skip
+    text = near_miss(model, "SqueezeExciteConv", fused=["ConvBiasRelu"] * 4)
+    assert "fc1: a [4, 16, 3, 3] conv of group 1, not a 1x1 one" in text, text
+
+
+# ---- the gate folded into the 1x1 conv after it (SqueezeExciteConv) ---------------------------
+GATED_TACTICS = ("blocked-gated", "blocked-gated-one", "blocked-opbyop", "blocked-opbyop-one")
+
+
+@pytest.mark.parametrize(
+    "opset,pool,act1,act2,residual,c",
+    [(17, "gap", "silu", "sigmoid", None, 16), (18, "reduce_input", "relu", "hard_sigmoid",
+      "before", 20), (13, "reduce_attr", "relu", "sigmoid", "after", 40)],
+)  # fmt: skip
+def test_the_gate_folds_into_the_conv_after_it(opset, pool, act1, act2, residual, c):
+    for shape in [(1, 16, 7, 7), (3, 16, 5, 9), (2, 16, 1, 1), (1, 16, 13, 12)]:
+        g = GraphBuilder(opset=opset, seed=c)
+        y = block(g, pool, tail=1, residual=residual, c=c, act1=act1, act2=act2)
+        model = g.model({"x": ["N", 16, "H", "W"]}, [y])
+        result = assert_fuses(model, ["ConvBiasRelu", "SqueezeExciteConv"])
+        feeds = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        (want,) = run_ort(model, feeds)
+        for tactic in (*GATED_TACTICS, "race"):
+            session = fusion.Session(result.model, threads=2, fuse=False,
+                                     tactics="kernels" if tactic == "race" else tactic)  # fmt: skip
+            # raced, the first conv may take a Winograd tactic: the rules' scale-relative error
+            atol = 1e-4 * float(np.abs(want).max()) if tactic == "race" else 1e-5
+            assert_close(session.run(None, feeds)[0], want, 1e-4, atol, what=f"{tactic} {shape}")
+        # the kernel called on NCHW tensors (its own conversions) against the node's body
+        values = fusion.Session(result.model, threads=2, fuse=False).run_with_intermediates(feeds)
+        node = next(n for n in result.model.graph.node if n.op_type == "SqueezeExciteConv")
+        assert verify_node(result.model, node, values)[2], shape
+    assert fusion.coverage(model, result=result).summary() == (
+        "convs: 4 of 4 fused; onnxruntime islands: 0"
+    )
+
+
+def test_a_3x3_conv_after_the_gate_takes_it_apart():
+    g = GraphBuilder(opset=17)
+    model = g.model({"x": [1, 16, 5, 5]}, [block(g, tail=3)])
+    near_miss(model, "SqueezeExciteConv", "p: a [8, 16, 3, 3] conv of group 1, not a 1x1 one",
+              fused=["ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
+
+
+def test_a_gated_tensor_read_elsewhere_is_not_folded_away():
+    """y = x g is also a graph output: the conv cannot read x in its place."""
+    g = GraphBuilder(opset=17)
+    t = g.node("Relu", [g.node("Conv", ["x", g.weight(16, 16, 3, 3)], pads=[1, 1, 1, 1])])
+    y = squeeze_excite(g, t, 16)
+    z = g.node("Conv", [y, g.weight(8, 16, 1, 1)])
+    model = g.model({"x": [1, 16, 5, 5]}, [z, y])
+    text = near_miss(model, "SqueezeExciteConv",
+                     fused=["ConvBiasRelu", "SqueezeExcite", "ConvBiasRelu"])  # fmt: skip
+    assert "/se/mul" in text and "graph output" in text, text
 
 
 # ---- the blocked kernel (kernels/squeeze_excite.py) at both widths ---------------------------
@@ -157,3 +220,79 @@ def test_blocked_kernel_propagates_nan_and_checks_its_input():
         squeeze_excite_blocked(to_blocked(x[:, :16], block=16), plan)
     with pytest.raises(ValueError, match="do not chain"):
         prepare_squeeze_excite(w1, b1, w1, b2, encode("relu"), encode("sigmoid"))
+
+
+def gated_conv_model(channels, hidden, out, seed):
+    """The gate, then a 1x1 conv with a bias: SqueezeExciteConv's body, for the kernels."""
+    g = GraphBuilder(seed=seed)
+    y = squeeze_excite(g, "x", channels, hidden, act1="silu", act2="sigmoid")
+    z = g.node("Conv", [y, g.weight(out, channels, 1, 1), g.weight(out)], name="/proj")
+    return g.model({"x": ["N", channels, "H", "W"]}, [z])
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize(
+    "shape, hidden, out",
+    [((1, 5, 1, 1), 1, 3), ((3, 17, 13, 13), 3, 40), ((1, 100, 7, 9), 24, 17),
+     ((1, 32, 56, 56), 8, 16), ((0, 16, 5, 5), 4, 8), ((2, 48, 5, 5), 6, 100)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("one_region", [False, True], ids=["regions", "one-region"])
+def test_gated_weights_against_onnxruntime(block, shape, hidden, out, one_region):
+    """conv(x g) computed as (W g) x, every register tile of the conv, against onnxruntime's
+    gate and conv."""
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc, tile_options
+    from kernels.simd.activation import encode
+    from kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
+
+    n, c, h, w = shape
+    model = gated_conv_model(c, hidden, out, seed=c)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    convs = [node for node in model.graph.node if node.op_type == "Conv"]
+    (w1, b1), (w2, b2), (wp, bp) = [[inits[v] for v in node.input[1:]] for node in convs]
+    plan = prepare_squeeze_excite(w1, b1, w2, b2, encode("silu"), encode("sigmoid"))
+    x = np.random.default_rng(n + c).standard_normal(shape).astype(np.float32)
+    xb = to_blocked(x, block=block)
+    want = run_ort(model, {"x": x})[0] if n else None
+    for tile in tile_options(wp.shape, 1, block):
+        conv = prepare_conv_nchwc(wp, bp, tile=tile, block=block, in_block=block)
+        weights = gated_weights(xb, plan, conv, one_region)
+        assert weights.shape == (n, conv.packed.size)
+        zb = conv_nchwc(xb, conv, weights=weights)
+        if n:
+            assert_close(from_blocked(zb, out), want, 1e-4, 1e-5, what=f"tile {tile}")
+
+
+def test_gated_weights_propagate_nan_and_check_their_arguments():
+    from kernels.blocked import from_blocked, to_blocked
+    from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+    from kernels.simd.activation import encode
+    from kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
+
+    model = gated_conv_model(20, 4, 24, seed=1)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    convs = [node for node in model.graph.node if node.op_type == "Conv"]
+    (w1, b1), (w2, b2), (wp, bp) = [[inits[v] for v in node.input[1:]] for node in convs]
+    plan = prepare_squeeze_excite(w1, b1, w2, b2, encode("silu"), encode("sigmoid"))
+    x = np.random.default_rng(0).standard_normal((2, 20, 6, 6)).astype(np.float32)
+    x[1, 3, 2, 2] = np.nan  # image 1's gates are all NaN: so is every output of image 1
+    (want,) = run_ort(model, {"x": x})
+    conv = prepare_conv_nchwc(wp, bp, block=16, in_block=16)
+    xb = to_blocked(x, block=16)
+    for one_region in (False, True):
+        got = from_blocked(conv_nchwc(xb, conv, weights=gated_weights(xb, plan, conv, one_region)),
+                           24)  # fmt: skip
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1]).all()
+        assert_close(got[0], want[0], 1e-4, 1e-5)
+    with pytest.raises(ValueError, match="folds into a 1x1 conv of group 1 on 20 channels"):
+        gated_weights(xb, plan, prepare_conv_nchwc(wp[:, :16], bp, block=16, in_block=16))
+    with pytest.raises(ValueError, match="folds into a 1x1 conv"):
+        three = prepare_conv_nchwc(np.ones((24, 20, 3, 3), np.float32), bp, pads=(1, 1, 1, 1),
+                                   block=16, in_block=16)  # fmt: skip
+        gated_weights(xb, plan, three)
+    with pytest.raises(ValueError, match=r"weights must be a C-contiguous float32 array of shape"):
+        conv_nchwc(xb, conv, weights=np.zeros((1, conv.packed.size), np.float32))
+    depthwise = prepare_conv_nchwc(np.ones((20, 1, 3, 3), np.float32), group=20, block=16)
+    with pytest.raises(ValueError, match="depthwise conv takes its plan's weights"):
+        conv_nchwc(xb, depthwise, weights=np.zeros((2, depthwise.packed.size), np.float32))

@@ -6,8 +6,9 @@ output d; a DenseNet layer's normalized input to its 1x1 conv; not squeeze-excit
 per-channel vectors). Run op by op (a tactic that is not depth_first, fusion.catalog.Tactic:
 the "opbyop" ones, a Fire module's, which writes its squeeze; or the function body in
 onnxruntime), each such value is written to memory once and read back by each of its
-consumers; run depth first, it lives in the kernel's cache-sized scratch, and only the block's
-inputs and outputs move. So, per block:
+consumers; run depth first, it lives in the kernel's cache-sized scratch (or, a
+squeeze-excitation gate folded into the next conv's weights, is never made), and only the
+block's inputs and outputs move. So, per block:
 
     depth first = bytes of its activation inputs + bytes of its outputs
     op by op    = depth first + sum over the values between its convs of bytes x (1 + readers)
