@@ -15,7 +15,8 @@ rewriter's safety check). Squeeze-excitation between the depthwise conv and the 
 (MobileNetV3, EfficientNet) is not this pattern: its gate needs the whole plane of d, which a
 band does not have. There the block splits at the gate: ExpandDepthwise takes the expand and
 the depthwise conv (the same kernel, stopping at d: e never leaves the core's cache), then
-SqueezeExcite and ConvBiasRelu the rest.
+SqueezeExciteConv the gate and the projection (patterns/squeeze_excite.py: the gate folded
+into the projection's weights, so d g is never written either).
 
 ExpandDepthwise:  d = act_d(bn(depthwise_kxk(act_e(bn(conv1x1(x))))))
 """
