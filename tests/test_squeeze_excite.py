@@ -234,7 +234,8 @@ def gated_conv_model(channels, hidden, out, seed):
 @pytest.mark.parametrize(
     "shape, hidden, out",
     [((1, 5, 1, 1), 1, 3), ((3, 17, 13, 13), 3, 40), ((1, 100, 7, 9), 24, 17),
-     ((1, 32, 56, 56), 8, 16), ((0, 16, 5, 5), 4, 8), ((2, 48, 5, 5), 6, 100)],
+     ((1, 32, 56, 56), 8, 16), ((0, 16, 5, 5), 4, 8), ((2, 48, 5, 5), 6, 100),
+     ((2, 2600, 3, 3), 48, 64)],  # at 16 lanes a 4-block tile's K is cut in chunks
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("one_region", [False, True], ids=["regions", "one-region"])
