@@ -15,6 +15,10 @@ gate in vectors over C (W1 by rows dotted with m; W2 stored transposed, [M, C], 
 scales a row of it into g; rows and vectors split between the threads), then the scaling in
 parallel over the same items. Channels past C stay zero (their gate is 0).
 
+Folded into the 1x1 conv after the gate (gated_weights): as conv(x g) = (W g) x, each image's
+copy of the conv's packed weights is scaled along its input channels by g, and the conv reads
+x itself (kernels/conv_nchwc.py `weights`), y never written; the same phases compute g.
+
 A second form runs the block in one parallel region (squeeze_excite_one_region): each thread
 takes an even share of the (image, channel block) pairs, computes the means and the squeeze of
 every image its share touches (one image shared by two threads is computed by both), then the
@@ -232,6 +236,19 @@ def squeeze_excite_nchwc(L, x4, y4, w1, b1, w2t, b2, acts, parts):
             vstore(yf, q, vload(L, xf, q) * gv)
 
 
+@numba.jit(**INLINE)
+def _scale_rows(L, pf, of, g, n, o, cb, ogg, cp, r):
+    """The rows of input block cb in filter group o of the packed weights pf [OGG, CP, R],
+    times the gate g (one image's, [CP]), into image n's copy of them in of [N, OGG, CP, R];
+    copied into its callers."""
+    b = L.width
+    for c in range(cb * b, cb * b + b):
+        gc = g[c]
+        src, dst = (o * cp + c) * r, ((n * ogg + o) * cp + c) * r
+        for k in range(0, r, b):
+            vstore(of, dst + k, vload(L, pf, src + k) * gc)
+
+
 @numba.jit(**PARALLEL)
 def gated_weights_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, packed, out):
     """out[n, o, c, :] = packed[o, c, :] g[n, c]: a 1x1 conv's packed weights [OGG, CB b, R]
@@ -246,12 +263,7 @@ def gated_weights_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, packed, out):
     pf, of = packed.reshape(-1), out.reshape(-1)
     for t in numba.prange(n_len * ogg * cb_len):
         n, rest = np.int64(t) // (ogg * cb_len), np.int64(t) % (ogg * cb_len)
-        o, cb = rest // cb_len, rest % cb_len
-        for c in range(cb * b, cb * b + b):
-            gc = gates[n, c]
-            src, dst = (o * cp + c) * r, ((n * ogg + o) * cp + c) * r
-            for k in range(0, r, b):
-                vstore(of, dst + k, vload(L, pf, src + k) * gc)
+        _scale_rows(L, pf, of, gates[n], n, rest // cb_len, rest % cb_len, ogg, cp, r)
 
 
 @numba.jit(**PARALLEL)
@@ -276,12 +288,8 @@ def gated_weights_one_region(L, x4, w1, b1, w2t, b2, acts, threads, packed, out)
                          0, cp, gates)  # fmt: skip
             stop = min(end, (n + 1) * per_image)
             for q in range(row, stop):
-                o, cb = (q % per_image) // cb_len, q % cb_len
-                for c in range(cb * b, cb * b + b):
-                    gc = gates[c]
-                    src, dst = (o * cp + c) * r, ((n * ogg + o) * cp + c) * r
-                    for k in range(0, r, b):
-                        vstore(of, dst + k, vload(L, pf, src + k) * gc)
+                _scale_rows(L, pf, of, gates, n, (q % per_image) // cb_len, q % cb_len, ogg, cp,
+                            r)  # fmt: skip
             row = stop
 
 
@@ -342,7 +350,7 @@ def gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False) -> np.nda
             or conv.in_channels != plan.channels or conv.block != b):  # fmt: skip
         raise ValueError(f"the gate folds into a 1x1 conv of group 1 on {plan.channels} "
                          f"channels in blocks of {b}")  # fmt: skip
-    ogg = conv.out_blocks_per_group // conv.fb + (conv.out_blocks_per_group % conv.fb > 0)
+    ogg = -(-conv.out_blocks_per_group // conv.fb)  # filter groups of FB blocks
     packed = conv.packed.reshape(ogg, cb * b, conv.fb * b)
     out = empty((n, conv.packed.size))
     if n == 0:

@@ -209,7 +209,7 @@ class SqueezeExciteConvKernel:
 
         _, se = gate_plan(attrs, constants)
         conv = {key[2:]: v for key, v in attrs.items() if key.startswith("p_")}
-        first = 1 + 3 * len(PREFIXES)
+        first = GATED_INPUTS.index("p_W")
         w, bias = folded(conv, [None, *constants[first : first + len(PER_CONV)]])
         b = block()
         plan = blocked_plan(conv, w, bias, tile_options(w.shape, 1)[0], in_block=b)
