@@ -58,6 +58,11 @@ class Tactic:
     # scratch instead of going to memory (what fusion.bench.traffic's estimate counts), or
     # are never made (a squeeze-excitation gate folded into the next conv's weights)
     depth_first: bool = False
+    # bind(*inputs) -> run specialized for inputs of these shapes (or None: not offered): a
+    # session's step calls it once per input shapes, then the function it returns on every
+    # run with the same shapes, which may skip run's checks and look-ups (a step's Python
+    # is ~4 us of a small conv's ~10; fusion/runtime/steps.py KernelStep)
+    bind: Callable[..., Callable[..., Sequence] | None] | None = None
 
 
 @dataclass(eq=False)

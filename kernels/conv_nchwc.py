@@ -43,7 +43,7 @@ from .simd import lanes, width
 from .simd import tile as tiles
 from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
-from .workspace import empty, per_thread
+from .workspace import allocator, empty, per_thread
 
 TILE_BLOCKS = (4, 3, 2, 1)  # output blocks per register tile worth considering (FB)
 # Independent FMA chains that keep a core's FMA units busy (two ports x 4-5 cycles of latency):
@@ -697,6 +697,41 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None, weights=Non
         return out
     _run(launch, xb, plan, out.reshape(-1), residual, weights)
     return out
+
+
+def bind_conv_nchwc(xb, plan: ConvPlan, residual=None, weights=None):
+    """conv_nchwc(xb, plan, residual=, weights=) specialized for arrays of these shapes and
+    dtypes at the calling thread's thread count: the function f(xb, residual=None,
+    weights=None) -> y for a caller whose shapes repeat call after call (a session's step,
+    fusion/runtime/steps.py), which has checked them. The checks, the launch's look-up and
+    the packing of the kernel's arguments are done here, once; f allocates the output and
+    calls the compiled kernel (~1 us of Python a call against ~3). These arrays are checked
+    (conv_nchwc is called on them if their launch is not bound yet); f's are not: an array
+    of another shape is the caller's error, as is a non-contiguous one (copied by reshape)."""
+    own = weights is not None
+    launch = plan.geometry.get((getattr(xb, "shape", None), get_threads(), None, own))
+    if launch is None or not launch.bound or launch.empty:
+        conv_nchwc(xb, plan, residual=residual, weights=weights)
+        launch = plan.geometry[(xb.shape, get_threads(), None, own)]
+    if own:
+        _check_weights(weights, plan, launch.shape[0])
+    if plan.residual and (not isinstance(residual, np.ndarray) or residual.shape != launch.shape):
+        raise ValueError(f"the residual must be a blocked array of shape {launch.shape}")
+    shape, size, alloc = launch.shape, math.prod(launch.shape), allocator()
+    if launch.empty:
+        return lambda xb, residual=None, weights=None: alloc(0).reshape(shape)
+    run, head, g, tail, scratch = launch.run, launch.head, launch.geometry, launch.tail, (
+        launch.scratch)  # fmt: skip
+    bias, packed, (_, a, b) = plan.bias, plan.packed, plan.act
+
+    def call(xb, residual=None, weights=None):
+        yf = alloc(size)
+        run(*head, xb.reshape(-1), packed if weights is None else weights.reshape(-1), bias, yf,
+            yf if residual is None else residual.reshape(-1), g, a, b,
+            per_thread(scratch) if scratch else tail)  # fmt: skip
+        return yf.reshape(shape)
+
+    return call
 
 
 def _check_weights(weights, plan: ConvPlan, n: int) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _inverted_residual_blocked as ir
 from .blocked import block_size, from_blocked, to_blocked
-from .config import entry_point
+from .config import entry_point, get_threads
 from .conv_nchwc import (
     ConvPlan,
     busiest,
@@ -45,7 +45,7 @@ from .machine import cache_bytes
 from .simd import lanes, width
 from .simd.activation import encode
 from .windows import conv_output_shape
-from .workspace import cached_launch, empty, output, per_thread
+from .workspace import allocator, cached_launch, empty, output, per_thread
 
 L2_SHARE = 2  # the band's two scratches take at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
 ACT_KEYS = tuple(inspect.signature(encode).parameters)  # activation, alpha, beta, clip_min, ...
@@ -327,3 +327,36 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True
     return out
+
+
+def bind_inverted_residual(xb, plan: InvertedResidualPlan):
+    """inverted_residual(xb, plan) specialized for arrays of xb's shape at the calling thread's
+    thread count: f(xb) -> y, as conv_nchwc.bind_conv_nchwc (the checks and the arguments'
+    packing done once; f allocates and calls the compiled block). None where the residual is
+    re-blocked per call (C under a block): that call keeps the general path."""
+    launch = plan.launches.get((getattr(xb, "shape", None), get_threads()))
+    if launch is None or not launch.bound:
+        inverted_residual(xb, plan)
+        launch = plan.launches[(xb.shape, get_threads())]
+    shape, alloc = launch.shape, allocator()
+    size = int(np.prod(shape))
+    if plan.residual and xb.shape[-1] != plan.block:
+        return None
+    if shape[0] == 0:
+        return lambda xb: alloc(0).reshape(shape)
+    a, run, scratch, residual = launch.args, launch.run, launch.scratch, plan.residual
+    head, consts, geos, rest = a[:3], a[3:9], a[9:16], a[16:]
+    split = launch.split if plan.project is not None else 1
+    combine, epilogue = ir.combine_parts, launch.epilogue
+
+    def call(xb):
+        xf, yf = xb.reshape(-1), alloc(size)
+        rf = xf if residual else yf
+        parts = alloc(split * size) if split > 1 else yf
+        run(*head, xf, *consts, yf, rf, *geos, per_thread(scratch), *rest, parts)
+        if split > 1:
+            L, bias, g, epi, acts = epilogue
+            combine(L, parts, yf, rf, bias, g, epi, acts)
+        return yf.reshape(shape)
+
+    return call

@@ -51,7 +51,7 @@ from .simd import (
     vzero,
 )
 from .simd.activation import activate
-from .workspace import empty
+from .workspace import allocator, empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,3 +362,50 @@ def gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False) -> np.nda
             out.reshape(n, ogg, cb * b, conv.fb * b))  # fmt: skip
     _call(plan, kernel, (kernel, b, x4.flags.writeable), args)
     return out
+
+
+def bind_squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, one_region=False):
+    """squeeze_excite_blocked(xb, plan, one_region=) specialized for arrays of xb's shape at
+    the calling thread's thread count: f(xb) -> y (as conv_nchwc.bind_conv_nchwc: the checks
+    and the arguments worked out once; f allocates and calls the compiled kernel)."""
+    squeeze_excite_blocked(xb, plan, one_region=one_region)  # checks it; binds the kernel
+    n, cb, h, w, b = xb.shape
+    if n == 0:
+        return lambda xb: empty(xb.shape)
+    kernel = squeeze_excite_one_region if one_region else squeeze_excite_nchwc
+    run = plan.entry[(kernel, b, xb.flags.writeable, True)]
+    last = get_threads() if one_region else plane_parts(n * cb, h * w)
+    L, x4, size, alloc = lanes(b), (n, cb, h * w, b), xb.size, allocator()
+    consts = (plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last)
+
+    def call(xb):
+        out = alloc(size)
+        run(L, xb.reshape(x4), out.reshape(x4), *consts)
+        return out.reshape(xb.shape)
+
+    return call
+
+
+def bind_gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False):
+    """gated_weights(xb, plan, conv, one_region) specialized for arrays of xb's shape at the
+    calling thread's thread count: f(xb) -> each image's weights (as
+    bind_squeeze_excite_blocked)."""
+    gated_weights(xb, plan, conv, one_region)  # checks it; binds the kernel
+    n, cb, h, w, b = xb.shape
+    if n == 0:
+        return lambda xb: empty((0, conv.packed.size))
+    kernel = gated_weights_one_region if one_region else gated_weights_nchwc
+    run = plan.entry[(kernel, b, xb.flags.writeable)]
+    last = get_threads() if one_region else plane_parts(n * cb, h * w)
+    ogg = -(-conv.out_blocks_per_group // conv.fb)
+    packed = conv.packed.reshape(ogg, cb * b, conv.fb * b)
+    rows, size, alloc = (n, ogg, cb * b, conv.fb * b), conv.packed.size, allocator()
+    L, x4 = lanes(b), (n, cb, h * w, b)
+    consts = (plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last, packed)
+
+    def call(xb):
+        out = alloc(n * size)
+        run(L, xb.reshape(x4), *consts, out.reshape(rows))
+        return out.reshape(n, size)
+
+    return call

@@ -58,6 +58,15 @@ def _bind(n):
 _ALIGNED = [_bind]  # the function empty() calls
 
 
+def allocator():
+    """The function empty() calls for a length, n -> n aligned float32s: a bound call (a
+    kernel's call specialized for one shape, e.g. conv_nchwc.bind_conv_nchwc) allocates its
+    output through it, without empty()'s test of the shape's type and its reshape."""
+    if _ALIGNED[0] is _bind:
+        empty(1)
+    return _ALIGNED[0]
+
+
 def per_thread(n: int) -> np.ndarray:
     """A [Numba threads, m] float32 scratch for one call from this Python thread, m >= n rounded
     up so that every row starts on an ALIGN-byte boundary (uninitialized: a kernel writes what

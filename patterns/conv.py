@@ -402,7 +402,7 @@ class ConvKernel:
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None, rank: int):
         from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
-        from kernels.conv_nchwc import conv_nchwc
+        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
         from kernels.pointwise import pointwise, prepare_pointwise
 
         attrs = {**attrs, **geometry(attrs, rank)}
@@ -435,13 +435,22 @@ class ConvKernel:
                     xb = np.ascontiguousarray(xb).reshape(*xb.shape, 1)
                 return (conv_nchwc(xb, plan, residual=r),)
 
+            def bind(xb, *others):
+                if nchw_in:
+                    return None
+                r = others[RESIDUAL_SLOT - 1] if residual else None
+                call = bind_conv_nchwc(xb, plan, residual=r)
+                if residual:
+                    return lambda xb, *others: (call(xb, others[RESIDUAL_SLOT - 1]),)
+                return lambda xb, *others: (call(xb),)
+
             reads = ([] if nchw_in else [(0, plan.in_block)]) + (
                 [(RESIDUAL_SLOT, plan.block)] if residual else [])  # fmt: skip
             return Tactic(
                 f"blocked-f{plan.fb}" + ("-nchw-in" if nchw_in else ""), run_blocked,
                 blocked_inputs=tuple(pos for pos, _ in reads),
                 in_blocks=tuple(block for _, block in reads),
-                blocked_outputs=(0,), out_channels=(weight.shape[0],),
+                blocked_outputs=(0,), out_channels=(weight.shape[0],), bind=bind,
             )  # fmt: skip
 
         def wino_tactic(tile):

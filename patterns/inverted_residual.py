@@ -146,8 +146,12 @@ class InvertedResidualKernel:
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block_size, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import conv_nchwc
-        from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
+        from kernels.inverted_residual import (
+            bind_inverted_residual,
+            inverted_residual,
+            prepare_inverted_residual,
+        )
 
         n = len(PER_CONV)
         convs, acts = {}, []
@@ -185,14 +189,37 @@ class InvertedResidualKernel:
                 )
             return (conv_nchwc(t, steps[-1], residual=r),)
 
+        def bind_depthfirst(xb, *_constants):
+            call = bind_inverted_residual(xb, plan)
+            return None if call is None else lambda xb, *_constants: (call(xb),)
+
+        def bind_opbyop(xb, *_constants):
+            if xb.shape[-1] != plan.block:  # re-blocked per call
+                return None
+            calls, t = [], xb
+            for step in steps:
+                r = xb if residual and step is steps[-1] else None
+                calls.append(bind_conv_nchwc(t, step, residual=r))
+                t = calls[-1](t, r)
+            *firsts, last = calls
+
+            def call(xb, *_constants):
+                t = xb
+                for first in firsts:
+                    t = first(t)
+                return (last(t, xb if residual else None),)
+
+            return call
+
         def run(x, *_constants):
             return (from_blocked(inverted_residual(to_blocked(x), plan), m),)
 
         blocked = dict(blocked_inputs=(0,), in_blocks=(block_size(c),), blocked_outputs=(0,),
                        out_channels=(m,))  # fmt: skip
         self.run = run
-        self.tactics = [Tactic("blocked-depthfirst", depthfirst, **blocked, depth_first=True),
-                        Tactic("blocked-opbyop", opbyop, **blocked)]  # fmt: skip
+        self.tactics = [Tactic("blocked-depthfirst", depthfirst, **blocked, depth_first=True,
+                               bind=bind_depthfirst),
+                        Tactic("blocked-opbyop", opbyop, **blocked, bind=bind_opbyop)]  # fmt: skip
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

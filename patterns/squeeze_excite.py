@@ -204,8 +204,13 @@ class SqueezeExciteConvKernel:
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import conv_nchwc, tile_options
-        from kernels.squeeze_excite import gated_weights, squeeze_excite_blocked
+        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
+        from kernels.squeeze_excite import (
+            bind_gated_weights,
+            bind_squeeze_excite_blocked,
+            gated_weights,
+            squeeze_excite_blocked,
+        )
 
         _, se = gate_plan(attrs, constants)
         conv = {key[2:]: v for key, v in attrs.items() if key.startswith("p_")}
@@ -225,11 +230,26 @@ class SqueezeExciteConvKernel:
                 y = squeeze_excite_blocked(xb, se, one_region=one_region)
                 return (conv_nchwc(y, plan, residual=r),)
 
+            def bind(xb, *others):
+                r = others[res_slot - 1] if plan.residual else None
+                if fold:
+                    gate = bind_gated_weights(xb, se, plan, one_region)
+                    conv = bind_conv_nchwc(xb, plan, residual=r, weights=gate(xb))
+                    if plan.residual:
+                        return lambda xb, *o: (conv(xb, o[res_slot - 1], gate(xb)),)
+                    return lambda xb, *o: (conv(xb, None, gate(xb)),)
+                gate = bind_squeeze_excite_blocked(xb, se, one_region=one_region)
+                conv = bind_conv_nchwc(xb, plan, residual=r)  # y has x's shape
+                if plan.residual:
+                    return lambda xb, *o: (conv(gate(xb), o[res_slot - 1]),)
+                return lambda xb, *o: (conv(gate(xb)),)
+
             name = ("blocked-gated" if fold else "blocked-opbyop") + ("-one" if one_region else "")
             reads = (0, res_slot) if plan.residual else (0,)
             # depth_first: folded, x g is never written (fusion.bench.traffic)
             return Tactic(name, run, blocked_inputs=reads, in_blocks=(b,) * len(reads),
-                          blocked_outputs=(0,), out_channels=(m,), depth_first=fold)  # fmt: skip
+                          blocked_outputs=(0,), out_channels=(m,), depth_first=fold,
+                          bind=bind)  # fmt: skip
 
         self.tactics = [tactic(f, o) for f in (True, False) for o in (False, True)]
         blocked = self.tactics[0].run

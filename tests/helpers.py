@@ -145,6 +145,18 @@ def assert_all_close(got, want, rtol: float, atol: float) -> None:
         assert_close(g, w, rtol, atol, what=f"output {k}")
 
 
+def run_twice(session: fusion.Session, feeds: dict) -> list[np.ndarray]:
+    """session.run twice on the same feeds: the first run's kernel steps check their outputs
+    and bind their tactics for these shapes (Tactic.bind), the second takes the bound calls;
+    both must give the same outputs, bit for bit (the same compiled code on the same
+    arguments). Returns the second's."""
+    first = session.run(None, feeds)
+    second = session.run(None, feeds)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(b, a)
+    return second
+
+
 def assert_fuses(
     model: onnx.ModelProto,
     ops: list[str] | None,

@@ -44,6 +44,7 @@ _RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform",
 _MEMO_KEYS = 16  # keys remembered per island before the memory starts afresh
 _MEMO_BYTES = 1 << 20  # outputs kept up to this size (shapes, masks): a copy beats the call
 _KEY_VALUES = 1 << 12  # integers an input read by value may hold to be part of a memo key
+_BOUND_SHAPES = 16  # input shapes a kernel step keeps its tactic bound for
 
 
 def memo_inputs(island: IslandPlan) -> list[str] | None:
@@ -279,9 +280,21 @@ class KernelStep:
         # Per output, the last shape that had every declared size: a run whose shapes repeat
         # checks each output with one tuple comparison (and its type and dtype).
         self._passed: list[tuple | None] = [None] * len(self.outputs)
+        self.bind: Callable | None = None  # the tactic's (Tactic.bind), set by assemble
+        self._bound: dict = {}  # (threads, varying inputs' shapes) -> bound run, or False
+        self._threads: Callable[[], int] | None = None  # kernels.config.get_threads
 
     def __call__(self, values: dict, keep_all: bool = True) -> None:
         args = [values[name] if name else None for name in self.inputs]
+        if self._bound:  # the tactic bound for these input shapes: no checks, no look-ups
+            key = (self._threads(), *[args[k].shape for k in self.varying])
+            fast = self._bound.get(key)
+            if fast:
+                results = fast(*args)
+                stored = range(len(self.outputs)) if keep_all or self.live is None else self.live
+                for i in stored:
+                    values[self.outputs[i]] = results[i]
+                return
         for k in self.varying:
             if args[k].size == 0 and self.body is not None:
                 results = self.body(args)  # nothing to compute: onnxruntime gives the shapes
@@ -306,6 +319,25 @@ class KernelStep:
             ):
                 self._check(args, i, value)
             values[self.outputs[i]] = value
+        if self.bind is not None and not any(args[k].size == 0 for k in self.varying):
+            self._bind(args)
+
+    def _bind(self, args: list) -> None:
+        """After a checked call on these input shapes, the tactic's run specialized for them
+        (Tactic.bind), which later calls with the same shapes (and thread count) take: their
+        outputs have the shapes and types this call's passed with. False where the tactic
+        declines (those calls stay on this path)."""
+        if self._threads is None:
+            from kernels.config import get_threads  # heavy (Numba): a kernel has run
+
+            self._threads = get_threads
+        key = (self._threads(), *[args[k].shape for k in self.varying])
+        if key in self._bound or len(self._bound) >= _BOUND_SHAPES:
+            return
+        try:
+            self._bound[key] = self.bind(*args) or False
+        except Exception as exc:
+            raise self._error(f"failed to bind: {type(exc).__name__}: {one_line(exc)}") from exc
 
     def _check(self, args: list, i: int, value) -> None:
         """Output i against its OutputCheck; a shape with every declared size is remembered."""
@@ -437,7 +469,7 @@ def assemble(
         body = None if tactic.blocked_inputs else _body_runner(built, p.node)
         step = KernelStep(p, tactic.run, checks, body, kernel_name(rule), varying)
         step.inputs, step.outputs, step.choice = list(p.inputs), list(p.outputs), tactic.name
-        step.depth_first = tactic.depth_first
+        step.depth_first, step.bind = tactic.depth_first, tactic.bind
         blocked_in = dict(zip(tactic.blocked_inputs, tactic.in_blocks, strict=True))
         for pos, value in enumerate(p.inputs):
             if value:

@@ -1,0 +1,170 @@
+"""Bound calls: a kernel specialized for one input shape (kernels' bind_* functions, a tactic's
+Tactic.bind) gives the general call's outputs bit for bit, at both SIMD widths; a session's
+kernel step binds its tactic after a checked call, per input shapes and thread count, takes
+the bound call on the runs after, and stays on the checked path where a tactic declines."""
+
+import numpy as np
+import pytest
+from helpers import GraphBuilder, assert_close, assert_fuses, run_ort, run_twice
+
+import fusion
+
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def assert_same(bound, general, what=""):
+    assert bound.shape == general.shape and bound.dtype == general.dtype, what
+    np.testing.assert_array_equal(bound, general, err_msg=what)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_bound_convs_match_the_general_call(block):
+    from kernels.blocked import to_blocked
+    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+
+    cases = [  # weight shape, group, stride, pads, residual, input shape
+        ((24, 16, 1, 1), 1, 1, 0, None, (2, 16, 7, 9)),
+        ((20, 20, 3, 3), 1, 1, 1, "after", (1, 20, 13, 13)),
+        ((20, 20, 3, 3), 1, 2, 1, None, (3, 20, 11, 8)),
+        ((40, 1, 3, 3), 40, 2, 1, None, (2, 40, 14, 14)),  # depthwise
+        ((17, 1, 5, 5), 17, 1, 2, None, (1, 17, 9, 9)),
+    ]
+    for wshape, group, s, p, residual, xshape in cases:
+        plan = prepare_conv_nchwc(rand(*wshape), rand(wshape[0]), strides=(s, s),
+                                  pads=(p,) * 4, group=group, activation="relu",
+                                  residual=residual, block=block)  # fmt: skip
+        x, x2 = (to_blocked(rand(*xshape), block) for _ in range(2))
+        r = r2 = None
+        if residual:
+            r, r2 = (np.ascontiguousarray(conv_nchwc(v, plan, residual=v) * 0.5) for v in (x, x))
+        call = bind_conv_nchwc(x, plan, residual=r)
+        for v, res in ((x, r), (x2, r2)):
+            want = conv_nchwc(v, plan, residual=res)
+            assert_same(call(v, res), want, f"{wshape} {xshape}")
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("one_region", [False, True])
+def test_bound_squeeze_excitation_matches_the_general_calls(block, one_region):
+    from kernels.blocked import to_blocked
+    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+    from kernels.simd.activation import encode
+    from kernels.squeeze_excite import (
+        bind_gated_weights,
+        bind_squeeze_excite_blocked,
+        gated_weights,
+        prepare_squeeze_excite,
+        squeeze_excite_blocked,
+    )
+
+    for n, c, hidden, m, hw in [(1, 20, 5, 12, 7), (3, 40, 8, 17, 5), (2, 16, 4, 16, 1)]:
+        se = prepare_squeeze_excite(rand(hidden, c, 1, 1), rand(hidden), rand(c, hidden, 1, 1),
+                                    rand(c), encode("silu"), encode("sigmoid"))  # fmt: skip
+        conv = prepare_conv_nchwc(rand(m, c, 1, 1), rand(m), block=block, in_block=block)
+        x, x2 = (to_blocked(rand(n, c, hw, hw), block) for _ in range(2))
+        gate = bind_squeeze_excite_blocked(x, se, one_region=one_region)
+        weights = bind_gated_weights(x, se, conv, one_region)
+        folded = bind_conv_nchwc(x, conv, weights=weights(x))
+        for v in (x, x2):
+            assert_same(gate(v), squeeze_excite_blocked(v, se, one_region=one_region))
+            want = gated_weights(v, se, conv, one_region)
+            assert_same(weights(v), want)
+            assert_same(folded(v, None, weights(v)), conv_nchwc(v, conv, weights=want))
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_bound_inverted_residual_matches_the_general_call(monkeypatch, block, parts):
+    import kernels.inverted_residual as K
+    from kernels.blocked import to_blocked
+    from kernels.config import get_threads, set_threads
+
+    if parts == 2:  # one small image, its expanded channels cut in two parts (partial sums)
+        monkeypatch.setattr(K, "channel_cuts", lambda *a: K.block_cuts(-(-a[1] // a[10]), 1, 2))
+    hswish = ("hard_swish",)
+    for c, t, m, s, hw, batch, residual in [(32, 6, 32, 1, 7, 1, "after"),
+                                            (24, 4, 40, 2, 13, 2, None),
+                                            (40, 1, 40, 1, 7, 1, "after")]:  # fmt: skip
+        e = c * t
+        expand = (rand(e, c, 1, 1), rand(e)) if t > 1 else (None, None)
+        plan = K.prepare_inverted_residual(*expand, rand(e, 1, 3, 3), rand(e),
+                                           rand(m, e, 1, 1), rand(m), stride=s,
+                                           acts=(hswish, hswish, None), residual=residual,
+                                           block=block)  # fmt: skip
+        x, x2 = (to_blocked(rand(batch, c, hw, hw), block) for _ in range(2))
+        threads = get_threads()
+        set_threads(2)
+        try:
+            call = K.bind_inverted_residual(x, plan)
+            for v in (x, x2):
+                assert_same(call(v), K.inverted_residual(v, plan), f"{c} {t} {m} {s}")
+            if parts == 2 and batch == 1:
+                (launch,) = plan.launches.values()
+                assert launch.split == 2
+        finally:
+            set_threads(threads)
+
+
+def conv_chain(c=16, hw=9):
+    """x -> conv 3x3 + relu -> conv 1x1 + x -> relu: two ConvBiasRelu nodes, the second with a
+    residual."""
+    g = GraphBuilder(opset=17)
+    y = g.node("Relu", [g.node("Conv", ["x", g.weight(c, c, 3, 3), g.weight(c)], pads=[1] * 4)])
+    z = g.node("Add", [g.node("Conv", [y, g.weight(c, c, 1, 1), g.weight(c)]), "x"])
+    return g.model({"x": ["N", c, hw, hw]}, [g.node("Relu", [z])])
+
+
+def kernel_steps(session, feeds):
+    return [s for s in session._plans.for_values(feeds).plan.steps if s.kind == "kernel"]
+
+
+def test_a_step_binds_per_input_shape_and_thread_count():
+    from kernels.config import get_threads, set_threads
+
+    model = conv_chain()
+    result = assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"])
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
+    feeds = {"x": rand(2, 16, 9, 9)}
+    (want,) = run_ort(model, feeds)
+    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
+    steps = kernel_steps(session, feeds)
+    assert steps and all(len(s._bound) == 1 and all(s._bound.values()) for s in steps)
+    # another batch through the same plan (untimed tactics: one plan for every shape): bound
+    # for that shape too, the first still there
+    other = {"x": rand(3, 16, 9, 9)}
+    for _ in range(2):
+        assert_close(session.run(None, other)[0], run_ort(model, other)[0], 1e-4, 1e-5)
+    assert all(len(s._bound) == 2 for s in kernel_steps(session, feeds))
+    # a step called under another thread count does not take a call bound for two threads
+    values = dict(session._base, **feeds)
+    threads = get_threads()
+    set_threads(1)
+    try:
+        for step in session._plans.for_values(feeds).plan.steps:
+            step(values)
+    finally:
+        set_threads(threads)
+    assert all(len(s._bound) == 3 for s in steps)
+    assert_close(values[result.model.graph.output[0].name], want, 1e-4, 1e-5)
+
+
+def test_a_tactic_that_declines_stays_on_the_checked_path():
+    """The op-by-op inverted residual re-blocks an input narrower than a block on every call
+    (C = 3 under any width, expansion 1): its bind declines, the step keeps checking."""
+    g = GraphBuilder(opset=17)
+    d = g.node("Clip", [g.node("Conv", ["x", g.weight(3, 1, 3, 3), g.weight(3)], group=3,
+                                pads=[1] * 4), g.const(np.array(0, np.float32)),
+                        g.const(np.array(6, np.float32))])  # fmt: skip
+    y = g.node("Add", [g.node("Conv", [d, g.weight(3, 3, 1, 1), g.weight(3)]), "x"])
+    model = g.model({"x": ["N", 3, 7, 7]}, [y])
+    result = assert_fuses(model, ["InvertedResidual"], rtol=1e-4)
+    feeds = {"x": rand(2, 3, 7, 7)}
+    (want,) = run_ort(model, feeds)
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="blocked-opbyop")
+    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
+    (step,) = kernel_steps(session, feeds)
+    assert step.choice == "blocked-opbyop" and list(step._bound.values()) == [False]
