@@ -699,30 +699,47 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None, weights=Non
     return out
 
 
-def bind_conv_nchwc(xb, plan: ConvPlan, residual=None, weights=None):
+def bind_conv_nchwc(xb, plan: ConvPlan, residual=None, weights=None, out=None, at=None):
     """conv_nchwc(xb, plan, residual=, weights=) specialized for arrays of these shapes and
     dtypes at the calling thread's thread count: the function f(xb, residual=None,
     weights=None) -> y for a caller whose shapes repeat call after call (a session's step,
     fusion/runtime/steps.py), which has checked them. The checks, the launch's look-up and
     the packing of the kernel's arguments are done here, once; f allocates the output and
-    calls the compiled kernel (~1 us of Python a call against ~3). These arrays are checked
-    (conv_nchwc is called on them if their launch is not bound yet); f's are not: an array
-    of another shape is the caller's error, as is a non-contiguous one (copied by reshape)."""
+    calls the compiled kernel (~1 us of Python a call against ~3). With out and at (a part of
+    a concatenation), f(xb, out) writes blocks at, at + 1, ... of an array of out's shape and
+    returns it. These arrays are checked (conv_nchwc is called on them if their launch is not
+    bound yet); f's are not: an array of another shape is the caller's error, as is a
+    non-contiguous one (copied by reshape)."""
     own = weights is not None
-    launch = plan.geometry.get((getattr(xb, "shape", None), get_threads(), None, own))
+    ymb = None if at is None else part_blocks(out, at, plan)
+    key = (getattr(xb, "shape", None), get_threads(), ymb, own)
+    launch = plan.geometry.get(key)
     if launch is None or not launch.bound or launch.empty:
-        conv_nchwc(xb, plan, residual=residual, weights=weights)
-        launch = plan.geometry[(xb.shape, get_threads(), None, own)]
+        conv_nchwc(xb, plan, out=out, residual=residual, at=at, weights=weights)
+        launch = plan.geometry[key]
     if own:
         _check_weights(weights, plan, launch.shape[0])
     if plan.residual and (not isinstance(residual, np.ndarray) or residual.shape != launch.shape):
         raise ValueError(f"the residual must be a blocked array of shape {launch.shape}")
     shape, size, alloc = launch.shape, math.prod(launch.shape), allocator()
-    if launch.empty:
-        return lambda xb, residual=None, weights=None: alloc(0).reshape(shape)
+    if launch.empty or not launch.bound:  # batch 0; a depthwise part (written by a copy)
+        if at is not None:
+            return lambda xb, out: conv_nchwc(xb, plan, out=out, at=at)
+        return lambda xb, residual=None, weights=None: conv_nchwc(
+            xb, plan, residual=residual, weights=weights)  # fmt: skip
     run, head, g, tail, scratch = launch.run, launch.head, launch.geometry, launch.tail, (
         launch.scratch)  # fmt: skip
     bias, packed, (_, a, b) = plan.bias, plan.packed, plan.act
+    if at is not None:
+        offset = at * math.prod(shape[2:])
+
+        def call_at(xb, out):
+            yf = out.reshape(-1)[offset:]
+            run(*head, xb.reshape(-1), packed, bias, yf, yf, g, a, b,
+                per_thread(scratch) if scratch else tail)  # fmt: skip
+            return out
+
+        return call_at
 
     def call(xb, residual=None, weights=None):
         yf = alloc(size)

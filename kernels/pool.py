@@ -21,12 +21,12 @@ column-wise pass, and a value of the window otherwise. Not guaranteed to agree.
 import numba
 import numpy as np
 
-from .config import INLINE, PARALLEL
+from .config import INLINE, PARALLEL, entry_point
 from .conv2d import cached_launch
 from .simd import WIDTHS, lanes, vbroadcast, vget, vload, vselect, vstore, vzero
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
-from .workspace import empty
+from .workspace import allocator, empty
 
 __all__ = [
     "MaxPoolPlan",
@@ -272,6 +272,29 @@ def maxpool_blocked(xb, plan, out=None):
     return out
 
 
+def bind_maxpool_blocked(xb, plan):
+    """maxpool_blocked(xb, plan) specialized for arrays of xb's shape: f(xb) -> y, the output
+    shape and the kernel's arguments worked out once and the kernel called through its
+    compiled entry point (as kernels/conv_nchwc.bind_conv_nchwc)."""
+    y = maxpool_blocked(xb, plan)  # checks it
+    shape, b = y.shape, xb.shape[4]
+    if shape[0] == 0:
+        return lambda xb: empty(shape)
+    n, cb, h, w, _ = xb.shape
+    (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * b, h, w), plan)
+    (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations
+    L, size, alloc = lanes(b), y.size, allocator()
+    sizes = (n, cb, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl)
+    run = entry_point(maxpool_nchwc, (L, xb.reshape(-1), y.reshape(-1), *sizes))
+
+    def call(xb):
+        yf = alloc(size)
+        run(L, xb.reshape(-1), yf, *sizes)
+        return yf.reshape(shape)
+
+    return call
+
+
 @numba.jit(**PARALLEL)
 def _plane_means(x3, y):
     """y[n, c] = mean of x3[n, c, :], summed in float64."""
@@ -339,6 +362,24 @@ def global_average_pool_blocked(xb, channels: int):
     y = np.empty((n, channels), np.float32)
     _block_means(lanes(b), np.ascontiguousarray(xb).reshape(n, cb, h * w, b), y)
     return y
+
+
+def bind_global_average_pool_blocked(xb, channels: int):
+    """global_average_pool_blocked(xb, channels) specialized for arrays of xb's shape: f(xb)
+    -> y [N, channels] (as bind_maxpool_blocked)."""
+    y = global_average_pool_blocked(xb, channels)  # checks it
+    n, cb, h, w, b = xb.shape
+    if n == 0:
+        return lambda xb: np.empty((0, channels), np.float32)
+    L, x4 = lanes(b), (n, cb, h * w, b)
+    run = entry_point(_block_means, (L, xb.reshape(x4), y))
+
+    def call(xb):
+        y = np.empty((n, channels), np.float32)
+        run(L, xb.reshape(x4), y)
+        return y
+
+    return call
 
 
 # ---- AveragePool with windows that tile the image (DenseNet's transitions) -----------------

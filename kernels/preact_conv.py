@@ -22,20 +22,21 @@ kernels.simd.width() (x's padding lanes, past C, are multiplied by zero weights)
 """
 
 import dataclasses
+import math
 
 import numba
 import numpy as np
 
 from . import _blocked_geometry as geo
 from ._direct_blocked import pointwise_pixels
-from .config import JIT_GEMM, PARALLEL, entry_point
+from .config import JIT_GEMM, PARALLEL, entry_point, get_threads
 from .conv_nchwc import ConvPlan, busiest, pixels_geometry, prepare_conv_nchwc, tile_item
 from .epilogue import NO_RESIDUAL, finish
 from .machine import cache_bytes
 from .pointwise import PointwisePlan, prepare_pointwise
 from .simd import lanes, vfma, vload, vstore, width
 from .simd.activation import clip_bounds, clips
-from .workspace import cached_launch, output, per_thread
+from .workspace import allocator, cached_launch, output, per_thread
 
 L2_SHARE = 2  # the band's scratch takes at most 1 / L2_SHARE of L2 (x, y, weights: the rest)
 # the kernel's own geometry, beside the conv's
@@ -189,3 +190,24 @@ def preact_conv(xb, plan: PreActConvPlan, out=None):
     if not launch.bound:  # the same types on every call of this launch: skip the dispatcher
         launch.run, launch.bound = entry_point(launch.run, args), True
     return out
+
+
+def bind_preact_conv(xb, plan: PreActConvPlan):
+    """preact_conv(xb, plan) specialized for arrays of xb's shape at the calling thread's
+    thread count: f(xb) -> y, as kernels/conv_nchwc.bind_conv_nchwc (x still read in place or
+    copied per call, as its strides say: _images)."""
+    preact_conv(xb, plan)  # checks it; binds the kernel
+    launch = plan.launches[(xb.shape, get_threads())]
+    shape, size, alloc = launch.shape, math.prod(launch.shape), allocator()
+    if 0 in shape:
+        return lambda xb: output(shape)
+    L, item, sc, sh, wf, bf, g, gc, acts = launch.args
+    run, scratch = launch.run, launch.scratch
+
+    def call(xb):
+        xf, xs = _images(xb)
+        yf = alloc(size)
+        run(L, item, xf, xs, sc, sh, wf, bf, yf, g, gc, acts, per_thread(scratch))
+        return yf.reshape(shape)
+
+    return call

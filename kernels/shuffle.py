@@ -21,7 +21,7 @@ import functools
 import numba
 import numpy as np
 
-from .config import JIT, PARALLEL
+from .config import JIT, PARALLEL, entry_point
 from .simd import WIDTHS, lanes, vload, vpermute, vselect, vstore, vzero
 
 
@@ -229,3 +229,32 @@ def channel_gathers_blocked(parts, channels, srcs, block: int) -> tuple[np.ndarr
         if y.size:
             _gather_lanes(*flat, channels[0], s, y.reshape(n, y.shape[1], h * w, by))
     return ys
+
+
+def bind_channel_gathers_blocked(parts, channels, srcs, block: int):
+    """channel_gathers_blocked(parts, channels, srcs, block) specialized for parts of these
+    shapes: f(parts) -> the outputs, their shapes and the gather's plan worked out once and the
+    kernel called through its compiled entry point (as kernels/conv_nchwc.bind_conv_nchwc).
+    Parts of another width than `block` keep the general call."""
+    ys = channel_gathers_blocked(parts, channels, srcs, block)  # checks them
+    a, b = parts[0], parts[-1]
+    n, _, h, w, _ = a.shape
+    by = int(block)
+    if not (a.shape[4] == b.shape[4] == by and by in WIDTHS and n and h * w):
+        return lambda parts: channel_gathers_blocked(parts, channels, srcs, block)
+    srcs = [np.ascontiguousarray(s, dtype=np.int64) for s in srcs]
+    plan = _plan(int(channels[0]), sum(channels), by, tuple(s.tobytes() for s in srcs))
+    shapes = [y.shape for y in ys]
+    views = [(n, y.shape[1], h * w, by) for y in ys]
+    flat_a, flat_b = (n, a.shape[1], h * w, by), (n, b.shape[1], h * w, by)
+    L = lanes(by)
+    outs = tuple(y.reshape(v) for y, v in zip(ys, views, strict=True))
+    run = entry_point(_gather_permute, (L, a.reshape(flat_a), b.reshape(flat_b), plan, outs))
+
+    def call(parts):
+        ys = tuple(np.empty(shape, np.float32) for shape in shapes)
+        run(L, parts[0].reshape(flat_a), parts[-1].reshape(flat_b), plan,
+            tuple(y.reshape(v) for y, v in zip(ys, views, strict=True)))  # fmt: skip
+        return ys
+
+    return call

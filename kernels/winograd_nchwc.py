@@ -14,11 +14,12 @@ inf reach the outputs they reach in onnxruntime.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
 from . import _winograd_blocked as k
-from .config import get_threads
+from .config import entry_point, get_threads
 from .conv_nchwc import (
     ConvPlan,
     conv_nchwc,
@@ -31,7 +32,7 @@ from .machine import cache_bytes
 from .simd import lanes
 from .simd import tile as tiles
 from .windows import conv_output_shape
-from .workspace import empty, per_thread
+from .workspace import allocator, empty, per_thread
 
 MAX_F4_CHANNELS = 256  # F(4x4)'s error grows with C (kernels/conv2d: _WINOGRAD4_MAX_CHANNELS)
 
@@ -191,10 +192,55 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
     return out
 
 
+def bind_winograd_nchwc(xb, plan: WinogradPlan, residual=None, out=None, at=None):
+    """winograd_nchwc specialized for arrays of these shapes at the calling thread's thread
+    count, as conv_nchwc.bind_conv_nchwc: f(xb, residual=None) -> y, or with out and at (a
+    concatenation's part) f(xb, out) -> out. The kernel is called through its compiled entry
+    point (the dispatcher's typing of its arguments skipped), and an inf or NaN it transforms
+    still sends the call to the direct conv, as winograd_nchwc does."""
+    y = winograd_nchwc(xb, plan, out=out, residual=residual, at=at)  # checks them
+    d = plan.direct
+    ymb = None if at is None else part_blocks(out, at, d)
+    shape, g, T, scratch = plan.geometry[(xb.shape, get_threads(), ymb)]
+    if shape[0] == 0:
+        return (lambda xb, out: out) if at is not None else (lambda xb, residual=None: empty(shape))
+    _, a, b = d.act
+    L = lanes(d.block)
+    args = (L, T, xb.reshape(-1), plan.packed, plan.bias, y.reshape(-1), y.reshape(-1), g, a, b,
+            per_thread(scratch), np.zeros(1, np.int32))  # fmt: skip
+    run = entry_point(k.winograd_blocked, args)
+    packed, bias, size, alloc = plan.packed, plan.bias, math.prod(shape), allocator()
+    offset = 0 if at is None else at * math.prod(shape[2:])
+
+    def compute(xb, yf, res):  # whether an inf or NaN was transformed (a flag per call)
+        bad = np.zeros(1, np.int32)
+        run(L, T, xb.reshape(-1), packed, bias, yf, res, g, a, b, per_thread(scratch), bad)
+        return bad[0] != 0
+
+    if at is not None:
+
+        def call_at(xb, out):
+            yf = out.reshape(-1)[offset:]
+            if compute(xb, yf, yf):
+                winograd_nchwc(xb, plan, out=out, at=at)  # again, then the direct conv
+            return out
+
+        return call_at
+
+    def call(xb, residual=None):
+        yf = alloc(size)
+        if compute(xb, yf, yf if residual is None else residual.reshape(-1)):
+            return winograd_nchwc(xb, plan, residual=residual)  # again, then the direct conv
+        return yf.reshape(shape)
+
+    return call
+
+
 __all__ = [
     "MAX_F4_CHANNELS",
     "WinogradPlan",
     "prepare_winograd_nchwc",
+    "bind_winograd_nchwc",
     "supports",
     "winograd_nchwc",
 ]

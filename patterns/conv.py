@@ -339,6 +339,16 @@ class BlockedPart:
 
         return output_shape(x_shape, self.direct)
 
+    def bind(self, xb, out, at: int):
+        """write(xb, out, at) specialized for arrays of these shapes: f(xb, out) -> out
+        (kernels' bind_conv_nchwc, bind_winograd_nchwc)."""
+        from kernels.conv_nchwc import bind_conv_nchwc
+        from kernels.winograd_nchwc import bind_winograd_nchwc
+
+        if self.wino is None:
+            return bind_conv_nchwc(xb, self.direct, out=out, at=at)
+        return bind_winograd_nchwc(xb, self.wino, out=out, at=at)
+
     def write(self, xb, out, at: int):
         """Its output into blocks at, at + 1, ... of the blocked array `out`."""
         from kernels.conv_nchwc import conv_nchwc
@@ -366,6 +376,27 @@ def blocked_concat(parts: list[BlockedPart], xs) -> np.ndarray:
         part.write(x, y, at)
         at += shape[1]
     return y
+
+
+def bind_blocked_concat(parts: list[BlockedPart], xs):
+    """blocked_concat(parts, xs) specialized for arrays of these shapes: f(xs) -> y, the
+    parts' calls bound (BlockedPart.bind) and y's shape worked out once."""
+    from kernels.workspace import allocator  # heavy (Numba)
+
+    y = blocked_concat(parts, xs)  # checks the shapes
+    calls, at = [], 0
+    for part, x in zip(parts, xs, strict=True):
+        calls.append(part.bind(x, y, at))
+        at += part.output_shape(x.shape)[1]
+    shape, size, alloc = y.shape, y.size, allocator()
+
+    def call(xs):
+        y = alloc(size).reshape(shape)
+        for write, x in zip(calls, xs, strict=True):
+            write(x, y)
+        return y
+
+    return call
 
 
 # The blocked Winograd tactics offered to the race: F(2x2, 3x3) and F(4x4, 3x3) by default
@@ -436,9 +467,13 @@ class ConvKernel:
                 return (conv_nchwc(xb, plan, residual=r),)
 
             def bind(xb, *others):
-                if nchw_in:
-                    return None
                 r = others[RESIDUAL_SLOT - 1] if residual else None
+                if nchw_in:
+                    shape = (*xb.shape, 1)
+                    call = bind_conv_nchwc(np.ascontiguousarray(xb).reshape(shape), plan, r)
+                    if residual:
+                        return lambda x, *o: (call(x.reshape(shape), o[RESIDUAL_SLOT - 1]),)
+                    return lambda x, *o: (call(x.reshape(shape)),)
                 call = bind_conv_nchwc(xb, plan, residual=r)
                 if residual:
                     return lambda xb, *others: (call(xb, others[RESIDUAL_SLOT - 1]),)
@@ -454,7 +489,11 @@ class ConvKernel:
             )  # fmt: skip
 
         def wino_tactic(tile):
-            from kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
+            from kernels.winograd_nchwc import (
+                bind_winograd_nchwc,
+                prepare_winograd_nchwc,
+                winograd_nchwc,
+            )
 
             plan = prepare_winograd_nchwc(weight, bias, tile=tile, **geometry(attrs, 4),
                                           **activation_keywords(attrs),
@@ -464,11 +503,18 @@ class ConvKernel:
                 r = others[RESIDUAL_SLOT - 1] if residual else None
                 return (winograd_nchwc(xb, plan, residual=r),)
 
+            def bind(xb, *others):
+                r = others[RESIDUAL_SLOT - 1] if residual else None
+                call = bind_winograd_nchwc(xb, plan, residual=r)
+                if residual:
+                    return lambda xb, *others: (call(xb, others[RESIDUAL_SLOT - 1]),)
+                return lambda xb, *others: (call(xb),)
+
             return Tactic(
                 f"blocked-wino{tile}", run_wino,
                 blocked_inputs=(0, RESIDUAL_SLOT) if residual else (0,),
                 in_blocks=(plan.block, plan.block) if residual else (plan.block,),
-                blocked_outputs=(0,), out_channels=(weight.shape[0],),
+                blocked_outputs=(0,), out_channels=(weight.shape[0],), bind=bind,
             )  # fmt: skip
 
         plans = blocked_plans(attrs, weight, bias) if rank == 4 else []

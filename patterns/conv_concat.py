@@ -21,7 +21,14 @@ from fusion.catalog import DOMAIN, Rule, Tactic
 from fusion.graph import GraphView
 from fusion.matcher import Match
 from patterns.concat import why_not_blocked
-from patterns.conv import BlockedPart, blocked_concat, clips_only, conv_plan, folded
+from patterns.conv import (
+    BlockedPart,
+    bind_blocked_concat,
+    blocked_concat,
+    clips_only,
+    conv_plan,
+    folded,
+)
 from patterns.fire import CHANNEL_AXES
 
 CONV_INPUTS = 4  # a branch's inputs: a ConvBiasRelu node's x, W, B, bias_add ("" when absent)
@@ -140,10 +147,15 @@ def _blocked_tactic(parts: list, name: str) -> Tactic:
     def run_blocked(*inputs):
         return (blocked_concat(parts, inputs[::CONV_INPUTS]),)
 
+    def bind(*inputs):
+        call = bind_blocked_concat(parts, inputs[::CONV_INPUTS])
+        return lambda *inputs: (call(inputs[::CONV_INPUTS]),)
+
     return Tactic(name, run_blocked,
                   blocked_inputs=tuple(range(0, len(parts) * CONV_INPUTS, CONV_INPUTS)),
                   in_blocks=tuple(p.in_block for p in parts), blocked_outputs=(0,),
-                  out_channels=(sum(p.direct.out_channels for p in parts),))  # fmt: skip
+                  out_channels=(sum(p.direct.out_channels for p in parts),),
+                  bind=bind)  # fmt: skip
 
 
 RULE = Rule(

@@ -16,6 +16,7 @@ from patterns.activation import CLIPPING
 from patterns.concat import why_not_blocked
 from patterns.conv import (
     BlockedPart,
+    bind_blocked_concat,
     blocked_concat,
     blocked_plan,
     check_conv,
@@ -102,7 +103,7 @@ class FireKernel:
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.conv_nchwc import conv_nchwc, tile_options
+        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
         from kernels.fire import fire
 
         convs = _convs(attrs, constants)  # folded once for every tactic
@@ -126,9 +127,15 @@ class FireKernel:
             def run_blocked(xb, *_constants, parts=parts):
                 return (blocked_concat(parts, [conv_nchwc(xb, squeeze)] * len(parts)),)
 
+            def bind(xb, *_constants, parts=parts):
+                first = bind_conv_nchwc(xb, squeeze)
+                rest = bind_blocked_concat(parts, [first(xb)] * len(parts))
+                k = len(parts)
+                return lambda xb, *_constants: (rest([first(xb)] * k),)
+
             self.tactics.insert(-1, Tactic(name, run_blocked, blocked_inputs=(0,),
                                            in_blocks=(squeeze.in_block,), blocked_outputs=(0,),
-                                           out_channels=(sum(channels),)))  # fmt: skip
+                                           out_channels=(sum(channels),), bind=bind))  # fmt: skip
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

@@ -35,9 +35,10 @@ def known_channels(m) -> dict:
     return {}
 
 
-def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True):
+def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True, bind=None):
     """`run` (NCHW) with its tactics: first `blocked_run` on the blocked layout (output blocked
-    too when `keeps_layout`) if the channel count is known, then `run` itself."""
+    too when `keeps_layout`; `bind` its Tactic.bind) if the channel count is known, then `run`
+    itself."""
     from kernels.blocked import block  # heavy (Numba): only when a kernel is built
 
     run.tactics = [Tactic("nchw", run)]
@@ -45,7 +46,7 @@ def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True):
     if channels:
         out = dict(blocked_outputs=(0,), out_channels=(channels,)) if keeps_layout else {}
         run.tactics.insert(0, Tactic("blocked", blocked_run, blocked_inputs=(0,),
-                                     in_blocks=(block(),), **out))  # fmt: skip
+                                     in_blocks=(block(),), **out, bind=bind))  # fmt: skip
     return run
 
 
@@ -107,7 +108,11 @@ def check(m) -> str | None:
 def make_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, the blocked-layout one first as a tactic
     (between blocked convs it saves two layout conversions)."""
-    from kernels.pool import maxpool2d, maxpool_blocked  # heavy (Numba): only when built
+    from kernels.pool import (  # heavy (Numba): only when built
+        bind_maxpool_blocked,
+        maxpool2d,
+        maxpool_blocked,
+    )
 
     plan = _plan(attrs)
 
@@ -117,7 +122,11 @@ def make_kernel(attrs: dict, constants: list):
     def run_blocked(xb):
         return (padded_by_zeros(maxpool_blocked(xb, plan), xb.shape[2:4], attrs),)
 
-    return with_blocked(run, run_blocked, attrs)
+    def bind(xb):
+        call, size = bind_maxpool_blocked(xb, plan), xb.shape[2:4]
+        return lambda xb: (padded_by_zeros(call(xb), size, attrs),)
+
+    return with_blocked(run, run_blocked, attrs, bind=bind)
 
 
 def border(size: int, out: int, kernel: int, stride: int, dilation: int, before: int,
@@ -160,7 +169,11 @@ RULE = Rule(
 def make_gap_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, first a tactic reading the blocked
     layout (after a blocked conv, no conversion before the head)."""
-    from kernels.pool import global_average_pool, global_average_pool_blocked  # heavy
+    from kernels.pool import (  # heavy (Numba)
+        bind_global_average_pool_blocked,
+        global_average_pool,
+        global_average_pool_blocked,
+    )
 
     shape = attrs.get("shape")
 
@@ -173,7 +186,11 @@ def make_gap_kernel(attrs: dict, constants: list):
     def run_blocked(xb, *_constants):
         return shaped(global_average_pool_blocked(xb, attrs["channels"]))
 
-    return with_blocked(run, run_blocked, attrs, keeps_layout=False)
+    def bind(xb, *_constants):
+        call = bind_global_average_pool_blocked(xb, attrs["channels"])
+        return lambda xb, *_constants: shaped(call(xb))
+
+    return with_blocked(run, run_blocked, attrs, keeps_layout=False, bind=bind)
 
 
 def gap_head():

@@ -79,7 +79,7 @@ class PreActConvKernel:
         from kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
         from kernels.conv_nchwc import conv_nchwc, tile_options
         from kernels.pointwise import pointwise_blocked
-        from kernels.preact_conv import preact_conv, prepare_preact_conv
+        from kernels.preact_conv import bind_preact_conv, preact_conv, prepare_preact_conv
 
         k = 1 + len(BN)
         s, t = bn_affine(*constants[1:k], attrs["n_epsilon"])
@@ -94,6 +94,13 @@ class PreActConvKernel:
         def depthfirst(plan):
             return lambda xb, *_constants: (preact_conv(xb, plan),)
 
+        def bind(plan):
+            def bound(xb, *_constants):
+                call = bind_preact_conv(xb, plan)
+                return lambda xb, *_constants: (call(xb),)
+
+            return bound
+
         def opbyop(xb, *_constants):
             return (conv_nchwc(pointwise_blocked(xb, first.norm), first.conv),)
 
@@ -105,7 +112,13 @@ class PreActConvKernel:
         self.run = run
         self.tactics = [
             *(
-                Tactic(f"blocked-preact-f{p.conv.fb}", depthfirst(p), **blocked, depth_first=True)
+                Tactic(
+                    f"blocked-preact-f{p.conv.fb}",
+                    depthfirst(p),
+                    **blocked,
+                    depth_first=True,
+                    bind=bind(p),
+                )
                 for p in plans
             ),
             Tactic("blocked-opbyop", opbyop, **blocked),

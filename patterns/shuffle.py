@@ -234,7 +234,12 @@ def make_kernel(attrs: dict, constants: list):
     """One gather per output, from the shuffle's map cut at the Split's sizes; tactics blocked
     (every part and output in the blocked layout), then NCHW."""
     from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-    from kernels.shuffle import channel_gather, channel_gathers_blocked, shuffle_map
+    from kernels.shuffle import (
+        bind_channel_gathers_blocked,
+        channel_gather,
+        channel_gathers_blocked,
+        shuffle_map,
+    )
 
     channels, splits = list(attrs["channels"]), list(attrs["splits"])
     src = shuffle_map(sum(channels), attrs["groups"])
@@ -247,10 +252,15 @@ def make_kernel(attrs: dict, constants: list):
     def blocked(*args):
         return channel_gathers_blocked(args[:k], channels, cuts, b)
 
+    def bind(*args):
+        call = bind_channel_gathers_blocked(args[:k], channels, cuts, b)
+        return lambda *args: call(args[:k])
+
     nchw.tactics = [
         Tactic("blocked", blocked, blocked_inputs=tuple(range(k)),
                in_blocks=(b,) * k,
-               blocked_outputs=tuple(range(len(splits))), out_channels=tuple(splits)),
+               blocked_outputs=tuple(range(len(splits))), out_channels=tuple(splits),
+               bind=bind),
         Tactic("nchw", nchw),
     ]  # fmt: skip
     return nchw

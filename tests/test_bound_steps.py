@@ -48,6 +48,51 @@ def test_bound_convs_match_the_general_call(block):
 
 
 @pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("tile", [2, 4])
+def test_bound_winograd_matches_the_general_call_and_its_fallback(block, tile):
+    """The bound Winograd call, whole or writing a part of a larger output, gives the general
+    call's outputs; an inf or NaN in x sends both to the direct conv (onnxruntime's NaNs)."""
+    from kernels.blocked import to_blocked
+    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+    from kernels.winograd_nchwc import (
+        bind_winograd_nchwc,
+        prepare_winograd_nchwc,
+        winograd_nchwc,
+    )
+
+    c, m = 20, 24
+    w, bias = rand(m, c, 3, 3), rand(m)
+    for residual in (None, "after"):
+        plan = prepare_winograd_nchwc(w, bias, tile=tile, block=block, pads=(1,) * 4,
+                                      activation="relu", residual=residual)  # fmt: skip
+        x, x2 = (to_blocked(rand(2, c, 9, 11), block) for _ in range(2))
+        x2[1, 0, 3, 4, 0] = np.nan
+        r = r2 = None
+        if residual:
+            r, r2 = (to_blocked(rand(2, m, 9, 11), block) for _ in range(2))
+        call = bind_winograd_nchwc(x, plan, residual=r)
+        for v, res in ((x, r), (x2, r2)):
+            assert_same(call(v, res), winograd_nchwc(v, plan, residual=res), f"{residual}")
+    # parts of a concatenation: a direct conv's blocks, then the Winograd conv's
+    first = prepare_conv_nchwc(rand(8, c, 1, 1), rand(8), block=block)
+    wino = prepare_winograd_nchwc(w, bias, tile=tile, block=block, pads=(1,) * 4)
+    x, x2 = (to_blocked(rand(2, c, 9, 11), block) for _ in range(2))
+    x2[0, 1, 0, 0, 1] = np.inf
+    blocks = first.out_blocks + wino.direct.out_blocks
+    out = np.zeros((2, blocks, 9, 11, block), np.float32)
+    parts = [bind_conv_nchwc(x, first, out=out, at=0),
+             bind_winograd_nchwc(x, wino, out=out, at=first.out_blocks)]  # fmt: skip
+    for v in (x, x2):
+        want = np.full_like(out, 7.0)
+        conv_nchwc(v, first, out=want, at=0)
+        winograd_nchwc(v, wino, out=want, at=first.out_blocks)
+        got = np.full_like(out, 7.0)
+        for part in parts:
+            assert part(v, got) is got
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("block", [8, 16])
 @pytest.mark.parametrize("one_region", [False, True])
 def test_bound_squeeze_excitation_matches_the_general_calls(block, one_region):
     from kernels.blocked import to_blocked
