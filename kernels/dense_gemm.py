@@ -43,7 +43,7 @@ import numba
 import numpy as np
 
 from . import _gemm
-from .config import INLINE_FIT, JIT_GEMM, PARALLEL, get_threads
+from .config import INLINE_FIT, JIT_GEMM, PARALLEL, entry_point, get_threads
 from .machine import cache_bytes
 from .simd import activate, clip, tail_mask, vload, vload_masked, vstore, vstore_masked
 from .simd.activation import (
@@ -79,6 +79,8 @@ class DensePlan:
     act: tuple  # (kind, a, b): kernels.simd.activation.encode
     # (M, threads) -> blocking(...): the split of the work, computed once per shape
     launches: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    # (row tile, x writeable) -> _dense's compiled entry point for those argument types
+    entries: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 def pack_panels(w, nr):
@@ -339,6 +341,13 @@ def dense_gemm(x, plan, residual=None, out=None):
         if T.rows == 1:  # a read-only row, copied: the skipped packing loop still types xp
             xp[:] = x.reshape(-1)  # as writable
     kind, a, b = plan.act
-    _dense(L, T, x, xp, plan.packed, out, r, residual is not None, plan.bias, kind, a, b, n_rb,
-           n_cb, kc)  # fmt: skip
+    args = (L, T, x, xp, plan.packed, out, r, residual is not None, plan.bias, kind, a, b, n_rb,
+            n_cb, kc)  # fmt: skip
+    key = (T, x.flags.writeable)  # the argument types that vary between calls of a plan
+    run = plan.entries.get(key)
+    if run is None:
+        _dense(*args)
+        plan.entries[key] = entry_point(_dense, args)  # later calls skip the dispatcher (~3 us)
+    else:
+        run(*args)
     return out
