@@ -17,13 +17,15 @@ it is in place before any kernel is decorated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
-from numba.core import caching
+from numba.core import caching, dispatcher
 
 PACKAGE = Path(__file__).resolve().parent
 NAME = __name__.rpartition(".")[0]  # "kernels"
@@ -156,9 +158,130 @@ def serialize_saves() -> None:
     caching.IndexDataCacheFile.save = locked_save
 
 
+# ---- one compile per signature across processes ---------------------------------------------
+# Two processes that miss the cache on the same function and signature at once (the session
+# and its compile helper, fusion/runtime/precompile.py; two test workers) each compiled it:
+# seconds of a cold start spent twice (inverted_residual_blocked alone takes ~12 s). Here a
+# process that misses first claims the entry (a file in the cache folder, created exclusively,
+# holding its pid) and compiles; another that misses while the claim stands waits for it to go
+# (saved: it then loads the entry) instead of compiling, unless the claimer has died, the
+# claim is older than CLAIM_STALE_S (a compile that failed in a process still running), or it
+# has waited CLAIM_WAIT_S: then it compiles too, as without claims.
+CLAIM_STALE_S = 60.0  # the longest single compile seen is ~12 s (a reused pid waits this long)
+CLAIM_WAIT_S = 300.0
+CLAIM_POLL_S = 0.02
+_HELD: list[str] = []  # this process's claims, oldest first
+
+
+def claim_path(folder: str, index_name: str, key) -> str:
+    """The claim file of cache entry `key` of the index `index_name` in `folder`."""
+    digest = hashlib.sha256(f"{index_name}\0{key!r}".encode()).hexdigest()[:40]
+    return os.path.join(folder, f".claim-{digest}")
+
+
+def _claimer(path: str) -> tuple[int, float] | None:
+    """(pid, age in seconds) of the claim at `path`; None when there is none (or it is being
+    written: its pid not there yet)."""
+    try:
+        with open(path) as f:
+            pid = int(f.read() or 0)
+        age = time.time() - os.stat(path).st_mtime
+    except (OSError, ValueError):
+        return None
+    return (pid, age) if pid else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def claim_or_wait(path: str, load):
+    """The entry, loaded (load() -> data or None) once another process that claimed it has
+    saved it; or None after claiming it here (this process compiles it, release() after)."""
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pass
+        except OSError:  # a read-only cache folder, say: no claims, compile as before
+            return None
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            _HELD.append(path)
+            return None
+        owner = _claimer(path)
+        if owner is not None:
+            pid, age = owner
+            if pid == os.getpid() or not _alive(pid) or age > CLAIM_STALE_S:
+                release(path, force=True)  # ours (a failed compile) or abandoned: take it over
+                continue
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(CLAIM_POLL_S)
+        data = load()
+        if data is not None:
+            return data
+
+
+def release(path: str, force: bool = False) -> None:
+    """Remove a claim this process holds (any claim at `path` with force)."""
+    if path in _HELD:
+        _HELD.remove(path)
+    elif not force:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def claim_compiles() -> None:
+    """Numba's cache misses claim their entry, saves release it, and a compile that raises
+    releases the claims it made (once per process)."""
+    load, save = caching.IndexDataCacheFile.load, caching.IndexDataCacheFile.save
+    if getattr(load, "claims", False):
+        return
+
+    def claiming_load(self, key):
+        data = load(self, key)
+        if data is not None:
+            return data
+        path = claim_path(self._cache_path, self._index_name, key)
+        return claim_or_wait(path, lambda: load(self, key))
+
+    def releasing_save(self, key, data):
+        try:
+            return save(self, key, data)
+        finally:
+            release(claim_path(self._cache_path, self._index_name, key))
+
+    compile_ = dispatcher.Dispatcher.compile
+
+    def releasing_compile(self, sig):
+        held = len(_HELD)
+        try:
+            return compile_(self, sig)
+        except BaseException:
+            for path in _HELD[held:]:
+                release(path)
+            raise
+
+    claiming_load.claims = True
+    caching.IndexDataCacheFile.load = claiming_load
+    caching.IndexDataCacheFile.save = releasing_save
+    dispatcher.Dispatcher.compile = releasing_compile
+
+
 def install() -> None:
-    """Put PackageLocator first among Numba's cache locators, and serialize cache saves
-    (once)."""
+    """Put PackageLocator first among Numba's cache locators, serialize cache saves, and claim
+    the entries this process compiles (once)."""
     if PackageLocator not in _IMPL._locator_classes:
         _IMPL._locator_classes.insert(0, PackageLocator)
     serialize_saves()
+    claim_compiles()

@@ -28,6 +28,9 @@ settings.load_profile("random" if os.environ.get("FUSION_FUZZ_RANDOM") == "1" el
 # whatever the machine's timings say (tests of the choice itself ask for "fastest"), and no
 # test writes the user's timing cache.
 os.environ.setdefault("FUSION_TACTICS", "kernel")
+# No compile helper process (fusion/runtime/precompile.py) beside the test workers, which
+# already keep both cores busy; tests/test_compile_helper.py turns it on where it is tested.
+os.environ.setdefault("FUSION_COMPILE_HELPER", "0")
 # A fresh timing cache per run, removed at its end by the process that made it (xdist workers
 # inherit the variable, and with it the folder).
 OWN_CACHE = None

@@ -203,6 +203,7 @@ class Chooser:
         self.build, self.run = build, run
         self._cache: TimingCache | None = None
         self._retimed: dict[str, dict] = {}  # node key -> entry timed here (retime: not reread)
+        self.compiled: dict = {}  # what the last choose() compiled before timing (precompile.warm)
 
     # ---- per node ----------------------------------------------------------------------------
     def choose(self, shapes: dict, nchw_only: bool = False,
@@ -218,6 +219,7 @@ class Chooser:
             return {i: preferred(tactics, self.policy) for i, tactics in self.kernels.items()}
         kernels_only = kernels_only or self.policy == "kernels"
         choices, fresh, timed = {}, {}, {}
+        chosen = []  # (node index, its input shapes, constants, timing-cache key, entry)
         for i, tactics in self.kernels.items():
             node = self.view.nodes[i]
             ins = [shapes.get(v) if v else None for v in node.input]
@@ -248,6 +250,11 @@ class Chooser:
                 self._cache = TimingCache(cpu_key(), version=timing_version()).load()
             key = node_key(node, ins, self.threads, self._source_version)
             entry = self._retimed.get(key) if self.retime else self._cache.get(key)
+            chosen.append((i, ins, consts, key, entry))
+        todo = {i: ins for i, ins, _, _, entry in chosen if entry is None}
+        self.compiled = self._compile(todo, {i: consts for i, _, consts, _, _ in chosen})
+        for i, ins, consts, key, entry in chosen:
+            tactics, node = self.kernels[i], self.view.nodes[i]
             if entry is None:
                 entry = {"times": self.time_tactics(node, tactics, ins, consts)}
                 fresh[key] = self._retimed[key] = entry
@@ -275,6 +282,22 @@ class Chooser:
         if fresh:
             self._cache.put(fresh)
         return choices
+
+    def _compile(self, todo: dict, consts: dict) -> dict:
+        """The nodes about to be timed (index -> input shapes), their tactics called once
+        first, on this core and on another in a helper process (fusion/runtime/precompile.py):
+        a cold start's compiling on two cores, and no compile inside a timing."""
+        from fusion.runtime.precompile import call_once, warm
+        from patterns import RULES  # the built-in rules: a helper process can build those
+
+        builtin = {id(rule) for rule in RULES}
+
+        def helped(i: int) -> bool:
+            return id(self.built.catalog.get(self.view.nodes[i].op_type)) in builtin
+
+        ensure_threads(self.threads)
+        return warm(self.model, todo, helped, self.threads,
+                    lambda i: call_once(self.kernels[i], todo[i], consts[i]))  # fmt: skip
 
     def _convert_times(self, shape: tuple, block: int, fresh: dict) -> tuple[float, float]:
         """Seconds of converting a float32 array of NCHW `shape` to blocks of `block` channels
