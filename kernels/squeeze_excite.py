@@ -373,7 +373,8 @@ def bind_squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, one_region=False):
     if n == 0:
         return lambda xb: empty(xb.shape)
     kernel = squeeze_excite_one_region if one_region else squeeze_excite_nchwc
-    run = plan.entry[(kernel, b, xb.flags.writeable, True)]
+    readable = np.ascontiguousarray(xb).flags.writeable  # as squeeze_excite_blocked keys it
+    run = plan.entry[(kernel, b, readable, True)]
     last = get_threads() if one_region else plane_parts(n * cb, h * w)
     L, x4, size, alloc = lanes(b), (n, cb, h * w, b), xb.size, allocator()
     consts = (plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last)
@@ -395,7 +396,7 @@ def bind_gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False):
     if n == 0:
         return lambda xb: empty((0, conv.packed.size))
     kernel = gated_weights_one_region if one_region else gated_weights_nchwc
-    run = plan.entry[(kernel, b, xb.flags.writeable)]
+    run = plan.entry[(kernel, b, np.ascontiguousarray(xb).flags.writeable)]  # as gated_weights
     last = get_threads() if one_region else plane_parts(n * cb, h * w)
     ogg = -(-conv.out_blocks_per_group // conv.fb)
     packed = conv.packed.reshape(ogg, cb * b, conv.fb * b)

@@ -213,3 +213,24 @@ def test_a_tactic_that_declines_stays_on_the_checked_path():
     assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
     (step,) = kernel_steps(session, feeds)
     assert step.choice == "blocked-opbyop" and list(step._bound.values()) == [False]
+
+
+def test_a_bind_that_fails_warns_and_the_step_stays_on_the_checked_path():
+    from fusion.errors import FusionWarning
+
+    model = conv_chain()
+    result = assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"])
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
+    feeds = {"x": rand(2, 16, 9, 9)}
+    (want,) = run_ort(model, feeds)
+    first = kernel_steps(session, feeds)[0]
+
+    def broken(*_args):
+        raise ValueError("no such launch")
+
+    first.bind = broken
+    with pytest.warns(FusionWarning, match="could not be bound.*no such launch"):
+        (got,) = session.run(None, feeds)
+    assert_close(got, want, 1e-4, 1e-5)
+    assert list(first._bound.values()) == [False]
+    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)  # checked, every time

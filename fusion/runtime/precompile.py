@@ -108,6 +108,10 @@ def warm(model, todo: dict, helped: Callable[[int], bool], threads: int,
                 _write(folder / _SESSION, pos)
                 compile_node(i)
                 done["here"] += 1
+        except BaseException:  # interrupted, or a compile that raised: no helper outlives it
+            if helper is not None:
+                helper.kill()
+            raise
         finally:
             if helper is not None:
                 _finish(helper, folder, len(rest))

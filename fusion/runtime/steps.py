@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import onnxruntime
 from onnx import helper, numpy_helper
 
 from fusion.catalog import DOMAIN, Tactic
-from fusion.errors import KernelError, one_line
+from fusion.errors import FusionWarning, KernelError, one_line
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.ort import ISLAND, Settings, inference_session
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, kernel_name
@@ -326,7 +327,7 @@ class KernelStep:
         """After a checked call on these input shapes, the tactic's run specialized for them
         (Tactic.bind), which later calls with the same shapes (and thread count) take: their
         outputs have the shapes and types this call's passed with. False where the tactic
-        declines (those calls stay on this path)."""
+        declines, or fails to bind (a FusionWarning): those calls stay on this path."""
         if self._threads is None:
             from kernels.config import get_threads  # heavy (Numba): a kernel has run
 
@@ -336,8 +337,11 @@ class KernelStep:
             return
         try:
             self._bound[key] = self.bind(*args) or False
-        except Exception as exc:
-            raise self._error(f"failed to bind: {type(exc).__name__}: {one_line(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 (the checked path still runs it: a warning)
+            self._bound[key] = False
+            warnings.warn(f"{self.kernel_name} of {self.name}: its tactic could not be bound to "
+                          f"these shapes ({type(exc).__name__}: {one_line(exc)}); its calls "
+                          "stay on the checked path", FusionWarning, stacklevel=3)  # fmt: skip
 
     def _check(self, args: list, i: int, value) -> None:
         """Output i against its OutputCheck; a shape with every declared size is remembered."""
