@@ -106,8 +106,8 @@ def conv_chain(blocks=6, c=16, hw=10):
 
 
 def test_the_helper_compiles_from_the_last_node_back_until_they_meet(tmp_path, monkeypatch):
-    """With the session's own compiles slowed down, the helper (a real process, finding the
-    kernels in Numba's cache) takes the last nodes: the two meet before the end, the helper is
+    """With the session's nodes after its first held until the helper (a real process) has
+    claimed one, the helper takes the last nodes: the two meet before the end, the helper is
     gone when the race times, and the session gives onnxruntime's outputs."""
     from fusion.runtime import precompile
 
@@ -115,13 +115,31 @@ def test_the_helper_compiles_from_the_last_node_back_until_they_meet(tmp_path, m
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "timing"))  # every node untimed
     monkeypatch.setattr(precompile, "COLD_SECONDS", 0.0)
     monkeypatch.setattr(precompile, "_cores", lambda: 2)
-    real = precompile.call_once
+    work = tmp_path / "work"  # the exchange folder, known here
+    work.mkdir()
 
-    def slow(*args):
-        time.sleep(0.5)
+    class Folder:
+        def __init__(self, prefix=None):
+            pass
+
+        def __enter__(self):
+            return str(work)
+
+        def __exit__(self, *_exc):
+            return False
+
+    monkeypatch.setattr(precompile.tempfile, "TemporaryDirectory", Folder)
+    real, calls = precompile.call_once, []
+
+    def after_the_helper_starts(*args):  # the session's nodes wait for the helper's first claim
+        calls.append(1)
+        deadline = time.monotonic() + 300
+        while len(calls) > 1 and not (work / "helper.pos").exists():
+            assert time.monotonic() < deadline, "the helper never claimed a node"
+            time.sleep(0.05)
         real(*args)
 
-    monkeypatch.setattr(precompile, "call_once", slow)
+    monkeypatch.setattr(precompile, "call_once", after_the_helper_starts)
     model = conv_chain()
     session = fusion.Session(model, threads=2, tactics="kernels")
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 16, 10, 10)).astype(np.float32)}
