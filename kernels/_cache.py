@@ -120,7 +120,9 @@ class PackageLocator(caching._CacheLocator):
         return self._inner.get_disambiguator()
 
     def get_source_stamp(self):
-        return source_stamp(self._path)
+        stamp = source_stamp(self._path)
+        _STAMPS.add(stamp)  # this package's cache files: the ones that take claims
+        return stamp
 
     @classmethod
     def from_function(cls, py_func, py_file):
@@ -168,9 +170,11 @@ def serialize_saves() -> None:
 # claim is older than CLAIM_STALE_S (a compile that failed in a process still running), or it
 # has waited CLAIM_WAIT_S: then it compiles too, as without claims.
 CLAIM_STALE_S = 60.0  # the longest single compile seen is ~12 s (a reused pid waits this long)
+CLAIM_EMPTY_S = 5.0  # a claim still without its pid after this: its writer died
 CLAIM_WAIT_S = 300.0
 CLAIM_POLL_S = 0.02
 _HELD: list[str] = []  # this process's claims, oldest first
+_STAMPS: set[str] = set()  # the source stamps of this package's functions (PackageLocator)
 
 
 def claim_path(folder: str, index_name: str, key) -> str:
@@ -180,15 +184,18 @@ def claim_path(folder: str, index_name: str, key) -> str:
 
 
 def _claimer(path: str) -> tuple[int, float] | None:
-    """(pid, age in seconds) of the claim at `path`; None when there is none (or it is being
-    written: its pid not there yet)."""
+    """(pid, age in seconds) of the claim at `path`, pid 0 while it is being written (or its
+    writer died before writing it); None when there is none."""
     try:
-        with open(path) as f:
-            pid = int(f.read() or 0)
         age = time.time() - os.stat(path).st_mtime
-    except (OSError, ValueError):
+        with open(path) as f:
+            text = f.read()
+    except OSError:
         return None
-    return (pid, age) if pid else None
+    try:
+        return int(text or 0), age
+    except ValueError:
+        return 0, age
 
 
 def _alive(pid: int) -> bool:
@@ -220,8 +227,12 @@ def claim_or_wait(path: str, load):
         owner = _claimer(path)
         if owner is not None:
             pid, age = owner
-            if pid == os.getpid() or not _alive(pid) or age > CLAIM_STALE_S:
-                release(path, force=True)  # ours (a failed compile) or abandoned: take it over
+            gone = pid == os.getpid() or not _alive(pid) or age > CLAIM_STALE_S
+            abandoned = age > CLAIM_EMPTY_S if pid == 0 else gone
+            if abandoned:  # ours (a failed compile), or its claimer gone: take it over
+                release(path, force=True)
+                if os.path.exists(path):  # not ours to remove (another user's, a read-only
+                    return None  # folder): compile without a claim, as before claims
                 continue
         if time.monotonic() > deadline:
             return None
@@ -245,12 +256,12 @@ def claim_compiles() -> None:
     """Numba's cache misses claim their entry, saves release it, and a compile that raises
     releases the claims it made (once per process)."""
     load, save = caching.IndexDataCacheFile.load, caching.IndexDataCacheFile.save
-    if getattr(load, "claims", False):
+    if getattr(load, "claims", False) or os.name != "posix":  # pids and O_EXCL files: POSIX
         return
 
     def claiming_load(self, key):
         data = load(self, key)
-        if data is not None:
+        if data is not None or self._source_stamp not in _STAMPS:  # another package's: as is
             return data
         path = claim_path(self._cache_path, self._index_name, key)
         return claim_or_wait(path, lambda: load(self, key))

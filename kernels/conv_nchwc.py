@@ -708,8 +708,8 @@ def bind_conv_nchwc(xb, plan: ConvPlan, residual=None, weights=None, out=None, a
     calls the compiled kernel (~1 us of Python a call against ~3). With out and at (a part of
     a concatenation), f(xb, out) writes blocks at, at + 1, ... of an array of out's shape and
     returns it. These arrays are checked (conv_nchwc is called on them if their launch is not
-    bound yet); f's are not: an array of another shape is the caller's error, as is a
-    non-contiguous one (copied by reshape)."""
+    bound yet); f's are not: an array of another shape is the caller's error (a
+    non-contiguous one is copied by reshape(-1), as the general call copies it)."""
     own = weights is not None
     ymb = None if at is None else part_blocks(out, at, plan)
     key = (getattr(xb, "shape", None), get_threads(), ymb, own)

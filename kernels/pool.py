@@ -372,11 +372,11 @@ def bind_global_average_pool_blocked(xb, channels: int):
     if n == 0:
         return lambda xb: np.empty((0, channels), np.float32)
     L, x4 = lanes(b), (n, cb, h * w, b)
-    run = entry_point(_block_means, (L, xb.reshape(x4), y))
+    run = entry_point(_block_means, (L, np.ascontiguousarray(xb).reshape(x4), y))
 
-    def call(xb):
+    def call(xb):  # x contiguous as the general call makes it (a view into a longer concat)
         y = np.empty((n, channels), np.float32)
-        run(L, xb.reshape(x4), y)
+        run(L, np.ascontiguousarray(xb).reshape(x4), y)
         return y
 
     return call

@@ -253,7 +253,8 @@ def bind_channel_gathers_blocked(parts, channels, srcs, block: int):
 
     def call(parts):
         ys = tuple(np.empty(shape, np.float32) for shape in shapes)
-        run(L, parts[0].reshape(flat_a), parts[-1].reshape(flat_b), plan,
+        a, b = (np.ascontiguousarray(x) for x in (parts[0], parts[-1]))  # as _sources does
+        run(L, a.reshape(flat_a), b.reshape(flat_b), plan,
             tuple(y.reshape(v) for y, v in zip(ys, views, strict=True)))  # fmt: skip
         return ys
 

@@ -379,9 +379,9 @@ def bind_squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, one_region=False):
     L, x4, size, alloc = lanes(b), (n, cb, h * w, b), xb.size, allocator()
     consts = (plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last)
 
-    def call(xb):
+    def call(xb):  # x contiguous as the general call makes it (a view into a longer concat)
         out = alloc(size)
-        run(L, xb.reshape(x4), out.reshape(x4), *consts)
+        run(L, np.ascontiguousarray(xb).reshape(x4), out.reshape(x4), *consts)
         return out.reshape(xb.shape)
 
     return call
@@ -404,9 +404,9 @@ def bind_gated_weights(xb, plan: SqueezeExcitePlan, conv, one_region=False):
     L, x4 = lanes(b), (n, cb, h * w, b)
     consts = (plan.w1, plan.b1, plan.w2t, plan.b2, plan.acts, last, packed)
 
-    def call(xb):
+    def call(xb):  # x contiguous as the general call makes it
         out = alloc(n * size)
-        run(L, xb.reshape(x4), *consts, out.reshape(rows))
+        run(L, np.ascontiguousarray(xb).reshape(x4), *consts, out.reshape(rows))
         return out.reshape(n, size)
 
     return call

@@ -40,7 +40,7 @@ def test_bound_convs_match_the_general_call(block):
         x, x2 = (to_blocked(rand(*xshape), block) for _ in range(2))
         r = r2 = None
         if residual:
-            r, r2 = (np.ascontiguousarray(conv_nchwc(v, plan, residual=v) * 0.5) for v in (x, x))
+            r, r2 = (np.ascontiguousarray(conv_nchwc(v, plan, residual=v) * 0.5) for v in (x, x2))
         call = bind_conv_nchwc(x, plan, residual=r)
         for v, res in ((x, r), (x2, r2)):
             want = conv_nchwc(v, plan, residual=res)
@@ -114,11 +114,36 @@ def test_bound_squeeze_excitation_matches_the_general_calls(block, one_region):
         gate = bind_squeeze_excite_blocked(x, se, one_region=one_region)
         weights = bind_gated_weights(x, se, conv, one_region)
         folded = bind_conv_nchwc(x, conv, weights=weights(x))
+        # x2 a view into a longer buffer (a concatenation that a later one extends, batch > 1)
+        longer = to_blocked(rand(n, c + 2 * block, hw, hw), block)
+        x2 = longer[:, : x.shape[1]]
+        x2[...] = to_blocked(rand(n, c, hw, hw), block)
         for v in (x, x2):
             assert_same(gate(v), squeeze_excite_blocked(v, se, one_region=one_region))
             want = gated_weights(v, se, conv, one_region)
             assert_same(weights(v), want)
             assert_same(folded(v, None, weights(v)), conv_nchwc(v, conv, weights=want))
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_bound_pools_match_the_general_calls_on_views_too(block):
+    from kernels.blocked import to_blocked
+    from kernels.pool import (
+        bind_global_average_pool_blocked,
+        bind_maxpool_blocked,
+        global_average_pool_blocked,
+        maxpool_blocked,
+    )
+    from kernels.windows import prepare_maxpool
+
+    plan = prepare_maxpool((3, 3), strides=(2, 2), pads=(1, 1, 1, 1))
+    x = to_blocked(rand(3, 40, 13, 11), block)
+    longer = to_blocked(rand(3, 40 + 2 * block, 13, 11), block)
+    view = longer[:, : x.shape[1]]  # a concatenation's prefix: strided at batch > 1
+    gap, pool = bind_global_average_pool_blocked(x, 40), bind_maxpool_blocked(x, plan)
+    for v in (x, view):
+        assert_same(gap(v), global_average_pool_blocked(v, 40))
+        assert_same(pool(v), maxpool_blocked(v, plan))
 
 
 @pytest.mark.parametrize("block", [8, 16])

@@ -252,7 +252,8 @@ class Chooser:
             entry = self._retimed.get(key) if self.retime else self._cache.get(key)
             chosen.append((i, ins, consts, key, entry))
         todo = {i: ins for i, ins, _, _, entry in chosen if entry is None}
-        self.compiled = self._compile(todo, {i: consts for i, _, consts, _, _ in chosen})
+        if todo:  # (settle's later choose() calls, on the cache, keep what this one did)
+            self.compiled = self._compile(todo, {i: consts for i, _, consts, _, _ in chosen})
         for i, ins, consts, key, entry in chosen:
             tactics, node = self.kernels[i], self.view.nodes[i]
             if entry is None:

@@ -172,7 +172,8 @@ def build_kernels(
         if progress is not None:
             progress(node_label(node), built, len(fused))
         kernel = build_kernel(catalog.get(node.op_type), node, view)
-        tactics[i] = [dataclasses.replace(t, run=serialized(t.run, lock))
+        tactics[i] = [dataclasses.replace(t, run=serialized(t.run, lock),
+                                          bind=serialized_bind(t.bind, lock))
                       for t in tactics_of(kernel)]  # fmt: skip
     return BuiltKernels(model, view, catalog, threads, tactics, functions)
 
@@ -194,7 +195,8 @@ def read_only_inputs(kernel: Kernel) -> Kernel:
     guarded = _guarded(kernel)
     offered = getattr(kernel, "tactics", None)
     if offered:
-        guarded.tactics = [dataclasses.replace(t, run=_guarded(t.run)) for t in offered]
+        # bound calls skip the guard: a plugin's tactic runs checked, every call
+        guarded.tactics = [dataclasses.replace(t, run=_guarded(t.run), bind=None) for t in offered]
     return guarded
 
 
@@ -345,6 +347,20 @@ def workqueue_lock() -> threading.Lock | None:
         except ImportError:
             continue
     return _WORKQUEUE_LOCK
+
+
+def serialized_bind(bind, lock: threading.Lock | None):
+    """A tactic's bind (Tactic.bind) and the calls it binds, run under `lock` when there is
+    one (None stays None)."""
+    if bind is None or lock is None:
+        return bind
+
+    def bound(*inputs):
+        with lock:
+            call = bind(*inputs)
+        return None if call is None else serialized(call, lock)
+
+    return bound
 
 
 def serialized(kernel: Kernel, lock: threading.Lock | None) -> Kernel:

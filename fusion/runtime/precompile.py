@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-HELPER_SWITCH = "FUSION_COMPILE_HELPER"  # "0": compile in the session's process only
+HELPER_SWITCH = "FUSION_COMPILE_HELPER"  # "0": no helper (the race compiles as it times)
 MIN_NODES = 4  # untimed nodes below this: not worth a process
 COLD_SECONDS = 0.5  # the first node's calls took longer: compiling (the cache is cold)
 WAIT_S = 600.0  # the longest the session waits for the helper to finish its node
@@ -93,8 +93,9 @@ def warm(model, todo: dict, helped: Callable[[int], bool], threads: int,
     done["here"] = 1
     rest = order[1:]
     cold = time.perf_counter() - start > COLD_SECONDS
-    if (not cold or len(rest) < MIN_NODES or _cores() < 2
-            or os.environ.get(HELPER_SWITCH, "1") == "0"):  # fmt: skip
+    switched_off = os.environ.get(HELPER_SWITCH, "1") == "0"
+    if (not cold or len(rest) < MIN_NODES or _cores() < 2 or os.name != "posix"
+            or getattr(sys, "frozen", False) or switched_off):  # fmt: skip
         return done  # the race compiles the rest as it times them, as without a helper
     with tempfile.TemporaryDirectory(prefix="fusion-compile-") as tmp:
         folder = Path(tmp)
@@ -104,6 +105,10 @@ def warm(model, todo: dict, helped: Callable[[int], bool], threads: int,
             for pos, i in enumerate(rest):
                 if helper is not None and pos >= _read(folder / _HELPER, len(rest)):
                     done["met"] = 1 + pos
+                    for j in rest[pos:]:  # the helper's part, but for the nodes it cannot build
+                        if not helped(j):
+                            compile_node(j)
+                            done["here"] += 1
                     break  # the helper has this node and the ones after it
                 _write(folder / _SESSION, pos)
                 compile_node(i)
@@ -119,37 +124,41 @@ def warm(model, todo: dict, helped: Callable[[int], bool], threads: int,
 
 
 def _start(folder: Path, model, rest: list, todo: dict, helped, threads: int):
-    """The helper process over the nodes of `rest` it can build, or None."""
+    """The helper process over the nodes of `rest` it can build, or None (none it can build;
+    the model over protobuf's 2 GB; no room for its copy; no process to be had)."""
     mine = [pos for pos, i in enumerate(rest) if helped(i)]
     if not mine:
         return None
-    try:
-        (folder / _MODEL).write_bytes(model.SerializeToString())
-    except ValueError:  # over protobuf's 2 GB: not worth the copy anyway
-        return None
     nodes = [[pos, rest[pos], [None if s is None else [int(d) for d in s] for s in todo[rest[pos]]]]
              for pos in mine]  # fmt: skip
-    (folder / _JOB).write_text(json.dumps({"threads": threads, "nodes": nodes}))
-    _write(folder / _SESSION, -1)
     env = dict(os.environ, **{HELPER_SWITCH: "0"})  # a helper starts no helper
-    return subprocess.Popen(  # noqa: S603 (our own module, our own interpreter)
-        [sys.executable, "-m", "fusion.runtime.precompile", str(folder)],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    try:
+        (folder / _MODEL).write_bytes(model.SerializeToString())
+        job = {"threads": threads, "nodes": nodes, "session": os.getpid()}
+        (folder / _JOB).write_text(json.dumps(job))
+        _write(folder / _SESSION, -1)
+        return subprocess.Popen(  # noqa: S603 (our own module, our own interpreter)
+            [sys.executable, "-m", "fusion.runtime.precompile", str(folder)],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
 def _finish(helper: subprocess.Popen, folder: Path, count: int) -> None:
     """The helper ends: at once if it has not started a node (still importing, or nothing
     left for it), else once it has finished the node it is compiling (which this process
-    skipped), within WAIT_S."""
+    skipped), within WAIT_S; killed whatever interrupts the wait."""
     if _read(folder / _HELPER, count) >= count:
         helper.kill()
     try:
         helper.wait(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # the wait's end, or an interrupt: the helper outlives nothing
         helper.kill()
         helper.wait()
+        if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+            raise
 
 
 def helper_main(folder: Path) -> int:
@@ -165,8 +174,8 @@ def helper_main(folder: Path) -> int:
     built = build_kernels(model, default_catalog(), int(job["threads"]))
     ensure_threads(built.threads)
     for pos, i, ins in reversed(job["nodes"]):
-        if pos <= _read(folder / _SESSION, -1):
-            break  # the session has come this far: the rest is done
+        if pos <= _read(folder / _SESSION, -1) or os.getppid() != job["session"]:
+            break  # the session has come this far (the rest is done), or is gone
         _write(folder / _HELPER, pos)
         tactics = built.tactics.get(i)
         if tactics is None:
