@@ -188,6 +188,16 @@ def conv_chain(c=16, hw=9):
     return g.model({"x": ["N", c, hw, hw]}, [g.node("Relu", [z])])
 
 
+def conv_chain_session():
+    """conv_chain fused, a session on its first tactics (untimed), feeds of batch 2 and
+    onnxruntime's outputs on the original."""
+    model = conv_chain()
+    result = assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"])
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
+    feeds = {"x": rand(2, 16, 9, 9)}
+    return model, result, session, feeds, run_ort(model, feeds)[0]
+
+
 def kernel_steps(session, feeds):
     return [s for s in session._plans.for_values(feeds).plan.steps if s.kind == "kernel"]
 
@@ -195,11 +205,7 @@ def kernel_steps(session, feeds):
 def test_a_step_binds_per_input_shape_and_thread_count():
     from kernels.config import get_threads, set_threads
 
-    model = conv_chain()
-    result = assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"])
-    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
-    feeds = {"x": rand(2, 16, 9, 9)}
-    (want,) = run_ort(model, feeds)
+    model, result, session, feeds, want = conv_chain_session()
     assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
     steps = kernel_steps(session, feeds)
     assert steps and all(len(s._bound) == 1 and all(s._bound.values()) for s in steps)
@@ -243,11 +249,7 @@ def test_a_tactic_that_declines_stays_on_the_checked_path():
 def test_a_bind_that_fails_warns_and_the_step_stays_on_the_checked_path():
     from fusion.errors import FusionWarning
 
-    model = conv_chain()
-    result = assert_fuses(model, ["ConvBiasRelu", "ConvBiasRelu"])
-    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
-    feeds = {"x": rand(2, 16, 9, 9)}
-    (want,) = run_ort(model, feeds)
+    _, _, session, feeds, want = conv_chain_session()
     first = kernel_steps(session, feeds)[0]
 
     def broken(*_args):

@@ -60,6 +60,7 @@ from fusion.runtime.tactics import (
     TIMING_ROUNDS,
     preferred,
     random_inputs,
+    tactic_inputs,
     time_call,
 )
 from fusion.runtime.timing_cache import (
@@ -289,12 +290,9 @@ class Chooser:
         first, on this core and on another in a helper process (fusion/runtime/precompile.py):
         a cold start's compiling on two cores, and no compile inside a timing."""
         from fusion.runtime.precompile import call_once, warm
-        from patterns import RULES  # the built-in rules: a helper process can build those
 
-        builtin = {id(rule) for rule in RULES}
-
-        def helped(i: int) -> bool:
-            return id(self.built.catalog.get(self.view.nodes[i].op_type)) in builtin
+        def helped(i: int) -> bool:  # a built-in rule's node: a helper process can build it
+            return is_built_in(self.built.catalog.get(self.view.nodes[i].op_type))
 
         ensure_threads(self.threads)
         return warm(self.model, todo, helped, self.threads,
@@ -323,8 +321,6 @@ class Chooser:
         """Median seconds of each tactic and of onnxruntime on the node's body, on random
         inputs of the node's shapes. A tactic that fails, or returns outputs of another number,
         dtype or shape than the body's, is never chosen (and is reported)."""
-        from kernels.blocked import to_blocked  # heavy: Numba
-
         ensure_threads(self.threads)
         inputs = random_inputs(shapes, consts)
         # The body with the node's constants as initializers, as onnxruntime would run it inside
@@ -335,10 +331,8 @@ class Chooser:
         expected = body.run(None, feeds)
         times, runs = {}, {}
         for tactic in tactics:
-            args = list(inputs)
             try:
-                for k, pos in enumerate(tactic.blocked_inputs):
-                    args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
+                args = tactic_inputs(tactic, inputs)
                 _check_against_body(node, tactic, tactic.run(*args), expected)
                 runs[tactic.name] = lambda t=tactic, a=args: t.run(*a)
             except Exception as exc:  # noqa: BLE001 (any failure rules the tactic out)

@@ -42,16 +42,12 @@ def call_once(tactics, shapes: Sequence, consts: Sequence) -> None:
     """Each tactic once on random inputs of the node's shapes, in its layouts, as the race's
     first call makes it (fusion/runtime/choice.py time_tactics): the same argument types, so
     the same compiled code. A tactic that fails is left to the race, which reports it."""
-    from fusion.runtime.tactics import random_inputs
-    from kernels.blocked import to_blocked  # heavy (Numba)
+    from fusion.runtime.tactics import random_inputs, tactic_inputs
 
     inputs = random_inputs(shapes, consts)
     for tactic in tactics:
         try:
-            args = list(inputs)
-            for k, pos in enumerate(tactic.blocked_inputs):
-                args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
-            tactic.run(*args)
+            tactic.run(*tactic_inputs(tactic, inputs))
         except Exception:  # noqa: BLE001, S112 (the race times it again and reports it)
             continue
 

@@ -85,6 +85,17 @@ def time_call(run: Callable[[], object], min_calls: int = MIN_CALLS,
     return statistics.median(samples)
 
 
+def tactic_inputs(tactic: Tactic, inputs: Sequence) -> list:
+    """`inputs` (NCHW arrays, constants, None) as `tactic` reads them: those at its
+    blocked_inputs converted to the blocked layout, at its in_blocks."""
+    from kernels.blocked import to_blocked  # heavy (Numba): only with kernels
+
+    args = list(inputs)
+    for k, pos in enumerate(tactic.blocked_inputs):
+        args[pos] = to_blocked(args[pos], block=tactic.in_blocks[k])
+    return args
+
+
 def random_inputs(shapes: Sequence, constants: Sequence, seed: int = 0) -> list:
     """Inputs to time a node on: its constants, and standard-normal float32 arrays of `shapes`
     for the rest (None for an absent input)."""
