@@ -705,7 +705,8 @@ def bind_conv_nchwc(xb, plan: ConvPlan, residual=None, weights=None, out=None, a
     weights=None) -> y for a caller whose shapes repeat call after call (a session's step,
     fusion/runtime/steps.py), which has checked them. The checks, the launch's look-up and
     the packing of the kernel's arguments are done here, once; f allocates the output and
-    calls the compiled kernel (~1 us of Python a call against ~3). With out and at (a part of
+    calls the compiled kernel (the wrappers' Python was ~4.4 us a mobilenet_v3_small step,
+    bench/NOTES.md, "Kernel steps bound"). With out and at (a part of
     a concatenation), f(xb, out) writes blocks at, at + 1, ... of an array of out's shape and
     returns it. These arrays are checked (conv_nchwc is called on them if their launch is not
     bound yet); f's are not: an array of another shape is the caller's error (a
