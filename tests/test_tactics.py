@@ -17,8 +17,11 @@ import numpy as np
 import onnx
 import pytest
 from helpers import (
+    GraphBuilder,
     assert_close,
+    conv_block,
     fused_model,
+    run_ort,
     scaled_relu,
     scaled_relu_catalog,
     scripted_race,
@@ -380,6 +383,33 @@ def test_node_key_names_what_a_timing_depends_on():
     assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v2")  # kernels' source
     node.overload = "abd"
     assert k1 != node_key(node, [(1, 8, 7, 7)], 2, "v1")  # the body
+    # the weights' shapes: one body, one input shape, 8 or 16 output channels
+    node.input.extend(["w"])
+    w8, w16 = np.zeros((8, 8, 1, 1), np.float32), np.zeros((16, 8, 1, 1), np.float32)
+    k8 = node_key(node, [(1, 8, 7, 7), None], 2, "v1", [None, w8])
+    assert k8 != node_key(node, [(1, 8, 7, 7), None], 2, "v1", [None, w16])
+    assert k8 == node_key(node, [(1, 8, 7, 7), None], 2, "v1", [None, w8 + 1])  # not values
+    assert k8.split("|")[1] == "1x8x7x7;c8x8x1x1"
+
+
+def test_convs_of_one_input_and_two_widths_are_timed_apart(monkeypatch, tmp_path):
+    # Two 1x1 convs read x with the same attributes (one fused body) and write 8 and 24
+    # channels: each node's timings are its own, of its own tactics, not the first one's.
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    g = GraphBuilder(seed=3)
+    a = conv_block(g, "x", 8, 8, k=1)
+    b = conv_block(g, "x", 8, 24, k=1)
+    session = Session(g.model({"x": (1, 8, 6, 6)}, [a, b]), threads=1, tactics="kernels")
+    entries = json.loads(next(tmp_path.glob("tactics-*.json")).read_text())["entries"]
+    nodes = {k: e["times"] for k, e in entries.items() if k.startswith("fusion.")}
+    assert sorted(k.split("|")[1] for k in nodes) == ["1x8x6x6;c24x8x1x1;c24",
+                                                      "1x8x6x6;c8x8x1x1;c8"]  # fmt: skip
+    offered = {tuple(sorted(v)) for v in session.offered.values()}
+    assert {tuple(sorted(set(t) - {ONNXRUNTIME})) for t in nodes.values()} == offered
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 6, 6)).astype(np.float32)}
+    want = run_ort(g.model({"x": (1, 8, 6, 6)}, [a, b]), feeds)
+    for got, ref in zip(session.run(None, feeds), want, strict=True):
+        assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fusion_tune_fills_the_cache_and_says_what_runs(capsys, monkeypatch, tmp_path):

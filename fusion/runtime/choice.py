@@ -249,7 +249,7 @@ class Chooser:
                 from kernels.machine import cpu_key  # heavy package: only with kernels
 
                 self._cache = TimingCache(cpu_key(), version=timing_version()).load()
-            key = node_key(node, ins, self.threads, self._source_version)
+            key = node_key(node, ins, self.threads, self._source_version, consts)
             entry = self._retimed.get(key) if self.retime else self._cache.get(key)
             chosen.append((i, ins, consts, key, entry))
         todo = {i: ins for i, ins, _, _, entry in chosen if entry is None}

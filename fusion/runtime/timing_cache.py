@@ -2,7 +2,7 @@
 later process on this machine chooses without timing anything (fusion/runtime/choice.py).
 
     {"format": 1, "cpu": "AMD EPYC 7551 ... | avx2", "entries": {
-      "fusion.ConvBiasRelu:<body hash>|1x8x10x10;-;-|t2|<version>":
+      "fusion.ConvBiasRelu:<body hash>|1x8x10x10;c8x8x3x3;c8|t2|<version>":
           {"times": {"blocked-4x16": 1.2e-05, "nchw-winograd": 2.1e-05, "onnxruntime": 3e-05},
            "written": 1764620000},
       "plan:<model digest>|1x3x32x32|t2|<version>":
@@ -349,9 +349,20 @@ def convert_key(shape: Sequence[int], block: int, threads: int, version: str) ->
     return f"{CONVERT}{'x'.join(map(str, shape))}|b{block}|t{threads}|{version}"
 
 
-def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str) -> str:
+def node_key(node: onnx.NodeProto, shapes: Sequence, threads: int, version: str,
+             constants: Sequence = ()) -> str:  # fmt: skip
     """What a tactic timing depends on: the node's computation (its function's content hash
-    names its body, attributes included), its input shapes, threads, the kernels' source
-    (`version`, timing_version(): the last field)."""
-    dims = ";".join("-" if s is None else "x".join(map(str, s)) for s in shapes)
+    names its body, attributes included), its input shapes, the shapes of its constant inputs
+    (`constants`, by position: an array or None), threads, the kernels' source (`version`,
+    timing_version(): the last field). A body names its weights as inputs, not their shapes:
+    RegNet's 208 -> 208 and 208 -> 440 1x1 convs at 14 x 14 share one body and one input
+    shape, and without their weights' shapes in the key one took the other's timings, of
+    tactics it does not even have (bench/NOTES.md, "Timings keyed by the weights' shapes")."""
+    consts = list(constants) + [None] * (len(shapes) - len(constants))
+    dims = ";".join(
+        "-" if s is None and c is None
+        else "c" + "x".join(map(str, c.shape)) if s is None
+        else "x".join(map(str, s))
+        for s, c in zip(shapes, consts, strict=True)
+    )  # fmt: skip
     return f"{node.domain}.{node.op_type}:{node.overload}|{dims}|t{threads}|{version}"
