@@ -18,7 +18,7 @@ is zero-padded).
 Register tiles. A tile is PW pixels x FB output blocks of accumulators (simd.Tile); per input
 channel and tap it does PW FB FMAs for PW broadcasts of x and FB weight vectors. For each FB in
 (4, 2, 1), capped at the output blocks per group, PW is the most the register file holds
-(simd.tile.fit_rows: 3x4, 6x2, 14x1 with AVX2 at 8 lanes; 6x4, 14x2, 30x1 with AVX-512 at 16),
+(simd.tile.tallest: 3x4, 6x2, 8x1 with AVX2 at 8 lanes; 6x4, 14x2, 16x1 with AVX-512 at 16),
 and the tiles rank by useful FMAs per load: PW FB / (PW + FB) times the share of the FB-block
 filter groups that is not padding (M = 24 at 8 lanes: 4x3, no padding, before a padded 3x4).
 The plan packs for FB; PW is chosen per input shape, narrower when a row's interior is narrow
@@ -143,7 +143,7 @@ def _per_load(fb: int, w: int) -> float:
     """FMAs per load of the tallest tile of fb blocks at w lanes: PW FB / (PW + FB) (v PW FB /
     (PW + v FB) in instructions when a vector takes v registers: one broadcast serves every
     register of a row)."""
-    pw, v = tiles.fit_rows(fb, w), _per_vector(w)
+    pw, v = tiles.tallest(fb, w), _per_vector(w)
     return v * pw * fb / (pw + v * fb)
 
 
@@ -169,12 +169,13 @@ def tile_blocks(mbg: int, w: int) -> tuple[int, ...]:
     (none padded) before 14x2 (one of 10): 24->144 1x1 at 56 x 56 ran in 160 us on 9x3, 177 on
     14x2, 96->144 at 28 x 28 106 against 117 (bench/NOTES.md).
     Then, when there is another, the one of the others that computes the fewest padding
-    blocks, then the most FMAs per load (5 blocks: 9x3 with one padded of 6, then 30x1; 8
+    blocks, then the most FMAs per load (5 blocks: 9x3 with one padded of 6, then 16x1; 8
     blocks: 6x4, then 14x2 rather than 9x3's padded block). Which wins depends on the CPU and
     the shape more than these counts say (on Zen 1 the 3x4 tile beat the taller ones even with
     padding; on Zen 4 14x2 ran ResNet-50's 1x1 stride-2 1024->2048 conv at 14x14 in 1.05 ms
     against 6x4's 1.30, whose 7-wide output rows take 3-pixel tiles, and lost on 3x3 256->256
-    at 14x14, 1.14 against 0.97 ms; 16->72 1x1 at 56 x 56 ran fastest on 30x1: bench/NOTES.md),
+    at 14x14, 1.14 against 0.97 ms; 16->72 1x1 at 56 x 56 ran fastest on 30x1, before one-column
+    tiles stopped at 16 rows (simd.tile.tallest; not timed again on AVX-512): bench/NOTES.md),
     so a "fastest" session times both."""
     fbs = sorted({min(fb, mbg) for fb in TILE_BLOCKS}, reverse=True)
     unbound = [fb for fb in fbs if _per_load(fb, w) >= 1.0]
@@ -198,15 +199,15 @@ def tile_options(weight_shape, group: int = 1, block: int | None = None) -> tupl
 
 def tile_rows(fb: int, w: int, interior: int) -> int:
     """Pixels per tile (PW) for a row whose `interior` columns run in tiles: the tallest that
-    fits (fit_rows), unless a narrower one, halving, covers the interior in fewer than
+    fits (tiles.tallest), unless a narrower one, halving, covers the interior in fewer than
     1 / NARROW_GAIN of its accumulator-slots per unit of speed (a tile of fewer than CHAINS
     accumulators waits on FMA latency; a taller one streams fewer weight bytes per FMA, hence
-    the margin). 14x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
+    the margin). 8x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
     one pixel at a time; 3x4 keeps 3 at 5 columns (two tiles overlapping one); 6x4 at 16
     lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
     costs = _row_costs(fb, w, interior)
     if not costs:  # no tile fits: the one-pixel path takes the row
-        return tiles.fit_rows(fb, w)
+        return tiles.tallest(fb, w)
     cheapest = min(costs.values())
     return max(pw for pw, cost in costs.items() if cost <= NARROW_GAIN * cheapest)
 
@@ -215,7 +216,7 @@ def _row_costs(fb: int, w: int, interior: int) -> dict:
     """{PW: the cost of covering `interior` columns in tiles of PW x fb}, for the tallest PW
     that fits and its halvings that fit in the row: accumulator-slots computed, over the
     tile's speed (a tile of fewer than CHAINS accumulators waits on FMA latency)."""
-    top, v = tiles.fit_rows(fb, w), _per_vector(w)
+    top, v = tiles.tallest(fb, w), _per_vector(w)
     costs, pw = {}, top
     while True:
         if pw <= interior:
@@ -453,12 +454,6 @@ def geometry(plan: ConvPlan, x_shape, threads: int) -> np.ndarray:
     a, b = _inside(w, kw, sw, dw, pl, ow)
     row_a, row_b = _inside(h, kh, sh, dh, pt, oh)
     pw = _depthwise_blocked.TILE if plan.depthwise else plan.pixels or tile_rows(fb, block, b - a)
-    if not plan.depthwise and not plan.pixels and fb == 1 and bi < block:
-        # A one-column tile whose channel loop runs a count (a small-C stem, NCHW planes): the
-        # tallest tile (30 x 1 on AVX-512) left no register for that loop, and the planes ran
-        # 1.4x slower than the same conv on blocks of C (296 against 218 us on 3 -> 16 3x3 s2
-        # 224 x 224, one thread, 16 x 1 against 30 x 1; bench/NOTES.md).
-        pw = min(pw, tiles.registers()[0] // 2)
     others = max(1, n * (cb if plan.depthwise else plan.group * ogg))  # n = 0: nothing to split
     # A dense conv whose last input block holds at most half a block of channels (24, 40, 72,
     # 88, 120 at 16 lanes): its taps run half the channel loop (_direct_blocked._run_all), where
@@ -518,7 +513,7 @@ def pixels_geometry(conv: ConvPlan, x_shape, threads: int, **fields) -> np.ndarr
     g = geometry(conv, x_shape, threads)
     pixels = fields.pop("pixels")
     fields.update(N=1, H=1, OH=1, ROWS=1, ROW_A=0, ROW_B=1, COL_A=0, W=pixels, OW=pixels,
-                  COL_B=pixels, PW=tiles.fit_rows(conv.fb, conv.block), PARTS=1)  # fmt: skip
+                  COL_B=pixels, PW=tiles.tallest(conv.fb, conv.block), PARTS=1)  # fmt: skip
     for name, value in fields.items():
         g[getattr(geo, name)] = value
     return g

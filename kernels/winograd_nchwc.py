@@ -120,7 +120,7 @@ def _launch(plan: WinogradPlan, shape, threads: int):
     m, a = plan.m, plan.m + 2
     tw, th = -(-ow // m), -(-oh // m)
     t_len = tw * th
-    T = tiles.tile(tiles.fit_rows(plan.fb, b), plan.fb)
+    T = tiles.tile(tiles.tallest(plan.fb, b), plan.fb)
     k_len = cb * b
     # P tiles per item: V [a*a, P, K] and mt [a*a, P, FB b] within half of L2, at least one
     # register tile, and enough items for the threads.

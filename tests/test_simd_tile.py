@@ -133,5 +133,7 @@ def test_shapes_follow_the_register_file(monkeypatch, isa, regs, gemm, conv):
             assert v * (rows * cols + min(rows, cols) + 1) <= regs[0]
         for (cols, w), rows in conv.items():
             assert tiles.fit_rows(cols, w) == rows
+            # a one-column tile stops at half the register file; wider ones fill it
+            assert tiles.tallest(cols, w) == (min(rows, regs[0] // 2) if cols == 1 else rows)
     finally:
         tiles.registers.cache_clear()
