@@ -109,6 +109,7 @@ class PackageLocator(caching._CacheLocator):
 
     def __init__(self, inner, path: Path):
         self._inner, self._path = inner, path
+        self._py_file = str(path)  # what Numba's warning about an uncachable function names
 
     def ensure_cache_path(self):
         self._inner.ensure_cache_path()
