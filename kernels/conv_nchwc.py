@@ -17,12 +17,13 @@ is zero-padded).
 
 Register tiles. A tile is PW pixels x FB output blocks of accumulators (simd.Tile); per input
 channel and tap it does PW FB FMAs for PW broadcasts of x and FB weight vectors. For each FB in
-(4, 2, 1), capped at the output blocks per group, PW is the most the register file holds
-(simd.tile.tallest: 3x4, 6x2, 8x1 with AVX2 at 8 lanes; 6x4, 14x2, 16x1 with AVX-512 at 16),
+(4, 2, 1), capped at the output blocks per group, PW is the tallest worth running: the most the
+register file holds, one-column tiles at half as many rows as registers (simd.tile.tallest:
+3x4, 6x2, 8x1 with AVX2 at 8 lanes; 6x4, 14x2, 16x1 with AVX-512 at 16),
 and the tiles rank by useful FMAs per load: PW FB / (PW + FB) times the share of the FB-block
 filter groups that is not padding (M = 24 at 8 lanes: 4x3, no padding, before a padded 3x4).
 The plan packs for FB; PW is chosen per input shape, narrower when a row's interior is narrow
-(tile_rows: a 7-wide output is not left to the one-pixel path by a 14-pixel tile).
+(tile_rows: a 5-column interior is not left to the one-pixel path by an 8-pixel tile).
 """
 
 import dataclasses
@@ -203,8 +204,8 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
     1 / NARROW_GAIN of its accumulator-slots per unit of speed (a tile of fewer than CHAINS
     accumulators waits on FMA latency; a taller one streams fewer weight bytes per FMA, hence
     the margin). 8x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
-    one pixel at a time; 3x4 keeps 3 at 5 columns (two tiles overlapping one); 6x4 at 16
-    lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
+    one pixel at a time, and 7 columns as one 7x1 (14x1's halving); 3x4 keeps 3 at 5 columns
+    (two tiles overlapping one); 6x4 at 16 lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
     costs = _row_costs(fb, w, interior)
     if not costs:  # no tile fits: the one-pixel path takes the row
         return tiles.tallest(fb, w)
@@ -213,14 +214,17 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
 
 
 def _row_costs(fb: int, w: int, interior: int) -> dict:
-    """{PW: the cost of covering `interior` columns in tiles of PW x fb}, for the tallest PW
-    that fits and its halvings that fit in the row: accumulator-slots computed, over the
-    tile's speed (a tile of fewer than CHAINS accumulators waits on FMA latency)."""
-    top, v = tiles.tallest(fb, w), _per_vector(w)
+    """{PW: the cost of covering `interior` columns in tiles of PW x fb}, for the most rows that
+    fit the register file and its halvings, each at most the tallest worth running
+    (tiles.tallest: 8, 7, 4, 2 for one column on AVX2), that fit in the row: accumulator-slots
+    computed, over the tile's speed (a tile of fewer than CHAINS accumulators waits on FMA
+    latency)."""
+    top, cap, v = tiles.fit_rows(fb, w), tiles.tallest(fb, w), _per_vector(w)
     costs, pw = {}, top
     while True:
-        if pw <= interior:
-            costs[pw] = -(-interior // pw) * pw / min(1.0, v * pw * fb / CHAINS)
+        rows = min(pw, cap)
+        if rows <= interior:
+            costs[rows] = -(-interior // rows) * rows / min(1.0, v * rows * fb / CHAINS)
         if pw <= 2:
             break
         pw = -(-pw // 2)

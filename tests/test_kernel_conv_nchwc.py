@@ -619,6 +619,7 @@ def test_tile_rows_narrow_for_narrow_rows(monkeypatch):
     assert tile_rows(4, 8, 54) == 3  # a 56-wide 3x3 row: 18 tiles of 3
     assert tile_rows(1, 8, 56) == 8  # one column: at most half the register file (tallest)
     assert tile_rows(1, 8, 5) == 4  # 7 wide, 3x3: two tiles of 4 overlapping
+    assert tile_rows(1, 8, 7) == 7  # one tile of 7 (14's halving), not two of 4
     assert tile_rows(1, 8, 12) == 8
     assert tile_rows(2, 8, 5) == 3
     assert tile_rows(4, 8, 1) == 3  # no tile fits: the one-pixel path
@@ -629,6 +630,7 @@ def test_tile_rows_narrow_for_narrow_rows(monkeypatch):
     assert tile_rows(4, 16, 13) == 3  # 18 slots, 3x4 15
     assert tile_rows(1, 16, 26) == 16
     assert tile_rows(1, 16, 12) == 8
+    assert tile_rows(1, 16, 15) == 15  # 30's halving, under the cap of 16
 
 
 @pytest.mark.parametrize("block", BLOCKS)

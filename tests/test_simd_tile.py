@@ -113,9 +113,11 @@ def test_bad_shapes_and_arguments():
 @pytest.mark.parametrize(
     ("isa", "regs", "gemm", "conv"),
     [
-        ("avx2+fma", (16, 8), {8: (4, 3), 16: (6, 1)}, {(4, 8): 3, (2, 8): 6, (1, 8): 14}),
+        # (cols, w): (fit_rows, tallest); 16 lanes on AVX2 take two registers a vector
+        ("avx2+fma", (16, 8), {8: (4, 3), 16: (6, 1)},
+         {(4, 8): (3, 3), (2, 8): (6, 6), (1, 8): (14, 8), (1, 16): (6, 6)}),
         ("avx512f+fma", (32, 16), {8: (14, 2), 16: (14, 2)},
-         {(4, 16): 6, (2, 16): 14, (1, 16): 30}),
+         {(4, 16): (6, 6), (2, 16): (14, 14), (1, 16): (30, 16), (1, 8): (30, 16)}),
     ],
     ids=["avx2", "avx512"],
 )  # fmt: skip
@@ -131,9 +133,9 @@ def test_shapes_follow_the_register_file(monkeypatch, isa, regs, gemm, conv):
             rows, cols = shape
             v = -(-w // regs[1])
             assert v * (rows * cols + min(rows, cols) + 1) <= regs[0]
-        for (cols, w), rows in conv.items():
+        for (cols, w), (rows, tallest) in conv.items():
             assert tiles.fit_rows(cols, w) == rows
-            # a one-column tile stops at half the register file; wider ones fill it
-            assert tiles.tallest(cols, w) == (min(rows, regs[0] // 2) if cols == 1 else rows)
+            # a one-column tile stops at half as many rows as registers; wider ones fill them
+            assert tiles.tallest(cols, w) == tallest
     finally:
         tiles.registers.cache_clear()

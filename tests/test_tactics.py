@@ -400,6 +400,8 @@ def test_convs_of_one_input_and_two_widths_are_timed_apart(monkeypatch, tmp_path
     a = conv_block(g, "x", 8, 8, k=1)
     b = conv_block(g, "x", 8, 24, k=1)
     session = Session(g.model({"x": (1, 8, 6, 6)}, [a, b]), threads=1, tactics="kernels")
+    fused = [n for n in session.model.graph.node if n.domain == "fusion"]
+    assert len(fused) == 2 and fused[0].overload == fused[1].overload  # one body: the collision
     entries = json.loads(next(tmp_path.glob("tactics-*.json")).read_text())["entries"]
     nodes = {k: e["times"] for k, e in entries.items() if k.startswith("fusion.")}
     assert sorted(k.split("|")[1] for k in nodes) == ["1x8x6x6;c24x8x1x1;c24",

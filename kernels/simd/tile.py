@@ -99,12 +99,12 @@ def fit_rows(cols: int, w: int) -> int:
 
 def tallest(cols: int, w: int) -> int:
     """The rows of the tallest tile of `cols` vectors worth running: fit_rows, but a one-column
-    tile at most half the register file. Each FMA of a one-column tile waits on a broadcast of
-    its own, so height adds no FMAs per load past a few rows, and at the full register file
-    LLVM kept no register to load ahead: on AVX2, 14x1 ran RegNet's grouped 3x3 convs (8
-    channels a group) 1.4-1.8x slower than 7x1 or 8x1 (104 x 28 x 28 in 13 groups, one thread:
-    409-491 us against 260-272), and a stem's 30x1 on AVX-512 1.4x slower than 16x1
-    (bench/NOTES.md)."""
+    tile at most half as many rows as vector registers. Each FMA of a one-column tile waits on
+    a broadcast of its own, so height adds no FMAs per load past a few rows, and at the full
+    register file LLVM kept no register to load ahead: on AVX2, 14x1 ran RegNet's grouped 3x3
+    convs (8 channels a group) 1.4-1.8x slower than 7x1 or 8x1 (104 x 28 x 28 in 13 groups,
+    one thread: 409-491 us against 260-272), and a stem's 30x1 on AVX-512 1.4x slower than
+    16x1 (bench/NOTES.md; whole-block one-column convs were not timed again on AVX-512)."""
     rows = fit_rows(cols, w)
     return min(rows, max(1, registers()[0] // 2)) if cols == 1 else rows
 
