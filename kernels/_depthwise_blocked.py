@@ -67,7 +67,7 @@ from ._blocked_geometry import (
     N,
     W,
 )  # fmt: skip
-from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
+from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL, ZERO_I64
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import borrow, mask_all, tail_mask, vfma, vload, vload_masked, vstore, vzero
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
@@ -509,7 +509,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
             else:
                 _pad_rows(L, xf, g, n, cb, ih0, span, iw0, wt, scr)
-                _tile(L, scr, 0, step, wf, w0, taps[k:], k, npx, bias, yp, yo + ow0 * b, rp,
+                _tile(L, scr, ZERO_I64, step, wf, w0, taps[k:], k, npx, bias, yp, yo + ow0 * b, rp,
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
         if not simple:
             activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 
 from ._gemm import gemm_block
-from .config import INLINE, JIT, PARALLEL
+from .config import INLINE, JIT, PARALLEL, ZERO_I64
 from .simd import tail_mask, vload, vload_masked, vstore
 
 # 1x1, stride-1, unpadded convolutions with K up to this read their input in place as the
@@ -194,5 +194,5 @@ def im2col_conv(x, a_packed, bias, out3, L, T, kh, kw, sh, sw, dh, dw, pt, pl, o
             panels = np.empty((pan1 - pan0) * size, np.float32)
             _pack_panels(L, T, x, n, c0, cg, kh, kw, sh, sw, dh, dw, pt, pl, ow_len, p_len,
                          pan0, pan1, direct, panels)  # fmt: skip
-            gemm_block(L, T, a_packed, a0, n_mbs, panels, 0, size, nr, pan1 - pan0, k_len,
+            gemm_block(L, T, a_packed, a0, n_mbs, panels, ZERO_I64, size, nr, pan1 - pan0, k_len,
                        out3, n, m0, m_cnt, pan0 * nr, p_len, bias, lo, hi)  # fmt: skip

@@ -39,7 +39,7 @@ import numpy as np
 from . import _blocked_geometry as geo
 from . import _depthwise_blocked as dwb
 from ._direct_blocked import pointwise_pixels
-from .config import JIT_GEMM, PARALLEL
+from .config import JIT_GEMM, PARALLEL, ZERO_I64
 from .epilogue import finish
 from .simd import tail_mask, vload, vload_masked, vstore, vzero
 from .simd.activation import clip_bounds, clips
@@ -146,7 +146,7 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
             gd[geo.ROW0] = oh0
             xv = xf[n * g[CB] * h * w * b :]
             for eb in range(eb_a, eb_b):
-                dwb.item(L, xv, wd, bd, dw, dw, gd, 0, eb, oh0, oh0 + used, taps, dscr,
+                dwb.item(L, xv, wd, bd, dw, dw, gd, ZERO_I64, eb, oh0, oh0 + used, taps, dscr,
                          acts[1, 1], acts[1, 2])  # fmt: skip
         else:
             ih0 = oh0 * s - pt
@@ -169,10 +169,10 @@ def item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge, gd, gp, acts, ci
                     _copy_rows(L, xf, g, n, lo, hi, lo - ih0, ex)
             have_lo, have_hi = ih0, ih0 + span
             for eb in range(eb_a, eb_b):
-                dwb.item(L, ex, wd, bd, dw, dw, gd, 0, eb, 0, used, taps, dscr, acts[1, 1],
-                         acts[1, 2])  # fmt: skip
+                dwb.item(L, ex, wd, bd, dw, dw, gd, ZERO_I64, eb, ZERO_I64, used, taps, dscr,
+                         acts[1, 1], acts[1, 2])  # fmt: skip
         if project:
-            pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, 0,
+            pointwise_pixels(L, rp, dv, wp_, bp, yf[y0:], rf[y0:], gp, used * ow, ZERO_I64,
                              gp[geo.OGG], acc, tbuf, tx, tw, sx, sw_, acts[2, 1], acts[2, 2],
                              L)  # fmt: skip
 
@@ -203,7 +203,7 @@ def inverted_residual_blocked(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g,
     items = g[N] * parts_row * split  # (a conditional in prange's bound: no parallel loop)
     for it in numba.prange(items):
         n, part = np.int64(it // (parts_row * split)), np.int64(it % (parts_row * split))
-        oh_a = part * per if split == 1 else np.int64(0)
+        oh_a = part * per if split == 1 else ZERO_I64
         oh_b = min(oh_len, oh_a + per)
         mine = work[numba.get_thread_id()]
         ex = mine[:e_len]
@@ -217,12 +217,12 @@ def inverted_residual_blocked(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g,
         if split == 1:
             if oh_a < oh_b:
                 item(L, re, rp, xf, we, be, wd, bd, wp_, bp, yf, rf, g, ge_, gd_, gp.copy(),
-                     acts, ci, n, oh_a, oh_b, np.int64(0), g[EB], ex, dw, dscr, acc, tbuf, tx, tw,
+                     acts, ci, n, oh_a, oh_b, ZERO_I64, g[EB], ex, dw, dscr, acc, tbuf, tx, tw,
                      sx, sw_)  # fmt: skip
         else:  # a channel part: its partial sums, or its own blocks of d without a projection
             pv = parts[part * part_len :] if g[PROJECT] else yf
             item(L, re, rp, xf, we, be, wd, bd, wparts[woff[part] :], zero, pv, pv, g, ge_,
-                 gd_, gps[part].copy(), acts, ci, n, np.int64(0), oh_len, cuts[part],
+                 gd_, gps[part].copy(), acts, ci, n, ZERO_I64, oh_len, cuts[part],
                  cuts[part + 1], ex, dw, dscr, acc, tbuf, tx, tw, sx, sw_)  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import platform
 import threading
 
 import numba
+import numpy as np
 
 from . import _cache
 
@@ -94,6 +95,12 @@ FORCE_GEMM = dict(JIT_GEMM, forceinline=True)
 INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no call, no refcounts)
 INLINE_FIT = dict(JIT_FIT, inline="always")  # a fit copied into a loop whose kind is fixed
 PARALLEL = dict(JIT, parallel=True)
+
+# A zero for the int64 arguments of calls between kernels. A literal 0 there is typed
+# Literal[int](0), not int64, and Numba compiles the callee (and what it calls) once more for
+# that type: the depthwise conv's item compiled three times in mobilenet_v3_small, ~7 s of its
+# cold start (bench/NOTES.md). A NumPy scalar global is typed int64.
+ZERO_I64 = np.int64(0)
 
 
 def set_threads(n):

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _blocked_geometry as geo
 from ._direct_blocked import pointwise_pixels
-from .config import JIT_GEMM, PARALLEL, entry_point, get_threads
+from .config import JIT_GEMM, PARALLEL, ZERO_I64, entry_point, get_threads
 from .conv_nchwc import ConvPlan, busiest, pixels_geometry, prepare_conv_nchwc, tile_item
 from .epilogue import NO_RESIDUAL, finish
 from .machine import cache_bytes
@@ -113,8 +113,9 @@ def preact_conv_blocked(L, run, xf, xs, sc, sh, wf, bf, yf, g, gc, acts, work):
             _normalize(L, xf, sc, sh, ex, n * xs + p0 * w, pixels, g[CB], count, band, kind,
                        a, b)  # fmt: skip
             y0 = (n * g[MB] * pixels + p0) * w
-            pointwise_pixels(L, run, ex, wf, bf, yf[y0:], yf[y0:], gc_, count, 0, gc[geo.OGG],
-                             acc, tbuf, tx, tw, sx, sw_, acts[1, 1], acts[1, 2], L)  # fmt: skip
+            pointwise_pixels(L, run, ex, wf, bf, yf[y0:], yf[y0:], gc_, count, ZERO_I64,
+                             gc[geo.OGG], acc, tbuf, tx, tw, sx, sw_, acts[1, 1], acts[1, 2],
+                             L)  # fmt: skip
 
 
 def band_pixels(cb: int, b: int, pixels: int) -> int:

@@ -37,7 +37,7 @@ import numba
 import numpy as np
 
 from .blocked import plane_part, plane_parts
-from .config import INLINE, JIT, PARALLEL, entry_point, get_threads
+from .config import INLINE, JIT, PARALLEL, ZERO_I64, entry_point, get_threads
 from .pool import block_sums
 from .simd import (
     hsum,
@@ -285,7 +285,7 @@ def gated_weights_one_region(L, x4, w1, b1, w2t, b2, acts, threads, packed, out)
         while row < end:
             n = row // per_image
             _image_gates(L, xf, n * cb_len * p_len * b, cb_len, p_len, w1f, b1, w2f, b2, acts,
-                         0, cp, gates)  # fmt: skip
+                         ZERO_I64, cp, gates)  # fmt: skip
             stop = min(end, (n + 1) * per_image)
             for q in range(row, stop):
                 _scale_rows(L, pf, of, gates, n, (q % per_image) // cb_len, q % cb_len, ogg, cp,
