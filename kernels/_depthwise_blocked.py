@@ -67,7 +67,7 @@ from ._blocked_geometry import (
     N,
     W,
 )  # fmt: skip
-from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL, ZERO_I64
+from .config import FORCE_GEMM, I64, INLINE_GEMM, JIT_GEMM, PARALLEL, ZERO_I64
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import borrow, mask_all, tail_mask, vfma, vload, vload_masked, vstore, vzero
 from .simd.activation import IDENTITY, clip, clip_bounds, clips
@@ -491,7 +491,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
             _row_in_place(L, xf, wf, yp, rp, g, plane, ih0, w0, yo, col_a, col_b, taps, bias,
                           early, lo, hi, shared)  # fmt: skip
             if not simple:
-                activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a,
+                activate_rows(L, yf, res, yo, I64[1], ystride, ow_len * b, residual, kind, act_a,
                               act_b)  # fmt: skip
             continue
         for t in range(n_tiles):
@@ -512,7 +512,7 @@ def item(L, xf, wf, bf, yf, res, g, n, cb, r0, r1, taps, scr, act_a, act_b):
                 _tile(L, scr, ZERO_I64, step, wf, w0, taps[k:], k, npx, bias, yp, yo + ow0 * b, rp,
                       early, lo, hi, shared, full, full, full, full)  # fmt: skip
         if not simple:
-            activate_rows(L, yf, res, yo, 1, ystride, ow_len * b, residual, kind, act_a, act_b)
+            activate_rows(L, yf, res, yo, I64[1], ystride, ow_len * b, residual, kind, act_a, act_b)
 
 
 def scratch_size(g) -> int:

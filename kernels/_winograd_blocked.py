@@ -39,7 +39,7 @@ item that saw one sets bad[0] and the caller runs the direct kernel instead.
 import numba
 import numpy as np
 
-from .config import JIT_GEMM, PARALLEL
+from .config import I64, JIT_GEMM, PARALLEL, ZERO_I64
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows, finish
 from .simd import (
     borrow,
@@ -102,15 +102,17 @@ def _pixel(L, xf, o, j, lo, hi, b):
 
 @numba.jit(**JIT_GEMM)
 def _row4(L, xf, o, lo, hi, b):
-    return _in4(_pixel(L, xf, o, 0, lo, hi, b), _pixel(L, xf, o, 1, lo, hi, b),
-                _pixel(L, xf, o, 2, lo, hi, b), _pixel(L, xf, o, 3, lo, hi, b))  # fmt: skip
+    return _in4(_pixel(L, xf, o, I64[0], lo, hi, b), _pixel(L, xf, o, I64[1], lo, hi, b),
+                _pixel(L, xf, o, I64[2], lo, hi, b),
+                _pixel(L, xf, o, I64[3], lo, hi, b))  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
 def _row6(L, xf, o, lo, hi, b):
-    return _in6(L, _pixel(L, xf, o, 0, lo, hi, b), _pixel(L, xf, o, 1, lo, hi, b),
-                _pixel(L, xf, o, 2, lo, hi, b), _pixel(L, xf, o, 3, lo, hi, b),
-                _pixel(L, xf, o, 4, lo, hi, b), _pixel(L, xf, o, 5, lo, hi, b))  # fmt: skip
+    return _in6(L, _pixel(L, xf, o, I64[0], lo, hi, b), _pixel(L, xf, o, I64[1], lo, hi, b),
+                _pixel(L, xf, o, I64[2], lo, hi, b), _pixel(L, xf, o, I64[3], lo, hi, b),
+                _pixel(L, xf, o, I64[4], lo, hi, b),
+                _pixel(L, xf, o, I64[5], lo, hi, b))  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
@@ -153,13 +155,13 @@ def _transform2(L, xf, h, w, base, r0, s0, v, vo, stride, probe):
     * 0. xf and v borrowed (pointers): this runs per patch, and arrays passed down cost a
     reference count each per call (bench/NOTES.md)."""
     b, zero = L.width, vzero(L)
-    o, lo, hi = _rows(h, w, base, r0, 0, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, I64[0], s0, b, I64[4])
     e0 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 1, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, I64[1], s0, b, I64[4])
     e1 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 2, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, I64[2], s0, b, I64[4])
     e2 = _row4(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 3, s0, b, 4)
+    o, lo, hi = _rows(h, w, base, r0, I64[3], s0, b, I64[4])
     e3 = _row4(L, xf, o, lo, hi, b)
     # e[i] = d[i] B (along columns); now B^T along rows, column u at a time
     k = 4 * stride
@@ -173,17 +175,17 @@ def _transform2(L, xf, h, w, base, r0, s0, v, vo, stride, probe):
 def _transform4(L, xf, h, w, base, r0, s0, v, vo, stride, probe):
     """As _transform2 for the F(4x4) patch (6 x 6, xi = 6 k + u)."""
     b, zero = L.width, vzero(L)
-    o, lo, hi = _rows(h, w, base, r0, 0, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[0], s0, b, I64[6])
     e0 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 1, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[1], s0, b, I64[6])
     e1 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 2, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[2], s0, b, I64[6])
     e2 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 3, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[3], s0, b, I64[6])
     e3 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 4, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[4], s0, b, I64[6])
     e4 = _row6(L, xf, o, lo, hi, b)
-    o, lo, hi = _rows(h, w, base, r0, 5, s0, b, 6)
+    o, lo, hi = _rows(h, w, base, r0, I64[5], s0, b, I64[6])
     e5 = _row6(L, xf, o, lo, hi, b)
     k = 6 * stride
     probe = _put6(v, vo, k, _in6(L, e0[0], e1[0], e2[0], e3[0], e4[0], e5[0]), probe, zero)
@@ -346,5 +348,6 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
                         _output4(L, sp, mo, m_stride, yp, rp, q, rows, cols, ow, bv, early, lo, hi)
                     if not simple:
                         for i in range(rows):
-                            activate_rows(L, yf, res, q + i * ow * b, 1, 0, cols * b, residual,
-                                          kind, act_a, act_b)  # fmt: skip
+                            activate_rows(L, yf, res, q + i * ow * b, I64[1], ZERO_I64,
+                                          cols * b, residual, kind, act_a,
+                                          act_b)  # fmt: skip

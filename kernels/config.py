@@ -96,11 +96,14 @@ INLINE = dict(JIT, inline="always")  # a helper copied into its one caller (no c
 INLINE_FIT = dict(JIT_FIT, inline="always")  # a fit copied into a loop whose kind is fixed
 PARALLEL = dict(JIT, parallel=True)
 
-# A zero for the int64 arguments of calls between kernels. A literal 0 there is typed
-# Literal[int](0), not int64, and Numba compiles the callee (and what it calls) once more for
-# that type: the depthwise conv's item compiled three times in mobilenet_v3_small, ~7 s of its
-# cold start (bench/NOTES.md). A NumPy scalar global is typed int64.
-ZERO_I64 = np.int64(0)
+# int64 constants for the int arguments of calls between kernels. A literal int there is typed
+# Literal[int](value), not int64, and Numba compiles the callee (and what it calls) once more
+# per value: the depthwise conv's item three times in mobilenet_v3_small, ~7 s of its cold start,
+# the blocked Winograd's row helper ten times (bench/NOTES.md). A NumPy scalar global, or an
+# item of a tuple of them, is typed int64 (and np.bool_(True) bool, not Literal[bool](True)).
+I64 = tuple(np.int64(k) for k in range(8))
+ZERO_I64 = I64[0]
+TRUE = np.bool_(True)
 
 
 def set_threads(n):

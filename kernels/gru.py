@@ -27,7 +27,7 @@ from numba import prange
 
 from ._lstm_cell import BLOCK_COLS, PANEL, U, project
 from ._lstm_sync import atomic_load, atomic_store
-from .config import JIT_GEMM, PARALLEL
+from .config import I64, JIT_GEMM, PARALLEL, TRUE, ZERO_I64
 from .lstm import (
     DONE,
     SERIAL_MACS_PER_STEP,
@@ -194,7 +194,7 @@ def _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done):
                 if atomic_load(done, first + b) == DONE:
                     continue
                 if atomic_load(done, b) != DONE:
-                    project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles, True)
+                    project(L, T, xp, wx[b], bias[b], gx.shape[1], gx[b], tiles, TRUE)
                     atomic_store(done, b, DONE)
                 if s > 0 and s % 2 == 1:
                     _reset(L, (s - 1) // 2, b, wh[b], gx[b], hs, zs, rh, acc)
@@ -216,7 +216,7 @@ def _sequence(L, T, x, h0, wx, wh, bias, floats, ints, out, threads):
         ints[i] = 0
     done = ints[:n_done]
     if parts == 1:
-        _run(L, T, 0, 1, xp, wx, wh, bias, gx, hs, zs, rh, done)
+        _run(L, T, ZERO_I64, I64[1], xp, wx, wh, bias, gx, hs, zs, rh, done)
     else:
         for p in prange(parts):
             _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, zs, rh, done)

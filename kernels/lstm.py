@@ -56,7 +56,7 @@ from ._lstm_cell import (
     step_cols,
 )
 from ._lstm_sync import atomic_cas, atomic_load, atomic_store, cycles, wait_done
-from .config import INLINE_GEMM, JIT_GEMM, PARALLEL
+from .config import I64, INLINE_GEMM, JIT_GEMM, PARALLEL, ZERO_I64
 from .simd import lanes as lanes_of
 from .simd.tile import tile
 
@@ -217,7 +217,7 @@ def _sequence(L, T, x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
     hs, cs = out[0], out[1]
     xp, gx, done = _start_row(T, x, h0, c0, floats, ints, hs, cs)
     if parts == 1:
-        _run(L, T, 0, 1, xp, wx, wh, bias, gx, hs, cs, done, gru)
+        _run(L, T, ZERO_I64, I64[1], xp, wx, wh, bias, gx, hs, cs, done, gru)
     else:
         for p in prange(parts):
             _run(L, T, p, parts, xp, wx, wh, bias, gx, hs, cs, done, gru)
@@ -333,7 +333,8 @@ def _sequence_cols(L, T4, T3, T2, T1, x, h0, c0, w, bias, floats, ints, out, thr
     parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + COLS - 1) // COLS))
     z, c, done = _carve(x, w.shape[0], floats, ints)
     if parts == 1:
-        _run_cols(L, T4, T3, T2, T1, 0, 1, x, h0, c0, w, bias, z, c, out[0], out[1], done, gru)
+        _run_cols(L, T4, T3, T2, T1, ZERO_I64, I64[1], x, h0, c0, w, bias, z, c, out[0], out[1],
+                  done, gru)  # fmt: skip
     else:
         for p in prange(parts):
             _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, out[0], out[1],

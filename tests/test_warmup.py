@@ -40,32 +40,38 @@ def test_bad_jobs_gives_one_line_error_and_exit_code(capsys):
     assert err.startswith("error: jobs must be >= 1") and err.count("\n") == 1
 
 
-def _dispatchers(module):
-    from numba.core.registry import CPUDispatcher
+def _kernel_modules():
+    import importlib
+    import pkgutil
 
-    return [v for v in vars(module).values() if isinstance(v, CPUDispatcher)]
+    import kernels
+    import kernels.simd
+
+    for package in (kernels, kernels.simd):
+        for info in pkgutil.iter_modules(package.__path__):
+            yield importlib.import_module(f"{package.__name__}.{info.name}")
 
 
 def test_kernels_compile_once_per_argument_type_not_per_literal():
     """A literal int in a call between kernels is typed Literal[int], and Numba compiles the
-    callee once more for it than for int64 (the depthwise item three times in
-    mobilenet_v3_small's cold start, with all it inlines): after the paths that call across
-    kernels (the depth-first block, the depthwise conv, the pre-activated conv, im2col's GEMM,
-    squeeze-excitation), no kernel holds two signatures that differ only by literals."""
-    import importlib
-
+    callee (and all it inlines) once per value and once more for int64: the depthwise item
+    three times in mobilenet_v3_small's cold start, the blocked Winograd's row helper ten
+    times. After the paths that call across kernels (the depth-first block, the depthwise
+    conv, the pre-activated conv, im2col's GEMM, squeeze-excitation, the blocked Winograd, the
+    recurrent cells), no kernel holds two signatures that differ only by literals."""
     from numba.core import types
+    from numba.core.registry import CPUDispatcher
 
     from kernels import warmup
 
-    for group in ("inverted_residual", "blocked_depthwise", "preact_conv", "im2col", "pool"):
+    groups = ("inverted_residual", "blocked_depthwise", "preact_conv", "im2col", "pool",
+              "blocked_winograd_f2", "lstm", "gru")  # fmt: skip
+    for group in groups:
         warmup.GROUPS[group]()
-    names = ("_depthwise_blocked", "_direct_blocked", "_gemm", "_inverted_residual_blocked",
-             "squeeze_excite", "preact_conv", "_im2col_nchw", "epilogue")  # fmt: skip
     twice, checked = [], set()
-    for name in names:
-        for disp in _dispatchers(importlib.import_module(f"kernels.{name}")):
-            if id(disp) in checked:  # imported by another of these modules
+    for module in _kernel_modules():
+        for disp in vars(module).values():
+            if not isinstance(disp, CPUDispatcher) or id(disp) in checked:
                 continue
             checked.add(id(disp))
             seen = {}
