@@ -80,7 +80,7 @@ from ._blocked_geometry import (
     W,
 )  # fmt: skip
 from ._first_class import call
-from .config import FORCE_GEMM, INLINE_GEMM, JIT_GEMM, PARALLEL
+from .config import FORCE_GEMM, I64, INLINE_GEMM, JIT_GEMM, PARALLEL, ZERO_I64
 from .epilogue import BEFORE, NO_RESIDUAL, activate_rows
 from .simd import borrow, tile_fma, tile_load, tile_store, tile_zeros, vload, vstore
 from .simd.activation import clip, clip_bounds, clips
@@ -453,7 +453,6 @@ def pointwise_pixels(L, run, xv, wf, bf, yv, rv, g, pixels, og_a, og_b, acc, tbu
     1x1 conv's pixel reads x at that pixel alone, so any run of pixels is one row). The
     depth-first kernels' convs on their scratches (inverted residual, pre-activated conv)."""
     g[W] = g[OW] = g[COL_B] = pixels
-    zero, one = np.int64(0), np.int64(1)
     for og in range(og_a, og_b):
-        call(run, L, xv, wf, bf, yv, rv, g, zero, zero, np.int64(og), zero, one, acc, tbuf, tx,
-             tw, sx, sw_, a, b, ci)  # fmt: skip
+        call(run, L, xv, wf, bf, yv, rv, g, ZERO_I64, ZERO_I64, np.int64(og), ZERO_I64, I64[1],
+             acc, tbuf, tx, tw, sx, sw_, a, b, ci)  # fmt: skip

@@ -18,7 +18,7 @@ fits on whole vectors. The column tile (step_cols) too: batch columns along the 
 import numba
 
 from ._gemm import gemm_batch
-from .config import INLINE_GEMM, JIT_GEMM
+from .config import I64, INLINE_GEMM, JIT_GEMM, ZERO_I64
 from .simd import (
     Tile,
     sigmoid,
@@ -197,7 +197,8 @@ def project(L, T, xp, w, bias, rows, gx, tiles, gru):
     for g in range(xp.shape[0]):  # x panel g against the block's panel
         n = min(mr, rows - mr * g)
         if n == mr or n * (1 + T.cols) >= mr + T.cols:
-            gemm_batch(L, T, xp, g * xp.shape[1], 0, w, 0, 0, 1, k_len, tiles)
+            gemm_batch(L, T, xp, g * xp.shape[1], ZERO_I64, w, ZERO_I64, ZERO_I64, I64[1], k_len,
+                       tiles)  # fmt: skip
         else:
             xf = xp.reshape(-1)
             for r in range(n):

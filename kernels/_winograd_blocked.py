@@ -349,5 +349,4 @@ def winograd_blocked(L, T, xf, u, bias, yf, res, g, act_a, act_b, scratch, bad):
                     if not simple:
                         for i in range(rows):
                             activate_rows(L, yf, res, q + i * ow * b, I64[1], ZERO_I64,
-                                          cols * b, residual, kind, act_a,
-                                          act_b)  # fmt: skip
+                                          cols * b, residual, kind, act_a, act_b)  # fmt: skip

@@ -27,9 +27,12 @@ import numba
 import numpy as np
 
 from ._gemm import gemm_batch, pack_a
-from .config import INLINE, JIT, JIT_GEMM, PARALLEL
+from .config import INLINE, JIT, JIT_GEMM, PARALLEL, ZERO_I64
 from .simd import clip, vload, vstore
 
+# The 4 x 4 points of the transform domain: one GEMM each, batched (an int64, not a literal:
+# kernels/config.py I64)
+POINTS = np.int64(16)
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
 # _VPAD: V [16, C, NR] is allocated [16, C + 1, NR], one panel row of padding per xi: at
 # C * NR * 4 bytes a multiple of 4 KiB (C = 64 at NR = 16) the 16 rows written per tile would
@@ -197,8 +200,8 @@ def winograd_conv(x, u_packed, bias, out3, L, T, pt, pl, oh_len, ow_len, lo, hi,
         if not _finite_panel(v, c_len):
             bad[0] = 1  # any item may set it; all set the same value
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            gemm_batch(L, T, u_packed, mb * 16 * a_panel, a_panel, v, 0, (c_len + 1) * nr, 16,
-                       c_len, mt)  # fmt: skip
+            gemm_batch(L, T, u_packed, mb * 16 * a_panel, a_panel, v, ZERO_I64, (c_len + 1) * nr,
+                       POINTS, c_len, mt)  # fmt: skip
             m0 = mb * mr
             rows = min(mr, m_len - m0)
             _output_tiles(L, T, mt, out3, n, m0, rows, n_t, ty, tx, oh_len, ow_len, bias, lo,

@@ -28,9 +28,12 @@ import numpy as np
 
 from ._gemm import act, gemm_batch, pack_a
 from ._winograd_f2_nchw import gather_tile
-from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL
+from .config import INLINE_GEMM, JIT, JIT_GEMM, PARALLEL, ZERO_I64
 from .simd import vfma, vload, vstore
 
+# The 6 x 6 points of the transform domain: one GEMM each, batched (an int64, not a literal:
+# kernels/config.py I64)
+POINTS = np.int64(36)
 _G = np.array(
     [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
      [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]
@@ -206,8 +209,8 @@ def winograd4_conv(x, u_packed, bias, out3, L, T, pt, pl, oh_len, ow_len, lo, hi
             _gather(x3, n, c, t0, t_len, tw_len, pt, pl, h, w, org, d)
             _transform_panel(L, T, d, v, c)
         for mb in range(ms * mb_per, min(n_mb, (ms + 1) * mb_per)):
-            gemm_batch(L, T, u_packed, mb * 36 * a_panel, a_panel, v, 0, (c_len + 1) * nr, 36,
-                       c_len, mt)  # fmt: skip
+            gemm_batch(L, T, u_packed, mb * 36 * a_panel, a_panel, v, ZERO_I64, (c_len + 1) * nr,
+                       POINTS, c_len, mt)  # fmt: skip
             m0 = mb * mr
             for i in range(min(mr, m_len - m0)):
                 _output_transform(L, T, mt, i, ys)

@@ -101,6 +101,9 @@ PARALLEL = dict(JIT, parallel=True)
 # per value: the depthwise conv's item three times in mobilenet_v3_small, ~7 s of its cold start,
 # the blocked Winograd's row helper ten times (bench/NOTES.md). A NumPy scalar global, or an
 # item of a tuple of them, is typed int64 (and np.bool_(True) bool, not Literal[bool](True)).
+# I64[k] for the small ints the calls need (row indices of F(4x4)'s 6 x 6 patch, counts, 1),
+# ZERO_I64 for I64[0]; a module's larger constants are np.int64 globals of its own.
+# tests/test_warmup.py checks the kernels' source for literal arguments.
 I64 = tuple(np.int64(k) for k in range(8))
 ZERO_I64 = I64[0]
 TRUE = np.bool_(True)

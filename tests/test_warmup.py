@@ -1,4 +1,5 @@
-"""kernels.warmup: a warmed cache serves later calls without compiling; bad arguments refused."""
+"""kernels.warmup: a warmed cache serves later calls without compiling; bad arguments refused;
+the kernels compile once per argument type, not once per literal value passed between them."""
 
 import os
 import subprocess
@@ -52,32 +53,54 @@ def _kernel_modules():
             yield importlib.import_module(f"{package.__name__}.{info.name}")
 
 
-def test_kernels_compile_once_per_argument_type_not_per_literal():
-    """A literal int in a call between kernels is typed Literal[int], and Numba compiles the
-    callee (and all it inlines) once per value and once more for int64: the depthwise item
-    three times in mobilenet_v3_small's cold start, the blocked Winograd's row helper ten
-    times. After the paths that call across kernels (the depth-first block, the depthwise
-    conv, the pre-activated conv, im2col's GEMM, squeeze-excitation, the blocked Winograd, the
-    recurrent cells), no kernel holds two signatures that differ only by literals."""
-    from numba.core import types
+def _literal_arguments(module) -> list[str]:
+    """Calls, inside the module's jitted functions, of a jitted function that Numba compiles on
+    its own (not inline="always", which is typed in its caller) with a literal int or bool
+    argument: "module:line callee(...)"."""
+    import ast
+    import inspect
+
     from numba.core.registry import CPUDispatcher
 
-    from kernels import warmup
+    jitted = {v.py_func.__name__ for v in vars(module).values() if isinstance(v, CPUDispatcher)}
 
-    groups = ("inverted_residual", "blocked_depthwise", "preact_conv", "im2col", "pool",
-              "blocked_winograd_f2", "lstm", "gru")  # fmt: skip
-    for group in groups:
-        warmup.GROUPS[group]()
-    twice, checked = [], set()
-    for module in _kernel_modules():
-        for disp in vars(module).values():
-            if not isinstance(disp, CPUDispatcher) or id(disp) in checked:
+    def callee(func):
+        if isinstance(func, ast.Name):
+            return vars(module).get(func.id)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            return getattr(vars(module).get(func.value.id), func.attr, None)
+        return None
+
+    def literal(arg):
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub):
+            arg = arg.operand
+        return isinstance(arg, ast.Constant) and isinstance(arg.value, (bool, int))
+
+    found = []
+    tree = ast.parse(inspect.getsource(module))
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in jitted:
+            continue
+        for call in ast.walk(fn):
+            if not isinstance(call, ast.Call):
                 continue
-            checked.add(id(disp))
-            seen = {}
-            for sig in disp.signatures:
-                plain = tuple(types.unliteral(t) for t in sig)
-                if plain in seen and seen[plain] != sig:
-                    twice.append(f"{disp.py_func.__module__}.{disp.py_func.__name__}: {sig}")
-                seen[plain] = sig
-    assert not twice, "\n".join(twice)
+            target = callee(call.func)
+            if not isinstance(target, CPUDispatcher):
+                continue
+            if target.targetoptions.get("inline", "never") == "always":
+                continue
+            if any(literal(a) for a in [*call.args, *(k.value for k in call.keywords)]):
+                found.append(f"{module.__name__}:{call.lineno} {ast.unparse(call.func)}(...)")
+    return found
+
+
+def test_calls_between_kernels_pass_no_literal_ints():
+    """A literal int or bool passed from one jitted kernel to another is typed Literal[int]
+    (Literal[bool]), and Numba compiles the callee, with all it calls and inlines, once per
+    value and once more for int64: the depthwise item three times in mobilenet_v3_small's
+    cold start, the blocked Winograd's row helper ten times (bench/NOTES.md). Such arguments
+    go as kernels.config.I64[k] / ZERO_I64 / TRUE (typed int64, bool). Checked on the source:
+    a compiled signature only shows in a process that compiled the caller, not one that
+    loaded it from Numba's cache."""
+    found = [c for module in _kernel_modules() for c in _literal_arguments(module)]
+    assert not found, "\n".join(found)
