@@ -104,7 +104,8 @@ def tallest(cols: int, w: int) -> int:
     register file LLVM kept no register to load ahead: on AVX2, 14x1 ran RegNet's grouped 3x3
     convs (8 channels a group) 1.4-1.8x slower than 7x1 or 8x1 (104 x 28 x 28 in 13 groups,
     one thread: 409-491 us against 260-272), and a stem's 30x1 on AVX-512 1.4x slower than
-    16x1 (bench/NOTES.md; whole-block one-column convs were not timed again on AVX-512)."""
+    16x1. On AVX-512 the whole RegNet (its 8-channel groups block-diagonal there, one column)
+    ran as fast with the cap as without it, 0.98-1.07x in one process (bench/NOTES.md)."""
     rows = fit_rows(cols, w)
     return min(rows, max(1, registers()[0] // 2)) if cols == 1 else rows
 
