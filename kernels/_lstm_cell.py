@@ -12,7 +12,8 @@ Larger batches: step_cols (below).
 Row by row, the step's GEMV (gemv) and the gate math (cell, gru_cell) run on the SIMD layer's
 vectors at the kernel's width (a Lanes argument): W / 16 of a panel row per vector, the cell
 min(W, 8) units per vector with the lanes past the block masked, sigmoid and tanh the layer's
-fits on whole vectors. The column tile (step_cols) too: batch columns along the lanes.
+fits on whole vectors. The batch tile (step_cols) too: batch rows broadcast against W units' gate
+vectors.
 """
 
 import numba
@@ -233,80 +234,83 @@ def step(L, t, b, w, gx, hs, cs, acc, gru):
             cell(L, acc, gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:], cs[t + 1, r, j0:])
 
 
-# Batch > 1: the step as a GEMM turned around, gates^T [4 H, B] = [Wx; Wh]^T [x_t; h_{t-1}]^T.
-# A unit's four gate columns (i f g o) are one [K, 4] weight panel, K = I + Hp, and the batch
-# runs along the vector lanes in panels of COLS = 16 columns (one vector at 16 lanes, two at 8):
-# a tile of 4 gates x the panel's vectors (simd.tile: the gates' weights broadcast, the panel's
-# row loaded) holds everything the cell needs for one unit, so the gate math runs on the
-# accumulators as they leave the k loop and h_t goes straight into the next step's panel. The
-# weights are read once per step (4 floats per k), the [K, 16] panels of x_t and h_{t-1} (24 KB
-# at I + H = 384) stay in L1, and the input projection is the first I rows of the same k loop.
-COLS = 16  # batch columns per panel
+# Batch > 1: the step as a GEMM, G [B, 4H] = [x_t, h_{t-1}] [Wx; Wh], in the orientation of the
+# GEMM micro-kernel: batch rows broadcast, gate columns as vectors. A group of W hidden units
+# (W the kernel's width) has one weight panel [K, 4 W], K = I + Hg: per k its four gates' W
+# columns (i f g o), so a tile of R batch rows x 4 vectors holds everything the cell needs for
+# R rows of those W units, and the gate math runs on the accumulators as they leave the k loop:
+# R 4 FMAs per R broadcasts + 4 loads, R 4 independent chains (R = 4 at 16 lanes, 2 at 8:
+# column_rows). The batch comes in panels of COLS rows, [COLS, K] per step ([x_t, h_{t-1}] of
+# each row), so a group's h_t goes straight into the next step's panel, W contiguous floats.
+# The input projection is the first I rows of the same k loop. The weights are read once per
+# row tile from L2 (R rows of the panel share them), the [COLS, K] panel stays in L1. Against
+# the batch along the lanes (a unit's 4 gates broadcast: 4 broadcasts + 1 load per 4 FMAs, on
+# 4 chains; the GRU's 3, 2 and 1) the GRU ran 1.18-1.35x faster, the LSTM 1.0-1.17x
+# (bench/NOTES.md, "The recurrent batch tile turned around").
+COLS = 16  # batch rows per panel
 
 
-@numba.jit(**INLINE_GEMM)
-def _gates(L, T4, a, z, zo, k_len):
-    """The LSTM's four gates of one unit over its panel at flat offset zo of z: sum_k a[4 k + g]
-    z[zo + COLS k ...] for g < 4 (the bias is added after)."""
-    acc = tile_zeros(L, T4)
-    for k in range(k_len):
-        acc = tile_fma(acc, a, 4 * k, 1, z, zo + COLS * k)
-    return acc
-
-
-@numba.jit(**INLINE_GEMM)
-def _gates_gru(L, T3, T2, T1, a, z, zo, i_len, k_len):
-    """The GRU's gates z, r, n_x over x's rows (k < i_len) and z, r, n_h over h's: n_x's
-    weights are zero on h and n_h's on x, and are not multiplied there (a quarter fewer
-    multiply-adds, and no 0 * inf turning an infinite input into NaN)."""
-    zrx = tile_zeros(L, T3)
-    for k in range(i_len):
-        zrx = tile_fma(zrx, a, 4 * k, 1, z, zo + COLS * k)
-    zr, nh = tile_zeros(L, T2), tile_zeros(L, T1)
-    for k in range(i_len, k_len):
-        zr = tile_fma(zr, a, 4 * k, 1, z, zo + COLS * k)
-        nh = tile_fma(nh, a, 4 * k + 3, 1, z, zo + COLS * k)
-    return zrx, zr, nh
+def column_rows(w: int) -> int:
+    """R, the batch rows of the step's tile at w lanes: the most that fit the register file
+    beside 4 gate vectors (simd.tile.fit_rows) among the divisors of COLS, so a panel is whole
+    tiles (one tile shape per gate count is compiled): 4 at 16 lanes, 2 at 8."""
+    fit = fit_rows(4, w)
+    return max(r for r in range(1, COLS + 1) if COLS % r == 0 and r <= fit)
 
 
 @numba.jit(**JIT_GEMM)
-def step_cols(L, T4, T3, T2, T1, t, b, q, w, bias, z, c, hidden, gru):
-    """Units of block b at step t for batch panel q (COLS columns, T4.cols vectors of L's
-    width; T3, T2, T1: the GRU's tiles of 3, 2 and 1 gates over the same vectors).
+def step_cols(L, T4, T3, T2, T1, t, g, q, rows, w, bias, z, c, hidden, gru):
+    """Units of group g (W = L.width of them) at step t for the first `rows` batch rows of
+    panel q, in tiles of R = T4.rows rows (T4, T3, T2, T1: R x 4, 3, 2, 1 gate vectors).
 
-    z[t, q] is the [K, COLS] panel of batch columns COLS q ...: x_t in rows < I, h_{t-1} below;
-    c[t, q] is c_{t-1} as [Hp, COLS]. Writes h_t into z[t + 1] and c_t into c[t + 1] (the
-    outputs are unpacked from there once all steps are done, see lstm._unpack_step). Units past
-    `hidden` (the last block's padding) are neither computed nor read: their zero weights
-    would turn an infinite input into NaN (0 * inf), and the NaN would spread to every unit.
-    gru: the GRU cell (gates z, r, n_x, n_h as gru_cell's), its state h kept in c.
+    z[t, q] is the panel [COLS, K] of batch rows COLS q ...: row r holds x_t (I floats), then
+    h_{t-1} (Hg floats: whole groups); c[t, q] is c_{t-1} as [COLS, Hg]. Writes h_t into
+    z[t + 1] and c_t into c[t + 1] (the outputs are unpacked from there once all steps are
+    done, see lstm._unpack_step). w[g] is the group's [K, 4 W] weight panel, bias[g] its [4 W]
+    biases.
+    The units past `hidden` (zero weights) compute garbage in their lanes
+    (an infinite input times a zero weight is NaN), which lands only in their own places of h
+    and c: the k loop stops at I + hidden, so no real unit reads them.
+    gru: the GRU cell (gates z, r, n_x, n_h as gru_cell's, n_x's weights zero on h and n_h's
+    on x, so neither is multiplied there), its state h kept in c.
     Flat offsets into z and c, no views: each view of a panel costs a reference count."""
-    wd = L.width
-    i_len = w.shape[1] // 4 - c.shape[2] // COLS
+    wd, gw = L.width, 4 * L.width
+    units = c.shape[2] // COLS
+    kz = z.shape[2] // COLS
+    i_len = kz - units
     k_len = i_len + hidden
-    zf, cf = z.reshape(-1), c.reshape(-1)
+    zf, cf, a, bj = z.reshape(-1), c.reshape(-1), w[g], bias[g]
     z_in, z_out = (t * z.shape[1] + q) * z.shape[2], ((t + 1) * z.shape[1] + q) * z.shape[2]
     c_in, c_out = (t * c.shape[1] + q) * c.shape[2], ((t + 1) * c.shape[1] + q) * c.shape[2]
-    for u in range(min(U, hidden - b * U)):
-        j = b * U + u
-        a, bj = w[j], bias[j]
-        h_at, c_at = COLS * (i_len + j), COLS * j
-        if gru:
-            zrx, zr, nh = _gates_gru(L, T3, T2, T1, a, zf, z_in, i_len, k_len)
-            for v in range(T4.cols):
-                o = v * wd
-                zg = sigmoid(zrx[0][v] + zr[0][v] + bj[0])
-                rg = sigmoid(zrx[1][v] + zr[1][v] + bj[1])
-                n = tanh(vfma(rg, nh[0][v] + bj[3], zrx[2][v] + bj[2]))
-                hn = vfma(zg, vload(L, cf, c_in + c_at + o) - n, n)
-                vstore(zf, z_out + h_at + o, hn)
-                vstore(cf, c_out + c_at + o, hn)
-        else:
-            acc = _gates(L, T4, a, zf, z_in, k_len)
-            for v in range(T4.cols):
-                o = v * wd
-                gi, gf = sigmoid(acc[0][v] + bj[0]), sigmoid(acc[1][v] + bj[1])
-                gg, go = tanh(acc[2][v] + bj[2]), sigmoid(acc[3][v] + bj[3])
-                cn = vfma(gf, vload(L, cf, c_in + c_at + o), gi * gg)
-                vstore(zf, z_out + h_at + o, go * tanh(cn))
-                vstore(cf, c_out + c_at + o, cn)
+    j0 = g * wd
+    b0, b1, b2, b3 = vload(L, bj, 0), vload(L, bj, wd), vload(L, bj, 2 * wd), vload(L, bj, 3 * wd)
+    if gru:
+        for r0 in range(0, rows, T4.rows):
+            zo = z_in + r0 * kz
+            zrx = tile_zeros(L, T3)
+            for k in range(i_len):
+                zrx = tile_fma(zrx, zf, zo + k, kz, a, gw * k)
+            zr, nh = tile_zeros(L, T2), tile_zeros(L, T1)
+            for k in range(i_len, k_len):
+                zr = tile_fma(zr, zf, zo + k, kz, a, gw * k)
+                nh = tile_fma(nh, zf, zo + k, kz, a, gw * k + 3 * wd)
+            for r in range(T4.rows):
+                zg = sigmoid(zrx[r][0] + zr[r][0] + b0)
+                rg = sigmoid(zrx[r][1] + zr[r][1] + b1)
+                n = tanh(vfma(rg, nh[r][0] + b3, zrx[r][2] + b2))
+                cr = (r0 + r) * units + j0
+                hn = vfma(zg, vload(L, cf, c_in + cr) - n, n)
+                vstore(zf, z_out + (r0 + r) * kz + i_len + j0, hn)
+                vstore(cf, c_out + cr, hn)
+        return
+    for r0 in range(0, rows, T4.rows):
+        acc = tile_zeros(L, T4)
+        for k in range(k_len):
+            acc = tile_fma(acc, zf, z_in + r0 * kz + k, kz, a, gw * k)
+        for r in range(T4.rows):
+            gi, gf = sigmoid(acc[r][0] + b0), sigmoid(acc[r][1] + b1)
+            gg, go = tanh(acc[r][2] + b2), sigmoid(acc[r][3] + b3)
+            cr = (r0 + r) * units + j0
+            cn = vfma(gf, vload(L, cf, c_in + cr), gi * gg)
+            vstore(zf, z_out + (r0 + r) * kz + i_len + j0, go * tanh(cn))
+            vstore(cf, c_out + cr, cn)

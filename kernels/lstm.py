@@ -10,12 +10,13 @@ block's 8 units need nothing from other blocks. Work is cut into items: stage 0 
 input of all T B rows for one block (one blocked GEMM); stage t + 1 runs step t of every row
 for one block.
 
-Larger batches (a GEMM per step): turned around, one unit's four gates x 16 batch columns are one
-register tile over K = I + H ([x_t; h_{t-1}] packed as [K, 16] column panels), so the input
-projection is part of each step and the gate math runs on the tile (_lstm_cell.step_cols).
-Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one block of 8 units for 16
-batch columns), T + 1 unpacks h_t and c_t into the [T, B, H] outputs (item t), all in one call
-from Python. The panels live in a per-thread workspace reused between calls (_workspace).
+Larger batches (a GEMM per step): R batch rows x the four gates of W units (W the kernel's
+width) are one register tile over K = I + H ([x_t, h_{t-1}] packed as [16, K] row panels), so
+the input projection is part of each step and the gate math runs on the tile
+(_lstm_cell.step_cols). Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one
+group of W units for a panel of 16 batch rows), T + 1 unpacks h_t and c_t into the [T, B, H]
+outputs (item t), all in one call from Python. The panels live in a per-thread workspace
+reused between calls (_workspace).
 
 Parallelism without waiting: one parallel region for the whole sequence. Each stage's items are
 shared out in contiguous runs, one per thread (thread p reads the same share of Wh every step:
@@ -50,6 +51,7 @@ from ._lstm_cell import (
     COLS,
     PANEL,
     U,
+    column_rows,
     project,
     projection_tile,
     step,
@@ -79,8 +81,8 @@ class LSTMPlan:
     bias: np.ndarray  # [blocks, BLOCK_COLS], i f g o of each block's units
     input_size: int
     hidden: int
-    wu: np.ndarray  # [Hp, (I + Hp) * 4] per unit, gates i f g o per k (batch > 1)
-    bu: np.ndarray  # [Hp, 4] the same unit's biases
+    wg: np.ndarray  # [groups, (I + Hg) * 4 W]: per group of W units, gates i f g o per k
+    bg: np.ndarray  # [groups, 4 W] the same units' biases (wg, bg: batches above ROWS_MAX)
     lanes: object  # the input projection's micro-kernel: width (a simd.Lanes) and tile (a
     tile: object  # simd.Tile, _lstm_cell.projection_tile): x is packed in tile.rows-row panels
     gru: bool = False  # the GRU cell on the same blocks (kernels/gru.py)
@@ -118,24 +120,28 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None,
     bias = np.zeros(4 * hidden, np.float32) if bias is None else bias.reshape(4 * hidden)
     wx32, wh32, b32 = (np.asarray(a, np.float32) for a in (wx, wh, bias[None]))
     b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
-    wu, bu = _unit_panels(wx32, wh32, b32, hidden)
     lanes = lanes_of(width)
+    wg, bg = _group_panels(wx32, wh32, b32, hidden, lanes.width)
     return LSTMPlan(projection_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0],
-                    hidden, wu, bu, lanes, projection_tile(lanes.width))  # fmt: skip
+                    hidden, wg, bg, lanes, projection_tile(lanes.width))  # fmt: skip
 
 
-def _unit_panels(wx, wh, bias, hidden):
-    """[I, 4H], [H, 4H], [1, 4H] -> per unit [I + Hp, 4] panels (flat) and [4] biases; padded
-    units and the rows of padded h are zero."""
-    units = -(-hidden // U) * U
+def _group_panels(wx, wh, bias, hidden, w):
+    """[I, 4H], [H, 4H], [1, 4H] -> per group of w units a [I + Hg, 4, w] panel (flat; Hg =
+    whole groups) and its [4, w] biases: gate g of unit j at column g w + j % w; padded units
+    and the rows of padded h are zero."""
+    groups = -(-hidden // w)
+    units = groups * w
     k = wx.shape[0] + units
-    w = np.zeros((k, 4, units), np.float32)
-    w[: wx.shape[0], :, :hidden] = wx.reshape(-1, 4, hidden)
-    w[wx.shape[0] : wx.shape[0] + hidden, :, :hidden] = wh.reshape(hidden, 4, hidden)
+    full = np.zeros((k, 4, units), np.float32)
+    full[: wx.shape[0], :, :hidden] = wx.reshape(-1, 4, hidden)
+    full[wx.shape[0] : wx.shape[0] + hidden, :, :hidden] = wh.reshape(hidden, 4, hidden)
     b = np.zeros((4, units), np.float32)
     b[:, :hidden] = bias.reshape(4, hidden)
-    wu = np.ascontiguousarray(w.transpose(2, 0, 1)).reshape(units, k * 4)
-    return wu, np.ascontiguousarray(b.T)
+    wg = full.reshape(k, 4, groups, w).transpose(2, 0, 1, 3)
+    bg = b.reshape(4, groups, w).transpose(1, 0, 2)
+    return (np.ascontiguousarray(wg).reshape(groups, k * 4 * w),
+            np.ascontiguousarray(bg).reshape(groups, 4 * w))  # fmt: skip
 
 
 @numba.jit(**INLINE_GEMM)
@@ -225,26 +231,27 @@ def _sequence(L, T, x, h0, c0, wx, wh, bias, floats, ints, out, threads, gru):
 
 @numba.jit(**JIT_GEMM)
 def _pack_step(t, x, h0, c0, z, c):
-    """Stage 0, item t: x_t into the x rows of z[t] as [I, COLS] column panels (zero past the
-    batch); item 0 also packs h0 and c0 (zero past the batch and past H)."""
+    """Stage 0, item t: x_t into the x part of each row of z[t]'s [COLS, I + Hg] row panels
+    (zero past the batch); item 0 also packs h0 and c0 (zero past the batch and past H)."""
     batch, size, hidden = x.shape[1], x.shape[2], h0.shape[1]
     units = c.shape[2] // COLS
+    kz = size + units
     for q in range(z.shape[1]):
         zt = z[t, q]
         for r in range(COLS):
-            n = COLS * q + r
+            n, o = COLS * q + r, kz * r
             if n < batch:
                 for k in range(size):
-                    zt[COLS * k + r] = x[t, n, k]
+                    zt[o + k] = x[t, n, k]
             else:
                 for k in range(size):
-                    zt[COLS * k + r] = 0
+                    zt[o + k] = 0
             if t == 0:
-                h_at, c0q = COLS * size, c[0, q]
+                c0q = c[0, q]
                 for k in range(units):
                     inside = n < batch and k < hidden
-                    zt[h_at + COLS * k + r] = h0[n, k] if inside else 0
-                    c0q[COLS * k + r] = c0[n, k] if inside else 0
+                    zt[o + size + k] = h0[n, k] if inside else 0
+                    c0q[units * r + k] = c0[n, k] if inside else 0
 
 
 @numba.jit(**JIT_GEMM)
@@ -252,37 +259,41 @@ def _unpack_step(t, z, c, hs, cs):
     """Last stage, item t: h_t and c_t from the panels z[t + 1], c[t + 1] into the rows of
     hs[t], cs[t] (whole cache lines from one thread)."""
     batch, hidden = hs.shape[1], hs.shape[2]
-    h_at = z.shape[2] - c.shape[2]
+    units = c.shape[2] // COLS
+    kz = z.shape[2] // COLS
+    h_at = kz - units
     for n in range(batch):
         q, r = n // COLS, n % COLS
         hz, cz, h_row, c_row = z[t + 1, q], c[t + 1, q], hs[t, n], cs[t, n]
         for k in range(hidden):
-            h_row[k] = hz[h_at + COLS * k + r]
-            c_row[k] = cz[COLS * k + r]
+            h_row[k] = hz[kz * r + h_at + k]
+            c_row[k] = cz[units * r + k]
 
 
 @numba.jit(**INLINE_GEMM)
 def _item_cols(L, T4, T3, T2, T1, s, i, x, h0, c0, w, bias, z, c, hs, cs, gru):
-    """Item i of stage s: packing x_t (s = 0), step s - 1 for one block and panel, or unpacking
-    step t's outputs (s = T + 1)."""
+    """Item i of stage s: packing x_t (s = 0), step s - 1 for one group of units and panel, or
+    unpacking step t's outputs (s = T + 1)."""
     steps, panels = x.shape[0], z.shape[1]
     if s == 0:
         _pack_step(i, x, h0, c0, z, c)
     elif s == steps + 1:
         _unpack_step(i, z, c, hs, cs)
     else:
-        step_cols(L, T4, T3, T2, T1, s - 1, i // panels, i % panels, w, bias, z, c, hs.shape[2],
+        q = i % panels
+        rows = min(COLS, x.shape[1] - COLS * q)
+        step_cols(L, T4, T3, T2, T1, s - 1, i // panels, q, rows, w, bias, z, c, hs.shape[2],
                   gru)  # fmt: skip
 
 
 @numba.jit(**JIT_GEMM)
 def _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, hs, cs, done, gru):
-    """Batch > 1: thread p's part of stage 0 (packing x_t, item t), of the T steps (an item is
-    one block of units for one panel of COLS batch columns, see _lstm_cell.step_cols) and of
-    stage T + 1 (unpacking step t's outputs, item t). Runs and flags as in _run; every stage
-    is waited for (step 1 reads the packed x_0 and h0)."""
+    """Batch > ROWS_MAX: thread p's part of stage 0 (packing x_t, item t), of the T steps (an
+    item is one group of W units for one panel of COLS batch rows, see _lstm_cell.step_cols)
+    and of stage T + 1 (unpacking step t's outputs, item t). Runs and flags as in _run; every
+    stage is waited for (step 1 reads the packed x_0 and h0)."""
     steps, panels = x.shape[0], z.shape[1]
-    blocks = w.shape[0] // U
+    blocks = w.shape[0]
     span = 0  # cycles an item took this thread lately
     for s in range(steps + 2):
         items = steps if s == 0 or s == steps + 1 else blocks * panels
@@ -308,15 +319,16 @@ def _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, hs, cs, don
 
 
 @numba.jit(**JIT_GEMM)
-def _carve(x, units, floats, ints):
-    """_run_cols's scratch from the workspace: z [T + 1, panels, (I + Hp) COLS] holds x_t and
-    h_{t-1} per panel of COLS batch columns, c [T + 1, panels, Hp COLS] holds c_{t-1}; the
-    done flags, zeroed (T + 2 stages: packing, the steps, the outputs)."""
+def _carve(x, groups, units, floats, ints):
+    """_run_cols's scratch from the workspace: z [T + 1, panels, COLS (I + Hg)] holds x_t and
+    h_{t-1} of each row of a panel of COLS batch rows, c [T + 1, panels, COLS Hg] holds c_{t-1}
+    (Hg = units: whole groups); the done flags, zeroed (T + 2 stages: packing, the steps, the
+    outputs)."""
     steps, batch, size = x.shape
     panels = (batch + COLS - 1) // COLS
     n_z = (steps + 1) * panels * (size + units) * COLS
     n_c = (steps + 1) * panels * units * COLS
-    n_done = 2 * steps + steps * (units // U) * panels
+    n_done = 2 * steps + steps * groups * panels
     for i in range(n_done):
         ints[i] = 0
     z = floats[:n_z].reshape((steps + 1, panels, (size + units) * COLS))
@@ -330,8 +342,8 @@ def _sequence_cols(L, T4, T3, T2, T1, x, h0, c0, w, bias, floats, ints, out, thr
     once the kernel has flushed the interpreter's data from the caches): carve the scratch,
     then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
     would stop it from caching)."""
-    parts = min(threads, (w.shape[0] // U) * ((x.shape[1] + COLS - 1) // COLS))
-    z, c, done = _carve(x, w.shape[0], floats, ints)
+    parts = min(threads, w.shape[0] * ((x.shape[1] + COLS - 1) // COLS))
+    z, c, done = _carve(x, w.shape[0], bias.shape[1] // 4 * w.shape[0], floats, ints)
     if parts == 1:
         _run_cols(L, T4, T3, T2, T1, ZERO_I64, I64[1], x, h0, c0, w, bias, z, c, out[0], out[1],
                   done, gru)  # fmt: skip
@@ -342,9 +354,10 @@ def _sequence_cols(L, T4, T3, T2, T1, x, h0, c0, w, bias, floats, ints, out, thr
 
 
 def column_tiles(lanes):
-    """The column tile's shapes at these lanes: 4, 3, 2 and 1 gates x COLS / W vectors."""
-    n = max(1, COLS // lanes.width)
-    return tuple(tile(rows, n) for rows in (4, 3, 2, 1))
+    """The batch tile's shapes at these lanes: R batch rows (_lstm_cell.column_rows) x 4, 3, 2
+    and 1 gate vectors."""
+    rows = column_rows(lanes.width)
+    return tuple(tile(rows, gates) for gates in (4, 3, 2, 1))
 
 
 _WORKSPACE = threading.local()  # .floats, .ints: one thread's scratch, reused between calls
@@ -364,16 +377,18 @@ def _workspace(n_floats, n_ints):
     return floats, ints
 
 
-def _workspace_size(x, units, mr):
-    """(floats, ints) that _carve (column tile) or _start_row (row by row, x in mr-row panels)
+def _workspace_size(x, plan):
+    """(floats, ints) that _carve (batch tile) or _start_row (row by row, x in MR-row panels)
     takes for x [T, B, I]."""
     steps, batch, size = x.shape
     if batch <= ROWS_MAX:
-        floats = -(-steps * batch // mr) * size * mr + (units // U) * steps * batch * BLOCK_COLS
-        return floats, (units // U) * (1 + steps)
-    panels = -(-batch // COLS)
+        mr, blocks = plan.tile.rows, plan.wh.shape[0]
+        floats = -(-steps * batch // mr) * size * mr + blocks * steps * batch * BLOCK_COLS
+        return floats, blocks * (1 + steps)
+    groups, panels = plan.wg.shape[0], -(-batch // COLS)
+    units = groups * plan.lanes.width
     floats = (steps + 1) * panels * (size + 2 * units) * COLS
-    ints = 2 * steps + steps * (units // U) * panels
+    ints = 2 * steps + steps * groups * panels
     return floats, ints
 
 
@@ -405,7 +420,7 @@ def _sequence_row(x, h0, c0, plan):
     steps, batch, hidden, units = *x.shape[:2], plan.hidden, plan.wh.shape[0] * U
     out = np.empty((2, steps + 1, batch, units), np.float32)
     if steps > 0:
-        floats, ints, threads = _setup(x, plan, units)
+        floats, ints, threads = _setup(x, plan)
         _sequence(plan.lanes, plan.tile, x, h0, c0, plan.wx, plan.wh, plan.bias, floats,
               ints, out, threads, plan.gru)  # fmt: skip
     if units != hidden:
@@ -414,21 +429,21 @@ def _sequence_row(x, h0, c0, plan):
 
 
 def _sequence_batch(x, h0, c0, plan):
-    """lstm_sequence with the column tile (batch above ROWS_MAX, or 0): one call into Numba
+    """lstm_sequence with the batch tile (batch above ROWS_MAX, or 0): one call into Numba
     packs, runs and writes the outputs, [T, B, H] like ONNX (one allocation for both)."""
     steps, batch = x.shape[:2]
     out = np.empty((2, steps, batch, plan.hidden), np.float32)
     if steps > 0 and batch > 0:
-        floats, ints, threads = _setup(x, plan, plan.bu.shape[0])
-        _sequence_cols(plan.lanes, *column_tiles(plan.lanes), x, h0, c0, plan.wu,
-              plan.bu, floats, ints, out, threads, plan.gru)  # fmt: skip
+        floats, ints, threads = _setup(x, plan)
+        _sequence_cols(plan.lanes, *column_tiles(plan.lanes), x, h0, c0, plan.wg, plan.bg,
+              floats, ints, out, threads, plan.gru)  # fmt: skip
     return out[0], out[1]
 
 
-def _setup(x, plan, units):
+def _setup(x, plan):
     """The calling thread's workspace for x and the threads to run on: one below
     SERIAL_MACS_PER_STEP."""
-    floats, ints = _workspace(*_workspace_size(x, units, plan.tile.rows))
+    floats, ints = _workspace(*_workspace_size(x, plan))
     macs = x.shape[1] * 4 * plan.hidden * (plan.input_size + plan.hidden)
     return floats, ints, 1 if macs < SERIAL_MACS_PER_STEP else numba.get_num_threads()
 
@@ -442,7 +457,7 @@ def lstm_cell(x: np.ndarray, h: np.ndarray, c: np.ndarray, plan: LSTMPlan):
 # ---- hooks for tests: a call's scratch, one thread's part run alone ------------------------------
 def workspace(x: np.ndarray, plan: LSTMPlan):
     """The calling thread's scratch (floats, ints) that the next call on x will reuse."""
-    return _workspace(*_workspace_size(x, plan.wh.shape[0] * U, plan.tile.rows))
+    return _workspace(*_workspace_size(x, plan))
 
 
 def carve(x, h0, c0, plan: LSTMPlan):
@@ -450,14 +465,14 @@ def carve(x, h0, c0, plan: LSTMPlan):
     done flags, n_floats, n_ints); scratch is (xp, gx, hs, cs) row by row (hs, cs holding the
     initial state in row 0), (z, c) for the column tile."""
     steps, batch = x.shape[:2]
-    units = plan.wh.shape[0] * U
-    n_floats, n_ints = _workspace_size(x, units, plan.tile.rows)
+    n_floats, n_ints = _workspace_size(x, plan)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)
     if batch <= ROWS_MAX:
-        hs, cs = np.zeros((2, steps + 1, batch, units), np.float32)
+        hs, cs = np.zeros((2, steps + 1, batch, plan.wh.shape[0] * U), np.float32)
         xp, gx, done = _start_row(plan.tile, x, h0, c0, floats, ints, hs, cs)
         return (xp, gx, hs, cs), done, n_floats, n_ints
-    z, c, done = _carve(x, units, floats, ints)
+    groups = plan.wg.shape[0]
+    z, c, done = _carve(x, groups, groups * plan.lanes.width, floats, ints)
     return (z, c), done, n_floats, n_ints
 
 
@@ -474,8 +489,8 @@ def run_part(x, h0, c0, plan: LSTMPlan, part: int, parts: int, started=()):
         return hs[1:, :, :hidden], cs[1:, :, :hidden], done
     z, c = scratch
     hs, cs = np.zeros((2, steps, batch, hidden), np.float32)
-    _run_cols(plan.lanes, *column_tiles(plan.lanes), part, parts, x, h0, c0, plan.wu,
-          plan.bu, z, c, hs, cs, done, plan.gru)  # fmt: skip
+    _run_cols(plan.lanes, *column_tiles(plan.lanes), part, parts, x, h0, c0, plan.wg,
+          plan.bg, z, c, hs, cs, done, plan.gru)  # fmt: skip
     return hs, cs, done
 
 
