@@ -27,7 +27,7 @@ import numba
 import numpy as np
 
 from .config import INLINE, PARALLEL, get_threads
-from .simd import width
+from .simd import WIDTHS, lanes, vtranspose, vtranspose_part, width
 from .workspace import empty
 
 
@@ -77,38 +77,67 @@ def plane_part(task, parts, pixels):
 
 
 @numba.jit(**PARALLEL)
-def _to_blocked(x3, y4, parts):
-    """y4[n * CB + cb, p, k] = x3[n, cb * b + k, p] (0 past C)."""
+def _to_blocked(L, x3, y4, parts):
+    """y4[n * CB + cb, p, k] = x3[n, cb * b + k, p] (0 past C). At b = L.width a block moves W
+    pixels at a time as W x W transposes (vtranspose; a last block of fewer channels with its
+    missing rows read as zeros); a plane part's last pixels, and other b, element by element."""
     n_len, c_len, p_len = x3.shape
     cb_len, b = y4.shape[0] // n_len, y4.shape[2]
+    xf, yf = x3.reshape(-1), y4.reshape(-1)
     for task in numba.prange(n_len * cb_len * parts):
         item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
-        ys = y4[item, p0:p1]
+        q = p0
+        if b == L.width:
+            xo, yo, nc = (n * c_len + cb * b) * p_len, item * p_len * b, c_len - cb * b
+            for q in range(p0, p1 - b + 1, b):
+                if nc >= b:
+                    vtranspose(L, xf, xo + q, p_len, yf, yo + q * b, b)
+                else:
+                    vtranspose_part(L, xf, xo + q, p_len, nc, yf, yo + q * b, b, b)
+            q = p0 + max(0, p1 - p0) // b * b  # past the last part p0 may exceed p1
+        ys = y4[item, q:p1]
         for k in range(b):
             c = cb * b + k
             if c < c_len:
-                xs = x3[n, c, p0:p1]
-                for p in range(p1 - p0):
+                xs = x3[n, c, q:p1]
+                for p in range(p1 - q):
                     ys[p, k] = xs[p]
             else:
-                for p in range(p1 - p0):
+                for p in range(p1 - q):
                     ys[p, k] = 0.0
 
 
 @numba.jit(**PARALLEL)
-def _from_blocked(x4, y3, parts):
-    """y3[n, c, p] = x4[n * CB + c // b, p, c % b] for c < C."""
+def _from_blocked(L, x4, y3, parts):
+    """y3[n, c, p] = x4[n * CB + c // b, p, c % b] for c < C, transposed W x W at a time as
+    _to_blocked's."""
     n_len, c_len, p_len = y3.shape
     cb_len, b = x4.shape[0] // n_len, x4.shape[2]
+    xf, yf = x4.reshape(-1), y3.reshape(-1)
     for task in numba.prange(n_len * cb_len * parts):
         item, p0, p1 = plane_part(task, parts, p_len)
         n, cb = item // cb_len, item % cb_len
-        xs = x4[item, p0:p1]
+        q = p0
+        if b == L.width:
+            xo, yo, nc = item * p_len * b, (n * c_len + cb * b) * p_len, c_len - cb * b
+            for q in range(p0, p1 - b + 1, b):
+                if nc >= b:
+                    vtranspose(L, xf, xo + q * b, b, yf, yo + q, p_len)
+                else:
+                    vtranspose_part(L, xf, xo + q * b, b, b, yf, yo + q, p_len, nc)
+            q = p0 + max(0, p1 - p0) // b * b  # past the last part p0 may exceed p1
+        xs = x4[item, q:p1]
         for k in range(min(b, c_len - cb * b)):
-            ys = y3[n, cb * b + k, p0:p1]
-            for p in range(p1 - p0):
+            ys = y3[n, cb * b + k, q:p1]
+            for p in range(p1 - q):
                 ys[p] = xs[p, k]
+
+
+def _lanes_for(b: int):
+    """The Lanes a conversion of b-channel blocks transposes with: b's own width where b is a
+    vector width (whole blocks then move W pixels at a time), else the process's (unused)."""
+    return lanes(b if b in WIDTHS else None)
 
 
 def to_blocked(x, block: int | None = None, out=None):
@@ -121,7 +150,10 @@ def to_blocked(x, block: int | None = None, out=None):
     if x.size:
         x3 = np.ascontiguousarray(x).reshape(n, c, h * w)
         _to_blocked(
-            x3, out.reshape(n * shape[1], h * w, shape[4]), plane_parts(n * shape[1], h * w)
+            _lanes_for(shape[4]),
+            x3,
+            out.reshape(n * shape[1], h * w, shape[4]),
+            plane_parts(n * shape[1], h * w),
         )
     return out
 
@@ -138,6 +170,7 @@ def from_blocked(xb, channels: int, out=None):
     if out.size:
         xb = np.ascontiguousarray(xb)
         _from_blocked(
+            _lanes_for(b),
             xb.reshape(n * cb, h * w, b),
             out.reshape(n, channels, h * w),
             plane_parts(n * cb, h * w),

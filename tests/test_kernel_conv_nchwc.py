@@ -11,6 +11,7 @@ absolute) on outputs of order 1.
 """
 
 import itertools
+import math
 
 import numba
 import numpy as np
@@ -340,16 +341,42 @@ def test_k_in_chunks_of_one_block_for_every_tile(monkeypatch, block, tiles, shap
     assert_close(got, reference(x, wt, b, attrs, "hard_swish", "after", r), RTOL, ATOL)
 
 
-@pytest.mark.parametrize("c", [1, 3, 5, 8, 17, 100])
-@pytest.mark.parametrize("size", [(1, 1), (7, 13)])
-def test_layout_round_trip(c, size):
-    x = np.random.default_rng(c).standard_normal((2, c, *size), dtype=np.float32)
+def numpy_blocked(x, b):
+    """The blocked layout by NumPy: zero channels up to whole blocks, then [N, CB, H, W, b]."""
+    n, c, h, w = x.shape
+    padded = np.zeros((n, -(-c // b) * b, h, w), np.float32)
+    padded[:, :c] = x
+    return np.ascontiguousarray(padded.reshape(n, -1, b, h, w).transpose(0, 1, 3, 4, 2))
+
+
+@pytest.mark.parametrize("c", [1, 3, 5, 8, 16, 17, 40, 100])
+@pytest.mark.parametrize("n, size", [(2, (1, 1)), (1, (3, 3)), (2, (7, 13)), (1, (17, 19))])
+def test_layout_round_trip(c, n, size):
+    """Both conversions against NumPy's, NaN and inf carried: whole blocks move W pixels at a
+    time (vtranspose), a last block of fewer channels with its missing rows as zeros, the
+    pixels past a plane part's whole runs one at a time; one 3 x 3 image of one block is cut
+    in more parts than it has pixel pairs, so its last parts are empty."""
+    x = np.random.default_rng(c).standard_normal((n, c, *size), dtype=np.float32)
+    x.flat[::5] = np.nan
+    x.flat[1::7] = -np.inf
     xb = to_blocked(x)
     assert xb.shape[-1] == block_size(c)
-    assert np.array_equal(from_blocked(xb, c), x)
-    assert not xb[:, -1, ..., c % xb.shape[-1] or xb.shape[-1] :].any()  # padding is zero
-    for b in BLOCKS:
-        assert np.array_equal(from_blocked(to_blocked(x, block=b), c), x)
+    assert np.array_equal(xb, numpy_blocked(x, xb.shape[-1]), equal_nan=True)
+    assert np.array_equal(from_blocked(xb, c), x, equal_nan=True)
+    for b in BLOCKS:  # into buffers followed by a guard zone, which must stay untouched
+        want = numpy_blocked(x, b)
+        xb, guard = guarded(want.shape)
+        to_blocked(x, block=b, out=xb)
+        assert np.array_equal(xb, want, equal_nan=True) and (guard == 7).all()
+        y, guard = guarded(x.shape)
+        from_blocked(xb, c, out=y)
+        assert np.array_equal(y, x, equal_nan=True) and (guard == 7).all()
+
+
+def guarded(shape):
+    """An array of `shape` at the start of a buffer whose next 4096 floats read 7.0."""
+    buffer = np.full(math.prod(shape) + 4096, 7.0, np.float32)
+    return buffer[: math.prod(shape)].reshape(shape), buffer[math.prod(shape) :]
 
 
 def test_planes_are_cut_for_the_threads_of_the_process():

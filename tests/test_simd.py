@@ -49,6 +49,8 @@ from kernels.simd import (
     vstore,
     vstore_aligned,
     vstore_masked,
+    vtranspose,
+    vtranspose_part,
     vunpack,
     vzero,
 )
@@ -237,6 +239,32 @@ def test_permute_takes_the_lanes_its_table_names(L):
     rows = x.reshape(-1, w)
     want = rows[np.arange(len(rows))[:, None], idx.reshape(-1, w) % w]
     np.testing.assert_array_equal(out.reshape(-1, w), want)
+
+
+@numba.jit(**HARNESS)
+def _transpose(L, x, xo, ldx, nx, y, yo, ldy, ny, part):
+    if part:
+        vtranspose_part(L, x, xo, ldx, nx, y, yo, ldy, ny)
+    else:
+        vtranspose(L, x, xo, ldx, y, yo, ldy)
+
+
+@pytest.mark.parametrize("nx, ny", [(None, None), (1, 0), (3, 16), (16, 5), (0, 2), (7, 7)])
+def test_transposes_move_a_block_and_no_more(L, nx, ny):
+    """y[yo + k ldy + j] = x[xo + j ldx + k], NaN and inf carried; with counts, x's rows past
+    nx read as zeros (here they lie past the array's end) and y's rows past ny untouched."""
+    w = L.width
+    part = nx is not None
+    nx, ny = (w, w) if not part else (min(nx, w), min(ny, w))
+    ldx, ldy, xo, yo = w + 3, w + 5, 2, 1
+    x = mixed(xo + (nx - 1) * ldx + w if nx else 1, 6)  # rows past nx: outside x
+    y = np.full(yo + w * ldy, -7.0, np.float32)
+    _transpose(L, x, xo, ldx, nx, y, yo, ldy, ny, part)
+    want = np.full_like(y, -7.0)
+    for k in range(ny):
+        for j in range(w):
+            want[yo + k * ldy + j] = x[xo + j * ldx + k] if j < nx else 0.0
+    np.testing.assert_array_equal(y, want)
 
 
 # ---- loads and stores ----------------------------------------------------------------------------

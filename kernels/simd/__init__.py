@@ -41,6 +41,8 @@ emitted into the calling function, none is a call:
     hsum(v), hmax(v), hmin(v)       a pairwise tree over the lanes; hmax/hmin NaN if any is
     vget(v, k), vset(v, k, s)       lane k
     vpermute(v, idx, i)             lane k is v's lane idx[i + k] (an int32 array; one permute)
+    vtranspose(L, x, xo, ldx, y, yo, ldy)   a W x W block of x (rows ldx apart) into y transposed
+    vtranspose_part(L, x, xo, ldx, nx, y, yo, ldy, ny)   rows past nx read as 0, past ny unwritten
     vpack(t), vunpack(v)            a tuple of W numbers as a vector, a vector as W float32s
     roundeven(x), ldexp_small(p, k)  the pieces of exp
     exp, sigmoid, tanh, erf, log1p01 (approx.py); activate(kind, a, b, v), clip(v, lo, hi)
@@ -79,6 +81,8 @@ from ._ops import (
     vstore,
     vstore_aligned,
     vstore_masked,
+    vtranspose,
+    vtranspose_part,
     vunpack,
     vzero,
 )
@@ -93,4 +97,5 @@ __all__ = ["Lanes", "Mask", "Tile", "Vec", "WIDTHS", "activate", "activation", "
            "tanh", "tile", "tile_fma", "tile_load", "tile_store", "tile_zeros", "vall",
            "vany", "vbroadcast", "vfma", "vget", "vload", "vload_aligned",
            "vload_masked", "vmax", "vmin", "vpack", "vpermute", "vselect", "vset", "vstore",
-           "vstore_aligned", "vstore_masked", "vunpack", "vzero", "width"]  # fmt: skip
+           "vstore_aligned", "vstore_masked", "vtranspose", "vtranspose_part", "vunpack", "vzero",
+           "width"]  # fmt: skip

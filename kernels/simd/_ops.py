@@ -400,6 +400,97 @@ def vpermute(typingctx, v, idx, i):
     return v(v, idx, i), codegen
 
 
+def _transpose_rows(builder, rows, w):
+    """The W vectors `rows` (row r, lane c) transposed: log2(W) rounds of two-source shuffles
+    (vpermt2ps on AVX-512, vshufps / vperm2f128 on AVX2). Round t swaps bit t of the row index
+    with bit t of the lane index: lane c of rows r and r + 2^t (bit t of r clear) is exchanged
+    where their bits t differ; after every bit, row k holds what column k was."""
+    rows, bit = list(rows), 1
+    while bit < w:
+        # of rows r (bit clear) and r | bit, the first keeps its lanes c with the bit clear and
+        # takes lane c - bit of the second for the others; the second the mirror image
+        low = ir.Constant(
+            vector_type(w, I32), [c if not c & bit else w + (c ^ bit) for c in range(w)]
+        )
+        high = ir.Constant(
+            vector_type(w, I32), [c | bit if not c & bit else w + c for c in range(w)]
+        )
+        for r in range(w):
+            if not r & bit:
+                a, b = rows[r], rows[r | bit]
+                rows[r], rows[r | bit] = (builder.shuffle_vector(a, b, low),
+                                          builder.shuffle_vector(a, b, high))  # fmt: skip
+        bit *= 2
+    return rows
+
+
+def _transpose_codegen(w, counts):
+    """The lowering of vtranspose (counts False) and vtranspose_part (True: x's rows past nx
+    load as zeros, y's rows past ny are not stored)."""
+
+    def codegen(context, builder, sig, args):
+        def flat(k):
+            return context.cast(builder, args[k], sig.args[k], types.intp)
+
+        xa, ya = 1, 5 if counts else 4  # argument positions of x and y
+        x0, lx, nx = flat(2), flat(3), flat(4) if counts else None
+        y0, ly, ny = flat(ya + 1), flat(ya + 2), flat(8) if counts else None
+
+        def address(a, base, step, r):
+            off = builder.add(base, builder.mul(step, ir.Constant(step.type, r)))
+            return pointer(context, builder, sig.args[a], args[a], types.intp, off, w)
+
+        def inside(n, r):  # every lane when row r < n, else none
+            return splat(builder, builder.icmp_signed(">", n, ir.Constant(n.type, r)), w)
+
+        zeros = ir.Constant(vector_type(w), None)
+        rows = []
+        for r in range(w):
+            p = address(xa, x0, lx, r)
+            if nx is None:
+                rows.append(builder.load(p, align=4))
+            else:
+                rows.append(llvm_call(builder, f"llvm.masked.load.v{w}f32.p0", vector_type(w),
+                                      [p, I32(4), inside(nx, r), zeros]))  # fmt: skip
+        for k, row in enumerate(_transpose_rows(builder, rows, w)):
+            p = address(ya, y0, ly, k)
+            if ny is None:
+                builder.store(row, p, align=4)
+            else:
+                llvm_call(builder, f"llvm.masked.store.v{w}f32.p0", ir.VoidType(),
+                          [row, p, I32(4), inside(ny, k)])  # fmt: skip
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _transpose_args(op, L, x, y, indices):
+    w = lanes_arg(L, op)
+    array_arg(x, op)
+    array_arg(y, op, store=True)
+    for i in indices:
+        index_arg(i, op)
+    return w
+
+
+@intrinsic
+def vtranspose(typingctx, L, x, xo, ldx, y, yo, ldy):
+    """y[yo + k ldy + j] = x[xo + j ldx + k] for j, k < W: a W x W block moved transposed, W
+    vector loads (rows of x, ldx apart), _transpose_rows, W vector stores (rows of y, ldy
+    apart). Flat offsets, unchecked, as vload's. Element by element, the blocked layout's
+    conversions moved 3-4x fewer bytes a second than a copy (bench/NOTES.md)."""
+    w = _transpose_args("vtranspose", L, x, y, (xo, ldx, yo, ldy))
+    return types.void(L, x, xo, ldx, y, yo, ldy), _transpose_codegen(w, counts=False)
+
+
+@intrinsic
+def vtranspose_part(typingctx, L, x, xo, ldx, nx, y, yo, ldy, ny):
+    """vtranspose with x's rows j >= nx read as zeros (never touched) and y's rows k >= ny not
+    written: a last block of fewer channels than W."""
+    w = _transpose_args("vtranspose_part", L, x, y, (xo, ldx, nx, yo, ldy, ny))
+    return types.void(L, x, xo, ldx, nx, y, yo, ldy, ny), _transpose_codegen(w, counts=True)
+
+
 def _mask_reduction(op, name):
     def typer(typingctx, m):
         if not isinstance(m, Mask):
