@@ -16,6 +16,8 @@ fits on whole vectors. The batch tile (step_cols) too: batch rows broadcast agai
 vectors.
 """
 
+import functools
+
 import numba
 
 from ._gemm import gemm_batch
@@ -222,7 +224,8 @@ def step(L, t, b, w, gx, hs, cs, acc, gru):
     Inlined into the driver: a call costs an atomic reference-count increment and decrement
     per array argument, felt at batch 1. Its helpers stay calls: Numba inlines by
     copying IR, and nesting cell8's copies made compiles explode.
-    Batch > 1 runs step_cols (below). gru: the GRU cell (gru_cell), whose state is h alone.
+    Batches above lstm.ROWS_MAX run step_cols (below). gru: the GRU cell (gru_cell), whose
+    state is h alone.
     """
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
@@ -234,26 +237,28 @@ def step(L, t, b, w, gx, hs, cs, acc, gru):
             cell(L, acc, gx[t * rows + r], cs[t, r, j0:], hs[t + 1, r, j0:], cs[t + 1, r, j0:])
 
 
-# Batch > 1: the step as a GEMM, G [B, 4H] = [x_t, h_{t-1}] [Wx; Wh], in the orientation of the
+# Larger batches: the step as a GEMM, G [B, 4H] = [x_t, h_{t-1}] [Wx; Wh], in the orientation of the
 # GEMM micro-kernel: batch rows broadcast, gate columns as vectors. A group of W hidden units
 # (W the kernel's width) has one weight panel [K, 4 W], K = I + Hg: per k its four gates' W
 # columns (i f g o), so a tile of R batch rows x 4 vectors holds everything the cell needs for
 # R rows of those W units, and the gate math runs on the accumulators as they leave the k loop:
-# R 4 FMAs per R broadcasts + 4 loads, R 4 independent chains (R = 4 at 16 lanes, 2 at 8:
+# R 4 FMAs per R broadcasts + 4 loads, R 4 independent chains (R from the register file:
 # column_rows). The batch comes in panels of COLS rows, [COLS, K] per step ([x_t, h_{t-1}] of
 # each row), so a group's h_t goes straight into the next step's panel, W contiguous floats.
 # The input projection is the first I rows of the same k loop. The weights are read once per
 # row tile from L2 (R rows of the panel share them), the [COLS, K] panel stays in L1. Against
 # the batch along the lanes (a unit's 4 gates broadcast: 4 broadcasts + 1 load per 4 FMAs, on
-# 4 chains; the GRU's 3, 2 and 1) the GRU ran 1.18-1.35x faster, the LSTM 1.0-1.17x
+# 4 chains; the GRU's 3, 2 and 1) the GRU ran 1.18-1.35x faster, the LSTM 0.98-1.17x
 # (bench/NOTES.md, "The recurrent batch tile turned around").
 COLS = 16  # batch rows per panel
 
 
+@functools.cache
 def column_rows(w: int) -> int:
     """R, the batch rows of the step's tile at w lanes: the most that fit the register file
     beside 4 gate vectors (simd.tile.fit_rows) among the divisors of COLS, so a panel is whole
-    tiles (one tile shape per gate count is compiled): 4 at 16 lanes, 2 at 8."""
+    tiles (one tile shape per gate count is compiled): 4 with AVX-512's 32 registers (at 16
+    lanes or 8), 2 with AVX2's 16 at 8 lanes."""
     fit = fit_rows(4, w)
     return max(r for r in range(1, COLS + 1) if COLS % r == 0 and r <= fit)
 
@@ -261,7 +266,9 @@ def column_rows(w: int) -> int:
 @numba.jit(**JIT_GEMM)
 def step_cols(L, T4, T3, T2, T1, t, g, q, rows, w, bias, z, c, hidden, gru):
     """Units of group g (W = L.width of them) at step t for the first `rows` batch rows of
-    panel q, in tiles of R = T4.rows rows (T4, T3, T2, T1: R x 4, 3, 2, 1 gate vectors).
+    panel q, in tiles of R = T4.rows rows (T4, T3, T2, T1: R x 4, 3, 2, 1 gate vectors): whole
+    tiles, ceil(rows / R) R rows, inside the panel as R divides COLS; the rows past the batch
+    read the zeros _pack_step put there and write only their own places.
 
     z[t, q] is the panel [COLS, K] of batch rows COLS q ...: row r holds x_t (I floats), then
     h_{t-1} (Hg floats: whole groups); c[t, q] is c_{t-1} as [COLS, Hg]. Writes h_t into

@@ -27,7 +27,7 @@ import numba
 import numpy as np
 
 from .config import INLINE, PARALLEL, get_threads
-from .simd import WIDTHS, lanes, vtranspose, vtranspose_part, width
+from .simd import lanes, vtranspose, vtranspose_part, width
 from .workspace import empty
 
 
@@ -78,9 +78,10 @@ def plane_part(task, parts, pixels):
 
 @numba.jit(**PARALLEL)
 def _to_blocked(L, x3, y4, parts):
-    """y4[n * CB + cb, p, k] = x3[n, cb * b + k, p] (0 past C). At b = L.width a block moves W
-    pixels at a time as W x W transposes (vtranspose; a last block of fewer channels with its
-    missing rows read as zeros); a plane part's last pixels, and other b, element by element."""
+    """y4[n * CB + cb, p, k] = x3[n, cb * b + k, p] (0 past C). At b = L.width (the process's:
+    one compile serves every b) a block moves W pixels at a time as W x W transposes
+    (vtranspose; a last block of fewer channels with its missing rows read as zeros); a plane
+    part's last pixels, and other b (an RGB image's 3), element by element."""
     n_len, c_len, p_len = x3.shape
     cb_len, b = y4.shape[0] // n_len, y4.shape[2]
     xf, yf = x3.reshape(-1), y4.reshape(-1)
@@ -134,12 +135,6 @@ def _from_blocked(L, x4, y3, parts):
                 ys[p] = xs[p, k]
 
 
-def _lanes_for(b: int):
-    """The Lanes a conversion of b-channel blocks transposes with: b's own width where b is a
-    vector width (whole blocks then move W pixels at a time), else the process's (unused)."""
-    return lanes(b if b in WIDTHS else None)
-
-
 def to_blocked(x, block: int | None = None, out=None):
     """The blocked copy of a float32 NCHW array (any strides); `out` if given."""
     if not isinstance(x, np.ndarray) or x.ndim != 4 or x.dtype != np.float32:
@@ -150,7 +145,7 @@ def to_blocked(x, block: int | None = None, out=None):
     if x.size:
         x3 = np.ascontiguousarray(x).reshape(n, c, h * w)
         _to_blocked(
-            _lanes_for(shape[4]),
+            lanes(),
             x3,
             out.reshape(n * shape[1], h * w, shape[4]),
             plane_parts(n * shape[1], h * w),
@@ -170,7 +165,7 @@ def from_blocked(xb, channels: int, out=None):
     if out.size:
         xb = np.ascontiguousarray(xb)
         _from_blocked(
-            _lanes_for(b),
+            lanes(),
             xb.reshape(n * cb, h * w, b),
             out.reshape(n, channels, h * w),
             plane_parts(n * cb, h * w),

@@ -8,7 +8,7 @@
 
 The gates are packed as four blocks where the LSTM has i, f, g, o: z, r, n_x, n_h (x's weights
 z, r, n, 0; h's z, r, 0, n). Reset after the product is then the LSTM kernel itself with the
-GRU cell (_lstm_cell.gru_cell, _gru_cols; h kept where the LSTM keeps c). Reset before it needs
+GRU cell (_lstm_cell.gru_cell, step_cols; h kept where the LSTM keeps c). Reset before it needs
 r of every unit before any unit's n, so each step is two stages over the blocks (row by row,
 every batch): A computes z and r of a block from h (a GEMV over its [H, 16] panel z | r) and r h
 of its units; B computes n from r h of all units (a GEMV over the panel 0 | Rn) and h'. The

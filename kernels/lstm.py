@@ -11,7 +11,7 @@ input of all T B rows for one block (one blocked GEMM); stage t + 1 runs step t 
 for one block.
 
 Larger batches (a GEMM per step): R batch rows x the four gates of W units (W the kernel's
-width) are one register tile over K = I + H ([x_t, h_{t-1}] packed as [16, K] row panels), so
+width) are one register tile over K = I + Hg ([x_t, h_{t-1}] packed as [16, K] row panels), so
 the input projection is part of each step and the gate math runs on the tile
 (_lstm_cell.step_cols). Stages: 0 packs x_t (item t), 1 .. T run the steps (an item is one
 group of W units for a panel of 16 batch rows), T + 1 unpacks h_t and c_t into the [T, B, H]
@@ -31,7 +31,7 @@ _lstm_sync). The row path claims nothing: its items are ~1 us, and claiming cost
 saved.
 
 Two threads finishing a step together would compute one item twice in every step (the first
-one done finds the other's last item open). So the column tile claims an item before computing
+one done finds the other's last item open). So the batch tile claims an item before computing
 it (compare-and-swap OPEN -> STARTED), and a thread that finds only STARTED items left waits
 for them up to twice its own items' mean time (the time-stamp counter; see
 _lstm_sync.wait_done), then computes them too. Measurements: bench/NOTES.md, LSTM.
@@ -65,10 +65,12 @@ from .simd.tile import tile
 # Below this much work per step (a few us on one core) one thread does it all (a guess; at
 # batch 1, I = 128, H = 256, 0.4M per step, two threads win).
 SERIAL_MACS_PER_STEP = 1 << 16
-# Batches up to this size run row by row: each step's GEMV reads a block's weights from L3
-# once and again from L1/L2 for the other rows, where the column tile pads the batch to a
-# multiple of 8 columns; from batch 16 the tile wins (bench/NOTES.md, LSTM).
-ROWS_MAX = 12
+# Batches up to this size run row by row: each step's GEMV per row streams the block's weights
+# again, where the batch tile reads them once per R rows (padding the batch to whole tiles).
+# From batch 3 the tile won at 16 lanes and on the AVX2 code path alike (I 128, H 256, two
+# threads: 1.37x and 1.21x at batch 3, 0.95x and 0.86x at 2; bench/NOTES.md, "The recurrent
+# batch tile turned around").
+ROWS_MAX = 2
 OPEN, STARTED, DONE = 0, 1, 2  # an item's flag
 
 
@@ -109,8 +111,9 @@ def projection_panels(w: np.ndarray, hidden: int) -> np.ndarray:
 def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None, *,
                  width=None) -> LSTMPlan:  # fmt: skip
     """Pack x Wx + h Wh + bias, with wx [I, 4H], wh [H, 4H], bias [4H], gates i, f, g, o;
-    width: the lanes of the input projection's micro-kernel, 8 or 16 (None: the process's,
-    kernels.simd.width()).
+    width: the lanes of the kernels' vectors, 8 or 16 (None: the process's,
+    kernels.simd.width()): the input projection's micro-kernel, the row path's cells and the
+    batch tile's unit groups (W units each).
 
     >>> plan = prepare_lstm(np.zeros((3, 8), np.float32), np.zeros((2, 8), np.float32))
     """
@@ -293,11 +296,11 @@ def _run_cols(L, T4, T3, T2, T1, p, parts, x, h0, c0, w, bias, z, c, hs, cs, don
     and of stage T + 1 (unpacking step t's outputs, item t). Runs and flags as in _run; every
     stage is waited for (step 1 reads the packed x_0 and h0)."""
     steps, panels = x.shape[0], z.shape[1]
-    blocks = w.shape[0]
+    groups = w.shape[0]
     span = 0  # cycles an item took this thread lately
     for s in range(steps + 2):
-        items = steps if s == 0 or s == steps + 1 else blocks * panels
-        first = 0 if s == 0 else steps + (s - 1) * blocks * panels
+        items = steps if s == 0 or s == steps + 1 else groups * panels
+        first = 0 if s == 0 else steps + (s - 1) * groups * panels
         start, count = cycles(), 0
         for k in range(parts):
             for n in range(items):
@@ -338,7 +341,7 @@ def _carve(x, groups, units, floats, ints):
 
 @numba.jit(**PARALLEL)
 def _sequence_cols(L, T4, T3, T2, T1, x, h0, c0, w, bias, floats, ints, out, threads, gru):
-    """Batch > 1, all of it in one call from Python (each call from Python costs tens of us
+    """Batch > ROWS_MAX, all of it in one call from Python (each call from Python costs tens of us
     once the kernel has flushed the interpreter's data from the caches): carve the scratch,
     then run the stages on up to `threads` threads (numba.get_num_threads() inside a kernel
     would stop it from caching)."""
@@ -463,7 +466,7 @@ def workspace(x: np.ndarray, plan: LSTMPlan):
 def carve(x, h0, c0, plan: LSTMPlan):
     """A fresh workspace of _workspace_size's size, carved as a call on x carves it: (scratch,
     done flags, n_floats, n_ints); scratch is (xp, gx, hs, cs) row by row (hs, cs holding the
-    initial state in row 0), (z, c) for the column tile."""
+    initial state in row 0), (z, c) for the batch tile."""
     steps, batch = x.shape[:2]
     n_floats, n_ints = _workspace_size(x, plan)
     floats, ints = np.empty(n_floats, np.float32), np.empty(n_ints, np.int32)

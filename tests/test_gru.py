@@ -39,7 +39,7 @@ def plan_of(w: GRUWeights, linear_before_reset=1):
     [(1, 1, 1, 1), (5, 1, 20, 130), (3, 5, 17, 67), (4, 16, 24, 40), (2, 33, 6, 9), (1, 13, 3, 8)],
 )
 def test_kernel_matches_naive(steps, batch, size, hidden, threads, lbr, monkeypatch):
-    """Reset after the product: row by row (batch <= ROWS_MAX) and the column tile; before it:
+    """Reset after the product: row by row (batch <= ROWS_MAX) and the batch tile; before it:
     two stages per step, row by row; one thread and two."""
     monkeypatch.setattr(kernel, "SERIAL_MACS_PER_STEP", 0)
     w = GRUWeights.random(size, hidden, seed=5)

@@ -354,8 +354,17 @@ def numpy_blocked(x, b):
 def test_layout_round_trip(c, n, size):
     """Both conversions against NumPy's, NaN and inf carried: whole blocks move W pixels at a
     time (vtranspose), a last block of fewer channels with its missing rows as zeros, the
-    pixels past a plane part's whole runs one at a time; one 3 x 3 image of one block is cut
-    in more parts than it has pixel pairs, so its last parts are empty."""
+    pixels past a plane part's whole runs one at a time; on two threads one 3 x 3 image of one
+    block is cut in more parts than it has pixel pairs, so its last parts are empty."""
+    before = get_threads()
+    set_threads(2)
+    try:
+        _round_trip(c, n, size)
+    finally:
+        set_threads(before)
+
+
+def _round_trip(c, n, size):
     x = np.random.default_rng(c).standard_normal((n, c, *size), dtype=np.float32)
     x.flat[::5] = np.nan
     x.flat[1::7] = -np.inf

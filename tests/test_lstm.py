@@ -169,10 +169,10 @@ def test_empty_sequences_have_the_right_shapes(steps, batch):
         assert out.shape == (steps, batch, 2) and out.dtype == np.float32
 
 
-# Kernel paths: batch 1 runs a GEMV per block, batch > 1 a 4 gates x 16 (or a last 8) batch
-# columns tile per unit (columns past the batch are zero-padded); one thread runs everything
-# in order, two share one parallel region: each thread does its own run of items, then any
-# item of the other's run still open.
+# Kernel paths: batches up to ROWS_MAX run a GEMV per block and row, larger ones a tile of R
+# batch rows x a unit group's 4 gate vectors (rows past the batch zero-padded); one thread
+# runs everything in order, two share one parallel region: each thread does its own run of
+# items, then any item of the other's run still open.
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "steps, batch, size, hidden",
@@ -269,7 +269,7 @@ def test_workspace_sizes_cover_the_scratch():
         assert used <= n_floats and done.size == n_ints
 
 
-@pytest.mark.parametrize("batch", [3, 17])  # row by row, column tile
+@pytest.mark.parametrize("batch", [2, 17])  # row by row, batch tile
 def test_kernel_keeps_nan(batch):
     """A NaN in one batch row stays NaN in that row's outputs (the gate math clamps with
     compares, not min/max) and does not leak into the other rows."""
@@ -285,7 +285,7 @@ def test_kernel_keeps_nan(batch):
 
 @pytest.mark.parametrize("batch", [2, 3, 5])
 def test_small_batches_row_by_row_and_tiled(batch, monkeypatch):
-    """Batches up to ROWS_MAX run row by row; the column tile (forced here) gives the same."""
+    """Batches up to ROWS_MAX run row by row; the batch tile (forced here) gives the same."""
     w = LSTMWeights.random(9, 13, seed=batch)
     rng = np.random.default_rng(batch)
     x = rng.standard_normal((3, batch, 9)).astype(np.float32)

@@ -249,11 +249,13 @@ def _transpose(L, x, xo, ldx, nx, y, yo, ldy, ny, part):
         vtranspose(L, x, xo, ldx, y, yo, ldy)
 
 
+@pytest.mark.parametrize("w", simd.WIDTHS)
 @pytest.mark.parametrize("nx, ny", [(None, None), (1, 0), (3, 16), (16, 5), (0, 2), (7, 7)])
-def test_transposes_move_a_block_and_no_more(L, nx, ny):
-    """y[yo + k ldy + j] = x[xo + j ldx + k], NaN and inf carried; with counts, x's rows past
-    nx read as zeros (here they lie past the array's end) and y's rows past ny untouched."""
-    w = L.width
+def test_transposes_move_a_block_and_no_more(w, nx, ny):
+    """y[yo + k ldy + j] = x[xo + j ldx + k], NaN and inf carried, at every width; with counts,
+    x's rows past nx read as zeros (here they lie past the array's end) and y's rows past ny
+    untouched."""
+    L = simd.lanes(w)
     part = nx is not None
     nx, ny = (w, w) if not part else (min(nx, w), min(ny, w))
     ldx, ldy, xo, yo = w + 3, w + 5, 2, 1
