@@ -52,9 +52,9 @@ from .simd import (
     vselect,
     vstore,
     vstore_masked,
+    vtranspose,
     vzero,
 )
-from .simd.tile import tile
 from .workspace import per_thread, shared
 
 __all__ = ["attention", "attention_blocks", "attention_core", "rotate"]
@@ -235,11 +235,10 @@ def attend_block(L, T, qkv, kt, vp, mask, mshape, has_mask, out, b, h, q0, s_len
 
 
 @numba.jit(**PARALLEL)
-def _attention(L, T, TW, qkv, kt, vp, ts, work, mask, mshape, has_mask, out, batch, s_len, sp,
-               dp, heads, kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
-    """K^T and V packed per (batch, kv head) (ts [tasks, W W]: a W x W block's transposition,
-    TW the tile of W rows that interleave_rows moves), then every (batch, head, query block)
-    (work [threads, n]: each thread's scratch for a block, workspace.per_thread)."""
+def _attention(L, T, qkv, kt, vp, work, mask, mshape, has_mask, out, batch, s_len, sp, dp,
+               heads, kv_heads, d_len, scale, bq, bk, nan_to_zero):  # fmt: skip
+    """K^T and V packed per (batch, kv head), then every (batch, head, query block) (work
+    [threads, n]: each thread's scratch for a block, workspace.per_thread)."""
     k_col = heads * d_len
     v_col = (heads + kv_heads) * d_len
     w = L.width
@@ -248,17 +247,14 @@ def _attention(L, T, TW, qkv, kt, vp, ts, work, mask, mshape, has_mask, out, bat
         b, g = t // kv_heads, t % kv_heads
         kto, vpo = t * d_len * sp, t * sp * dp
         # K^T in W x W blocks: W keys' rows (W of their columns each) transposed in registers
-        # (interleave_rows) into the task's scratch, then its W rows to K^T's, a vector each;
-        # element by element, writing K^T's d_len rows side by side, took 7 cycles a value (a
-        # third of the core at 128 queries); the keys and columns past whole blocks so.
-        tr = ts[t]
+        # straight into K^T's rows (vtranspose); element by element, writing K^T's d_len rows
+        # side by side, took 7 cycles a value (a third of the core at 128 queries); the keys
+        # and columns past whole blocks so.
         jw, dw2 = s_len - s_len % w, d_len - d_len % w
         for j0 in range(0, jw, w):
             for d0 in range(0, dw2, w):
-                _gemm.interleave_rows(L, TW, qkv, (b * s_len + j0) * qkv.shape[1] + k_col
-                                      + g * d_len + d0, qkv.shape[1], tr, 0)  # fmt: skip
-                for k in range(w):
-                    vstore(kt, kto + (d0 + k) * sp + j0, vload(L, tr, k * w))
+                vtranspose(L, qkv, (b * s_len + j0) * qkv.shape[1] + k_col + g * d_len + d0,
+                           qkv.shape[1], kt, kto + d0 * sp + j0, sp)  # fmt: skip
         for j in range(s_len):
             row = b * s_len + j
             for d in range(dw2 if j < jw else 0, d_len):
@@ -373,13 +369,11 @@ def attention_core(qkv, batch, seq, heads, kv_heads, head_dim, scale, mask=None,
     bq, bk = attention_blocks(T, L)
     sp, dp = nr * -(-seq // nr), nr * -(-head_dim // nr)
     n_kt, n_vp = batch * kv_heads * head_dim * sp, batch * kv_heads * sp * dp
-    n_ts = batch * kv_heads * L.width * L.width
-    packed = shared(n_kt + n_vp + n_ts)  # reused: fresh pages fault (workspace)
+    packed = shared(n_kt + n_vp)  # reused: fresh pages fault (workspace)
     kt, vp = packed[:n_kt], packed[n_kt : n_kt + n_vp]
-    ts = packed[n_kt + n_vp :].reshape(batch * kv_heads, -1)
     work = per_thread(bq * (max(head_dim, 1) + bk + dp + 3))
-    _attention(L, T, tile(L.width, 1), qkv, kt, vp, ts, work, m, mshape, mask is not None, out,
-               batch, seq, sp, dp, heads, kv_heads, head_dim, np.float32(scale), bq, bk,
+    _attention(L, T, qkv, kt, vp, work, m, mshape, mask is not None, out, batch, seq, sp, dp,
+               heads, kv_heads, head_dim, np.float32(scale), bq, bk,
                bool(nan_to_zero))  # fmt: skip
     return out
 
