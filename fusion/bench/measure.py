@@ -223,7 +223,7 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
     fused = runners.get(FUSED)
     if opts.profile and fused is not None:
         say("profiling the fused run")
-        result.profile = _profile(fused.ask("profile", max(3, min(10, timing.rounds))))
+        result.profile = _profile(fused.ask("profile", max(3, min(10, timing.rounds)), opts.warm))
         result.profile["race"] = fused.ask("race")
     if opts.nodes and fused is not None and counts:
         say("each fused node alone against its function body")

@@ -111,7 +111,10 @@ class Host:
 
     def do_run(self, key=None):
         run = self.runners[key]
-        return run(run.feeds)
+        out = run(run.feeds)
+        if self.alone:  # a check run, too, leaves quiet cores to whoever runs next
+            settle()
+        return out
 
     def do_turn(self, key, calls: int, warm: float = 0.0) -> list[float]:
         times = burst(self.calls[key], calls, warm=warm)
@@ -119,10 +122,13 @@ class Host:
             settle()
         return times
 
-    def do_profile(self, repeat: int) -> list[dict]:
-        """fusion's run, step by step (Session.profile): kind, name, what runs it, seconds."""
+    def do_profile(self, repeat: int, warm: float = 0.0) -> list[dict]:
+        """fusion's run, step by step (Session.profile): kind, name, what runs it, seconds;
+        after `warm` seconds of untimed runs, as a timed turn gets (a process that idled
+        has slow CPUs and sleeping workers for its first runs)."""
         session = self.runner.session
-        prof = session.profile(self.feeds, repeat=repeat)
+        burst(self.calls[None], 0, warm=warm)
+        prof = session.profile(self.feeds, repeat=repeat, warmup=0 if warm > 0 else 1)
         rows = []
         for step, (kind, name, seconds) in zip(
             session.steps_for(self.feeds), prof.steps, strict=True
