@@ -51,6 +51,10 @@ TILE_BLOCKS = (4, 3, 2, 1)  # output blocks per register tile worth considering 
 # a tile with fewer accumulators waits on latency, in proportion.
 CHAINS = 10
 NARROW_GAIN = 1.15  # what a narrower tile than the tallest must save (tile_rows)
+# A tile's cost past its accumulator-slots, in slots: its k loop's set-up and its stores. A
+# 14 x 14 1x1 conv ran 3% slower as 14 rows of a 9-pixel and a 5-pixel tile (196 slots) than
+# as one 196-pixel row of 21 tiles of 9 and one overlapping (198): 141 against 137 us.
+TILE_SETUP = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +207,12 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
     fits (tiles.tallest), unless a narrower one, halving, covers the interior in fewer than
     1 / NARROW_GAIN of its accumulator-slots per unit of speed (a tile of fewer than CHAINS
     accumulators waits on FMA latency; a taller one streams fewer weight bytes per FMA, hence
-    the margin). 8x1 at 8 lanes takes 5 columns (a 7x7 3x3 conv) as 2 tiles of 4 rather than
-    one pixel at a time, and 7 columns as one 7x1 (14x1's halving); 3x4 keeps 3 at 5 columns
-    (two tiles overlapping one); 6x4 at 16 lanes becomes 3x4 on a 13-wide 1x1 (15 slots, not 18)."""
+    the margin). What whole tiles leave of a row runs on a tile of half their rows where it
+    fits (_direct_blocked.half_rows), else on one more overlapping the last. 8x1 at 8 lanes
+    takes 5 columns (a 7x7 3x3 conv) as tiles of 4 and 2 rather than one pixel at a time, and
+    7 columns as one 7x1 (14x1's halving); 3x4 keeps 3 at 5 columns (a 3x4 and a 2x4); 6x4 at
+    16 lanes keeps 6 on a 13-wide 1x1 (two 6x4 and a 3x4: 15 slots, 3x4's 14.5 within the
+    margin)."""
     costs = _row_costs(fb, w, interior)
     if not costs:  # no tile fits: the one-pixel path takes the row
         return tiles.tallest(fb, w)
@@ -220,11 +227,18 @@ def _row_costs(fb: int, w: int, interior: int) -> dict:
     computed, over the tile's speed (a tile of fewer than CHAINS accumulators waits on FMA
     latency)."""
     top, cap, v = tiles.fit_rows(fb, w), tiles.tallest(fb, w), _per_vector(w)
+
+    def slots(rows: int) -> float:  # one tile's accumulator-slots over its speed, and set-up
+        return rows / min(1.0, v * rows * fb / CHAINS) + TILE_SETUP
+
     costs, pw = {}, top
     while True:
         rows = min(pw, cap)
         if rows <= interior:
-            costs[rows] = -(-interior // rows) * rows / min(1.0, v * rows * fb / CHAINS)
+            whole, left = divmod(interior, rows)  # what whole tiles leave: a half tile, or one
+            half = d.half_rows(rows)  # overlapping the last (_direct_blocked.tile_item)
+            tail = 0.0 if left == 0 else slots(half) if left <= half else slots(rows)
+            costs[rows] = whole * slots(rows) + tail
         if pw <= 2:
             break
         pw = -(-pw // 2)

@@ -321,6 +321,7 @@ def test_half_blocks_only_where_a_block_s_lanes_are_one_group_s():
 CHUNK_CASES = [
     # (tile at 8 lanes, at 16), (n, c, m, h, w, kernel, attrs): widths of the output
     (((3, 4), (6, 4)), (1, 32, 40, 5, 13, 3, {"pads": (1, 1, 1, 1)})),
+    (((3, 4), (6, 4)), (1, 32, 40, 5, 16, 3, {"pads": (1, 1, 1, 1)})),  # half-height tails
     (((14, 1), (30, 1)), (1, 32, 16, 4, 65, 3, {"pads": (1, 1, 1, 1), "strides": (1, 2)})),
     ((2, 2), (2, 20, 24, 3, 7, 1, {})),  # 6x2 and 2x2, or narrower
 ]
@@ -330,7 +331,7 @@ CHUNK_CASES = [
 @pytest.mark.parametrize(("tiles", "shape"), CHUNK_CASES, ids=str)
 def test_k_in_chunks_of_one_block_for_every_tile(monkeypatch, block, tiles, shape):
     # A budget of one input block's weights per chunk: every chunk boundary parks and reloads
-    # every tile, the overlapping tile and the one-pixel path.
+    # every tile, the overlapping tile, the half-height tile and the one-pixel path.
     monkeypatch.setattr(conv_module, "_budgets", lambda: (1, 1))
     n, c, m, h, w, k, attrs = shape
     x, wt, b, attrs = case(n, c, m, h, w, k, seed=9, **attrs)
@@ -654,16 +655,16 @@ def test_tile_rows_narrow_for_narrow_rows(monkeypatch):
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (16, 8))
     assert tile_rows(4, 8, 54) == 3  # a 56-wide 3x3 row: 18 tiles of 3
     assert tile_rows(1, 8, 56) == 8  # one column: at most half the register file (tallest)
-    assert tile_rows(1, 8, 5) == 4  # 7 wide, 3x3: two tiles of 4 overlapping
+    assert tile_rows(1, 8, 5) == 4  # 7 wide, 3x3: a tile of 4 and its half, 2
     assert tile_rows(1, 8, 7) == 7  # one tile of 7 (14's halving), not two of 4
     assert tile_rows(1, 8, 12) == 8
     assert tile_rows(2, 8, 5) == 3
     assert tile_rows(4, 8, 1) == 3  # no tile fits: the one-pixel path
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
-    assert tile_rows(4, 16, 5) == 3  # 7x7 late layers at 16 lanes: 2 tiles of 3x4, not 6x4
+    assert tile_rows(4, 16, 5) == 3  # 7x7 late layers at 16 lanes: 3x4 and 2x4, not 6x4
     assert tile_rows(4, 16, 54) == 6
     assert tile_rows(4, 16, 56) == 6  # 60 slots, 3x4 57: not worth twice the weight traffic
-    assert tile_rows(4, 16, 13) == 3  # 18 slots, 3x4 15
+    assert tile_rows(4, 16, 13) == 6  # two 6x4 and a 3x4 (15 slots); 3x4 14.5, in the margin
     assert tile_rows(1, 16, 26) == 16
     assert tile_rows(1, 16, 12) == 8
     assert tile_rows(1, 16, 15) == 15  # 30's halving, under the cap of 16
@@ -720,9 +721,9 @@ def test_pointwise_runs_of_pixels_as_work_items(monkeypatch, block, n):
 
 def test_pointwise_rows_follow_the_tiles(monkeypatch):
     # at 16 lanes (6x4 tiles), 7-wide rows take a tile of 6 and an overlapping one: 49 pixels
-    # in one row take 8 and one; with many filter groups the one row still splits evenly
+    # in one row take 8 and a half-height one; with few filter groups the one row splits
     monkeypatch.setattr(conv_module.tiles, "registers", lambda: (32, 16))
-    wt = np.zeros((960, 160, 1, 1), np.float32)
+    wt = np.zeros((160, 960, 1, 1), np.float32)
     plan = prepare_conv_nchwc(wt, block=16, tile=4)
     assert conv_module._pointwise_rows(plan, 1, 7, 7, 1) == (1, 49, 1)
     # on two threads its 3 filter groups (10 blocks) run as 6 items, the row cut in 2 runs
