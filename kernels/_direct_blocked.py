@@ -21,13 +21,13 @@ row [COL_A, COL_B) run in whole tiles along the row, reading the input in place;
 after whole tiles runs as one more tile ending at the row's end, recomputing a few pixels rather
 than taking them one at a time: a tile of half the rows (rounded up) when what is left fits it,
 else a whole one overlapping the last. The other columns (at a padded edge, or all of a row
-narrower than a tile) run as the same tiles down the rows, where every vertical tap is inside
-the image [ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x apart, so a
-weight vector loaded feeds PW FMAs there too. What remains (the corners, the edges of a work
-item with fewer rows than a tile) runs one pixel at a time, a 1 x FB tile on that pixel's own
-taps, split over two tiles (FB chains alone wait on FMA latency): there each weight vector feeds
-one FMA, and a narrow image's edges run that way waited on the weights' traffic from L2. No loop
-tests a bound.
+narrower than a tile) run as the same tiles (and tails) down the rows, where every vertical tap
+is inside the image [ROW_A, ROW_B): a column's pixels there share their taps, SH rows of x
+apart, so a weight vector loaded feeds PW FMAs there too. What remains (the corners, the edges
+of a work item with fewer rows than a tile) runs one pixel at a time, a 1 x FB tile on that
+pixel's own taps, split over two tiles (FB chains alone wait on FMA latency): there each weight
+vector feeds one FMA, and a narrow image's edges run that way waited on the weights' traffic
+from L2. No loop tests a bound.
 When a group's weights do not fit in half of L2, K is cut into chunks of input blocks, and a
 work item sweeps all its rows per chunk with the accumulators parked in a small buffer between
 chunks (overlapping tiles in slots of their own).
@@ -300,6 +300,7 @@ def tile_item(T, T1, step: int = 0):
         short = extra > 0 and c_end - (col_a + n_whole * pw) <= ph
         cr0 = max(r0, g[ROW_A])
         n_down, down_extra, r_end = _cover(cr0, min(r1, g[ROW_B]), pw)
+        short_down = down_extra > 0 and r_end - (cr0 + n_down * pw) <= ph
         wstep = fb * w  # floats of packed weights per (tap, input channel)
         # The parking buffer (K in chunks): [rows, OW, FB, W] for the row tiles' and single
         # pixels' accumulators, then slots of their own for tiles that overlap (so no parked sum
@@ -383,8 +384,20 @@ def tile_item(T, T1, step: int = 0):
                         continue
                     m = _pixel_taps(g, tx, tw, n_taps, ow, sx, sw_)  # for pixel (cr0, ow)
                     for t in range(n_down + down_extra):
-                        oh0 = cr0 + t * pw if t < n_down else r_end - pw
                         ao = col_slots + (e * (n_down + 1) + t) * pw * wstep
+                        if t == n_down and short_down:  # the rows left fit the half tile
+                            oh0 = r_end - ph
+                            ah = tile_load(L, Th, acc, ao) if carry else zero_h
+                            ah = _run(ah, xf, (oh0 - cr0) * down, down, wf, sx, sw_, 0, m, bi,
+                                      wstep)  # fmt: skip
+                            if last:
+                                yt = y0 + (oh0 * ow_len + ow) * w
+                                _store(L, Th, ah, nb, yp, yt, ow_len * w, ystride, rp, early,
+                                       lo, hi)  # fmt: skip
+                            else:
+                                tile_store(acc, ao, ah)
+                            continue
+                        oh0 = cr0 + t * pw if t < n_down else r_end - pw
                         a = tile_load(L, T, acc, ao) if carry else zero
                         a = _run(a, xf, (oh0 - cr0) * down, down, wf, sx, sw_, 0, m, bi, wstep)
                         if last:

@@ -586,6 +586,7 @@ def threads(request):
     "shape",
     [
         (4, 16, 32, 11, 7, 3, {"pads": (1, 1, 1, 1)}),  # a late layer's 7-wide rows
+        (1, 16, 64, 7, 7, 3, {"pads": (1, 1, 1, 1)}),  # 3x4 tiles: 5 rows down, 3 and a half
         (2, 8, 24, 9, 3, 3, {"pads": (1, 1, 1, 1)}),  # 3 wide: no row tile, all columns down
         (3, 20, 16, 27, 9, 3, {"pads": (2, 1, 2, 1), "strides": (2, 1), "dilations": (2, 1)}),
         (2, 16, 40, 14, 14, (5, 3), {"pads": (2, 0, 2, 0)}),  # no edge columns: none down
@@ -594,9 +595,9 @@ def threads(request):
 )
 def test_edge_columns_run_down_the_rows(threads, monkeypatch, block, chunks, shape):
     # An edge column's pixels in rows whose vertical taps are all inside run as tiles down the
-    # rows (and an overlapping one), in work items of every row or of a few; the rest (top and
-    # bottom rows, short items) one pixel at a time; with K in chunks they park in slots of
-    # their own.
+    # rows (and an overlapping or a half-height one), in work items of every row or of a few;
+    # the rest (top and bottom rows, short items) one pixel at a time; with K in chunks they
+    # park in slots of their own.
     if chunks:
         monkeypatch.setattr(conv_module, "_budgets", lambda: (1, 1))
     n, c, m, h, w, k, attrs = shape
