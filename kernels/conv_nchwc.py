@@ -211,8 +211,8 @@ def tile_rows(fb: int, w: int, interior: int) -> int:
     fits (_direct_blocked.half_rows), else on one more overlapping the last. 8x1 at 8 lanes
     takes 5 columns (a 7x7 3x3 conv) as tiles of 4 and 2 rather than one pixel at a time, and
     7 columns as one 7x1 (14x1's halving); 3x4 keeps 3 at 5 columns (a 3x4 and a 2x4); 6x4 at
-    16 lanes keeps 6 on a 13-wide 1x1 (two 6x4 and a 3x4: 15 slots, 3x4's 14.5 within the
-    margin)."""
+    16 lanes keeps 6 on a 13-wide 1x1 (two 6x4 and a 3x4: 18 slots with their set-ups, four
+    3x4 and a 2x4 19.5)."""
     costs = _row_costs(fb, w, interior)
     if not costs:  # no tile fits: the one-pixel path takes the row
         return tiles.tallest(fb, w)
@@ -225,7 +225,8 @@ def _row_costs(fb: int, w: int, interior: int) -> dict:
     fit the register file and its halvings, each at most the tallest worth running
     (tiles.tallest: 8, 7, 4, 2 for one column on AVX2), that fit in the row: accumulator-slots
     computed, over the tile's speed (a tile of fewer than CHAINS accumulators waits on FMA
-    latency)."""
+    latency), plus TILE_SETUP per tile; what whole tiles leave costs a half-height tile where
+    it fits, else a whole one."""
     top, cap, v = tiles.fit_rows(fb, w), tiles.tallest(fb, w), _per_vector(w)
 
     def slots(rows: int) -> float:  # one tile's accumulator-slots over its speed, and set-up
@@ -249,8 +250,8 @@ def _pointwise_rows(plan: ConvPlan, n: int, h: int, w: int, threads: int):
     """(rows, columns, runs) to run a 1x1, stride-1, unpadded conv's H x W pixels as: any
     factorization of H W, since such a conv's pixel p reads x at pixel p alone and the blocked
     layout holds a block's pixels in one run; or one row cut in runs of pixels, each a work
-    item (G = 1). Row tiles do not cross rows: a 7-wide row takes a 6-pixel tile and an
-    overlapping one, where 49 pixels in one row take 8 and one. The cheapest by the tiles'
+    item (G = 1). Row tiles do not cross rows: a 7-wide row takes a 6-pixel tile and a 3-pixel
+    one, where 49 pixels in one row take 8 and a 3-pixel one. The cheapest by the tiles'
     cost (_row_costs, as tile_rows ranks them) on the busiest thread (rows and runs are what
     items split: a single row of few filter groups leaves a thread idle)."""
     if plan.pixels:  # a forced tile: the conv's own rows
