@@ -219,6 +219,37 @@ def test_a_race_under_load_is_provisional_and_raced_again_once_quiet(monkeypatch
     assert [e["busy"] for e in _plan_entries(judged).values()] == [False]
 
 
+def test_a_fresh_race_under_load_is_raced_again_in_its_process_once_runs_are_quiet(
+    monkeypatch, judged
+):
+    """A race under load chose onnxruntime alone (the load slowed the kernels' plan more);
+    the same session's runs then find the machine quiet, so within WATCH_SKIP + WATCH_RUNS
+    runs it races again, uses the quiet verdict and caches it; a second quiet window races
+    nothing more. Under load all along, nothing is raced again."""
+    scripted_race(monkeypatch, {ONNXRUNTIME: 0.02, "nchw": 0.04, "per-node": 0.03}, load=1.0)
+    session = _session(tactics="fastest")
+    assert session.race["busy"] and session.race["chosen"] == ONNXRUNTIME
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.05, "nchw": 0.04, "per-node": 0.01})
+    x = np.ones((4, 3), np.float32)
+    for _ in range(2 * (WATCH_SKIP + WATCH_RUNS)):
+        (y,) = session.run(None, {"x": x})
+        assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
+    assert len(raced) == 1
+    assert (session.race["chosen"], session.race["busy"]) == ("per-node", False)
+    (entry,) = _plan_entries(judged).values()
+    assert (entry["chosen"], entry["busy"]) == ("per-node", False)
+    monkeypatch.setattr("fusion.runtime.choice.RERACED", set())  # another process, loaded
+    scripted_race(monkeypatch, {ONNXRUNTIME: 0.02, "nchw": 0.04, "per-node": 0.03}, load=1.0)
+    (path,) = judged.glob("tactics-*.json")
+    path.unlink()  # a fresh cache: the race runs under load again
+    loaded = _session(tactics="fastest")
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.05, "nchw": 0.04, "per-node": 0.01},
+                          load=1.0)  # fmt: skip
+    for _ in range(2 * (WATCH_SKIP + WATCH_RUNS)):
+        loaded.run(None, {"x": x})
+    assert not raced and loaded.race["chosen"] == ONNXRUNTIME
+
+
 def test_a_cached_verdict_its_runs_disagree_with_is_raced_again(monkeypatch, judged):
     """A race that recorded 5 s for the plan it chose (its machine was loaded, and nothing
     showed it): the runs of a later session take far less, so within WATCH_SKIP + WATCH_RUNS

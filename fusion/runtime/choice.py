@@ -141,15 +141,21 @@ class Watch:
     """The first runs of a plan chosen from the cache, against the time its race recorded
     (race.agrees). seen(seconds) -> None while watching, then once whether they agreed; None
     too when the watched runs cannot judge: other processes loaded the machine meanwhile, or
-    runs overlapped in threads (each then slows the other)."""
+    runs overlapped in threads (each then slows the other). provisional: the plan comes from a
+    race run under load in this process, whose every candidate's time the load may have moved;
+    runs on a quiet machine then count as a disagreement (False): race again while it is quiet.
+    """
 
-    def __init__(self, shapes: dict, recorded: float, noise: float):
+    def __init__(self, shapes: dict, recorded: float, noise: float, provisional: bool = False):
         self.shapes, self.recorded, self.noise = shapes, recorded, noise
+        self.provisional = provisional
         self.times: list[float] = []
         self.open = True
         self.overlapped = False  # set by PlanTable.run when watched runs overlap
         self._skip = WATCH_SKIP
-        self._machine = Machine()
+        self._machine = Machine() if WATCH_SKIP == 0 else None  # measured from the first judged run
+        if self._machine is not None:
+            self._machine.start()
 
     def seen(self, seconds: float) -> bool | None:
         if not self.open:
@@ -157,6 +163,7 @@ class Watch:
         if self._skip > 0:
             self._skip -= 1
             if self._skip == 0:
+                self._machine = Machine()
                 self._machine.start()
             return None
         self.times.append(seconds)
@@ -166,13 +173,15 @@ class Watch:
         load = self._machine.stop()
         if self.overlapped or (load is not None and load > BUSY_CORES):
             return None
+        if self.provisional:
+            return False if load is not None else None  # quiet now, as far as it can tell
         return agrees(self.recorded, self.times, self.noise)
 
 
 @dataclass
 class Settled:
     """A run plan and how it was chosen: race, Session.race's dict (None: not raced); watch,
-    for a verdict from the cache, its first runs checked against it."""
+    for a verdict from the cache or one raced under load, its first runs checked against it."""
 
     plan: Any  # what the chooser's build() made
     race: dict | None = None
@@ -394,7 +403,10 @@ class Chooser:
         verdict = self._race(plans, values)
         if self._cache is not None and not (again and verdict.busy):  # keep a quiet verdict
             self._cache.put({key: verdict.to_entry()})
-        return Settled(plans[verdict.chosen], race_dict(verdict))
+        watch = None
+        if verdict.busy and not again:  # raced under load: race again once the runs are quiet
+            watch = Watch(shapes, verdict.seconds[verdict.chosen], verdict.noise, True)
+        return Settled(plans[verdict.chosen], race_dict(verdict), watch)
 
     def _cached_verdict(self, key: str, candidates: dict) -> Verdict | None:
         """The cache's verdict for this plan key, if it judged these candidates on a quiet
@@ -530,8 +542,9 @@ class PlanTable:
 
     def _race_again(self, stale: Settled, feeds: dict) -> None:
         """A cached plan whose runs disagree with the time its race recorded (that race ran on
-        a machine unlike this one now): race its shapes again and use the new verdict, unless
-        this race too ran under load (then the plan and the cached verdict stay). A race that
+        a machine unlike this one now), or a plan raced under load whose runs found the machine
+        quiet: race its shapes again and use the new verdict, unless this race too ran under
+        load (then the plan and the cached verdict stay). A race that
         fails leaves the plan as it was, with a warning: the run it ends has succeeded."""
         with self._lock:
             if stale.watch is None:  # another thread did it
