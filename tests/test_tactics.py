@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 from helpers import (
+    FakeMachine,
     GraphBuilder,
     assert_close,
     conv_block,
@@ -38,7 +39,7 @@ from fusion.models import conv_stack
 from fusion.ort import DEFAULT
 from fusion.pattern import Var, op
 from fusion.runtime import Session, describe_race
-from fusion.runtime.choice import WATCH_RUNS, WATCH_SKIP, Chooser
+from fusion.runtime.choice import WATCH_RUNS, WATCH_SKIP, WATCH_SPAN, Chooser, Watch
 from fusion.runtime.tactics import ONNXRUNTIME, policy, preferred
 from fusion.runtime.timing_cache import TimingCache, node_key
 
@@ -268,6 +269,25 @@ def test_a_cached_verdict_its_runs_disagree_with_is_raced_again(monkeypatch, jud
     assert entry["chosen"] == ONNXRUNTIME
     later.run(None, {"x": x})
     assert len(raced) == 1  # the new verdict is not watched: it was just measured
+
+
+def test_a_watch_judges_over_a_window_whose_load_can_be_read(monkeypatch):
+    """/proc/stat counts CPU time in 10 ms ticks: a watch keeps watching past WATCH_RUNS runs
+    until its window spans WATCH_SPAN, then judges them all."""
+
+    class Clocked(FakeMachine):
+        now = 0.0
+
+        def elapsed(self):
+            return Clocked.now
+
+    monkeypatch.setattr("fusion.runtime.choice.Machine", lambda: Clocked(0.0))
+    watch = Watch({}, 1.0, 0.05)
+    for _ in range(WATCH_SKIP + 3 * WATCH_RUNS):
+        assert watch.seen(1.0) is None and watch.open
+    Clocked.now = WATCH_SPAN
+    assert watch.seen(2.0) is True and not watch.open  # the median of 3 WATCH_RUNS + 1 runs
+    assert len(watch.times) == 3 * WATCH_RUNS + 1
 
 
 def test_a_watch_that_runs_under_load_or_in_threads_at_once_judges_nothing(monkeypatch, judged):

@@ -80,6 +80,9 @@ PLAN_NAMES = {"per-node": "each node's fastest", "nchw": "NCHW tactics only",
               ONNXRUNTIME: "onnxruntime alone"}  # fmt: skip
 TIMED = ("fastest", "kernels")  # the policies that time each node's tactics on its shapes
 WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the next 5 are
+# ... and as many more as span WATCH_SPAN seconds: /proc/stat counts CPU time in ticks of 10 ms,
+# so the load of a window of five 200 us runs reads 0 or several cores, by chance
+WATCH_SPAN = 0.1
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
 # Plan keys whose provisional verdict this process raced again (once per process: tests
 # replace it to play a new process).
@@ -167,7 +170,7 @@ class Watch:
                 self._machine.start()
             return None
         self.times.append(seconds)
-        if len(self.times) < WATCH_RUNS:
+        if len(self.times) < WATCH_RUNS or self._machine.elapsed() < WATCH_SPAN:
             return None
         self.open = False
         load = self._machine.stop()

@@ -125,6 +125,10 @@ class Machine:
     def start(self) -> None:
         self._start = (self.clock(), _cpu_seconds())
 
+    def elapsed(self) -> float:
+        """Wall seconds since start() (0 before it)."""
+        return 0.0 if self._start is None else self.clock() - self._start[0]
+
     def stop(self) -> float | None:
         """Other processes' CPU use since start(), in cores (None where unknown)."""
         if self._start is None:
