@@ -39,7 +39,14 @@ from fusion.models import conv_stack
 from fusion.ort import DEFAULT
 from fusion.pattern import Var, op
 from fusion.runtime import Session, describe_race
-from fusion.runtime.choice import WATCH_RUNS, WATCH_SKIP, WATCH_SPAN, Chooser, Watch
+from fusion.runtime.choice import (
+    WATCH_RUNS,
+    WATCH_SKIP,
+    WATCH_SPAN,
+    WATCH_WINDOWS,
+    Chooser,
+    Watch,
+)
 from fusion.runtime.tactics import ONNXRUNTIME, policy, preferred
 from fusion.runtime.timing_cache import TimingCache, node_key
 
@@ -299,9 +306,10 @@ def test_a_watch_that_runs_under_load_or_in_threads_at_once_judges_nothing(monke
                           load=1.0)  # fmt: skip
     loaded = _session(tactics="fastest")
     x = np.ones((4, 3), np.float32)
-    for _ in range(WATCH_SKIP + WATCH_RUNS + 2):
+    for _ in range(WATCH_SKIP + WATCH_WINDOWS * WATCH_RUNS + 2):
         loaded.run(None, {"x": x})
     assert not raced and loaded.race["chosen"] == "per-node"
+    assert not loaded._plans.default.watch.open  # WATCH_WINDOWS windows dropped: it stopped
     raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.01, "nchw": 0.04, "per-node": 0.03})
     threaded = _session(tactics="fastest")
     inside, chooser = threading.Barrier(2), threaded._plans.chooser
@@ -321,7 +329,7 @@ def test_a_watch_that_runs_under_load_or_in_threads_at_once_judges_nothing(monke
     for t in threads:
         t.join()
     watched = threaded._plans.default.watch
-    assert not watched.open and watched.overlapped
+    assert watched.open and watched.windows == 1 and not watched.overlapped  # the next window
     assert not raced and threaded.race["chosen"] == "per-node"
 
 

@@ -83,6 +83,7 @@ WATCH_SKIP, WATCH_RUNS = 1, 5  # a cached plan's first run is not judged, the ne
 # ... and as many more as span WATCH_SPAN seconds: /proc/stat counts CPU time in ticks of 10 ms,
 # so the load of a window of five 200 us runs reads 0 or several cores, by chance
 WATCH_SPAN = 0.1
+WATCH_WINDOWS = 20  # windows a watch may drop (loaded, or overlapped runs) before it stops
 MAX_PLANS = 16  # feed shapes that get a plan of their own; later new shapes use the default
 # Plan keys whose provisional verdict this process raced again (once per process: tests
 # replace it to play a new process).
@@ -142,11 +143,12 @@ def race_dict(verdict: Verdict, cached: bool = False) -> dict:
 
 class Watch:
     """The first runs of a plan chosen from the cache, against the time its race recorded
-    (race.agrees). seen(seconds) -> None while watching, then once whether they agreed; None
-    too when the watched runs cannot judge: other processes loaded the machine meanwhile, or
-    runs overlapped in threads (each then slows the other). provisional: the plan comes from a
-    race run under load in this process, whose every candidate's time the load may have moved;
-    runs on a quiet machine then count as a disagreement (False): race again while it is quiet.
+    (race.agrees). seen(seconds) -> None while watching, then once whether they agreed. A
+    window of runs that cannot judge (other processes loaded the machine meanwhile, or runs
+    overlapped in threads, each then slowing the other) is dropped and the next one watched,
+    up to WATCH_WINDOWS of them. provisional: the plan comes from a race run under load in
+    this process, whose every candidate's time the load may have moved; a window on a quiet
+    machine then counts as a disagreement (False): race again while it is quiet.
     """
 
     def __init__(self, shapes: dict, recorded: float, noise: float, provisional: bool = False):
@@ -155,10 +157,16 @@ class Watch:
         self.times: list[float] = []
         self.open = True
         self.overlapped = False  # set by PlanTable.run when watched runs overlap
+        self.windows = 0  # windows that could not judge
         self._skip = WATCH_SKIP
-        self._machine = Machine() if WATCH_SKIP == 0 else None  # measured from the first judged run
-        if self._machine is not None:
-            self._machine.start()
+        self._machine = None  # the window's other processes' load, from its first judged run
+        if WATCH_SKIP == 0:
+            self._start()
+
+    def _start(self) -> None:
+        self.times, self.overlapped = [], False
+        self._machine = Machine()
+        self._machine.start()
 
     def seen(self, seconds: float) -> bool | None:
         if not self.open:
@@ -166,16 +174,20 @@ class Watch:
         if self._skip > 0:
             self._skip -= 1
             if self._skip == 0:
-                self._machine = Machine()
-                self._machine.start()
+                self._start()
             return None
         self.times.append(seconds)
         if len(self.times) < WATCH_RUNS or self._machine.elapsed() < WATCH_SPAN:
             return None
-        self.open = False
         load = self._machine.stop()
         if self.overlapped or (load is not None and load > BUSY_CORES):
+            self.windows += 1
+            if self.windows >= WATCH_WINDOWS:
+                self.open = False
+            else:
+                self._start()
             return None
+        self.open = False
         if self.provisional:
             return False if load is not None else None  # quiet now, as far as it can tell
         return agrees(self.recorded, self.times, self.noise)
