@@ -83,7 +83,9 @@ def specs(folder: Path, runners) -> dict:
 
 
 def start(folder: Path, runners, envs=None) -> dict:
-    workers, failed = start_workers(specs(folder, runners), envs=envs)
+    workers, failed = start_workers(
+        specs(folder, runners), envs=envs, last=("fused", "fused-native")
+    )  # race when the rest is built
     if failed:
         close_workers(workers)
         raise SystemExit(f"a runner failed: {next(iter(failed.items()))}")

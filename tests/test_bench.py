@@ -603,3 +603,35 @@ def test_measure_reports_the_traffic_of_the_blocks_it_ran():
     assert plain.traffic == {}
     head, (row,) = bench.summary_rows([plain])
     assert dict(zip(head, row, strict=True))["block traffic MB (op by op)"] == "-"
+
+
+def test_workers_named_last_start_once_the_others_are_built(monkeypatch):
+    """fusion's session races its plan while it is built: its worker starts only when the
+    others have finished building, so their start-up does not load that race."""
+    import fusion.bench.workers as workers_module
+
+    events = []
+
+    class Built:
+        def __init__(self, name, spec, env, progress):
+            self.name = name
+            events.append(("start", name))
+
+        def take(self):
+            events.append(("built", self.name))
+            return True, {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(workers_module, "Worker", Built)
+    monkeypatch.setattr(workers_module, "wait", lambda conns, timeout=None: list(conns))
+    specs = {"ort-none": {}, "fusion": {}, "ort-all": {}}
+    ready, failed = workers_module.start_workers(specs, last=("fusion",))
+    assert list(ready) == ["ort-none", "fusion", "ort-all"] and not failed  # specs' order
+    assert events.index(("start", "fusion")) > max(events.index(("built", "ort-none")),
+                                                   events.index(("built", "ort-all")))  # fmt: skip
+    events.clear()
+    workers_module.start_workers(specs)  # by default all at once
+    assert [e for e in events if e[0] == "start"] == [("start", n) for n in specs]
+    assert events.index(("start", "ort-all")) < events.index(("built", "ort-none"))

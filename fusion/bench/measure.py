@@ -164,7 +164,7 @@ def _start(mode, models, workload, catalog, blob, folder, flops, opts, say):
             # OpenBLAS's idle workers sleep at once, not spinning on the cores of the next
             # runner (read when numpy loads it: set for that process only)
             envs[SGEMM] = dict(os.environ, OPENBLAS_THREAD_TIMEOUT="4")
-        workers, failed = start_workers(specs, say, envs)
+        workers, failed = start_workers(specs, say, envs, last=(FUSED,))
         if FUSED in failed and failed[FUSED].stage == "catalog":
             close_workers(workers)
             raise failed[FUSED]

@@ -314,9 +314,22 @@ class Keyed:
         return self.worker.turn(calls, warm, self.key)
 
 
-def start_workers(specs: dict, progress=None, envs: dict | None = None) -> tuple[dict, dict]:
+def start_workers(specs: dict, progress=None, envs: dict | None = None,
+                  last: tuple = ()) -> tuple[dict, dict]:  # fmt: skip
     """Start one worker per spec at once and wait until each is built (they build in
-    parallel). Returns (name -> ready Worker, name -> WorkerError of those that failed)."""
+    parallel), those named in `last` once the others are built: fusion's session races its
+    plan while it is built, and the others' start-up would load that race (a race under load
+    is provisional, raced again later, maybe inside a timed turn). Returns (name -> ready
+    Worker, name -> WorkerError of those that failed)."""
+    ready, failed = _start_all({n: s for n, s in specs.items() if n not in last}, progress, envs)
+    later = {n: s for n, s in specs.items() if n in last}
+    if later:
+        more, more_failed = _start_all(later, progress, envs)
+        ready, failed = ready | more, failed | more_failed
+    return {n: ready[n] for n in specs if n in ready}, failed
+
+
+def _start_all(specs: dict, progress, envs: dict | None) -> tuple[dict, dict]:
     pending = {name: Worker(name, spec, (envs or {}).get(name), progress)
                for name, spec in specs.items()}  # fmt: skip
     ready, failed = {}, {}
@@ -332,7 +345,7 @@ def start_workers(specs: dict, progress=None, envs: dict | None = None) -> tuple
             if done:
                 del pending[w.name]
                 w.info, ready[w.name] = info, w
-    return {n: ready[n] for n in specs if n in ready}, failed
+    return ready, failed
 
 
 def close_workers(workers: dict) -> None:
