@@ -53,7 +53,8 @@ CHAINS = 10
 NARROW_GAIN = 1.15  # what a narrower tile than the tallest must save (tile_rows)
 # A tile's cost past its accumulator-slots, in slots: its k loop's set-up and its stores. A
 # 14 x 14 1x1 conv ran 3% slower as 14 rows of a 9-pixel and a 5-pixel tile (196 slots) than
-# as one 196-pixel row of 21 tiles of 9 and one overlapping (198): 141 against 137 us.
+# as one 196-pixel row of 21 tiles of 9 and one overlapping (198): 141 against 137 us (Zen 4,
+# bench/NOTES.md; a model constant like CHAINS, not timed on AVX2 hardware).
 TILE_SETUP = 1.0
 
 
