@@ -44,7 +44,7 @@ from .simd import lanes, width
 from .simd import tile as tiles
 from .simd.activation import encode
 from .windows import conv_output_shape, window_attributes
-from .workspace import allocator, empty, per_thread
+from .workspace import allocator, disjoint, empty, per_thread
 
 TILE_BLOCKS = (4, 3, 2, 1)  # output blocks per register tile worth considering (FB)
 # Independent FMA chains that keep a core's FMA units busy (two ports x 4-5 cycles of latency):
@@ -708,6 +708,8 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None, weights=Non
     elif (out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous
           or not out.flags.writeable):  # fmt: skip
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
+    else:
+        disjoint(out, {"x": xb, "the residual": residual, "the weights": weights})
     if launch.empty:
         return out
     _run(launch, xb, plan, out.reshape(-1), residual, weights)

@@ -307,7 +307,7 @@ def inverted_residual(xb, plan: InvertedResidualPlan, out=None):
     plan.block. The per-shape work is done on a shape's first call."""
     launch = cached_launch(plan.launches, xb, lambda x, threads: _launch(x, plan, threads))
     shape = launch.shape
-    out = output(shape, out)
+    out = output(shape, out, {"x": xb})
     if shape[0] == 0:
         return out
     xf, yf = np.ascontiguousarray(xb).reshape(-1), out.reshape(-1)

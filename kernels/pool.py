@@ -26,7 +26,7 @@ from .conv2d import cached_launch
 from .simd import WIDTHS, lanes, vbroadcast, vget, vload, vselect, vstore, vzero
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
-from .workspace import allocator, empty
+from .workspace import allocator, disjoint, empty
 
 __all__ = [
     "MaxPoolPlan",
@@ -263,6 +263,8 @@ def maxpool_blocked(xb, plan, out=None):
         or not out.flags.c_contiguous
     ):
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    else:
+        disjoint(out, {"x": xb})
     if n == 0:
         return out
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations

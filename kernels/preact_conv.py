@@ -180,7 +180,7 @@ def preact_conv(xb, plan: PreActConvPlan, out=None):
     returns y blocked at plan.block. The per-shape work is done on a shape's first call."""
     launch = cached_launch(plan.launches, xb, lambda x, threads: _launch(x, plan, threads))
     shape = launch.shape
-    out = output(shape, out)
+    out = output(shape, out, {"x": xb})
     if 0 in shape:
         return out
     xf, xs = _images(xb)

@@ -51,7 +51,7 @@ from .simd import (
     vzero,
 )
 from .simd.activation import activate
-from .workspace import allocator, empty
+from .workspace import allocator, disjoint, empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +302,8 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=Fal
         out = empty(xb.shape)
     elif out.shape != xb.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {xb.shape}")
+    else:  # every thread reads an image's whole plane for its means while others scale theirs
+        disjoint(out, {"x": xb})
     if n == 0:
         return out
     x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)

@@ -124,10 +124,23 @@ def cached_launch(launches: dict, xb, build):
     return launch
 
 
-def output(shape, out=None) -> np.ndarray:
-    """`out` checked to be a C-contiguous float32 array of `shape`, or a new one (empty)."""
+def output(shape, out=None, reads: dict | None = None) -> np.ndarray:
+    """`out` checked to be a C-contiguous float32 array of `shape` that overlaps none of
+    `reads` (disjoint), or a new one (empty)."""
     if out is None:
         return empty(shape)
     if out.shape != tuple(shape) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {tuple(shape)}")
+    disjoint(out, reads or {})
     return out
+
+
+def disjoint(out: np.ndarray, reads: dict) -> None:
+    """A ValueError where `out` may share memory with one of `reads` ({what: array or None}):
+    a kernel reads those while it writes out, in tiles that other threads' reads may follow,
+    and some tiles are written twice (the overlapping tile at a row's end adds a residual
+    again), so out = x or out = residual gives wrong values, not an in-place result. The
+    test is of the arrays' memory bounds (numpy.may_share_memory): cheap, and never misses."""
+    for what, array in reads.items():
+        if isinstance(array, np.ndarray) and np.may_share_memory(out, array):
+            raise ValueError(f"out must not overlap {what}: the kernel reads it while it writes")
