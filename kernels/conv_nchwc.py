@@ -709,7 +709,8 @@ def conv_nchwc(xb, plan: ConvPlan, out=None, residual=None, at=None, weights=Non
           or not out.flags.writeable):  # fmt: skip
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}")
     else:
-        disjoint(out, {"x": xb, "the residual": residual, "the weights": weights})
+        disjoint(out, {"x": xb, "the residual": residual if plan.residual else None,
+                       "the weights": weights})  # fmt: skip
     if launch.empty:
         return out
     _run(launch, xb, plan, out.reshape(-1), residual, weights)

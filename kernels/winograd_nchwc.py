@@ -173,7 +173,7 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
         else:
-            disjoint(out, {"x": xb, "the residual": residual})
+            disjoint(out, {"x": xb, "the residual": residual if d.residual else None})
         yf = out.reshape(-1)
     if shape[0] == 0:
         return out

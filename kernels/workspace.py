@@ -142,8 +142,9 @@ def disjoint(out: np.ndarray, reads: dict) -> None:
     again), so out = x or out = residual gives wrong values, not an in-place result. The
     test is of the arrays' memory bounds (numpy.may_share_memory): cheap and never misses,
     but it also refuses an out that only interleaves with a strided view it does not touch
-    (a separate array always passes). A concatenation's part (conv_nchwc's `at`) is not
-    tested: there x may be another part of the same buffer."""
+    (a separate array always passes). A residual the plan does not add is not read, nor
+    tested. A concatenation's part (conv_nchwc's and winograd_nchwc's `at`) is not tested:
+    there x may be another part of the same buffer."""
     for what, array in reads.items():
         if isinstance(array, np.ndarray) and np.may_share_memory(out, array):
             raise ValueError(f"out must not overlap {what}: the kernel reads it while it writes")
