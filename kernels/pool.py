@@ -26,7 +26,7 @@ from .conv2d import cached_launch
 from .simd import WIDTHS, lanes, vbroadcast, vget, vload, vselect, vstore, vzero
 from .windows import MaxPoolPlan, prepare_maxpool
 from .windows import maxpool_output_shape as output_shape
-from .workspace import allocator, disjoint, empty
+from .workspace import allocator, empty, output
 
 __all__ = [
     "MaxPoolPlan",
@@ -253,18 +253,7 @@ def maxpool_blocked(xb, plan, out=None):
     (_, _, oh, ow), (pt, pl, _, _) = output_shape((n, cb * b, h, w), plan)
     if min(oh, ow) < 1:
         raise ValueError(f"MaxPool output is empty for input {xb.shape}")
-    shape = (n, cb, oh, ow, b)
-    if out is None:
-        out = empty(shape)
-    elif (
-        not isinstance(out, np.ndarray)
-        or out.shape != shape
-        or out.dtype != np.float32
-        or not out.flags.c_contiguous
-    ):
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
-    else:
-        disjoint(out, {"x": xb})
+    out = output((n, cb, oh, ow, b), out, {"x": xb})
     if n == 0:
         return out
     (kh, kw), (sh, sw), (dh, dw) = plan.kernel, plan.strides, plan.dilations

@@ -51,7 +51,7 @@ from .simd import (
     vzero,
 )
 from .simd.activation import activate
-from .workspace import allocator, disjoint, empty
+from .workspace import allocator, empty, output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,12 +298,9 @@ def squeeze_excite_blocked(xb, plan: SqueezeExcitePlan, out=None, one_region=Fal
     (blocked, x's shape), into `out` if given. one_region: squeeze_excite_one_region, else
     squeeze_excite_nchwc (module docstring)."""
     n, cb, h, w, b = _blocked_shape(xb, plan)
-    if out is None:
-        out = empty(xb.shape)
-    elif out.shape != xb.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {xb.shape}")
-    else:  # every thread reads an image's whole plane for its means while others scale theirs
-        disjoint(out, {"x": xb})
+    # out = x refused for both forms, though only the one-region form needs it (its threads
+    # read an image's whole plane for their means while others scale theirs)
+    out = output(xb.shape, out, {"x": xb})
     if n == 0:
         return out
     x4 = np.ascontiguousarray(xb).reshape(n, cb, h * w, b)

@@ -32,7 +32,7 @@ from .machine import cache_bytes
 from .simd import lanes
 from .simd import tile as tiles
 from .windows import conv_output_shape
-from .workspace import allocator, disjoint, empty, per_thread
+from .workspace import allocator, empty, output, per_thread
 
 MAX_F4_CHANNELS = 256  # F(4x4)'s error grows with C (kernels/conv2d: _WINOGRAD4_MAX_CHANNELS)
 
@@ -168,12 +168,7 @@ def winograd_nchwc(xb, plan: WinogradPlan, out=None, residual=None, at=None):
             raise ValueError(f"out of shape {out.shape} cannot hold an output of shape {shape}")
         yf = out.reshape(-1)[at * shape[2] * shape[3] * shape[4] :]
     else:
-        if out is None:
-            out = empty(shape)
-        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
-        else:
-            disjoint(out, {"x": xb, "the residual": residual if d.residual else None})
+        out = output(shape, out, {"x": xb, "the residual": residual if d.residual else None})
         yf = out.reshape(-1)
     if shape[0] == 0:
         return out

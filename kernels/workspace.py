@@ -129,7 +129,8 @@ def output(shape, out=None, reads: dict | None = None) -> np.ndarray:
     `reads` (disjoint), or a new one (empty)."""
     if out is None:
         return empty(shape)
-    if out.shape != tuple(shape) or out.dtype != np.float32 or not out.flags.c_contiguous:
+    if (not isinstance(out, np.ndarray) or out.shape != tuple(shape) or out.dtype != np.float32
+            or not out.flags.c_contiguous):  # fmt: skip
         raise ValueError(f"out must be a C-contiguous float32 array of shape {tuple(shape)}")
     disjoint(out, reads or {})
     return out
