@@ -18,6 +18,9 @@ import threading
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from . import _cache
 
@@ -145,3 +148,41 @@ def entry_point(dispatcher, args):
     types = tuple(dispatcher.typeof_pyval(a) for a in args)
     compiled = dispatcher.overloads.get(types)
     return dispatcher if compiled is None else compiled.entry_point
+
+
+# ---- which OS threads run the kernels --------------------------------------------------------
+@intrinsic
+def _native_id(typingctx):
+    """The calling OS thread's id (Linux gettid, glibc 2.30 or later), as an int64."""
+    sig = types.int64()
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(32), []), "gettid"
+        )
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+
+    return sig, codegen
+
+
+@numba.jit(**PARALLEL)
+def _record_ids(ids):
+    for i in numba.prange(ids.size):
+        ids[i] = _native_id()
+
+
+def worker_ids() -> set[int]:
+    """The OS thread ids of the Numba workers that run the calling thread's parallel kernels at
+    its current thread count (set_threads): each worker writes its id into a few items of a
+    parallel loop, the calling thread's own id left out. Linux with glibc only (fusion's
+    placement of threads, fusion/runtime/placement.py); raises elsewhere."""
+    n = get_threads()
+    found: set[int] = set()
+    for _ in range(8):  # a static schedule gives every thread items; retried in case it did not
+        ids = np.zeros(4 * n, np.int64)
+        _record_ids(ids)
+        found |= {int(t) for t in ids}
+        found.discard(threading.get_native_id())
+        if len(found) >= n - 1:
+            break
+    return found

@@ -34,6 +34,7 @@ from fusion.catalog import DOMAIN, Catalog, Rule, Tactic
 from fusion.errors import CatalogError, FusionError, FusionWarning, KernelError, one_line
 from fusion.functions import content_hash
 from fusion.graph import GraphView, node_label
+from fusion.runtime.placement import place
 from fusion.runtime.tactics import tactics_of
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
@@ -320,7 +321,9 @@ def use_threads(threads: int) -> None:
         apply_memory_settings = lambda: None  # noqa: E731
     apply_thread_settings()
     apply_memory_settings()
-    set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    given = min(threads, numba.config.NUMBA_NUM_THREADS)
+    set_threads(given)
+    place(given)  # each worker on a CPU of its own, the runs' thread on another
     _applied.threads = threads
 
 

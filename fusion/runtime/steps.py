@@ -25,6 +25,7 @@ from fusion.catalog import DOMAIN, Tactic
 from fusion.errors import FusionWarning, KernelError, one_line
 from fusion.graph import GraphView, ValueType, node_label
 from fusion.ort import ISLAND, Settings, inference_session
+from fusion.runtime import placement
 from fusion.runtime.kernel import BuiltKernels, ensure_threads, kernel_name
 from fusion.runtime.layout import NCHW, Layouts, convert, out_block
 from fusion.runtime.plan import (
@@ -125,7 +126,8 @@ class IslandStep:
 
     def _build(self, types: dict) -> onnxruntime.InferenceSession:
         self.model = island_model(self._view, self._island, types)
-        built = inference_session(self.model, self.settings, self.threads)
+        with placement.released():  # its pool's threads get the CPUs of the caller, not of a run
+            built = inference_session(self.model, self.settings, self.threads)
         # InferenceSession.run re-validates the feeds in Python (a third of a crossing's cost);
         # the steps already pass exactly the island's inputs, so call the binding.
         self._run = getattr(built, "_sess", built).run
@@ -418,16 +420,21 @@ class RunPlan:
         NCHW under its own name). times, when given, gets each step's seconds."""
         if self.uses_numba:
             ensure_threads(self.threads)  # Numba's thread count is per calling thread
-        for step, release in zip(self.steps, self.releases, strict=True):
-            if times is None:
-                step(values, keep_all)
-            else:
-                start = time.perf_counter()
-                step(values, keep_all)
-                times.append(time.perf_counter() - start)
-            if not keep_all:
-                for name in release:  # an activation is freed after its last reader
-                    del values[name]
+        placed = placement.enter() if self.uses_numba else None
+        try:
+            for step, release in zip(self.steps, self.releases, strict=True):
+                if times is None:
+                    step(values, keep_all)
+                else:
+                    start = time.perf_counter()
+                    step(values, keep_all)
+                    times.append(time.perf_counter() - start)
+                if not keep_all:
+                    for name in release:  # an activation is freed after its last reader
+                        del values[name]
+        finally:
+            if self.uses_numba:
+                placement.leave(placed)
         if keep_all:
             from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
 
