@@ -93,6 +93,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--budget", type=float, default=5.0, help="seconds of timing per workload")
+    ap.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="sleep this long before each timed run (runs spaced like requests)",
+    )
     ap.add_argument("--same-process", action="store_true", help="quick mode, one process")
     ap.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")
     ap.add_argument("--node-rounds", type=int, default=3, help="rounds of that comparison")
@@ -129,6 +136,7 @@ def main(argv=None) -> int:
         min_rounds=min(5, args.rounds),
         budget=args.budget,
         repeat=args.repeat,
+        gap=args.gap / 1e3,
         mode=SAME_PROCESS if args.same_process else PROCESSES,
         nodes=not args.no_nodes,
         node_rounds=args.node_rounds,

@@ -522,6 +522,31 @@ def test_interleave_gives_every_runner_each_other_as_predecessor_equally_often()
         assert len(pairs) == k * (k - 1) and len(set(pairs.values())) == 1, pairs
 
 
+def test_a_gap_puts_that_much_sleep_before_every_timed_call(monkeypatch):
+    """--gap: runs spaced like requests. The warm-up calls go back to back, each timed call
+    follows the gap's sleep, and the figures say so."""
+    from fusion.bench.timing import interleave
+
+    events = []
+    monkeypatch.setattr(time, "sleep", lambda s: events.append(("sleep", s)))
+    timing = interleave({"a": lambda: events.append("call")}, rounds=2, warmup=1, repeat=3,
+                        gap=0.005)  # fmt: skip
+    assert events == ["call"] + [("sleep", 0.005), "call"] * 6
+    assert timing.describe().endswith("3 timed calls per turn, each after 5 ms asleep")
+    assert timing.to_dict()["gap_s"] == 0.005
+
+
+def test_a_gap_reaches_the_runners_that_time_themselves(monkeypatch):
+    model, feeds = tiny_conv()
+    naps = []
+    sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: naps.append(s) if s == 0.002 else sleep(s))
+    result = bench.measure(Workload("tiny", model, feeds), Options(**FAST, gap=0.002))
+    timed = sum(len(t) for t in result.timing.times.values())
+    assert result.refused == [] and result.timing.gap == 0.002
+    assert len(naps) == timed >= 4 * 4  # one sleep before each timed call of every runner
+
+
 def inverted_residual(c=8, e=48, hw=7, batch=2, gate=False):
     """x -> 1x1 expand + Relu -> depthwise 3x3 + Relu -> 1x1 project, + x: one block (or, with
     `gate`, squeeze-excitation alone: its convs read per-channel vectors, no block)."""

@@ -135,7 +135,8 @@ def verify_runners(runners, infos, reference, rtol, atol, scaled: bool = False) 
 def time_runners(runners: dict, feeds: dict, opts, mode: str = SAME_PROCESS) -> Timing:
     """The runners through the one timing loop, with opts' (fusion.bench.Options) warm-up,
     rounds, calls per turn, minimum rounds and time budget. A runner is feeds -> outputs (called
-    here on `feeds`) or a worker with turn(n, warm) (fusion.bench.workers: it holds its feeds)."""
+    here on `feeds`) or a worker with turn(n, warm, gap) (fusion.bench.workers: it holds its
+    feeds)."""
     calls = {
         name: run if hasattr(run, "turn") else functools.partial(run, feeds)
         for name, run in runners.items()
@@ -150,6 +151,7 @@ def time_runners(runners: dict, feeds: dict, opts, mode: str = SAME_PROCESS) -> 
         threads=opts.threads,
         mode=mode,
         warm=opts.warm,
+        gap=opts.gap,
     )
 
 

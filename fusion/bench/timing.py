@@ -12,8 +12,10 @@ n rounds (2n for an odd number n of runners) each runner follows each other equa
 is a burst of calls back to back, each timed on its own, after `warm` seconds of untimed
 calls: a process that idled while the others took their turns gets slow CPUs on these virtual
 machines for its first tens of milliseconds (bench/NOTES.md, the bench harness), and every
-runner gets the same allowance. A runner is either a plain callable, timed here (`burst`), or
-an object with `turn(calls, warm) -> seconds per call` that times its burst where it lives (a
+runner gets the same allowance. With `gap`, each timed call follows that many seconds of
+sleep instead (a service whose requests come apart, a camera's frames: threads that went to
+sleep, cold caches). A runner is either a plain callable, timed here (`burst`), or an object
+with `turn(calls, warm, gap) -> seconds per call` that times its burst where it lives (a
 runner in a process of its own, fusion.bench.workers, which times with the same `burst`).
 """
 
@@ -48,6 +50,7 @@ class Timing:
     mode: str = SAME_PROCESS  # where the runners lived: SAME_PROCESS or PROCESSES
     repeat: int = 1  # calls per turn
     warm: float = 0.0  # seconds of untimed calls at the start of each turn
+    gap: float = 0.0  # seconds of sleep before each timed call
 
     def median(self, name: str) -> float:
         return statistics.median(self.times[name])
@@ -73,9 +76,10 @@ class Timing:
         )
         threads = f", {self.threads} threads" if self.threads else ""
         warm = f" after {self.warm * 1e3:.0f} ms of untimed calls" if self.warm else ""
+        gap = f", each after {self.gap * 1e3:g} ms asleep" if self.gap else ""
         return (
             f"{where}{threads}; {self.rounds} rounds round robin, orders balanced, "
-            f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}"
+            f"{self.repeat} timed call{'s' if self.repeat != 1 else ''} per turn{warm}{gap}"
         )
 
     def table(self, base: str | None = None) -> str:
@@ -100,6 +104,7 @@ class Timing:
             "rounds": self.rounds,
             "calls_per_turn": self.repeat,
             "warm_s": self.warm,
+            "gap_s": self.gap,
             "runners": {k: self.stats(k) for k in self.times},
         }
 
@@ -117,22 +122,24 @@ def interleave(
     threads: int | None = None,
     mode: str = SAME_PROCESS,
     warm: float = 0.0,
+    gap: float = 0.0,
 ) -> Timing:
     """Each runner `warmup` calls, then rounds of one turn per runner in a new order each.
 
-    calls: name -> a callable (timed here) or an object with turn(n, warm) -> seconds per call
-    (timed where it runs). A turn is `repeat` calls back to back, each timed, after `warm`
-    seconds of untimed calls. `pause`: seconds of idling
+    calls: name -> a callable (timed here) or an object with turn(n, warm, gap) -> seconds per
+    call (timed where it runs). A turn is `repeat` calls back to back, each timed, after `warm`
+    seconds of untimed calls (with `gap`, each timed call after that many seconds of sleep).
+    `pause`: seconds of idling
     before each round (a machine coming back from idle); `before()`: untimed work before each
     local call. Rounds stop after `rounds`, or, past `min_rounds` (default: all of them), once
     `budget` seconds have passed.
     """
 
-    def turn(name: str, n: int, warm: float) -> list[float]:
+    def turn(name: str, n: int, warm: float, gap: float = 0.0) -> list[float]:
         call = calls[name]
         if hasattr(call, "turn"):
-            return call.turn(n, warm)
-        return burst(call, n, before, warm)
+            return call.turn(n, warm, gap) if gap else call.turn(n, warm)
+        return burst(call, n, asleep(before, gap), warm)
 
     names = list(calls)
     orders = balanced_orders(len(names))
@@ -140,7 +147,7 @@ def interleave(
         for name in names:
             turn(name, warmup, 0.0)
     least = rounds if min_rounds is None else min_rounds
-    timing = Timing(threads, 0, {name: [] for name in names}, mode, repeat, warm)
+    timing = Timing(threads, 0, {name: [] for name in names}, mode, repeat, warm, gap)
     start = time.perf_counter()
     while timing.rounds < rounds and (
         timing.rounds < least or time.perf_counter() - start < budget
@@ -149,6 +156,19 @@ def interleave(
             time.sleep(pause)
         for k in orders[timing.rounds % len(orders)]:
             name = names[k]
-            timing.times[name] += turn(name, repeat, warm)
+            timing.times[name] += turn(name, repeat, warm, gap)
         timing.rounds += 1
     return timing
+
+
+def asleep(before: Callable[[], object] | None, gap: float) -> Callable[[], object] | None:
+    """`before` (untimed work ahead of each timed call), then `gap` seconds of sleep."""
+    if not gap:
+        return before
+
+    def then_sleep():
+        if before is not None:
+            before()
+        time.sleep(gap)
+
+    return then_sleep

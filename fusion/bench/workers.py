@@ -36,7 +36,7 @@ import onnx
 
 from fusion.bench.runners import first_line, make_runner, spinning_entry
 from fusion.bench.sgemm import Sgemm
-from fusion.bench.timing import burst
+from fusion.bench.timing import asleep, burst
 from fusion.errors import FusionError
 from fusion.functions import single_node_model
 from fusion.ort import DEFAULT, DEFAULT_NO_SPIN, inference_session
@@ -116,8 +116,8 @@ class Host:
             settle()
         return out
 
-    def do_turn(self, key, calls: int, warm: float = 0.0) -> list[float]:
-        times = burst(self.calls[key], calls, warm=warm)
+    def do_turn(self, key, calls: int, warm: float = 0.0, gap: float = 0.0) -> list[float]:
+        times = burst(self.calls[key], calls, asleep(None, gap), warm=warm)
         if self.alone:  # the next runner, in another process, gets quiet cores
             settle()
         return times
@@ -211,8 +211,8 @@ class LocalWorker:
     def run(self, key=None):
         return self.ask("run", key)
 
-    def turn(self, calls: int, warm: float = 0.0, key=None) -> list[float]:
-        return self.ask("turn", key, calls, warm)
+    def turn(self, calls: int, warm: float = 0.0, gap: float = 0.0, key=None) -> list[float]:
+        return self.ask("turn", key, calls, warm, gap)
 
     def close(self) -> None:
         self.host = None
@@ -275,8 +275,8 @@ class Worker:
     def run(self, key=None):
         return self.ask("run", key)
 
-    def turn(self, calls: int, warm: float = 0.0, key=None) -> list[float]:
-        return self.ask("turn", key, calls, warm)
+    def turn(self, calls: int, warm: float = 0.0, gap: float = 0.0, key=None) -> list[float]:
+        return self.ask("turn", key, calls, warm, gap)
 
     def close(self) -> None:
         if self._out.closed:
@@ -310,8 +310,8 @@ class Keyed:
     def __init__(self, worker, key):
         self.worker, self.key = worker, key
 
-    def turn(self, calls: int, warm: float = 0.0) -> list[float]:
-        return self.worker.turn(calls, warm, self.key)
+    def turn(self, calls: int, warm: float = 0.0, gap: float = 0.0) -> list[float]:
+        return self.worker.turn(calls, warm, gap, self.key)
 
 
 def start_workers(specs: dict, progress=None, envs: dict | None = None,

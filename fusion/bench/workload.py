@@ -54,6 +54,7 @@ class Options:
     warmup: int = 2  # untimed calls per runner first
     repeat: int = 3  # calls per turn, back to back, each timed
     warm: float = 0.05  # seconds of untimed calls first in each turn (fusion.bench.timing)
+    gap: float = 0.0  # seconds of sleep before each timed call (0: back to back)
     mode: str = PROCESSES  # PROCESSES (each runner in its own process) or SAME_PROCESS (quick)
     profile: bool = True  # the fused run step by step: kernels, islands, between
     nodes: bool = True  # each fused node alone against its function body in onnxruntime
