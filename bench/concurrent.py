@@ -1,0 +1,120 @@
+"""Several processes running one model at once, back to back: replicas of a service on one
+machine, or a test suite run with `pytest -n 2`. Each runner (fusion.Session at the chosen
+tactics, onnxruntime at its defaults: fusion.ort.DEFAULT, spinning) is timed alone, then in
+`--processes` processes started together, each running for `--seconds` after a shared start;
+the figures per process are its median and, in parentheses, its mean run (bimodal runs show
+in the mean), beside the same runner's alone.
+
+    python bench/concurrent.py MODEL.onnx [--batch 1] [--processes 2] [--seconds 4]
+                               [--runners fusion ort-all] [--tactics kernels]
+
+On mobilenet_v3_small batch 1, forced onto the kernels (`--tactics kernels --seconds 4
+--runners fusion`), two Zen 4 vCPUs (AMD EPYC, family 25 model 17; bench/NOTES.md), in a slow
+phase of the host: alone 1.53 ms median (3.22 mean) with the thread placement of
+fusion/runtime/placement.py and 2.70 (7.03) with FUSION_PIN=0; two at once 4.0 (5.4-5.5) and
+7.3-7.5 (11.9-13.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import numpy as np
+
+from fusion.bench.machine import machine, machine_lines
+
+
+def feeds_for(model, batch: int) -> dict:
+    """Seeded random float32 feeds, symbolic axes set to `batch` (the first) or 1."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        shape = [d.dim_value or (batch if k == 0 else 1) for k, d in enumerate(dims)]
+        if dims and not dims[0].dim_value:
+            shape[0] = batch
+        feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def runner(name: str, path: str, batch: int, threads: int, tactics: str):
+    """(feeds, a callable that runs the model once on them) for runner `name`."""
+    import onnx
+
+    model = onnx.load(path)
+    feeds = feeds_for(model, batch)
+    if name == "fusion":
+        from fusion.runtime.session import Session
+
+        session = Session(model, threads=threads, tactics=tactics)
+    else:
+        from fusion.ort import DEFAULT, inference_session
+
+        session = inference_session(model, DEFAULT, threads)
+    return lambda: session.run(None, feeds)
+
+
+def process(name, path, batch, threads, tactics, seconds, start, results) -> None:
+    """One process: build, warm up, wait for the others, run for `seconds`; its median run."""
+    run = runner(name, path, batch, threads, tactics)
+    for _ in range(5):
+        run()
+    start.wait()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    results.put((statistics.median(times), statistics.fmean(times)))
+
+
+def medians(name, path, batch, threads, tactics, seconds, count) -> list[tuple[float, float]]:
+    """(median, mean) run of each of `count` processes running the model at once."""
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(count), ctx.Queue()
+    args = (name, path, batch, threads, tactics, seconds, start, results)
+    procs = [ctx.Process(target=process, args=args) for _ in range(count)]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return sorted(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="an ONNX file (a symbolic first axis is the batch)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=4.0, help="timed seconds per process")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per process")
+    ap.add_argument("--runners", nargs="+", default=["fusion", "ort-all"],
+                    choices=["fusion", "ort-all"])  # fmt: skip
+    ap.add_argument(
+        "--tactics",
+        default=os.environ.get("FUSION_TACTICS", "fastest"),
+        help="fusion.Session's tactics (default: FUSION_TACTICS, else fastest)",
+    )
+    args = ap.parse_args()
+    for line in machine_lines(machine()):
+        print(line)
+    print(f"{os.path.basename(args.model)} batch {args.batch}, {args.threads} threads a process,"
+          f" {args.seconds:g} s of runs back to back; medians in ms")  # fmt: skip
+    for name in args.runners:
+        common = (name, args.model, args.batch, args.threads, args.tactics, args.seconds)
+        alone = medians(*common, 1)[0]
+        together = medians(*common, args.processes)
+        each = ", ".join(f"{m * 1e3:.3f} ({a * 1e3:.3f})" for m, a in together)
+        mean = statistics.fmean(a for _, a in together)
+        print(f"{name:8} alone {alone[0] * 1e3:.3f} ({alone[1] * 1e3:.3f})   {args.processes} "
+              f"at once: {each}   (means {mean / alone[1]:.1f}x alone)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
