@@ -6,13 +6,14 @@ kernels/config.py) until every worker is done. After a pause the workers sleep, 
 virtual machine whose idle vCPUs the host lends to others Linux wakes a sleeping worker on the
 waker's own CPU (it avoids a preempted vCPU): the worker then waits behind the spinning caller
 for the whole spin, region after region, until the load balancer moves it. Runs spaced like a
-30 fps camera's (a 33 ms sleep before each) took 11 ms median where they take 1.2 back to back
-(mobilenet_v3_small, batch 1, two Zen 4 vCPUs; onnxruntime 1.9-2.4 ms: its caller never waits
-for a worker that has not started); placed, 2.0-2.2 ms. Two processes running the model at
-once: 21 ms a run each, placed 2.8-3.0 (onnxruntime 2.1; bench/NOTES.md). The caller keeps
-the CPU the system gave it (two processes' callers stay apart) and is free again after each
-run, so a thread it starts between runs inherits no pinning: two system calls a run (about
-2.5 us each here), and one per worker when the caller's CPU changed.
+30 fps camera's (`bench/models.py --gap 33 --repeat 20`) took 10.9 ms median where they take
+1.2 back to back (mobilenet_v3_small, batch 1, two Zen 4 vCPUs; onnxruntime 1.6: its caller
+never waits for a worker that has not started); placed, 2.4 against onnxruntime's 2.2. While
+the host was busy, runs back to back alone took 5.2 ms median, placed 2.5 (onnxruntime 1.9),
+and two processes at once 5.5-5.7, placed 4.5-5.3 (`bench/concurrent.py`; bench/NOTES.md).
+The caller keeps the CPU the system gave it (two processes' callers stay apart) and is free
+again after each run, so a thread it starts between runs inherits no pinning: two system
+calls a run (about 2.5 us each here), and one per worker when the caller's CPU changed.
 
 Left to the operating system: sessions whose threads are fewer than the allowed CPUs (a process
 running several things at once) or more than PLACE_MAX (workers moved one system call each
