@@ -9,10 +9,10 @@ in the mean), beside the same runner's alone.
                                [--runners fusion ort-all] [--tactics kernels]
 
 On mobilenet_v3_small batch 1, forced onto the kernels (`--tactics kernels --seconds 4
---runners fusion`), two Zen 4 vCPUs (AMD EPYC, family 25 model 17; bench/NOTES.md), in a slow
-phase of the host: alone 1.53 ms median (3.22 mean) with the thread placement of
-fusion/runtime/placement.py and 2.70 (7.03) with FUSION_PIN=0; two at once 4.0 (5.4-5.5) and
-7.3-7.5 (11.9-13.3).
+--runners fusion`), two Zen 4 vCPUs (AMD EPYC, family 25 model 17; bench/NOTES.md), median
+(mean) ms: two at once 3.20-3.22 (3.25-3.28) and 1.89-2.11 (3.18) with the thread placement
+of fusion/runtime/placement.py, 20.98-21.17 (20.5-21.6) with FUSION_PIN=0, where alone each
+takes 1.16-1.46; onnxruntime (`--runners ort-all`) alone 1.02, two at once 4.88-5.71 (4.30).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ def feeds_for(model, batch: int) -> dict:
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
         shape = [d.dim_value or (batch if k == 0 else 1) for k, d in enumerate(dims)]
-        if dims and not dims[0].dim_value:
-            shape[0] = batch
         feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
     return feeds
 
@@ -92,7 +90,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=4.0, help="timed seconds per process")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per process")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="per process (default: the CPUs this process may use)",
+    )
     ap.add_argument("--runners", nargs="+", default=["fusion", "ort-all"],
                     choices=["fusion", "ort-all"])  # fmt: skip
     ap.add_argument(

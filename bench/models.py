@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         type=float,
         default=0.0,
         metavar="MS",
-        help="sleep this long before each timed run (runs spaced like requests)",
+        help="sleep this long before each timed run (runs spaced like requests; the per-node "
+        "comparison stays back to back)",
     )
     ap.add_argument("--same-process", action="store_true", help="quick mode, one process")
     ap.add_argument("--no-nodes", action="store_true", help="skip timing fused nodes alone")

@@ -174,8 +174,9 @@ def _record_ids(ids):
 def worker_ids() -> set[int]:
     """The OS thread ids of the Numba workers that run the calling thread's parallel kernels at
     its current thread count (set_threads): each worker writes its id into a few items of a
-    parallel loop, the calling thread's own id left out. Linux with glibc only (fusion's
-    placement of threads, fusion/runtime/placement.py); raises elsewhere."""
+    parallel loop, the calling thread's own id left out. For fusion's placement of threads
+    (fusion/runtime/placement.py). Linux with glibc 2.30 or later only: where the C library has
+    no gettid, compiling this ends the process (LLVM cannot link it), so check first."""
     n = get_threads()
     found: set[int] = set()
     for _ in range(8):  # a static schedule gives every thread items; retried in case it did not

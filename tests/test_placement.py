@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numba
 import numpy as np
 import pytest
 from helpers import GraphBuilder, assert_close, conv_block, run_ort
@@ -17,11 +18,14 @@ import fusion
 from fusion.runtime import placement, steps
 from kernels.config import worker_ids
 
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
-    reason="thread placement is Linux's, and needs two CPUs",
+    not sys.platform.startswith("linux")
+    or not 2 <= len(CPUS) <= placement.PLACE_MAX
+    or len(CPUS) > numba.config.NUMBA_NUM_THREADS
+    or not placement._has_gettid(),
+    reason="thread placement is Linux's (glibc 2.30+), for 2 to PLACE_MAX CPUs, all Numba's",
 )
-CPUS = sorted(os.sched_getaffinity(0))
 
 
 def conv_model():
@@ -53,12 +57,14 @@ class Spy:
 
 @pytest.fixture
 def unplaced(monkeypatch):
-    """No placement left over from an earlier test in this thread."""
+    """No placement left over from an earlier test in this thread, none left after it."""
     monkeypatch.delenv(placement.SWITCH, raising=False)
     for name in placement.USER_PLACEMENT:
         monkeypatch.delenv(name, raising=False)
+    placement.free_workers()
     placement._local.__dict__.clear()
     yield
+    placement.free_workers()
     placement._local.__dict__.clear()
 
 
@@ -156,12 +162,14 @@ def test_an_island_built_inside_a_run_gets_the_callers_cpus(unplaced, monkeypatc
     s = fusion.Session(g.model({"x": ["N", 8, 12, 12]}, [y]), threads=len(CPUS), tactics="kernel")
     feeds = {"x": np.ones((1, 8, 12, 12), np.float32)}
     s.run(None, feeds)  # places the threads
+    assert placement._local.team is not None
     (island,) = [step for step in s.steps_for(feeds) if step.kind == "island"]
     island.session, island._run = None, None  # built again on the next run, inside it
     built_on = []
     build = steps.inference_session
 
     def spy(*args, **kwargs):
+        assert placement._local.held is not None  # inside a placed run
         built_on.append(os.sched_getaffinity(0))
         return build(*args, **kwargs)
 
@@ -169,3 +177,40 @@ def test_an_island_built_inside_a_run_gets_the_callers_cpus(unplaced, monkeypatc
     s.run(None, feeds)
     assert built_on == [set(CPUS)]
     assert island.session is not None
+
+
+def test_one_run_at_a_time_is_placed(unplaced):
+    """Another thread's run holds the placement: this one runs unplaced (two callers held
+    apart from their workers would leave the scheduler nothing to balance)."""
+    session(len(CPUS)).run(None, {"x": np.ones((1, 8, 12, 12), np.float32)})
+    with placement._placed_lock:
+        placement._placed["runs"] += 1  # what another thread's enter() does
+    try:
+        assert placement.enter() is None and os.sched_getaffinity(0) == set(CPUS)
+    finally:
+        placement._release_slot()
+    held = placement.enter()
+    assert held is not None
+    placement.leave(held)
+    assert placement._placed["runs"] == 0
+
+
+def test_an_interrupt_inside_enter_leaves_nothing_pinned(unplaced, monkeypatch):
+    session(len(CPUS)).run(None, {"x": np.ones((1, 8, 12, 12), np.float32)})
+    placement._local.workers_off = None  # the workers to be moved: a call that is interrupted
+    pin = os.sched_setaffinity
+
+    def interrupted(tid, cpus):
+        if tid != 0:
+            raise KeyboardInterrupt
+        pin(tid, cpus)
+
+    monkeypatch.setattr(placement.os, "sched_setaffinity", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        placement.enter()
+    monkeypatch.undo()
+    assert os.sched_getaffinity(0) == set(CPUS)
+    assert placement._local.held is None and placement._placed["runs"] == 0
+    held = placement.enter()  # and later runs are placed again
+    assert held is not None
+    placement.leave(held)

@@ -8,17 +8,20 @@ waker's own CPU (it avoids a preempted vCPU): the worker then waits behind the s
 for the whole spin, region after region, until the load balancer moves it. Runs spaced like a
 30 fps camera's (`bench/models.py --gap 33 --repeat 20`) took 10.9 ms median where they take
 1.2 back to back (mobilenet_v3_small, batch 1, two Zen 4 vCPUs; onnxruntime 1.6: its caller
-never waits for a worker that has not started); placed, 2.4 against onnxruntime's 2.2. While
-the host was busy, runs back to back alone took 5.2 ms median, placed 2.5 (onnxruntime 1.9),
-and two processes at once 5.5-5.7, placed 4.5-5.3 (`bench/concurrent.py`; bench/NOTES.md).
+never waits for a worker that has not started); placed, 2.4 against onnxruntime's 2.2. Two
+processes running it at once: 21 ms median each, placed 1.9-3.2 (onnxruntime 4.9-5.7); beside
+a busy single-threaded process: 7.0-9.9 ms on average, placed 2.7-3.1 (onnxruntime 3.5-3.7;
+`bench/concurrent.py`; bench/NOTES.md).
 The caller keeps the CPU the system gave it (two processes' callers stay apart) and is free
-again after each run, so a thread it starts between runs inherits no pinning: two system
-calls a run (about 2.5 us each here), and one per worker when the caller's CPU changed.
+again after each run, so a thread it starts between runs inherits no pinning: three system
+calls a run (two of them about 2.5 us each here), and one per worker when the caller's CPU
+changed. One run at a time is placed: another Python thread's run meanwhile goes unplaced.
 
 Left to the operating system: sessions whose threads are fewer than the allowed CPUs (a process
 running several things at once) or more than PLACE_MAX (workers moved one system call each
 whenever the caller's CPU changes), one thread or one CPU, FUSION_PIN=0, and a user's own
-OpenMP placement (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY). Linux with glibc only;
+OpenMP placement (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, KMP_AFFINITY), and Numba's TBB
+layer (its workers serve every thread). Linux with glibc 2.30 or later (gettid) only;
 elsewhere, or when anything here fails, nothing is pinned.
 """
 
@@ -30,11 +33,16 @@ import os
 import threading
 
 SWITCH = "FUSION_PIN"
-USER_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+USER_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 PLACE_MAX = 8  # threads
 # per calling thread: .team (its workers' OS thread ids and the CPUs it may use, or None),
-# .held (a run's placement, while one is on), .workers_off (the CPU the workers are kept off)
+# .held (a run's placement, while one is on), .workers_off (the CPU the workers are kept off),
+# .found (thread count -> the workers' ids, found once)
 _local = threading.local()
+# Runs placed now, in every thread: one at a time (two callers held each on its CPU, their
+# workers kept off it, would leave the scheduler nothing to balance)
+_placed = {"runs": 0}
+_placed_lock = threading.Lock()
 
 
 def wanted(threads: int, env=os.environ) -> bool:
@@ -42,7 +50,7 @@ def wanted(threads: int, env=os.environ) -> bool:
     to PLACE_MAX), the switch is not off and the user placed none."""
     if env.get(SWITCH, "1") == "0" or any(env.get(k) for k in USER_PLACEMENT):
         return False
-    if not hasattr(os, "sched_setaffinity") or _current_cpu() is None:
+    if not hasattr(os, "sched_setaffinity") or _current_cpu() is None or not _has_gettid():
         return False
     return 1 < threads == len(os.sched_getaffinity(0)) <= PLACE_MAX
 
@@ -55,40 +63,58 @@ def place(threads: int) -> None:
     _local.team = None
     if not wanted(threads):
         return
+    found = _local.__dict__.setdefault("found", {})
     try:
-        from kernels.config import worker_ids  # heavy: Numba (a session with kernels)
+        import numba  # heavy: a session with kernels has it
 
-        workers = tuple(sorted(worker_ids()))
+        if numba.threading_layer() != "omp":  # TBB's workers serve every thread: not ours
+            return
+        if threads not in found:
+            from kernels.config import worker_ids
+
+            found[threads] = tuple(sorted(worker_ids()))
     except Exception:  # noqa: BLE001 - placement is an optimization: never fail a run for it
         return
-    if len(workers) == threads - 1:
-        _local.team = (workers, frozenset(os.sched_getaffinity(0)))
+    if len(found[threads]) == threads - 1:
+        _local.team = (found[threads], frozenset(os.sched_getaffinity(0)))
 
 
 def enter() -> object:
-    """At a run's start, when `place` found the team: the calling thread held on the CPU it is
-    on, each worker kept on the other CPUs (moved only when the caller's CPU changed since the
-    last run). Returns what `leave` needs (None: nothing was moved)."""
+    """At a run's start, when `place` found the team and no other thread's run is placed: the
+    calling thread held on the CPU it is on, each worker kept on the other CPUs (moved only
+    when the caller's CPU changed since the last run). Returns what `leave` needs (None:
+    nothing was moved); call it inside the run's try, `leave` in its finally."""
     team = getattr(_local, "team", None)
     if team is None or getattr(_local, "held", None) is not None:
         return None
+    with _placed_lock:
+        if _placed["runs"]:
+            return None
+        _placed["runs"] += 1
     workers, allowed = team
     try:
         saved = os.sched_getaffinity(0)
         here = _current_cpu()
         if here not in allowed:
+            _release_slot()
             return None
-        os.sched_setaffinity(0, {here})
         _local.held = (saved, here)
+        os.sched_setaffinity(0, {here})
         if getattr(_local, "workers_off", None) != here:
             _local.workers_off = None
             for tid in workers:
                 os.sched_setaffinity(tid, allowed - {here})
             _local.workers_off = here
-    except OSError:  # a worker gone (its pool shut down): runs go unplaced from now on
-        leave(getattr(_local, "held", None))
-        free_workers()
+    except BaseException as exc:  # an interrupt too: never leave the thread pinned
+        held = getattr(_local, "held", None)
+        if held is None:
+            _release_slot()
+        leave(held)
+        if not isinstance(exc, OSError):
+            raise
+        free_workers()  # a worker gone (its pool shut down): found again on a new count
         _local.team = None
+        _local.__dict__.get("found", {}).clear()
         return None
     return _local.held
 
@@ -99,6 +125,7 @@ def leave(held: object) -> None:
     threads, and moving them every run would cost (threads - 1) system calls more."""
     if held is not None:
         _local.held = None
+        _release_slot()
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, held[0])
 
@@ -127,6 +154,30 @@ def released():
         yield
     finally:
         os.sched_setaffinity(0, {here})
+
+
+def _release_slot() -> None:
+    with _placed_lock:
+        _placed["runs"] -= 1
+
+
+def _has_gettid() -> bool:
+    """Whether the C library has gettid (glibc 2.30 and later), which kernels.config.worker_ids
+    calls: without it Numba could not link that function, and LLVM ends the process."""
+    try:
+        return hasattr(ctypes.CDLL(None), "gettid")
+    except OSError:
+        return False
+
+
+def _forget() -> None:
+    """In a forked child: the parent's workers are not this process's threads."""
+    _local.__dict__.clear()
+    _placed["runs"] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
 
 
 def _current_cpu() -> int | None:

@@ -420,8 +420,10 @@ class RunPlan:
         NCHW under its own name). times, when given, gets each step's seconds."""
         if self.uses_numba:
             ensure_threads(self.threads)  # Numba's thread count is per calling thread
-        placed = placement.enter() if self.uses_numba else None
+        placed = None
         try:
+            if self.uses_numba:
+                placed = placement.enter()
             for step, release in zip(self.steps, self.releases, strict=True):
                 if times is None:
                     step(values, keep_all)
