@@ -16,6 +16,9 @@ The caller keeps the CPU the system gave it (two processes' callers stay apart) 
 again after each run, so a thread it starts between runs inherits no pinning: three system
 calls a run (two of them about 2.5 us each here), and one per worker when the caller's CPU
 changed. One run at a time is placed: another Python thread's run meanwhile goes unplaced.
+A plan's first run is not placed (RunPlan.run): it may compile kernels, seconds of one thread
+that a CPU held for the run would keep beside another process's held thread (the test suite,
+two processes, ran about twice as long).
 
 Left to the operating system: sessions whose threads are fewer than the allowed CPUs (a process
 running several things at once) or more than PLACE_MAX (workers moved one system call each

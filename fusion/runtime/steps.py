@@ -413,6 +413,7 @@ class RunPlan:
     uses_numba: bool
     choices: dict  # fused node label -> tactic name
     threads: int
+    ran: int = 0  # runs finished: the first one's threads are left unplaced (see run)
 
     def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
         """One run on `values` (feeds and known values, by name), which it updates and returns:
@@ -422,7 +423,9 @@ class RunPlan:
             ensure_threads(self.threads)  # Numba's thread count is per calling thread
         placed = None
         try:
-            if self.uses_numba:
+            # From the second run: the first may compile kernels, seconds of one thread that a
+            # CPU held for the run would keep beside another process's (fusion/runtime/placement)
+            if self.uses_numba and self.ran:
                 placed = placement.enter()
             for step, release in zip(self.steps, self.releases, strict=True):
                 if times is None:
@@ -437,6 +440,7 @@ class RunPlan:
         finally:
             if self.uses_numba:
                 placement.leave(placed)
+        self.ran += 1
         if keep_all:
             from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
 
