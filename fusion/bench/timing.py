@@ -12,9 +12,9 @@ n rounds (2n for an odd number n of runners) each runner follows each other equa
 is a burst of calls back to back, each timed on its own, after `warm` seconds of untimed
 calls: a process that idled while the others took their turns gets slow CPUs on these virtual
 machines for its first tens of milliseconds (bench/NOTES.md, the bench harness), and every
-runner gets the same allowance. With `gap`, each timed call follows that many seconds of
-sleep instead (a service whose requests come apart, a camera's frames: threads that went to
-sleep, cold caches). A runner is either a plain callable, timed here (`burst`), or an object
+runner gets the same allowance. With `gap`, each timed call also follows that many seconds
+of sleep (a service whose requests come apart, a camera's frames: threads that went to sleep,
+cold caches). A runner is either a plain callable, timed here (`burst`), or an object
 with `turn(calls, warm, gap) -> seconds per call` that times its burst where it lives (a
 runner in a process of its own, fusion.bench.workers, which times with the same `burst`).
 """
