@@ -47,6 +47,13 @@ def add_arguments(parser) -> None:
         "--budget", type=non_negative_float, default=10.0, help="seconds of timed rounds"
     )
     parser.add_argument(
+        "--gap",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="sleep this long before each timed call (runs spaced like requests)",
+    )
+    parser.add_argument(
         "--batch", type=positive_int, default=None, help="size of symbolic first axes (default 1)"
     )
     parser.add_argument(
@@ -79,6 +86,7 @@ def execute(args) -> int:
         rounds=args.rounds,
         repeat=args.repeat,
         budget=args.budget,
+        gap=args.gap / 1e3,
         mode=SAME_PROCESS if args.same_process else PROCESSES,
         nodes=not args.no_nodes,
         memory=not args.no_memory,
