@@ -23,28 +23,16 @@ import os
 import statistics
 import time
 
-import numpy as np
-
 from fusion.bench.machine import machine, machine_lines
-
-
-def feeds_for(model, batch: int) -> dict:
-    """Seeded random float32 feeds, symbolic axes set to `batch` (the first) or 1."""
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for value in model.graph.input:
-        dims = value.type.tensor_type.shape.dim
-        shape = [d.dim_value or (batch if k == 0 else 1) for k, d in enumerate(dims)]
-        feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
+from fusion.feeds import model_inputs
+from fusion.modelfile import read_model
 
 
 def runner(name: str, path: str, batch: int, threads: int, tactics: str):
-    """(feeds, a callable that runs the model once on them) for runner `name`."""
-    import onnx
-
-    model = onnx.load(path)
-    feeds = feeds_for(model, batch)
+    """A callable that runs the model once, for runner `name`, on seeded random inputs (free
+    first axes `batch`, as bench/models.py feeds them)."""
+    model = read_model(path)[0]
+    feeds, _ = model_inputs(model, None, 0, None, batch=batch)
     if name == "fusion":
         from fusion.runtime.session import Session
 
@@ -57,7 +45,8 @@ def runner(name: str, path: str, batch: int, threads: int, tactics: str):
 
 
 def process(name, path, batch, threads, tactics, seconds, start, results) -> None:
-    """One process: build, warm up, wait for the others, run for `seconds`; its median run."""
+    """One process: build, warm up, wait for the others, run for `seconds`; puts its median
+    and mean run."""
     run = runner(name, path, batch, threads, tactics)
     for _ in range(5):
         run()
@@ -70,7 +59,7 @@ def process(name, path, batch, threads, tactics, seconds, start, results) -> Non
     results.put((statistics.median(times), statistics.fmean(times)))
 
 
-def medians(name, path, batch, threads, tactics, seconds, count) -> list[tuple[float, float]]:
+def per_process(name, path, batch, threads, tactics, seconds, count) -> list[tuple]:
     """(median, mean) run of each of `count` processes running the model at once."""
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(count), ctx.Queue()
@@ -107,11 +96,11 @@ def main() -> int:
     for line in machine_lines(machine()):
         print(line)
     print(f"{os.path.basename(args.model)} batch {args.batch}, {args.threads} threads a process,"
-          f" {args.seconds:g} s of runs back to back; medians in ms")  # fmt: skip
+          f" {args.seconds:g} s of runs back to back; median (mean) ms")  # fmt: skip
     for name in args.runners:
         common = (name, args.model, args.batch, args.threads, args.tactics, args.seconds)
-        alone = medians(*common, 1)[0]
-        together = medians(*common, args.processes)
+        alone = per_process(*common, 1)[0]
+        together = per_process(*common, args.processes)
         each = ", ".join(f"{m * 1e3:.3f} ({a * 1e3:.3f})" for m, a in together)
         mean = statistics.fmean(a for _, a in together)
         print(f"{name:8} alone {alone[0] * 1e3:.3f} ({alone[1] * 1e3:.3f})   {args.processes} "

@@ -7,11 +7,11 @@ virtual machine whose idle vCPUs the host lends to others Linux wakes a sleeping
 waker's own CPU (it avoids a preempted vCPU): the worker then waits behind the spinning caller
 for the whole spin, region after region, until the load balancer moves it. Runs spaced like a
 30 fps camera's (`bench/models.py --gap 33 --repeat 20`) took 10.9 ms median where they take
-1.2 back to back (mobilenet_v3_small, batch 1, two Zen 4 vCPUs; onnxruntime 1.6: its caller
-never waits for a worker that has not started); placed, 2.4 against onnxruntime's 2.2. Two
-processes running it at once: 21 ms median each, placed 1.9-3.2 (onnxruntime 4.9-5.7); beside
-a busy single-threaded process: 7.0-9.9 ms on average, placed 2.7-3.1 (onnxruntime 3.5-3.7;
-`bench/concurrent.py`; bench/NOTES.md).
+1.2 back to back (mobilenet_v3_small, batch 1, two vCPUs of an AMD EPYC family 25 model 17;
+onnxruntime 1.6: its caller never waits for a worker that has not started); placed, 2.4
+against onnxruntime's 2.2. Two processes running it at once: 21 ms median each, placed 1.9-3.2
+(onnxruntime 4.9-5.7); beside a busy single-threaded process: 7.0-9.9 ms on average, placed
+2.7-3.1 (onnxruntime 3.5-3.7; `bench/concurrent.py`; bench/NOTES.md).
 The caller keeps the CPU the system gave it (two processes' callers stay apart) and is free
 again after each run, so a thread it starts between runs inherits no pinning: three system
 calls a run (two of them about 2.5 us each here), and one per worker when the caller's CPU
