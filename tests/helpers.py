@@ -145,16 +145,18 @@ def assert_all_close(got, want, rtol: float, atol: float) -> None:
         assert_close(g, w, rtol, atol, what=f"output {k}")
 
 
-def run_twice(session: fusion.Session, feeds: dict) -> list[np.ndarray]:
-    """session.run twice on the same feeds: the first run's kernel steps check their outputs
-    and bind their tactics for these shapes (Tactic.bind), the second takes the bound calls;
-    both must give the same outputs, bit for bit (the same compiled code on the same
-    arguments). Returns the second's."""
+def run_bound(session: fusion.Session, feeds: dict) -> list[np.ndarray]:
+    """session.run three times on the same feeds: the first run's kernel steps check their
+    outputs and bind their tactics for these shapes (Tactic.bind), the second takes the bound
+    calls (and its plan records them, when it may: RunPlan._record), the third replays them
+    (RunPlan's program); all must give the same outputs, bit for bit (the same compiled code
+    on the same arguments). Returns the third's."""
     first = session.run(None, feeds)
-    second = session.run(None, feeds)
-    for a, b in zip(first, second, strict=True):
-        np.testing.assert_array_equal(b, a)
-    return second
+    for _ in range(2):
+        later = session.run(None, feeds)
+        for a, b in zip(first, later, strict=True):
+            np.testing.assert_array_equal(b, a)
+    return later
 
 
 def assert_fuses(

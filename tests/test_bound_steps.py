@@ -5,7 +5,7 @@ the bound call on the runs after, and stays on the checked path where a tactic d
 
 import numpy as np
 import pytest
-from helpers import GraphBuilder, assert_close, assert_fuses, run_ort, run_twice
+from helpers import GraphBuilder, assert_close, assert_fuses, run_bound, run_ort
 
 import fusion
 
@@ -206,7 +206,7 @@ def test_a_step_binds_per_input_shape_and_thread_count():
     from kernels.config import get_threads, set_threads
 
     model, result, session, feeds, want = conv_chain_session()
-    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
+    assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5)
     steps = kernel_steps(session, feeds)
     assert steps and all(len(s._bound) == 1 and all(s._bound.values()) for s in steps)
     # another batch through the same plan (untimed tactics: one plan for every shape): bound
@@ -241,7 +241,7 @@ def test_a_tactic_that_declines_stays_on_the_checked_path():
     feeds = {"x": rand(2, 3, 7, 7)}
     (want,) = run_ort(model, feeds)
     session = fusion.Session(result.model, threads=2, fuse=False, tactics="blocked-opbyop")
-    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)
+    assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5)
     (step,) = kernel_steps(session, feeds)
     assert step.choice == "blocked-opbyop" and list(step._bound.values()) == [False]
 
@@ -260,4 +260,81 @@ def test_a_bind_that_fails_warns_and_the_step_stays_on_the_checked_path():
         (got,) = session.run(None, feeds)
     assert_close(got, want, 1e-4, 1e-5)
     assert list(first._bound.values()) == [False]
-    assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5)  # checked, every time
+    assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5)  # checked, every time
+
+
+def count_replays(monkeypatch) -> list:
+    """Each RunPlan program replay (fusion.runtime.steps._replay) appends its calls' count."""
+    from fusion.runtime import steps
+
+    seen, replay = [], steps._replay
+
+    def counted(calls, values):
+        seen.append(len(calls))
+        return replay(calls, values)
+
+    monkeypatch.setattr(steps, "_replay", counted)
+    return seen
+
+
+def test_a_plan_replays_its_bound_calls_per_input_shape(monkeypatch):
+    """After a run whose kernel steps took their bound calls, the plan replays them on inputs
+    of the same shapes, bit for bit the steps' outputs; inputs of another shape run the steps
+    (and record theirs); a profile and a run keeping every value run the steps."""
+    model, result, session, feeds, want = conv_chain_session()
+    replays = count_replays(monkeypatch)
+    got = run_bound(session, feeds)[0]
+    assert_close(got, want, 1e-4, 1e-5)
+    plan = session._plans.for_values(feeds).plan
+    assert replays == [len(plan.steps)] and plan.program[0] == ((2, 16, 9, 9),)
+    other = {"x": rand(3, 16, 9, 9)}
+    for _ in range(2):  # checked and bound, then bound and recorded: no replay yet
+        assert_close(session.run(None, other)[0], run_ort(model, other)[0], 1e-4, 1e-5)
+        assert len(replays) == 1
+    assert plan.program[0] == ((3, 16, 9, 9),)
+    np.testing.assert_array_equal(session.run(None, other)[0], session.run(None, other)[0])
+    assert len(replays) == 3
+    # the first shape again: its steps, recorded again, then replayed
+    for _ in range(2):
+        np.testing.assert_array_equal(session.run(None, feeds)[0], got)
+    assert len(replays) == 4
+    session.profile(feeds, repeat=2, warmup=0)
+    values = session.run_with_intermediates(feeds)
+    assert len(replays) == 4  # neither replays: one times each step, one keeps every value
+    assert all(s.outputs[0] in values for s in kernel_steps(session, feeds))
+    np.testing.assert_array_equal(values[result.model.graph.output[0].name], got)
+
+
+def test_a_replay_calls_a_step_that_did_not_bind_as_a_step(monkeypatch):
+    """A tactic that declines to bind (the op-by-op inverted residual on a 3-channel input)
+    stays a step in the replay, with its checks; the conversions around it too."""
+    g = GraphBuilder(opset=17)
+    d = g.node("Clip", [g.node("Conv", ["x", g.weight(3, 1, 3, 3), g.weight(3)], group=3,
+                                pads=[1] * 4), g.const(np.array(0, np.float32)),
+                        g.const(np.array(6, np.float32))])  # fmt: skip
+    y = g.node("Add", [g.node("Conv", [d, g.weight(3, 3, 1, 1), g.weight(3)]), "x"])
+    model = g.model({"x": ["N", 3, 7, 7]}, [g.node("Relu", [y])])
+    result = assert_fuses(model, ["InvertedResidual"], rtol=1e-4)
+    feeds = {"x": rand(2, 3, 7, 7)}
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="blocked-opbyop")
+    replays = count_replays(monkeypatch)
+    assert_close(run_bound(session, feeds)[0], run_ort(model, feeds)[0], 1e-4, 1e-5)
+    plan = session._plans.for_values(feeds).plan
+    assert replays == [len(plan.steps)] * 2  # nothing bound in the first run: recorded then
+    assert all(run is None for run, *_ in plan.program[1])  # each called as a step
+
+
+def test_a_plan_with_an_island_runs_its_steps(monkeypatch):
+    """An island may compute a shape from values, which the replay's key (the shapes of the
+    plan's inputs) would not see: a plan with one runs its steps, each checking its own."""
+    g = GraphBuilder(opset=17)
+    y = g.node("Relu", [g.node("Conv", ["x", g.weight(16, 16, 1, 1), g.weight(16)])])
+    model = g.model({"x": ["N", 16, 5, 5]}, [g.node("Softmax", [y], axis=1)])
+    result = assert_fuses(model, ["ConvBiasRelu"])
+    session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
+    feeds = {"x": rand(2, 16, 5, 5)}
+    replays = count_replays(monkeypatch)
+    assert_close(run_bound(session, feeds)[0], run_ort(model, feeds)[0], 1e-4, 1e-5)
+    plan = session._plans.for_values(feeds).plan
+    assert any(s.kind == "island" for s in plan.steps)
+    assert replays == [] and plan.program is None

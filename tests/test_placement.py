@@ -48,6 +48,7 @@ class Spy:
     def __init__(self, step, seen: list):
         self.step, self.seen = step, seen
         self.kind, self.name = step.kind, step.name
+        self.inputs, self.outputs = step.inputs, step.outputs
 
     def __call__(self, values, keep_all):
         workers = placement._local.team[0]

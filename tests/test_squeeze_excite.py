@@ -5,7 +5,7 @@ near-miss says why."""
 import numpy as np
 import onnx
 import pytest
-from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort, run_twice
+from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_bound, run_ort
 
 import fusion
 from fusion.verify import verify_node
@@ -65,7 +65,7 @@ def test_fuses_and_runs_both_tactics(opset, pool, act1, act2):
         (want,) = run_ort(model, feeds)
         for tactic in ("blocked", "nchw"):
             session = fusion.Session(result.model, threads=2, fuse=False, tactics=tactic)
-            assert_close(run_twice(session, feeds)[0], want, 1e-4, 1e-5, what=f"{tactic} {shape}")
+            assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5, what=f"{tactic} {shape}")
     assert fusion.coverage(model, result=result).summary() == (
         "convs: 4 of 4 fused; onnxruntime islands: 0"
     )
@@ -121,7 +121,7 @@ def test_the_gate_folds_into_the_conv_after_it(opset, pool, act1, act2, residual
                                      tactics="kernels" if tactic == "race" else tactic)  # fmt: skip
             # raced, the first conv may take a Winograd tactic: the rules' scale-relative error
             atol = 1e-4 * float(np.abs(want).max()) if tactic == "race" else 1e-5
-            assert_close(run_twice(session, feeds)[0], want, 1e-4, atol, what=f"{tactic} {shape}")
+            assert_close(run_bound(session, feeds)[0], want, 1e-4, atol, what=f"{tactic} {shape}")
         # the kernel called on NCHW tensors (its own conversions) against the node's body
         values = fusion.Session(result.model, threads=2, fuse=False).run_with_intermediates(feeds)
         node = next(n for n in result.model.graph.node if n.op_type == "SqueezeExciteConv")
