@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Var, op
 from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
 from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
@@ -65,7 +65,7 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.dense_gemm import prepare_dense  # heavy (Numba): only when a kernel is built
+    from kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
     from kernels.linear_act import linear_act
     from kernels.simd.activation import encode
 
@@ -74,14 +74,21 @@ def make_kernel(attrs: dict, constants: list):
 
     softmax = bool(attrs.get("softmax"))
 
-    def run(x, *_constants):
-        y = linear_act(x, plan)
+    def finish(y):
         if softmax:  # per row, as onnxruntime: e^(y - max) / sum (a NaN makes its row NaN)
             y -= y.max(axis=1, keepdims=True)
             np.exp(y, out=y)
             y /= y.sum(axis=1, keepdims=True)
         return (y,)
 
+    def run(x, *_constants):
+        return finish(linear_act(x, plan))
+
+    def bind(x, *_constants):  # the product bound to x's shape (Tactic.bind)
+        call = bind_dense_gemm(x, plan)
+        return lambda x, *_constants: finish(call(x))
+
+    run.tactics = [Tactic("kernel", run, bind=bind)]
     return run
 
 

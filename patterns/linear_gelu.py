@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusion.catalog import Rule
+from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Var, op
 from patterns.activation import activation_keywords
 from patterns.linear import check_linear, linear_attributes, linear_nd, linear_params, onnx_reshape
@@ -115,25 +115,46 @@ def attributes(m) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack W and the bias once; the kernel reshapes as the matched Reshapes did."""
-    from kernels.dense_gemm import prepare_dense  # heavy (Numba): at build time
+    from kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
     from kernels.linear_act import linear_act
     from kernels.simd.activation import encode
 
     weight, bias = linear_params(attrs["fc_linear"], *constants[1:4])
     plan = prepare_dense(weight, bias, encode(**activation_keywords(attrs)))
+    k, n = plan.k, plan.n
 
-    def run(x, _w, _c, _b, flat=None, unflat=None, residual=None):
-        k, n = plan.k, plan.n
+    def shapes(x, flat, unflat):
+        """x's shape for the product, and the output's (as the matched Reshapes give them)."""
         x2 = onnx_reshape(x, flat) if flat is not None else x.reshape(-1, k)
         shape = x.shape[:-1] + (n,) if flat is None else (x2.shape[0], n)
-        r = None
-        if residual is not None:
-            final = onnx_reshape(np.empty(shape, np.bool_), unflat).shape if unflat is not None \
-                else shape  # fmt: skip
-            r = np.broadcast_to(residual, final).reshape(-1, n)
-        y = linear_act(x2, plan, r)
-        return (onnx_reshape(y, unflat) if unflat is not None else y.reshape(shape),)
+        final = onnx_reshape(np.empty(shape, np.bool_), unflat).shape if unflat is not None \
+            else shape  # fmt: skip
+        return x2, final
 
+    def run(x, _w, _c, _b, flat=None, unflat=None, residual=None):
+        x2, final = shapes(x, flat, unflat)
+        r = None if residual is None else np.broadcast_to(residual, final).reshape(-1, n)
+        return (linear_act(x2, plan, r).reshape(final),)
+
+    def bind(x, _w, _c, _b, flat=None, unflat=None, residual=None):
+        """The product bound to these shapes (Tactic.bind), and to the Reshapes' targets: a
+        call with other target values (computed at run time, so not in the step's key) runs
+        unbound."""
+        x2, final = shapes(x, flat, unflat)
+        r = None if residual is None else np.broadcast_to(residual, final).reshape(-1, n)
+        call, x2_shape = bind_dense_gemm(x2, plan, r), x2.shape
+        targets = [(t, None if t is None else np.array(t)) for t in (flat, unflat)]
+
+        def bound(x, w_, c_, b_, flat=None, unflat=None, residual=None):
+            for t, (was, value) in zip((flat, unflat), targets, strict=True):
+                if t is not was and (t is None or value is None or not np.array_equal(t, value)):
+                    return run(x, w_, c_, b_, flat, unflat, residual)
+            r = None if residual is None else np.broadcast_to(residual, final).reshape(-1, n)
+            return (call(x.reshape(x2_shape), r).reshape(final),)
+
+        return bound
+
+    run.tactics = [Tactic("kernel", run, bind=bind)]
     return run
 
 

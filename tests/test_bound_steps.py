@@ -286,17 +286,15 @@ def test_a_plan_replays_its_bound_calls_per_input_shape(monkeypatch):
     got = run_bound(session, feeds)[0]
     assert_close(got, want, 1e-4, 1e-5)
     plan = session._plans.for_values(feeds).plan
-    assert replays == [len(plan.steps)] and plan.program[0] == ((2, 16, 9, 9),)
+    assert replays == [len(plan.steps)] and list(plan.programs) == [(2, (2, 16, 9, 9))]
     other = {"x": rand(3, 16, 9, 9)}
     for _ in range(2):  # checked and bound, then bound and recorded: no replay yet
         assert_close(session.run(None, other)[0], run_ort(model, other)[0], 1e-4, 1e-5)
         assert len(replays) == 1
-    assert plan.program[0] == ((3, 16, 9, 9),)
+    assert list(plan.programs) == [(2, (2, 16, 9, 9)), (2, (3, 16, 9, 9))]
     np.testing.assert_array_equal(session.run(None, other)[0], session.run(None, other)[0])
     assert len(replays) == 3
-    # the first shape again: its steps, recorded again, then replayed
-    for _ in range(2):
-        np.testing.assert_array_equal(session.run(None, feeds)[0], got)
+    np.testing.assert_array_equal(session.run(None, feeds)[0], got)  # the first shape's, kept
     assert len(replays) == 4
     session.profile(feeds, repeat=2, warmup=0)
     values = session.run_with_intermediates(feeds)
@@ -321,7 +319,8 @@ def test_a_replay_calls_a_step_that_did_not_bind_as_a_step(monkeypatch):
     assert_close(run_bound(session, feeds)[0], run_ort(model, feeds)[0], 1e-4, 1e-5)
     plan = session._plans.for_values(feeds).plan
     assert replays == [len(plan.steps)] * 2  # nothing bound in the first run: recorded then
-    assert all(run is None for run, *_ in plan.program[1])  # each called as a step
+    (calls,) = plan.programs.values()
+    assert all(run is None for run, *_ in calls)  # each called as a step
 
 
 def test_a_plan_with_an_island_runs_its_steps(monkeypatch):
@@ -337,4 +336,54 @@ def test_a_plan_with_an_island_runs_its_steps(monkeypatch):
     assert_close(run_bound(session, feeds)[0], run_ort(model, feeds)[0], 1e-4, 1e-5)
     plan = session._plans.for_values(feeds).plan
     assert any(s.kind == "island" for s in plan.steps)
-    assert replays == [] and plan.program is None
+    assert replays == [] and not plan.programs
+
+
+def test_a_value_that_is_not_a_float_array_keeps_the_steps():
+    """A plan's key is its inputs' shapes; an integer input (a Reshape's target a model feeds
+    to a fused linear) may set a kernel's output shape by its values: no replay then."""
+    _, _, session, feeds, _ = conv_chain_session()
+    run_bound(session, feeds)
+    plan = session._plans.for_values(feeds).plan
+    assert plan._key(feeds) == (2, (2, 16, 9, 9))
+    assert plan._key({"x": feeds["x"].astype(np.int64)}) is None
+    assert plan._key({"x": feeds["x"].tolist()}) is None
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_bound_dense_products_match_the_general_call(width):
+    """The bound product (LinearAct's, LinearGelu's) gives dense_gemm's outputs on rows of
+    1 to 100, with and without a residual (one row broadcast, or whole), x read-only too."""
+    from kernels.dense_gemm import bind_dense_gemm, dense_gemm, prepare_dense
+    from kernels.simd.activation import encode
+
+    for m, k, n, residual in ((1, 17, 33, None), (3, 40, 24, "row"), (17, 64, 100, "whole"),
+                              (100, 31, 7, None), (0, 8, 8, None)):  # fmt: skip
+        plan = prepare_dense(rand(k, n), rand(n), encode("gelu"), width=width)
+        x, x2 = rand(m, k), rand(m, k)
+        r = {None: None, "row": rand(1, n), "whole": rand(m, n)}[residual]
+        call = bind_dense_gemm(x, plan, r)
+        for v in (x, x2):
+            assert_same(call(v, r), dense_gemm(v, plan, r), f"{m} {k} {n} {residual}")
+        x2.flags.writeable = False
+        call = bind_dense_gemm(x2, plan, r)
+        assert_same(call(x2, r), dense_gemm(x2, plan, r), f"read-only {m} {k} {n}")
+
+
+def test_a_bound_linear_with_other_reshape_targets_runs_unbound():
+    """LinearGelu's bound call is keyed on shapes; the Reshapes' targets are values (computed
+    at run time in dynamo's exports): other values than the bound ones take the general run."""
+    from patterns.linear_gelu import make_kernel
+
+    w, b = rand(8, 6), rand(6)
+    run = make_kernel({"fc_linear": [0.0, 1.0, 1.0], "activation": "gelu"}, [None, w, None, b])
+    (tactic,) = run.tactics
+    x = rand(2, 3, 8)
+    flat, unflat = np.array([-1, 8], np.int64), np.array([2, 3, 6], np.int64)
+    bound = tactic.bind(x, w, None, b, flat, unflat)
+    want = run(x, w, None, b, flat, unflat)[0]
+    assert want.shape == (2, 3, 6)
+    assert_same(bound(x, w, None, b, flat, unflat)[0], want)
+    other = np.array([6, 6], np.int64)  # the same product, another output shape
+    assert_same(bound(x, w, None, b, flat, other)[0], run(x, w, None, b, flat, other)[0])
+    assert bound(x, w, None, b, flat, other)[0].shape == (6, 6)

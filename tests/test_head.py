@@ -5,7 +5,7 @@ say why."""
 
 import numpy as np
 import pytest
-from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
+from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_bound, run_ort
 
 import fusion
 
@@ -36,8 +36,11 @@ def test_head_fuses_and_runs(form, hidden):
     for batch in (1, 3):
         feeds = {"x": np.random.default_rng(batch).standard_normal((batch, 16, 5, 5))}
         feeds = {"x": feeds["x"].astype(np.float32)}
+        want = run_ort(model, feeds)[0]
         got = fusion.Session(result.model, threads=2, fuse=False).run(None, feeds)[0]
-        assert_close(got, run_ort(model, feeds)[0], 1e-5, 1e-5)
+        assert_close(got, want, 1e-5, 1e-5)
+        session = fusion.Session(result.model, threads=2, fuse=False, tactics="kernel")
+        assert_close(run_bound(session, feeds)[0], want, 1e-5, 1e-5)  # checked, bound, replayed
 
 
 def test_reshape_with_a_zero_is_declined():

@@ -6,7 +6,15 @@ import math
 
 import numpy as np
 import pytest
-from helpers import GraphBuilder, assert_all_close, assert_close, fused_ops, near_miss, run_ort
+from helpers import (
+    GraphBuilder,
+    assert_all_close,
+    assert_close,
+    fused_ops,
+    near_miss,
+    run_bound,
+    run_ort,
+)
 from onnx import helper
 
 import fusion
@@ -26,14 +34,17 @@ def model_of(g: GraphBuilder, y: str, e: int = E, outputs=None):
 
 
 def check_shapes(model, ops, rtol=1e-4, atol=1e-5):
-    """Fuses into `ops`; fusion.Session agrees with onnxruntime on the unfused graph."""
+    """Fuses into `ops`; fusion.Session agrees with onnxruntime on the unfused graph, its
+    kernels checked, bound and replayed (run_bound), and at its default tactics."""
     result = fusion.rewrite(model)
     assert fused_ops(result.model) == ops, result.explain()
     for batch, seq in SHAPES:
         rng = np.random.default_rng(batch * 100 + seq)
         feeds = {"x": rng.standard_normal((batch, seq, E)).astype(np.float32)}
-        got = fusion.Session(result.model).run(None, feeds)
-        assert_all_close(got, run_ort(model, feeds), rtol, atol)
+        want = run_ort(model, feeds)
+        assert_all_close(run_bound(fusion.Session(result.model, tactics="kernel"), feeds), want,
+                         rtol, atol)  # fmt: skip
+        assert_all_close(fusion.Session(result.model).run(None, feeds), want, rtol, atol)
     return result
 
 

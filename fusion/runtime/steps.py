@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -420,10 +420,11 @@ class RunPlan:
     choices: dict  # fused node label -> tactic name
     threads: int
     ran: int = 0  # runs finished: the first one's threads are left unplaced (see run)
-    # (key, calls): the run's calls for one shape of its inputs, once each kernel step has
-    # bound its tactic (`_record`, `_replay`); key: the shapes of the values no step writes
-    program: tuple | None = None
-    _entries: tuple[str, ...] | None = None  # the values no step writes, None: not built
+    # key -> the run's calls for inputs of those shapes, once each kernel step has bound its
+    # tactic (`_record`, `_replay`; up to _BOUND_SHAPES keys); see `_key`
+    programs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # the values no step writes (None: not listed yet; empty: the plan does not replay)
+    _entries: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def run(self, values: dict, times: list | None = None, keep_all: bool = False) -> dict:
         """One run on `values` (feeds and known values, by name), which it updates and returns:
@@ -438,14 +439,16 @@ class RunPlan:
             # CPU held for the run would keep beside another process's (fusion/runtime/placement)
             if self.uses_numba and self.ran:
                 placed = placement.enter()
-            program = self.program  # one read: another thread may record a new one
-            if key is not None and program is not None and program[0] == key:
-                _replay(program[1], values)
+            calls = None if key is None else self.programs.get(key)
+            if calls is not None:
+                _replay(calls, values)
             else:
                 took = []  # what each step returned: the bound run it took, if any
                 for step, release in zip(self.steps, self.releases, strict=True):
-                    if times is None:
+                    if key is not None:
                         took.append(step(values, keep_all))
+                    elif times is None:
+                        step(values, keep_all)
                     else:
                         start = time.perf_counter()
                         step(values, keep_all)
@@ -468,11 +471,13 @@ class RunPlan:
         return values
 
     def _key(self, values: dict) -> tuple | None:
-        """The shapes of the values no step writes, when a run of this plan may replay its
-        calls: every step a kernel or a layout conversion. An island may compute shapes from
-        values (a Reshape's target from a mask), where a kernel's output shapes follow from its
-        inputs' shapes alone (what its bound run is keyed on: KernelStep._bind), so with islands
-        the steps' own checks stay."""
+        """The thread count and the shapes of the values no step writes, when a run of this
+        plan may replay its calls: every step a kernel or a layout conversion, and those values
+        float arrays. A kernel's output shapes then follow from its inputs' shapes (what its
+        bound run is keyed on, with the thread count: KernelStep._bind). Not so where a value
+        may set a shape: an island may compute one (a Reshape's target from a mask), and a
+        kernel may take an integer input that does (LinearGelu's Reshape targets, when the
+        model feeds them); there the steps keep their own checks."""
         if self._entries is None:
             written: set[str] = set()
             entries: dict[str, None] = {}
@@ -486,7 +491,17 @@ class RunPlan:
             self._entries = tuple(entries)
         if not self._entries:
             return None
-        return tuple(values[n].shape for n in self._entries)
+        key = [0]
+        if self.uses_numba:
+            from kernels.config import get_threads  # loaded: the plan has run kernels
+
+            key[0] = get_threads()
+        for name in self._entries:
+            value = values[name]
+            if type(value) is not np.ndarray or value.dtype.kind != "f":
+                return None
+            key.append(value.shape)
+        return tuple(key)
 
     def _record(self, key: tuple, took: list) -> None:
         """After a run on inputs of shapes `key`, the bound runs its kernel steps took (`took`,
@@ -496,7 +511,7 @@ class RunPlan:
         bench/NOTES.md). A step that took no bound run (its tactic declined to bind, a layout
         conversion) is called as a step, with its own checks. A run in which a step bound its
         tactic records nothing: the next run takes that bound run, and records."""
-        if any(run is BOUND for run in took):
+        if len(self.programs) >= _BOUND_SHAPES or any(run is BOUND for run in took):
             return
         calls = []
         for step, release, run in zip(self.steps, self.releases, took, strict=True):
@@ -506,7 +521,8 @@ class RunPlan:
             live = range(len(step.outputs)) if step.live is None else step.live
             stored = tuple((k, step.outputs[k]) for k in live)
             calls.append((run, tuple(step.inputs), stored, release))
-        self.program = (key, calls)
+        if len(self.programs) < _BOUND_SHAPES:
+            self.programs[key] = calls
 
 
 def _replay(calls: list, values: dict) -> None:
