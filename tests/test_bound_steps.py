@@ -387,3 +387,30 @@ def test_a_bound_linear_with_other_reshape_targets_runs_unbound():
     other = np.array([6, 6], np.int64)  # the same product, another output shape
     assert_same(bound(x, w, None, b, flat, other)[0], run(x, w, None, b, flat, other)[0])
     assert bound(x, w, None, b, flat, other)[0].shape == (6, 6)
+
+
+def test_a_bound_call_that_raises_is_a_kernel_error_naming_its_node():
+    """Bound or replayed, a kernel that raises is the step's KernelError (as a checked call's):
+    its kernel and node named, the cause kept; the plan runs again once the kernel does."""
+    from fusion.errors import KernelError
+
+    _, result, session, feeds, want = conv_chain_session()
+    run_bound(session, feeds)
+    plan = session._plans.for_values(feeds).plan
+    (calls,) = plan.programs.values()
+    k = next(i for i, c in enumerate(calls) if c[0] is not None)
+    run, step = calls[k][:2]
+
+    def broken(*_args):
+        raise RuntimeError("a kernel fault")
+
+    calls[k] = (broken, *calls[k][1:])  # the replay's call
+    with pytest.raises(KernelError, match=f"{step.name}.*failed: RuntimeError: a kernel fault"):
+        session.run(None, feeds)
+    plan.programs.clear()
+    key = next(iter(step._bound))
+    step._bound[key] = broken  # the step's own bound call
+    with pytest.raises(KernelError, match="failed: RuntimeError: a kernel fault"):
+        session.run(None, feeds)
+    step._bound[key] = run
+    assert_close(session.run(None, feeds)[0], want, 1e-4, 1e-5)

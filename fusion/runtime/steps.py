@@ -296,7 +296,10 @@ class KernelStep:
             key = (self._threads(), *[args[k].shape for k in self.varying])
             fast = self._bound.get(key)
             if fast:
-                results = fast(*args)
+                try:
+                    results = fast(*args)
+                except Exception as exc:
+                    raise self._failed(exc) from exc
                 stored = range(len(self.outputs)) if keep_all or self.live is None else self.live
                 for i in stored:
                     values[self.outputs[i]] = results[i]
@@ -309,7 +312,7 @@ class KernelStep:
             try:
                 results = self.kernel(*args)
             except Exception as exc:
-                raise self._error(f"failed: {type(exc).__name__}: {one_line(exc)}") from exc
+                raise self._failed(exc) from exc
         if type(results) is not tuple and not isinstance(results, Sequence):  # (ABC: 0.3 us)
             results = tuple(results)  # a generator, say
         if len(results) != len(self.outputs):
@@ -381,6 +384,10 @@ class KernelStep:
                 f"returned shape {list(value.shape)} for {self.outputs[i]} where the node's "
                 f"function body gives {list(want)} (declared {self.checks[i].shape_words()})"
             )
+
+    def _failed(self, exc: Exception) -> KernelError:
+        """The KernelError of a kernel (checked or bound) that raised `exc`."""
+        return self._error(f"failed: {type(exc).__name__}: {one_line(exc)}")
 
     def _error(self, what: str) -> KernelError:
         return KernelError(
@@ -516,23 +523,27 @@ class RunPlan:
         calls = []
         for step, release, run in zip(self.steps, self.releases, took, strict=True):
             if not isinstance(step, KernelStep) or run is None:
-                calls.append((None, step, (), release))
+                calls.append((None, step, (), (), release))
                 continue
             live = range(len(step.outputs)) if step.live is None else step.live
             stored = tuple((k, step.outputs[k]) for k in live)
-            calls.append((run, tuple(step.inputs), stored, release))
+            calls.append((run, step, tuple(step.inputs), stored, release))
         if len(self.programs) < _BOUND_SHAPES:
             self.programs[key] = calls
 
 
 def _replay(calls: list, values: dict) -> None:
     """A RunPlan's program on `values`: each kernel's bound run on the values it reads, its
-    outputs stored and the values no later step reads released, as the steps would."""
-    for run, inputs, stored, release in calls:
+    outputs stored and the values no later step reads released, as the steps would (a
+    kernel that raises: the step's KernelError, naming it and its node)."""
+    for run, step, inputs, stored, release in calls:
         if run is None:
-            inputs(values, False)  # a step called as a step (`inputs` is the step)
+            step(values, False)  # called as a step
         else:
-            results = run(*[values[n] if n else None for n in inputs])
+            try:
+                results = run(*[values[n] if n else None for n in inputs])
+            except Exception as exc:
+                raise step._failed(exc) from exc
             for k, name in stored:
                 values[name] = results[k]
         for name in release:
