@@ -307,6 +307,18 @@ def launch(plan, m):
 _NO_RESIDUAL = np.zeros((1, 1), np.float32)
 
 
+def _packing(x, T, k):
+    """Where _dense packs x [M, k] by row tiles of T: x itself for one writable row (M = 1:
+    row_tile), else this thread's shared scratch, a read-only row copied into it (the skipped
+    packing loop still types xp as writable)."""
+    if T.rows == 1 and x.flags.writeable:
+        return x.reshape(-1)
+    xp = shared(-(-x.shape[0] // T.rows) * T.rows * k)
+    if T.rows == 1:
+        xp[:] = x.reshape(-1)
+    return xp
+
+
 def dense_gemm(x, plan, residual=None, out=None):
     """act(x W + b) (+ residual) for x [M, K] float32 and a plan from prepare_dense: [M, N]
     float32, into `out` (C-contiguous [M, N] float32) if given. residual: [M, N], or anything
@@ -334,12 +346,7 @@ def dense_gemm(x, plan, residual=None, out=None):
         return out
     L = plan.lanes
     T, n_rb, n_cb, kc = launch(plan, m)
-    if T.rows == 1 and x.flags.writeable:  # one row (M = 1: row_tile) is its own packing
-        xp = x.reshape(-1)
-    else:
-        xp = shared(-(-m // T.rows) * T.rows * plan.k)  # x packed by row tiles
-        if T.rows == 1:  # a read-only row, copied: the skipped packing loop still types xp
-            xp[:] = x.reshape(-1)  # as writable
+    xp = _packing(x, T, plan.k)
     kind, a, b = plan.act
     args = (L, T, x, xp, plan.packed, out, r, residual is not None, plan.bias, kind, a, b, n_rb,
             n_cb, kc)  # fmt: skip
@@ -358,8 +365,8 @@ def bind_dense_gemm(x, plan, residual=None):
     residual given or not, and its shape) at the calling thread's thread count: the function
     f(x, residual=None) -> [M, N] for a caller whose shapes repeat call after call (a
     session's step), which has checked them; the checks, the launch's look-up and the entry
-    point are worked out here, once (dense_gemm's Python is ~2 us a call: 19.6 against 17.5
-    us for one row of 576 x 1024, bench/NOTES.md). f allocates the output and calls the
+    point are worked out here, once (one row of 576 x 1024: 18.86 us a general call, 17.85
+    bound; bench/NOTES.md). f allocates the output and calls the
     compiled kernel; its x must be C-contiguous float32 of the bound shape (one that is not
     contiguous is copied)."""
     dense_gemm(x, plan, residual)  # checks them; binds the entry point for these types
@@ -368,23 +375,14 @@ def bind_dense_gemm(x, plan, residual=None):
     if m == 0 or n == 0:
         return lambda x, residual=None: np.empty((m, n), np.float32)
     T, n_rb, n_cb, kc = launch(plan, m)
-    writeable = x.flags.writeable
-    run = plan.entries[(T, writeable)]
-    in_place = T.rows == 1 and writeable  # one row is its own packing (as dense_gemm)
-    size, has_r = -(-m // T.rows) * T.rows * plan.k, residual is not None
+    run, has_r = plan.entries[(T, x.flags.writeable)], residual is not None
     head, tail = (plan.lanes, T), (plan.bias, *plan.act, n_rb, n_cb, kc)
 
     def call(x, residual=None):
         x = np.ascontiguousarray(x)
         out = np.empty((m, n), np.float32)
-        if in_place:
-            xp = x.reshape(-1)
-        else:
-            xp = shared(size)
-            if T.rows == 1:
-                xp[:] = x.reshape(-1)
         r = as_rows(residual, (m, n)) if has_r else _NO_RESIDUAL
-        run(*head, x, xp, plan.packed, out, r, has_r, *tail)
+        run(*head, x, _packing(x, T, plan.k), plan.packed, out, r, has_r, *tail)
         return out
 
     return call

@@ -514,7 +514,7 @@ class RunPlan:
         """After a run on inputs of shapes `key`, the bound runs its kernel steps took (`took`,
         what each step returned in that run), as the plan's program for that key: later runs
         on the same shapes call them in order, without each step's look-ups (~1 us a step:
-        110.8 -> 89.6 us of mobilenet_v3_small's run at batch 1 with its kernels stubbed,
+        110.7 -> 90.1 us of mobilenet_v3_small's run at batch 1 with its kernels stubbed,
         bench/NOTES.md). A step that took no bound run (its tactic declined to bind, a layout
         conversion) is called as a step, with its own checks. A run in which a step bound its
         tactic records nothing: the next run takes that bound run, and records."""
@@ -528,8 +528,7 @@ class RunPlan:
             live = range(len(step.outputs)) if step.live is None else step.live
             stored = tuple((k, step.outputs[k]) for k in live)
             calls.append((run, step, tuple(step.inputs), stored, release))
-        if len(self.programs) < _BOUND_SHAPES:
-            self.programs[key] = calls
+        self.programs[key] = calls
 
 
 def _replay(calls: list, values: dict) -> None:
