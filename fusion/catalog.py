@@ -63,6 +63,11 @@ class Tactic:
     # run with the same shapes, which may skip run's checks and look-ups (a step's Python
     # is ~4 us of a small conv's ~10; fusion/runtime/steps.py KernelStep)
     bind: Callable[..., Callable[..., Sequence] | None] | None = None
+    # a way to run the node where its other tactics cannot: timed (and compiled on a cold
+    # start) only where every other tactic failed. An NCHW kernel beside blocked ones: on the
+    # CPUs timed so far it never beat them on its own node, and compiling it to be timed cost
+    # a cold start ~10 s (fusion/runtime/tactics.py first_timed, bench/NOTES.md)
+    fallback: bool = False
 
 
 @dataclass(eq=False)

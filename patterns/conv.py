@@ -429,7 +429,7 @@ class ConvKernel:
     """A fused conv's kernel. Called on NCHW (or [N, C, L]) inputs it runs kernels/conv2d, and
     kernels/pointwise for an epilogue beyond a clip; `tactics` offers the blocked-layout kernel
     first when it runs the conv (2-D inputs; one tactic per register tile worth timing,
-    "blocked-f4" = 4 output blocks per tile), then that NCHW path."""
+    "blocked-f4" = 4 output blocks per tile), then that NCHW path (their fallback)."""
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None, rank: int):
         from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
@@ -523,8 +523,11 @@ class ConvKernel:
             stems = [blocked_plan(attrs, weight, bias, plans[0].fb, in_block=1)]
         self.winograd_reasons = {t: winograd_reason(attrs, weight, rank, t) for t in (2, 4)}
         winos = [wino_tactic(t) for t, why in self.winograd_reasons.items() if why is None]
+        # NCHW last, the blocked ones' fallback: timed per node on Zen 4 it lost 177 of 177
+        # convs of the ten CNNs at W = 16, 94 of 98 with the 8-lane code (bench/NOTES.md)
         self.tactics = [*map(blocked_tactic, plans), *(blocked_tactic(p, True) for p in stems),
-                        *winos, Tactic(f"nchw-{nchw.method}", run)]  # fmt: skip
+                        *winos,
+                        Tactic(f"nchw-{nchw.method}", run, fallback=bool(plans))]  # fmt: skip
 
     def __call__(self, x, *others):
         return self.run(x, *others)

@@ -104,8 +104,8 @@ class ConvConcatKernel:
     branch but the last fills whole blocks (patterns/concat.why_not_blocked) and the blocked
     kernels run every branch: "blocked", each branch's direct conv writing its channel blocks
     of y in place, and "blocked-wino" when a branch is a 3x3 stride-1 conv (Inception's), those
-    on the blocked Winograd kernel; then "nchw". `nchw_only` says why there is no blocked
-    tactic, when there is none."""
+    on the blocked Winograd kernel; then "nchw" (their fallback). `nchw_only` says why there
+    is no blocked tactic, when there is none."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
@@ -133,11 +133,14 @@ class ConvConcatKernel:
             reasons = [(k, p.reason) for k, p in enumerate(parts) if p.reason is not None]
             if reasons:
                 self.nchw_only = f"branch {reasons[0][0]}: {reasons[0][1]}"
-                return
+                break
             if winograd and all(p.wino is None for p in parts):
                 break
             name = "blocked-wino" if winograd else "blocked"
             self.tactics.insert(-1, _blocked_tactic(parts, name))
+        if len(self.tactics) > 1:  # NCHW: the blocked ones' fallback (timed per node on Zen 4
+            # it lost all 18 of GoogLeNet's, 1.65x at the median: bench/NOTES.md)
+            self.tactics[-1] = Tactic("nchw", run, fallback=True)
 
     def __call__(self, *inputs):
         return self.run(*inputs)

@@ -99,7 +99,8 @@ class FireKernel:
     why_not_blocked; the squeeze's output is blocked whatever its channels): the squeeze conv
     on the direct kernel, then each expand conv writing its channel blocks of y ("blocked": in
     place; "blocked-wino": the 3x3 one on the blocked Winograd kernel, in place too); then
-    "nchw". `nchw_only` says why there is no blocked tactic, when there is none."""
+    "nchw" (their fallback). `nchw_only` says why there is no blocked tactic, when there is
+    none."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
@@ -136,6 +137,9 @@ class FireKernel:
             self.tactics.insert(-1, Tactic(name, run_blocked, blocked_inputs=(0,),
                                            in_blocks=(squeeze.in_block,), blocked_outputs=(0,),
                                            out_channels=(sum(channels),), bind=bind))  # fmt: skip
+        # NCHW: the blocked tactics' fallback (timed per node on Zen 4 it lost all 16 Fire
+        # modules, 2.6x at the median: bench/NOTES.md)
+        self.tactics[-1] = Tactic("nchw", self.run, fallback=True)
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

@@ -42,7 +42,7 @@ def check(m) -> str | None:
 
 
 class BatchNormKernel:
-    """Tactics: blocked (a 4-D x), then NCHW."""
+    """Tactics: blocked (a 4-D x), then NCHW (its fallback, when there is a blocked one)."""
 
     def __init__(self, attrs: dict, constants: list):
         from kernels.blocked import block  # heavy (Numba): only when a kernel is built
@@ -58,6 +58,7 @@ class BatchNormKernel:
                 "blocked", blocked, blocked_inputs=(0,), in_blocks=(block(),), blocked_outputs=(0,),
                 out_channels=(s.size,),
             ))  # fmt: skip
+            self.tactics[-1] = Tactic("nchw", self.run, fallback=True)  # the blocked one's
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

@@ -38,11 +38,12 @@ def known_channels(m) -> dict:
 def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True, bind=None):
     """`run` (NCHW) with its tactics: first `blocked_run` on the blocked layout (output blocked
     too when `keeps_layout`; `bind` its Tactic.bind) if the channel count is known, then `run`
-    itself."""
+    itself, the blocked one's fallback (timed per node on Zen 4 the blocked pools won 57 of 57
+    at W = 16, 31 of 34 with the 8-lane code: bench/NOTES.md)."""
     from kernels.blocked import block  # heavy (Numba): only when a kernel is built
 
-    run.tactics = [Tactic("nchw", run)]
     channels = attrs.get("channels")
+    run.tactics = [Tactic("nchw", run, fallback=bool(channels))]
     if channels:
         out = dict(blocked_outputs=(0,), out_channels=(channels,)) if keeps_layout else {}
         run.tactics.insert(0, Tactic("blocked", blocked_run, blocked_inputs=(0,),

@@ -3,6 +3,7 @@ from the first, while a helper process does from the last (fusion/runtime/precom
 a process that misses Numba's cache on an entry another process is compiling waits for it
 instead of compiling it twice (kernels/_cache.py claims)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from helpers import GraphBuilder, assert_close, run_ort
 
 import fusion
+from fusion.catalog import Tactic
 
 
 # ---- claims --------------------------------------------------------------------------------
@@ -154,6 +156,21 @@ def test_the_helper_compiles_from_the_last_node_back_until_they_meet(tmp_path, m
     assert done["helper"] and done["met"] < 6 and done["here"] < 6, done
     want = run_ort(model, feeds)[0]  # raced, a conv may take Winograd: scale-relative error
     assert_close(got, want, 1e-4, 1e-4 * float(np.abs(want).max()))
+
+
+def test_a_cold_start_compiles_no_fallback_tactic():
+    """call_once calls what the race times first: not a fallback while another tactic is
+    offered, every tactic when all are fallbacks."""
+    from fusion.runtime.precompile import call_once
+
+    called = []
+    first = Tactic("first", lambda x: called.append("first"))
+    spare = Tactic("spare", lambda x: called.append("spare"), fallback=True)
+    call_once([first, spare], [(2, 3)], [None])
+    assert called == ["first"]
+    called.clear()
+    call_once([spare, dataclasses.replace(spare, name="other")], [(2, 3)], [None])
+    assert called == ["spare", "spare"]
 
 
 def test_no_helper_when_switched_off_or_warm(monkeypatch, tmp_path):

@@ -47,7 +47,7 @@ from fusion.runtime.choice import (
     Chooser,
     Watch,
 )
-from fusion.runtime.tactics import ONNXRUNTIME, policy, preferred
+from fusion.runtime.tactics import ONNXRUNTIME, first_timed, policy, preferred
 from fusion.runtime.timing_cache import TimingCache, node_key
 
 
@@ -371,6 +371,80 @@ def test_tune_force_races_again_and_show_says_when_and_under_what_load(capsys, m
         assert main(argv) == 2 and message in capsys.readouterr().err
 
 
+def _with_fallback(first_fails: bool, calls: list):
+    """A kernel whose first tactic works (or raises) and whose second is its fallback."""
+
+    def make(attrs, constants):
+        def relu(x, s):
+            return (np.maximum(x * s, 0).astype(np.float32),)
+
+        def first(x, s):
+            calls.append("first")
+            if first_fails:
+                raise ValueError("declined")
+            return relu(x, s)
+
+        def spare(x, s):
+            calls.append("spare")
+            return relu(x, s)
+
+        first.tactics = [Tactic("first", first), Tactic("spare", spare, fallback=True)]
+        return first
+
+    return make
+
+
+def _node_times(folder) -> dict:
+    (path,) = folder.glob("tactics-*.json")
+    entries = json.loads(path.read_text())["entries"]
+    (times,) = [e["times"] for k, e in entries.items() if not k.startswith("plan:")]
+    return times
+
+
+def test_a_fallback_is_timed_only_where_every_other_tactic_failed(monkeypatch, tmp_path):
+    """A fallback tactic is not called, timed or cached while another tactic of its kernel
+    works; where every other one fails, it is timed and chosen."""
+    calls = []
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "works"))
+    catalog = scaled_relu_catalog(_with_fallback(False, calls))
+    session = Session(_model(), threads=1, catalog=catalog, tactics="kernels")
+    assert session.choices["ScaledRelu sr"] == "first"
+    assert "first" in calls and "spare" not in calls
+    assert set(_node_times(tmp_path / "works")) == {"first", ONNXRUNTIME}
+
+    calls.clear()
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "fails"))
+    catalog = scaled_relu_catalog(_with_fallback(True, calls))
+    with pytest.warns(FusionWarning, match="tactic first failed: declined"):
+        session = Session(_model(), threads=1, catalog=catalog, tactics="kernels")
+    assert session.choices["ScaledRelu sr"] == "spare"
+    times = _node_times(tmp_path / "fails")
+    assert times["first"] == float("inf") and 0 < times["spare"] < float("inf")
+    x = np.random.default_rng(3).standard_normal((4, 3)).astype(np.float32)
+    (y,) = session.run(None, {"x": x})
+    assert_close(y, np.maximum(x * 0.5, 0), rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("fallbacks_timed", [False, True])
+def test_no_nchw_plan_is_raced_where_a_fallback_went_untimed(monkeypatch, tmp_path,
+                                                              fallbacks_timed):  # fmt: skip
+    """A conv's NCHW tactic is its blocked tactics' fallback: untimed, the whole-plan race has
+    no NCHW-only candidate (it would be onnxruntime's convs), and with it timed (first_timed
+    made to keep every tactic) it has one. Every kernel tactic takes 1 ms on a scripted clock,
+    onnxruntime's body and a conversion 2 ms."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_module, "time_call",
+                        lambda run, *a, **k: 1e-3 if run.__defaults__ else 2e-3)  # fmt: skip
+    if fallbacks_timed:
+        monkeypatch.setattr(choice_module, "first_timed", list)
+    raced = scripted_race(monkeypatch, {ONNXRUNTIME: 0.03, "nchw": 0.02, "per-node": 0.01})
+    model = conv_stack(blocks=2, channels=16, size=8, batch=1)
+    session = Session(model, threads=1, tactics="fastest")
+    assert all(c.startswith("blocked") for c in session.choices.values()), session.choices
+    assert raced == [[ONNXRUNTIME, "nchw", "per-node"] if fallbacks_timed
+                     else [ONNXRUNTIME, "per-node"]]  # fmt: skip
+
+
 def test_a_node_on_onnxruntime_merges_into_an_island(monkeypatch, tmp_path):
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
     session = _session(tactics=ONNXRUNTIME)
@@ -465,7 +539,8 @@ def test_convs_of_one_input_and_two_widths_are_timed_apart(monkeypatch, tmp_path
     nodes = {k: e["times"] for k, e in entries.items() if k.startswith("fusion.")}
     assert sorted(k.split("|")[1] for k in nodes) == ["1x8x6x6;c24x8x1x1;c24",
                                                       "1x8x6x6;c8x8x1x1;c8"]  # fmt: skip
-    offered = {tuple(sorted(v)) for v in session.offered.values()}
+    offered = {tuple(sorted(t.name for t in first_timed(ts)))  # (the NCHW fallback untimed)
+               for ts in session._built.tactics.values()}  # fmt: skip
     assert {tuple(sorted(set(t) - {ONNXRUNTIME})) for t in nodes.values()} == offered
     feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 6, 6)).astype(np.float32)}
     want = run_ort(g.model({"x": (1, 8, 6, 6)}, [a, b]), feeds)

@@ -13,9 +13,9 @@ whole plan of those choices checked against simpler ones.
   conversions each costs its neighbours (fusion/runtime/borders.py), which a node timed alone
   never sees.
 - Whole plan (`Chooser.settle`): the plan of per-node choices races the same choices kept to
-  NCHW tactics, each node's fastest kernel tactic (no onnxruntime islands: a node that loses
-  to its body alone may still win once the conversions around it count), and the model in
-  onnxruntime alone, judged by fusion/runtime/race.py. The
+  NCHW tactics (unless a fallback went untimed), each node's fastest kernel tactic (no
+  onnxruntime islands: a node that loses to its body alone may still win once the conversions
+  around it count), and the model in onnxruntime alone, judged by fusion/runtime/race.py. The
   verdict is cached; one raced under load is provisional and raced again once per process; a
   cached one is watched (`Watch`): its plan's first runs against the time the race recorded.
 - Per input shapes (`PlanTable`): the plan of the shapes the model declares, settled when the
@@ -58,6 +58,7 @@ from fusion.runtime.tactics import (
     BUDGET_S,
     ONNXRUNTIME,
     TIMING_ROUNDS,
+    first_timed,
     preferred,
     random_inputs,
     tactic_inputs,
@@ -232,12 +233,13 @@ class Chooser:
 
     # ---- per node ----------------------------------------------------------------------------
     def choose(self, shapes: dict, nchw_only: bool = False,
-               kernels_only: bool = False) -> dict[int, Tactic | None]:  # fmt: skip
+               kernels_only: bool = False) -> dict[int, Tactic | None] | None:  # fmt: skip
         """Per fused node with a kernel, the tactic it runs (None: its body in onnxruntime):
         by the policy, timing each candidate where the node's input shapes are known
         (`shapes`: value -> shape) and the timing cache has no answer yet. nchw_only: among
-        the tactics that read and write plain NCHW arrays (no layout conversions);
-        kernels_only: among the kernel's tactics (onnxruntime only where every one failed)."""
+        the tactics that read and write plain NCHW arrays (no layout conversions), None if a
+        node's NCHW tactic was not timed (a fallback); kernels_only: among the kernel's tactics
+        (onnxruntime only where every one failed)."""
         if self.policy == ONNXRUNTIME:
             return dict.fromkeys(self.kernels)
         if self.policy not in TIMED:  # "kernel", or a tactic name
@@ -287,6 +289,8 @@ class Chooser:
             times = entry["times"]
             if nchw_only:
                 blocked = {t.name for t in tactics if t.blocked_inputs or t.blocked_outputs}
+                if any(t.name not in blocked | set(times) for t in tactics):
+                    return None  # an NCHW tactic left untimed (a fallback): no NCHW plan
                 times = {k: v for k, v in times.items() if k not in blocked}
             if kernels_only and any(v < float("inf") for k, v in times.items() if k != ONNXRUNTIME):
                 times = {k: v for k, v in times.items() if k != ONNXRUNTIME}
@@ -344,7 +348,9 @@ class Chooser:
     def time_tactics(self, node, tactics: list[Tactic], shapes, consts) -> dict[str, float]:
         """Median seconds of each tactic and of onnxruntime on the node's body, on random
         inputs of the node's shapes. A tactic that fails, or returns outputs of another number,
-        dtype or shape than the body's, is never chosen (and is reported)."""
+        dtype or shape than the body's, is never chosen (and is reported). The fallbacks
+        (Tactic.fallback) are timed only if every other tactic failed; untimed, they are not
+        in the result."""
         ensure_threads(self.threads)
         inputs = random_inputs(shapes, consts)
         # The body with the node's constants as initializers, as onnxruntime would run it inside
@@ -354,7 +360,11 @@ class Chooser:
         body = inference_session(single, ISLAND, self.threads)
         expected = body.run(None, feeds)
         times, runs = {}, {}
-        for tactic in tactics:
+        first = first_timed(tactics)
+        fallbacks = [t for t in tactics if all(t is not f for f in first)]
+        for k, tactic in enumerate(first + fallbacks):
+            if k == len(first) and runs:
+                break  # a first tactic runs: the fallbacks stay untimed (not in times)
             try:
                 args = tactic_inputs(tactic, inputs)
                 _check_against_body(node, tactic, tactic.run(*args), expected)
@@ -384,8 +394,8 @@ class Chooser:
         """The plan for these shapes, checked whole. Per-node timings miss what a node costs
         its neighbours (layout conversions at the borders of a blocked region, an island cut
         in two), so the plan of per-node choices races, on `values`, the same choices kept to
-        NCHW tactics, each node's fastest kernel tactic, and the model in onnxruntime alone
-        (its defaults), judged as
+        NCHW tactics (unless a node left one untimed: a fallback), each node's fastest kernel
+        tactic, and the model in onnxruntime alone (its defaults), judged as
         fusion/runtime/race.py says: the simplest plan is kept unless another is faster by
         more than the race's noise. The verdict is cached; one raced under load is provisional
         (raced again, here or in a later process), and a cached one is watched: the chosen
@@ -402,7 +412,7 @@ class Chooser:
             "per-node": per_node,
         }
         for name in ("nchw", "kernels"):  # a candidate the same as per-node is raced once
-            if candidates[name] in (per_node, alone):
+            if candidates[name] is None or candidates[name] in (per_node, alone):
                 del candidates[name]
         if per_node == alone:  # every node lost to its body: per-node is onnxruntime's plan
             del candidates["per-node"]

@@ -39,13 +39,14 @@ _MODEL, _JOB, _SESSION, _HELPER = "model.onnx", "job.json", "session.pos", "help
 
 
 def call_once(tactics, shapes: Sequence, consts: Sequence) -> None:
-    """Each tactic once on random inputs of the node's shapes, in its layouts, as the race's
-    first call makes it (fusion/runtime/choice.py time_tactics): the same argument types, so
-    the same compiled code. A tactic that fails is left to the race, which reports it."""
-    from fusion.runtime.tactics import random_inputs, tactic_inputs
+    """Each tactic the race times first (first_timed: the fallbacks only if all are) once on
+    random inputs of the node's shapes, in its layouts, as the race's first call makes it
+    (fusion/runtime/choice.py time_tactics): the same argument types, so the same compiled
+    code. A tactic that fails is left to the race, which reports it."""
+    from fusion.runtime.tactics import first_timed, random_inputs, tactic_inputs
 
     inputs = random_inputs(shapes, consts)
-    for tactic in tactics:
+    for tactic in first_timed(tactics):
         try:
             tactic.run(*tactic_inputs(tactic, inputs))
         except Exception:  # noqa: BLE001, S112 (the race times it again and reports it)

@@ -14,7 +14,9 @@ converts at the borders of blocked regions (fusion/runtime/layout.py).
 How a node's tactic is chosen, by the session's `tactics` setting:
 - "fastest" (default): each candidate, onnxruntime included, timed on the node's input shapes
   (a few calls each, medians), the fastest kept. A node whose kernel is slower than onnxruntime
-  on its own body runs in onnxruntime, merged into its neighbours' islands.
+  on its own body runs in onnxruntime, merged into its neighbours' islands. A fallback tactic
+  (Tactic.fallback: an NCHW kernel beside blocked ones) is a candidate only where every other
+  tactic of its kernel failed (first_timed).
 - "kernels": each node's fastest kernel tactic, timed as under "fastest" (and cached alike),
   onnxruntime only where every tactic failed, no whole-plan race: what the kernels can do (the
   race's "kernels" candidate; bench/convs.py and forced-kernel model figures).
@@ -46,6 +48,14 @@ def tactics_of(kernel) -> list[Tactic]:
     if offered:
         return list(offered)
     return [Tactic("kernel", kernel)]
+
+
+def first_timed(tactics: list[Tactic]) -> list[Tactic]:
+    """The tactics a node's timing tries first, and a cold start compiles before it: all but
+    the fallbacks (Tactic.fallback), or all of them where every one is a fallback. The
+    fallbacks are timed only where every one of these failed (choice.Chooser.time_tactics)."""
+    first = [t for t in tactics if not t.fallback]
+    return first or list(tactics)
 
 
 def policy(value: str | None) -> str:
