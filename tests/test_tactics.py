@@ -445,6 +445,56 @@ def test_no_nchw_plan_is_raced_where_a_fallback_went_untimed(monkeypatch, tmp_pa
                      else [ONNXRUNTIME, "per-node"]]  # fmt: skip
 
 
+def _reshaped_conv():
+    """x [2, 8, 36, 1] reshaped by the target fed as t, then a conv: shape inference cannot
+    know the conv's input shape (as with the branches after ShuffleNet's fused channel split,
+    whose function it does not see through)."""
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "t"], ["r"]),
+         helper.make_node("Conv", ["r", "w", "b"], ["c"], pads=[1] * 4),
+         helper.make_node("Relu", ["c"], ["y"])],
+        "reshaped_conv",
+        [tensor("x", (2, 8, 36, 1)),
+         helper.make_tensor_value_info("t", onnx.TensorProto.INT64, [4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [w, b],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("run_fails", [False, True])
+def test_a_node_whose_input_shape_inference_misses_is_timed_on_a_run_s_shapes(
+    monkeypatch, tmp_path, run_fails
+):
+    """The shapes of a fused node's inputs that inference cannot give come from one run of the
+    model in onnxruntime, and the node is timed on them; if that run fails, the node runs its
+    first tactic untimed, as before."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    if run_fails:  # the run for shapes (REFERENCE settings) fails, a node's timing does not
+        real = choice_module.inference_session
+
+        def broken(model, settings, *args, **kwargs):
+            if settings is choice_module.REFERENCE:
+                raise RuntimeError("no onnxruntime today")
+            return real(model, settings, *args, **kwargs)
+
+        monkeypatch.setattr(choice_module, "inference_session", broken)
+    model = _reshaped_conv()
+    session = Session(model, threads=1, tactics="kernels")
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 8, 36, 1)).astype(np.float32),
+             "t": np.array([2, 8, 6, 6], np.int64)}  # fmt: skip
+    got = session.run(None, feeds)[0]
+    files = list(tmp_path.glob("tactics-*.json"))  # none when nothing was timed
+    entries = json.loads(files[0].read_text())["entries"] if files else {}
+    timed = [k.split("|")[1] for k in entries if k.startswith("fusion.ConvBiasRelu")]
+    assert timed == ([] if run_fails else ["2x8x6x6;c8x8x3x3;c8"])
+    want = run_ort(model, feeds)[0]
+    assert_close(got, want, 1e-4, 1e-4 * float(np.abs(want).max()))
+
+
 def test_a_node_on_onnxruntime_merges_into_an_island(monkeypatch, tmp_path):
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
     session = _session(tactics=ONNXRUNTIME)
