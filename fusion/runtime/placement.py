@@ -11,7 +11,7 @@ for the whole spin, region after region, until the load balancer moves it. Runs 
 onnxruntime 1.6: its caller never waits for a worker that has not started); placed, 2.4
 against onnxruntime's 2.2. Two processes running it at once: 21 ms median each, placed 1.9-3.2
 (onnxruntime 4.9-5.7); beside a busy single-threaded process: 7.0-9.9 ms on average, placed
-2.7-3.1 (onnxruntime 3.5-3.7; `bench/concurrent.py`; bench/NOTES.md).
+2.7-3.1 (onnxruntime 3.5-3.7; `bench/concurrency.py`; bench/NOTES.md).
 The caller keeps the CPU the system gave it (two processes' callers stay apart) and is free
 again after each run, so a thread it starts between runs inherits no pinning: three system
 calls a run (two of them about 2.5 us each here), and one per worker when the caller's CPU

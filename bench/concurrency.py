@@ -5,7 +5,7 @@ tactics, onnxruntime at its defaults: fusion.ort.DEFAULT, spinning) is timed alo
 the figures per process are its median and, in parentheses, its mean run (bimodal runs show
 in the mean), beside the same runner's alone.
 
-    python bench/concurrent.py MODEL.onnx [--batch 1] [--processes 2] [--seconds 4]
+    python bench/concurrency.py MODEL.onnx [--batch 1] [--processes 2] [--seconds 4]
                                [--runners fusion ort-all] [--tactics kernels]
 
 On mobilenet_v3_small batch 1, forced onto the kernels (`--tactics kernels --seconds 4
