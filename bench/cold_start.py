@@ -6,7 +6,7 @@ events, each function's own time: the compiles nested in it subtracted).
         [--tactics kernel] [--top 8]
 
 A second run of the same process would load everything from the cache; this measures what a
-first user, or a deployment image without `python -m kernels.warmup`, waits. The input is
+first user, or a deployment image without `python -m fusion_kernels.warmup`, waits. The input is
 seeded random data of the model's input shape (batch --batch where the size is symbolic).
 """
 

@@ -21,7 +21,7 @@ import argparse
 import numpy as np
 from onnx import numpy_helper
 
-import kernels
+import fusion_kernels
 from fusion.bench.timing import interleave
 from fusion.models import conv_stack
 from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, compare_arrays
@@ -39,13 +39,13 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--winograd-tile", type=int, default=2, choices=(2, 4))
     args = ap.parse_args()
-    kernels.set_threads(THREADS)
+    fusion_kernels.set_threads(THREADS)
     c, s, nb = args.channels, args.size, args.batch
     model = conv_stack(blocks=args.layers, channels=c, size=s, batch=nb, form="tf")
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     kw = dict(pads=(1, 1, 1, 1), activation="relu", winograd_tile=args.winograd_tile)
     plans = [
-        kernels.prepare_conv2d(inits[f"conv{i}.weight"], inits[f"conv{i}.bias"], **kw)
+        fusion_kernels.prepare_conv2d(inits[f"conv{i}.weight"], inits[f"conv{i}.bias"], **kw)
         for i in range(args.layers)
     ]
     rng = np.random.default_rng(0)
@@ -55,7 +55,7 @@ def main():
     def run_kernels():
         h = x
         for i, plan in enumerate(plans):
-            h = kernels.conv2d_bias_act(h, plan, out=bufs[i % 2])
+            h = fusion_kernels.conv2d_bias_act(h, plan, out=bufs[i % 2])
         return h
 
     none = inference_session(model, REFERENCE, THREADS)

@@ -26,11 +26,11 @@ import numba
 import numpy as np
 
 from fusion.bench.timing import interleave
-from kernels import _gemm, simd
-from kernels.config import JIT_GEMM
-from kernels.machine import cpu_identity
-from kernels.simd import Tile, tile_fma, tile_store, tile_zeros
-from kernels.simd.tile import registers
+from fusion_kernels import _gemm, simd
+from fusion_kernels.config import JIT_GEMM
+from fusion_kernels.machine import cpu_identity
+from fusion_kernels.simd import Tile, tile_fma, tile_store, tile_zeros
+from fusion_kernels.simd.tile import registers
 
 K = 256  # the micro-kernel's depth: A and B panels of K rows, both in L1
 SPARE = 4  # registers the chains leave: the two operands, the loop, one spare

@@ -34,7 +34,7 @@ SHAPES = ("128x768x768", "128x768x2304", "128x768x3072", "128x3072x768", "128x25
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.dense_gemm import dense_gemm, prepare_dense  # heavy (Numba): at build time
+    from fusion_kernels.dense_gemm import dense_gemm, prepare_dense  # heavy (Numba): at build time
 
     plan = prepare_dense(*linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4]))
     return lambda x, *_constants: (dense_gemm(x, plan),)

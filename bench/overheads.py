@@ -21,10 +21,10 @@ import fusion
 from fusion.bench.timing import interleave
 from fusion.models.builder import GraphBuilder
 from fusion.ort import DEFAULT, inference_session
-from kernels import conv2d_bias_act, prepare_conv2d, set_threads, to_blocked
-from kernels.conv_concat import conv_concat
-from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
-from kernels.fire import fire, prepare_fire
+from fusion_kernels import conv2d_bias_act, prepare_conv2d, set_threads, to_blocked
+from fusion_kernels.conv_concat import conv_concat
+from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+from fusion_kernels.fire import fire, prepare_fire
 
 
 def median_us(call, rounds, before=None) -> float:

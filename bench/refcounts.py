@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="refcounts-")
     import numba
 
-    from kernels import warmup
+    from fusion_kernels import warmup
 
     for name in args.groups or list(warmup.GROUPS):
         print(f"compiling {name}", file=sys.stderr, flush=True)

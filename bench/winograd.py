@@ -45,12 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=None, help="8 or 16 (default: the CPU's)")
     args = ap.parse_args(argv)
 
-    import kernels  # heavy (Numba): after the arguments parse
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
-    from kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
+    import fusion_kernels  # heavy (Numba): after the arguments parse
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+    from fusion_kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
 
-    kernels.set_threads(args.threads)
+    fusion_kernels.set_threads(args.threads)
     print("\n".join(machine_lines(machine())))
     print(f"batch {args.batch}, {args.threads} threads, {args.rounds} rounds interleaved in one "
           "process (onnxruntime not spinning, its reorders included)")  # fmt: skip

@@ -1,13 +1,17 @@
 """Numba CPU kernels for fused ONNX ops. This package knows nothing about ONNX graphs.
 
+The folder kernels/ installs as the package `fusion_kernels`: a top-level `kernels` is Hugging
+Face's (a dependency of transformers 5), and two packages of one name in one environment
+overwrite each other's files.
+
 One family per module, each with its validating wrapper(s), all exported here by name. The
 exports load on first use: a family module compiles (or loads from the cache) Numba code,
 which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
 A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense_gemm,
 pointwise, linear_act) is reached through the module, `kernels.fire.fire`: exporting it by
-name would shadow the module (`import kernels.fire as m` would then give the function).
+name would shadow the module (`import fusion_kernels.fire as m` would then give the function).
 
-    from kernels import conv2d_bias_act, prepare_conv2d, set_threads
+    from fusion_kernels import conv2d_bias_act, prepare_conv2d, set_threads
 """
 
 import importlib
@@ -45,7 +49,7 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name):
     module = _MODULE_OF.get(name)
     if module is None:
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

@@ -28,7 +28,7 @@ from pathlib import Path
 from numba.core import caching, dispatcher
 
 PACKAGE = Path(__file__).resolve().parent
-NAME = __name__.rpartition(".")[0]  # "kernels"
+NAME = __name__.rpartition(".")[0]  # "fusion_kernels" (the kernels/ folder, installed)
 _IMPL = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # Numba < 0.61: private
 
 
@@ -118,7 +118,10 @@ class PackageLocator(caching._CacheLocator):
         return self._inner.get_cache_path()
 
     def get_disambiguator(self):
-        return self._inner.get_disambiguator()
+        # the package's import name in the cache files' names: an index pickles the types of
+        # its signatures with their modules' names, and one written when kernels/ was imported
+        # as `kernels` imported that second copy of the package when it was read
+        return f"{NAME}-{self._inner.get_disambiguator()}"
 
     def get_source_stamp(self):
         stamp = source_stamp(self._path)

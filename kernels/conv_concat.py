@@ -8,7 +8,7 @@ nothing. The inner loops and parallel drivers are conv2d's; this module is the v
 wrapper (fire.py is the special case of branches sharing one squeeze conv's output).
 
 Example:
-    >>> from kernels import prepare_conv2d
+    >>> from fusion_kernels import prepare_conv2d
     >>> a = prepare_conv2d(np.ones((4, 3, 1, 1), np.float32), activation="relu")
     >>> b = prepare_conv2d(np.ones((5, 2, 3, 3), np.float32), pads=(1, 1, 1, 1))
     >>> x1, x2 = np.ones((1, 3, 6, 6), np.float32), np.ones((1, 2, 6, 6), np.float32)

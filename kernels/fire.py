@@ -11,7 +11,7 @@ drivers are conv2d's; this module is the validating wrapper.
 
 Example:
     >>> import numpy as np
-    >>> from kernels import prepare_conv2d
+    >>> from fusion_kernels import prepare_conv2d
     >>> sq = prepare_conv2d(np.ones((2, 3, 1, 1), np.float32), activation="relu")
     >>> e1 = prepare_conv2d(np.ones((4, 2, 1, 1), np.float32), activation="relu")
     >>> e3 = prepare_conv2d(np.ones((5, 2, 3, 3), np.float32), pads=(1, 1, 1, 1))

@@ -8,7 +8,7 @@ wrappers on tiny inputs: the same argument types as real use, so the cached sign
 ones later calls look up (a fresh output array and a channel slice of a bigger one differ, but
 with batch 1 a channel slice is contiguous: the slice case runs at batch 2).
 
-    python -m kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
+    python -m fusion_kernels.warmup [--jobs 2]      # e.g. in a deployment image, or before tests
 
 A group that fails prints its error and makes the command exit non-zero. Concurrent saves into
 Numba's cache are serialized by a file lock (kernels/_cache.py, serialize_saves), as in every
@@ -312,7 +312,7 @@ def warm_up(jobs: int = 2, groups=None) -> dict[str, float]:
 
     def one(name):
         start = time.perf_counter()
-        cmd = [sys.executable, "-m", "kernels.warmup", "--group", name]
+        cmd = [sys.executable, "-m", "fusion_kernels.warmup", "--group", name]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
             code, err = done.returncode, done.stderr
@@ -334,7 +334,7 @@ def warm_up(jobs: int = 2, groups=None) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.warmup", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fusion_kernels.warmup", description=__doc__)
     parser.add_argument("--jobs", type=int, default=2, help="processes at once (default 2)")
     parser.add_argument("--group", choices=sorted(GROUPS), help="compile one group, here")
     args = parser.parse_args(argv)

@@ -348,8 +348,8 @@ def repeat_targets(given: dict, batch: int, seq: int, heads_: int, kv_heads: int
 def make_kernel(attrs: dict, constants: list):
     """Concatenate the Q, K, V weights and pack both projections once; the kernel runs the
     whole block."""
-    from kernels.attention import attention  # heavy (Numba): at build time
-    from kernels.dense_gemm import prepare_dense
+    from fusion_kernels.attention import attention  # heavy (Numba): at build time
+    from fusion_kernels.dense_gemm import prepare_dense
 
     named = dict(zip(INPUTS, constants, strict=False))
     if "qkv_linear" in attrs:

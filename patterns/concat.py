@@ -100,8 +100,8 @@ class ConcatKernel:
     concatenation extends this one), the output has room for it in either layout."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.concat import concat_channels
+        from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from fusion_kernels.concat import concat_channels
 
         channels, b = list(attrs["channels"]), block()
         reserve = list(attrs.get("reserve", []))

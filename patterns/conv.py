@@ -275,7 +275,7 @@ def clips_only(attrs: dict) -> bool:
 
 def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
     """kernels/conv2d's plan with the clip of the epilogue (the rest: see ConvKernel)."""
-    from kernels.conv2d import prepare_conv2d  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.conv2d import prepare_conv2d  # heavy (Numba): only when a kernel is built
 
     clip = activation_keywords(attrs) if clips_only(attrs) else {}  # else: identity
     return prepare_conv2d(weight, bias, **geometry(attrs, 4), **clip)
@@ -284,7 +284,7 @@ def conv_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None):
 def blocked_plans(attrs: dict, weight: np.ndarray, bias: np.ndarray | None) -> list:
     """The conv packed for the blocked-layout kernel, once per register tile worth timing
     (none when that kernel cannot run it)."""
-    from kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
+    from fusion_kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
 
     if supports(weight.shape, attrs["group"]) is not None:
         return []
@@ -297,7 +297,7 @@ def blocked_plan(attrs: dict, weight: np.ndarray, bias: np.ndarray | None, tile:
                  in_block: int | None = None):  # fmt: skip
     """The conv packed for the blocked-layout kernel with `tile` output blocks per tile, with
     the whole epilogue (in_block: the input's channels per block, when not the default)."""
-    from kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
+    from fusion_kernels.conv_nchwc import prepare_conv_nchwc  # heavy (Numba)
 
     return prepare_conv_nchwc(weight, bias, **geometry(attrs, 4), **activation_keywords(attrs),
                               residual=attrs.get("residual"), tile=tile,
@@ -315,7 +315,7 @@ class BlockedPart:
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None,
                  winograd: bool = False, in_block: int | None = None):  # fmt: skip
-        from kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
+        from fusion_kernels.conv_nchwc import supports, tile_options  # heavy (Numba)
 
         attrs = {**attrs, **geometry(attrs, 4)}
         self.reason = supports(weight.shape, attrs["group"])
@@ -326,7 +326,7 @@ class BlockedPart:
         self.direct = blocked_plan(attrs, weight, bias, tile, in_block)
         self.in_block, self.blocks = self.direct.in_block, self.direct.out_blocks
         if winograd and self.in_block == self.direct.block:
-            from kernels.winograd_nchwc import prepare_winograd_nchwc
+            from fusion_kernels.winograd_nchwc import prepare_winograd_nchwc
 
             tiles = [t for t in (4, 2) if winograd_reason(attrs, weight, 4, t) is None]
             if tiles:
@@ -335,15 +335,15 @@ class BlockedPart:
                                                    **activation_keywords(attrs))  # fmt: skip
 
     def output_shape(self, x_shape) -> tuple:
-        from kernels.conv_nchwc import output_shape
+        from fusion_kernels.conv_nchwc import output_shape
 
         return output_shape(x_shape, self.direct)
 
     def bind(self, xb, out, at: int):
         """write(xb, out, at) specialized for arrays of these shapes: f(xb, out) -> out
         (kernels' bind_conv_nchwc, bind_winograd_nchwc)."""
-        from kernels.conv_nchwc import bind_conv_nchwc
-        from kernels.winograd_nchwc import bind_winograd_nchwc
+        from fusion_kernels.conv_nchwc import bind_conv_nchwc
+        from fusion_kernels.winograd_nchwc import bind_winograd_nchwc
 
         if self.wino is None:
             return bind_conv_nchwc(xb, self.direct, out=out, at=at)
@@ -351,8 +351,8 @@ class BlockedPart:
 
     def write(self, xb, out, at: int):
         """Its output into blocks at, at + 1, ... of the blocked array `out`."""
-        from kernels.conv_nchwc import conv_nchwc
-        from kernels.winograd_nchwc import winograd_nchwc
+        from fusion_kernels.conv_nchwc import conv_nchwc
+        from fusion_kernels.winograd_nchwc import winograd_nchwc
 
         if self.wino is None:
             conv_nchwc(xb, self.direct, out=out, at=at)
@@ -363,7 +363,7 @@ class BlockedPart:
 def blocked_concat(parts: list[BlockedPart], xs) -> np.ndarray:
     """concat_1(part_k(xs[k])) in the blocked layout, each part writing its own blocks (every
     part but the last holds whole blocks: patterns/concat.why_not_blocked)."""
-    from kernels.workspace import empty  # heavy (Numba)
+    from fusion_kernels.workspace import empty  # heavy (Numba)
 
     shapes = [p.output_shape(x.shape) for p, x in zip(parts, xs, strict=True)]
     n, _, oh, ow, b = shapes[0]
@@ -381,7 +381,7 @@ def blocked_concat(parts: list[BlockedPart], xs) -> np.ndarray:
 def bind_blocked_concat(parts: list[BlockedPart], xs):
     """blocked_concat(parts, xs) specialized for arrays of these shapes: f(xs) -> y, the
     parts' calls bound (BlockedPart.bind) and y's shape worked out once."""
-    from kernels.workspace import allocator  # heavy (Numba)
+    from fusion_kernels.workspace import allocator  # heavy (Numba)
 
     y = blocked_concat(parts, xs)  # checks the shapes
     calls, at = [], 0
@@ -414,7 +414,7 @@ def winograd_reason(attrs: dict, weight: np.ndarray, rank: int, tile: int = 2) -
     if switch not in ("0", "2", "4") or (tile == 4 and switch != "4") or switch == "0":
         return (f"the blocked Winograd F({tile}x{tile}) is turned off ({WINOGRAD_SWITCH}="
                 f"{switch!r}; 4 offers F(2x2) and F(4x4), 2 F(2x2) only)")  # fmt: skip
-    from kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
+    from fusion_kernels.winograd_nchwc import MAX_F4_CHANNELS, supports  # heavy (Numba)
 
     if rank != 4:
         return "a 1-D conv: Winograd runs 2-D convs only"
@@ -432,9 +432,11 @@ class ConvKernel:
     "blocked-f4" = 4 output blocks per tile), then that NCHW path (their fallback)."""
 
     def __init__(self, attrs: dict, weight: np.ndarray, bias: np.ndarray | None, rank: int):
-        from kernels.conv2d import conv2d_bias_act  # heavy (Numba): only when a kernel is built
-        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
-        from kernels.pointwise import pointwise, prepare_pointwise
+        from fusion_kernels.conv2d import (
+            conv2d_bias_act,  # heavy (Numba): only when a kernel is built
+        )
+        from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
+        from fusion_kernels.pointwise import pointwise, prepare_pointwise
 
         attrs = {**attrs, **geometry(attrs, rank)}
         nchw = conv_plan(attrs, weight, bias)
@@ -489,7 +491,7 @@ class ConvKernel:
             )  # fmt: skip
 
         def wino_tactic(tile):
-            from kernels.winograd_nchwc import (
+            from fusion_kernels.winograd_nchwc import (
                 bind_winograd_nchwc,
                 prepare_winograd_nchwc,
                 winograd_nchwc,
@@ -546,7 +548,7 @@ def nhwc_input(kernel: ConvKernel):
     of C channels is already the blocked layout at C channels per block ([N, 1, H, W, C]): a
     blocked tactic that reads blocks of C (a stem's 3) takes x as it is, the others transpose
     it first."""
-    from kernels.blocked import to_blocked  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.blocked import to_blocked  # heavy (Numba): only when a kernel is built
 
     def nchw(x):
         return np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2)))

@@ -108,8 +108,8 @@ class ConvConcatKernel:
     is no blocked tactic, when there is none."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.conv_concat import conv_concat
+        from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from fusion_kernels.conv_concat import conv_concat
 
         count = attrs["branches"]
         constants = [*constants, *[None] * (count * CONV_INPUTS - len(constants))]

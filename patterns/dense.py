@@ -65,9 +65,9 @@ def check(m) -> str | None:
 
 
 def make_kernel(attrs: dict, constants: list):
-    from kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
-    from kernels.linear_act import linear_act
-    from kernels.simd.activation import encode
+    from fusion_kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
+    from fusion_kernels.linear_act import linear_act
+    from fusion_kernels.simd.activation import encode
 
     w, b = linear_params(attrs["fc_linear"], *(list(constants) + [None] * 3)[1:4])
     plan = prepare_dense(w, b, encode(**activation_keywords(attrs)))  # W [K, M] packed once

@@ -85,7 +85,7 @@ def _convs(attrs: dict, constants: list) -> dict:
 def fire_plan(attrs: dict, constants: list, convs: dict | None = None):
     """The kernel's FirePlan: the three convs' weights packed, the branches in Concat order
     (convs: _convs' result, when made already)."""
-    from kernels.fire import prepare_fire  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.fire import prepare_fire  # heavy (Numba): only when a kernel is built
 
     convs = _convs(attrs, constants) if convs is None else convs
     plans = {prefix: conv_plan(*c) for prefix, c in convs.items()}
@@ -103,9 +103,9 @@ class FireKernel:
     none."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
-        from kernels.fire import fire
+        from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
+        from fusion_kernels.fire import fire
 
         convs = _convs(attrs, constants)  # folded once for every tactic
         plan = fire_plan(attrs, constants, convs)

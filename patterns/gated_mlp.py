@@ -65,8 +65,11 @@ def attributes(m) -> dict:
 def make_kernel(attrs: dict, constants: list):
     """The gate and up weights side by side, every product packed once; one kernel for the
     block."""
-    from kernels.linear_act import gated_mlp, prepare_gated_mlp  # heavy (Numba): at build time
-    from kernels.simd.activation import encode
+    from fusion_kernels.linear_act import (  # heavy (Numba): at build time
+        gated_mlp,
+        prepare_gated_mlp,
+    )
+    from fusion_kernels.simd.activation import encode
 
     named = dict(zip(INPUTS, constants, strict=False))
     (wg, bg), (wu, bu), (wd, bd) = (

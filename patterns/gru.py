@@ -121,7 +121,7 @@ def cell_weights(attrs: dict, weights: list):
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs one step."""
-    from kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
+    from fusion_kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
 
     plan = prepare_gru(*cell_weights(attrs, constants[2:]), attrs["linear_before_reset"])
 

@@ -68,7 +68,7 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack each direction's weights once; the returned function runs the whole op."""
-    from kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
+    from fusion_kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
 
     w, r, b = (list(constants) + [None] * 5)[2:5]
     hidden, dirs = r.shape[-1], r.shape[0]

@@ -84,7 +84,7 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs all steps."""
-    from kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
+    from fusion_kernels.gru import gru_sequence, prepare_gru  # heavy (Numba): only when built
 
     steps, folded = attrs["steps"], attrs["folded"]
     n_x = 1 if folded else steps

@@ -145,9 +145,9 @@ class InvertedResidualKernel:
     p_ attributes (ExpandDepthwise) the block stops at d."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block_size, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
-        from kernels.inverted_residual import (
+        from fusion_kernels.blocked import block_size, from_blocked, to_blocked  # heavy (Numba)
+        from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc
+        from fusion_kernels.inverted_residual import (
             bind_inverted_residual,
             inverted_residual,
             prepare_inverted_residual,

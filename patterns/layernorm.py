@@ -84,9 +84,9 @@ def attributes(m) -> dict:
 
 
 def row_tactics(run_with):
-    """The kernel run_with(None) (rows in parallel from kernels.layernorm.SERIAL_MAX values on,
-    a threshold measured on one CPU), with tactics that time both drivers on the node's shape:
-    "rows" (that default), "rows-parallel", "rows-serial"."""
+    """The kernel run_with(None) (rows in parallel from kernels/layernorm.py's SERIAL_MAX values
+    on, a threshold measured on one CPU), with tactics that time both drivers on the node's
+    shape: "rows" (that default), "rows-parallel", "rows-serial"."""
     run = run_with(None)
     run.tactics = [Tactic("rows", run), Tactic("rows-parallel", run_with(True)),
                    Tactic("rows-serial", run_with(False))]  # fmt: skip
@@ -95,7 +95,7 @@ def row_tactics(run_with):
 
 def make_kernel(attrs: dict, constants: list, rms: bool = False):
     """LayerNorm (or RMSNorm) of x with g (and b)."""
-    from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
+    from fusion_kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
 
     eps = attrs["epsilon"]
 
@@ -114,7 +114,7 @@ def make_rms_kernel(attrs: dict, constants: list):
 
 def make_skip_kernel(attrs: dict, constants: list):
     """LayerNorm of x + r, and x + r."""
-    from kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
+    from fusion_kernels.layernorm import layer_norm as norm  # heavy (Numba): at build time
 
     eps = attrs["epsilon"]
 

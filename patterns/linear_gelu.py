@@ -115,9 +115,9 @@ def attributes(m) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack W and the bias once; the kernel reshapes as the matched Reshapes did."""
-    from kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
-    from kernels.linear_act import linear_act
-    from kernels.simd.activation import encode
+    from fusion_kernels.dense_gemm import bind_dense_gemm, prepare_dense  # heavy (Numba): at build
+    from fusion_kernels.linear_act import linear_act
+    from fusion_kernels.simd.activation import encode
 
     weight, bias = linear_params(attrs["fc_linear"], *constants[1:4])
     plan = prepare_dense(weight, bias, encode(**activation_keywords(attrs)))

@@ -172,7 +172,10 @@ def cell_weights(attrs: dict, weights: list):
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs one step."""
-    from kernels.lstm import lstm_cell, prepare_lstm  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.lstm import (  # heavy (Numba): only when a kernel is built
+        lstm_cell,
+        prepare_lstm,
+    )
 
     plan = prepare_lstm(*cell_weights(attrs, constants[3:]))
 

@@ -94,7 +94,7 @@ def onnx_weights(w, r, b, direction: int, hidden: int):
 
 def make_kernel(attrs: dict, constants: list):
     """Pack each direction's weights once; the returned function runs the whole op."""
-    from kernels.lstm import lstm_sequence, prepare_lstm  # heavy (Numba): only when built
+    from fusion_kernels.lstm import lstm_sequence, prepare_lstm  # heavy (Numba): only when built
 
     w, r, b = (list(constants) + [None] * 6)[3:6]
     hidden, dirs = r.shape[-1], r.shape[0]

@@ -159,7 +159,7 @@ def attributes(m: Match) -> dict:
 
 def make_kernel(attrs: dict, constants: list):
     """Pack the weights once; the returned function runs all steps."""
-    from kernels.lstm import lstm_sequence, prepare_lstm  # heavy (Numba): only when built
+    from fusion_kernels.lstm import lstm_sequence, prepare_lstm  # heavy (Numba): only when built
 
     steps, folded = attrs["steps"], attrs.get("folded", 0)
     n_x = 1 if folded else steps

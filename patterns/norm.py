@@ -45,8 +45,8 @@ class BatchNormKernel:
     """Tactics: blocked (a 4-D x), then NCHW (its fallback, when there is a blocked one)."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
+        from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from fusion_kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
         s, t = bn_affine(*constants[1:5], attrs["epsilon"])
         plan = prepare_pointwise(s.size, s, t, **activation_keywords(attrs))

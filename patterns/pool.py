@@ -22,7 +22,7 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
-from kernels.windows import prepare_maxpool
+from fusion_kernels.windows import prepare_maxpool
 from patterns.conv import check_pad, pad_amounts, padded
 
 
@@ -40,7 +40,7 @@ def with_blocked(run, blocked_run, attrs: dict, keeps_layout: bool = True, bind=
     too when `keeps_layout`; `bind` its Tactic.bind) if the channel count is known, then `run`
     itself, the blocked one's fallback (timed per node on Zen 4 the blocked pools won 57 of 57
     at W = 16, 31 of 34 with the 8-lane code: bench/NOTES.md)."""
-    from kernels.blocked import block  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
 
     channels = attrs.get("channels")
     run.tactics = [Tactic("nchw", run, fallback=bool(channels))]
@@ -109,7 +109,7 @@ def check(m) -> str | None:
 def make_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, the blocked-layout one first as a tactic
     (between blocked convs it saves two layout conversions)."""
-    from kernels.pool import (  # heavy (Numba): only when built
+    from fusion_kernels.pool import (  # heavy (Numba): only when built
         bind_maxpool_blocked,
         maxpool2d,
         maxpool_blocked,
@@ -170,7 +170,7 @@ RULE = Rule(
 def make_gap_kernel(attrs: dict, constants: list):
     """The NCHW kernel; with the channel count known, first a tactic reading the blocked
     layout (after a blocked conv, no conversion before the head)."""
-    from kernels.pool import (  # heavy (Numba)
+    from fusion_kernels.pool import (  # heavy (Numba)
         bind_global_average_pool_blocked,
         global_average_pool,
         global_average_pool_blocked,
@@ -279,7 +279,7 @@ def make_avg_kernel(attrs: dict, constants: list):
     """The window means (kernels/pool.py tiled_average_pool): NCHW, and blocked ([N, CB, H,
     W, b]) when the channel count is known. (NumPy's mean over the window axes of a reshaped
     view took 0.68 ms a DenseNet transition, onnxruntime 0.02.)"""
-    from kernels.pool import tiled_average_pool  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.pool import tiled_average_pool  # heavy (Numba): only when a kernel is built
 
     kh, kw = attrs["kernel_shape"]
 
@@ -333,7 +333,7 @@ def mean_attributes(m) -> dict:
 def make_mean_kernel(attrs: dict, constants: list):
     """GlobalAveragePool's plane means, NCHW (any rank-3/4 x) and, for [N, C, H, W] with the
     channel count known, read from the blocked layout; the output NCHW, shaped as ReduceMean's."""
-    from kernels.pool import global_average_pool, global_average_pool_blocked  # heavy
+    from fusion_kernels.pool import global_average_pool, global_average_pool_blocked  # heavy
 
     ones = (1,) * (attrs["rank"] - 2) if attrs["keepdims"] else ()
 

@@ -76,10 +76,10 @@ class PreActConvKernel:
     and the conv (its output through memory); called on NCHW it runs the first."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import conv_nchwc, tile_options
-        from kernels.pointwise import pointwise_blocked
-        from kernels.preact_conv import bind_preact_conv, preact_conv, prepare_preact_conv
+        from fusion_kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
+        from fusion_kernels.conv_nchwc import conv_nchwc, tile_options
+        from fusion_kernels.pointwise import pointwise_blocked
+        from fusion_kernels.preact_conv import bind_preact_conv, preact_conv, prepare_preact_conv
 
         k = 1 + len(BN)
         s, t = bn_affine(*constants[1:k], attrs["n_epsilon"])

@@ -233,8 +233,8 @@ def attributes(m: Match) -> dict:
 def make_kernel(attrs: dict, constants: list):
     """One gather per output, from the shuffle's map cut at the Split's sizes; tactics blocked
     (every part and output in the blocked layout), then NCHW."""
-    from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-    from kernels.shuffle import (
+    from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.shuffle import (
         bind_channel_gathers_blocked,
         channel_gather,
         channel_gathers_blocked,

@@ -112,8 +112,8 @@ def check_gated(m) -> str | None:
 def gate_plan(attrs: dict, constants: list):
     """The gate's two 1x1 convs (their biases and activations) as one
     kernels/squeeze_excite.py plan; constants in INPUTS' order."""
-    from kernels.simd.activation import encode  # heavy (Numba): only when a kernel is built
-    from kernels.squeeze_excite import prepare_squeeze_excite
+    from fusion_kernels.simd.activation import encode  # heavy (Numba): only when a kernel is built
+    from fusion_kernels.squeeze_excite import prepare_squeeze_excite
 
     convs = []
     for k, p in enumerate(PREFIXES):  # each 1x1 conv: W [M, C], bias, activation
@@ -130,12 +130,12 @@ class SqueezeExciteKernel:
     shapes), then NCHW. All compute the gate the same way from the plane means."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block  # heavy (Numba): only when a kernel is built
-        from kernels.dense_gemm import prepare_dense
-        from kernels.linear_act import linear_act
-        from kernels.pointwise import pointwise, prepare_pointwise
-        from kernels.pool import global_average_pool
-        from kernels.squeeze_excite import squeeze_excite_blocked
+        from fusion_kernels.blocked import block  # heavy (Numba): only when a kernel is built
+        from fusion_kernels.dense_gemm import prepare_dense
+        from fusion_kernels.linear_act import linear_act
+        from fusion_kernels.pointwise import pointwise, prepare_pointwise
+        from fusion_kernels.pool import global_average_pool
+        from fusion_kernels.squeeze_excite import squeeze_excite_blocked
 
         convs, se_plan = gate_plan(attrs, constants)
         self.layers = [prepare_dense(w.T, b, act) for w, b, act in convs]  # W [C, M]
@@ -203,9 +203,9 @@ class SqueezeExciteConvKernel:
     Called on NCHW tensors it converts them and runs the first."""
 
     def __init__(self, attrs: dict, constants: list):
-        from kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
-        from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
-        from kernels.squeeze_excite import (
+        from fusion_kernels.blocked import block, from_blocked, to_blocked  # heavy (Numba)
+        from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, tile_options
+        from fusion_kernels.squeeze_excite import (
             bind_gated_weights,
             bind_squeeze_excite_blocked,
             gated_weights,

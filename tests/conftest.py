@@ -41,14 +41,14 @@ if "FUSION_CACHE_DIR" not in os.environ:
 def pytest_configure(config):
     # Tests call kernels directly, outside a fusion.Session: give their Numba thread pool the
     # settings a session applies (kernels.config.apply_thread_settings), in every process.
-    from kernels.config import apply_thread_settings
+    from fusion_kernels.config import apply_thread_settings
 
     apply_thread_settings()
     if hasattr(config, "workerinput") or os.environ.get("FUSION_NO_WARMUP") == "1":
         return  # an xdist worker: the controller has done it
     if not config.getoption("numprocesses", None):
         return
-    from kernels.warmup import warm_up
+    from fusion_kernels.warmup import warm_up
 
     try:
         warm_up(jobs=max(1, min(4, os.cpu_count() or 1)))

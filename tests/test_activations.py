@@ -17,12 +17,12 @@ from helpers import GraphBuilder, assert_close, fused_ops, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
-from kernels.blocked import from_blocked, to_blocked
-from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
-from kernels.dense_gemm import prepare_dense
-from kernels.linear_act import linear_act
-from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
-from kernels.simd.activation import KINDS, encode
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+from fusion_kernels.dense_gemm import prepare_dense
+from fusion_kernels.linear_act import linear_act
+from fusion_kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
+from fusion_kernels.simd.activation import KINDS, encode
 
 RTOL, ATOL = 1e-4, 1e-5
 f32 = np.float32

@@ -11,8 +11,8 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels.attention import attention, attention_core
-from kernels.dense_gemm import prepare_dense
+from fusion_kernels.attention import attention, attention_core
+from fusion_kernels.dense_gemm import prepare_dense
 
 WIDTHS = (8, 16)
 E = 12  # embedding

@@ -43,7 +43,7 @@ from fusion.cli import main
 from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
 from fusion.models.builder import GraphBuilder
-from kernels.blocked import block
+from fusion_kernels.blocked import block
 from patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,

@@ -23,8 +23,8 @@ def assert_same(bound, general, what=""):
 
 @pytest.mark.parametrize("block", [8, 16])
 def test_bound_convs_match_the_general_call(block):
-    from kernels.blocked import to_blocked
-    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
 
     cases = [  # weight shape, group, stride, pads, residual, input shape
         ((24, 16, 1, 1), 1, 1, 0, None, (2, 16, 7, 9)),
@@ -52,9 +52,9 @@ def test_bound_convs_match_the_general_call(block):
 def test_bound_winograd_matches_the_general_call_and_its_fallback(block, tile):
     """The bound Winograd call, whole or writing a part of a larger output, gives the general
     call's outputs; an inf or NaN in x sends both to the direct conv (onnxruntime's NaNs)."""
-    from kernels.blocked import to_blocked
-    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
-    from kernels.winograd_nchwc import (
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+    from fusion_kernels.winograd_nchwc import (
         bind_winograd_nchwc,
         prepare_winograd_nchwc,
         winograd_nchwc,
@@ -95,10 +95,10 @@ def test_bound_winograd_matches_the_general_call_and_its_fallback(block, tile):
 @pytest.mark.parametrize("block", [8, 16])
 @pytest.mark.parametrize("one_region", [False, True])
 def test_bound_squeeze_excitation_matches_the_general_calls(block, one_region):
-    from kernels.blocked import to_blocked
-    from kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
-    from kernels.simd.activation import encode
-    from kernels.squeeze_excite import (
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.conv_nchwc import bind_conv_nchwc, conv_nchwc, prepare_conv_nchwc
+    from fusion_kernels.simd.activation import encode
+    from fusion_kernels.squeeze_excite import (
         bind_gated_weights,
         bind_squeeze_excite_blocked,
         gated_weights,
@@ -127,14 +127,14 @@ def test_bound_squeeze_excitation_matches_the_general_calls(block, one_region):
 
 @pytest.mark.parametrize("block", [8, 16])
 def test_bound_pools_match_the_general_calls_on_views_too(block):
-    from kernels.blocked import to_blocked
-    from kernels.pool import (
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.pool import (
         bind_global_average_pool_blocked,
         bind_maxpool_blocked,
         global_average_pool_blocked,
         maxpool_blocked,
     )
-    from kernels.windows import prepare_maxpool
+    from fusion_kernels.windows import prepare_maxpool
 
     plan = prepare_maxpool((3, 3), strides=(2, 2), pads=(1, 1, 1, 1))
     x = to_blocked(rand(3, 40, 13, 11), block)
@@ -149,9 +149,9 @@ def test_bound_pools_match_the_general_calls_on_views_too(block):
 @pytest.mark.parametrize("block", [8, 16])
 @pytest.mark.parametrize("parts", [1, 2])
 def test_bound_inverted_residual_matches_the_general_call(monkeypatch, block, parts):
-    import kernels.inverted_residual as K
-    from kernels.blocked import to_blocked
-    from kernels.config import get_threads, set_threads
+    import fusion_kernels.inverted_residual as K
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.config import get_threads, set_threads
 
     if parts == 2:  # one small image, its expanded channels cut in two parts (partial sums)
         monkeypatch.setattr(K, "channel_cuts", lambda *a: K.block_cuts(-(-a[1] // a[10]), 1, 2))
@@ -203,7 +203,7 @@ def kernel_steps(session, feeds):
 
 
 def test_a_step_binds_per_input_shape_and_thread_count():
-    from kernels.config import get_threads, set_threads
+    from fusion_kernels.config import get_threads, set_threads
 
     model, result, session, feeds, want = conv_chain_session()
     assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5)
@@ -354,8 +354,8 @@ def test_a_value_that_is_not_a_float_array_keeps_the_steps():
 def test_bound_dense_products_match_the_general_call(width):
     """The bound product (LinearAct's, LinearGelu's) gives dense_gemm's outputs on rows of
     1 to 100, with and without a residual (one row broadcast, or whole), x read-only too."""
-    from kernels.dense_gemm import bind_dense_gemm, dense_gemm, prepare_dense
-    from kernels.simd.activation import encode
+    from fusion_kernels.dense_gemm import bind_dense_gemm, dense_gemm, prepare_dense
+    from fusion_kernels.simd.activation import encode
 
     for m, k, n, residual in ((1, 17, 33, None), (3, 40, 24, "row"), (17, 64, 100, "whole"),
                               (100, 31, 7, None), (0, 8, 8, None)):  # fmt: skip

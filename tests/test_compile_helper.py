@@ -19,7 +19,7 @@ from fusion.catalog import Tactic
 
 # ---- claims --------------------------------------------------------------------------------
 def test_a_miss_claims_the_entry_and_a_save_releases_it(tmp_path):
-    from kernels import _cache
+    from fusion_kernels import _cache
 
     path = str(tmp_path / ".claim-a")
     assert _cache.claim_or_wait(path, lambda: None) is None  # claimed: this process compiles
@@ -30,7 +30,7 @@ def test_a_miss_claims_the_entry_and_a_save_releases_it(tmp_path):
 
 
 def test_a_miss_waits_for_a_live_claimer_and_loads_what_it_saved(tmp_path, monkeypatch):
-    from kernels import _cache
+    from fusion_kernels import _cache
 
     monkeypatch.setattr(_cache, "CLAIM_POLL_S", 0.001)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -52,7 +52,7 @@ def test_a_miss_waits_for_a_live_claimer_and_loads_what_it_saved(tmp_path, monke
 
 @pytest.mark.parametrize("case", ["dead", "stale", "ours"])
 def test_an_abandoned_claim_is_taken_over(tmp_path, case):
-    from kernels import _cache
+    from fusion_kernels import _cache
 
     path = tmp_path / ".claim-c"
     if case == "dead":
@@ -75,7 +75,7 @@ def test_a_failed_compile_releases_its_claims(tmp_path, monkeypatch):
     made is gone (another process would otherwise wait on it)."""
     import numba
 
-    from kernels import _cache  # importing kernels installs the claims
+    from fusion_kernels import _cache  # importing kernels installs the claims
 
     claimed = []
     real = _cache.claim_or_wait

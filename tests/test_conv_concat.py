@@ -21,9 +21,9 @@ import fusion
 from fusion.numerics import compare_arrays
 from fusion.runtime import Session
 from fusion.runtime.kernel import node_attributes
-from kernels import conv2d_bias_act, prepare_conv2d
-from kernels.blocked import block
-from kernels.conv_concat import conv_concat
+from fusion_kernels import conv2d_bias_act, prepare_conv2d
+from fusion_kernels.blocked import block
+from fusion_kernels.conv_concat import conv_concat
 from patterns import conv_concat as conv_concat_pattern
 
 CATALOG = fusion.default_catalog()

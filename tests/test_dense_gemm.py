@@ -15,12 +15,12 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels._gemm import row_tile
-from kernels.config import get_threads, set_threads
-from kernels.dense_gemm import blocking, dense_gemm, prepare_dense
-from kernels.machine import cache_bytes
-from kernels.simd.activation import encode
-from kernels.simd.tile import tile
+from fusion_kernels._gemm import row_tile
+from fusion_kernels.config import get_threads, set_threads
+from fusion_kernels.dense_gemm import blocking, dense_gemm, prepare_dense
+from fusion_kernels.machine import cache_bytes
+from fusion_kernels.simd.activation import encode
+from fusion_kernels.simd.tile import tile
 
 WIDTHS = (8, 16)
 SIZES = (1, 3, 17, 100)

@@ -26,9 +26,9 @@ import fusion
 from fusion.numerics import compare_arrays
 from fusion.runtime import Session
 from fusion.runtime.kernel import node_attributes
-from kernels import conv2d_bias_act, prepare_conv2d
-from kernels.blocked import block
-from kernels.fire import fire, prepare_fire
+from fusion_kernels import conv2d_bias_act, prepare_conv2d
+from fusion_kernels.blocked import block
+from fusion_kernels.fire import fire, prepare_fire
 from patterns import fire as fire_pattern
 
 CATALOG = fusion.default_catalog()

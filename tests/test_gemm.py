@@ -14,9 +14,9 @@ import pytest
 from helpers import naive_conv, naive_lstm
 
 from fusion.models import LSTMWeights
-from kernels import _gemm
-from kernels.conv2d import conv2d_bias_act, output_shape, prepare_conv2d
-from kernels.lstm import lstm_sequence, prepare_lstm
+from fusion_kernels import _gemm
+from fusion_kernels.conv2d import conv2d_bias_act, output_shape, prepare_conv2d
+from fusion_kernels.lstm import lstm_sequence, prepare_lstm
 
 WIDTHS = (8, 16)
 SIZES = (1, 3, 17, 100)

@@ -10,10 +10,10 @@ from onnx import TensorProto, helper, numpy_helper
 import fusion
 from fusion.models import GRUWeights, native_gru, unrolled_gru
 from fusion.runtime import Session
-from kernels import gru as gru_kernel
-from kernels import lstm as kernel
-from kernels.config import get_threads, set_threads
-from kernels.gru import gru_sequence, prepare_gru
+from fusion_kernels import gru as gru_kernel
+from fusion_kernels import lstm as kernel
+from fusion_kernels.config import get_threads, set_threads
+from fusion_kernels.gru import gru_sequence, prepare_gru
 
 CATALOG = fusion.default_catalog()
 ATOL = 1e-5

@@ -93,8 +93,8 @@ def test_fuses_and_both_tactics_match_onnxruntime(c, t, m, s, k, hw, batch, acts
 @pytest.mark.parametrize("c,t,m,s,k,hw,batch", [(17, 6, 17, 1, 3, 13, 2), (3, 1, 5, 2, 5, 7, 1)])
 def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
     """kernels/inverted_residual.py on the weights of the graph, against the graph."""
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.inverted_residual import inverted_residual, prepare_inverted_residual
 
     g = GraphBuilder(opset=17)
     y, (we, be, wd, bd, wp, bp) = block(g, "x", c, t, m, s, k)
@@ -111,12 +111,12 @@ def test_the_block_is_compiled_once_for_every_pair_of_tiles():
     """The 1x1 convs' serial work is the direct kernel's, compiled per register tile and shared
     with conv_nchwc; the block's driver and item around it are compiled once (a parallel loop
     per pair of tiles, ~10 s of compile each, made MobileNetV2's cold start 2x longer)."""
-    from kernels import _blocked_geometry as geo
-    from kernels import _inverted_residual_blocked as ir
-    from kernels.blocked import to_blocked
-    from kernels.conv_nchwc import tile_item
-    from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
-    from kernels.simd import lanes, width
+    from fusion_kernels import _blocked_geometry as geo
+    from fusion_kernels import _inverted_residual_blocked as ir
+    from fusion_kernels.blocked import to_blocked
+    from fusion_kernels.conv_nchwc import tile_item
+    from fusion_kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+    from fusion_kernels.simd import lanes, width
 
     b = width()
     x = to_blocked(weights(1, b, 6, 6), block=b)
@@ -139,8 +139,8 @@ def test_the_block_is_compiled_once_for_every_pair_of_tiles():
 
 
 def test_bands_fit_l2_and_feed_every_thread():
-    from kernels.inverted_residual import L2_SHARE, bands
-    from kernels.machine import cache_bytes
+    from fusion_kernels.inverted_residual import L2_SHARE, bands
+    from fusion_kernels.machine import cache_bytes
 
     parts, rows = bands(1, 56, 56, 56, 9, 16, 3, 1, 2)  # one image, two threads: two parts
     assert parts == 2 and 1 <= rows <= 28
@@ -159,8 +159,8 @@ def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k,
     """Bands of 1 to a few rows (a tiny L2): each band moves the k - s rows of e it shares with
     the one before to the top of its scratch and computes the rest; parts of an image start
     afresh. Against onnxruntime on the graph, strides 1 and 2, k 3 and 5."""
-    import kernels.inverted_residual as K
-    from kernels.blocked import from_blocked, to_blocked
+    import fusion_kernels.inverted_residual as K
+    from fusion_kernels.blocked import from_blocked, to_blocked
 
     monkeypatch.setattr(K, "cache_bytes", lambda level: budget)
     g = GraphBuilder(opset=17)
@@ -255,14 +255,14 @@ def test_channel_parts_of_a_small_image(monkeypatch, c, t, m, k, hw, acts, resid
     """One small image on two threads: each thread takes part of the expanded channels over
     every row (no shared rows computed twice), its projection's partial sums added with the
     epilogue after (taken whatever channel_cuts would choose); against onnxruntime."""
-    import kernels.inverted_residual as K
+    import fusion_kernels.inverted_residual as K
 
     def two_parts(c, e, m, h, w, oh, ow, k, s, parts, b, fb, threads, expand):
         return K.block_cuts(-(-e // b), fb if expand else 1, 2)
 
     monkeypatch.setattr(K, "channel_cuts", two_parts)
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.config import get_threads, set_threads
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.config import get_threads, set_threads
 
     g = GraphBuilder(opset=17)
     y, (we, be, wd, bd, wp, bp) = block(g, "x", c, t, m, 1, k, residual=residual, acts=acts)
@@ -288,7 +288,7 @@ def test_channel_parts_of_a_small_image(monkeypatch, c, t, m, k, hw, acts, resid
 
 
 def test_channel_cuts_where_rows_would_compute_shared_rows_twice():
-    from kernels.inverted_residual import channel_cuts
+    from fusion_kernels.inverted_residual import channel_cuts
 
     # 7x7, 160 -> 960 -> 160, two runs of rows would expand 6 + 5 rows: channel parts instead
     assert channel_cuts(160, 960, 160, 7, 7, 7, 7, 3, 1, 2, 16, 4, 2, True) == [0, 32, 60]
@@ -348,9 +348,9 @@ def test_expand_depthwise_kernel_in_bands_and_channel_parts(monkeypatch, hw, par
     """The kernel alone against onnxruntime on the graph's d: a large image in several bands
     of rows per run, and a small one whose two threads take half of the channels each (their
     blocks of d written straight into y: no partial sums to add)."""
-    import kernels.inverted_residual as K
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.config import get_threads, set_threads
+    import fusion_kernels.inverted_residual as K
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.config import get_threads, set_threads
 
     if parts == 2:
         monkeypatch.setattr(K, "channel_cuts", lambda *a: K.block_cuts(-(-a[1] // a[10]), 1, 2))
@@ -376,7 +376,7 @@ def test_expand_depthwise_kernel_in_bands_and_channel_parts(monkeypatch, hw, par
 
 
 def test_a_block_that_stops_at_d_needs_the_expand():
-    from kernels.inverted_residual import prepare_inverted_residual
+    from fusion_kernels.inverted_residual import prepare_inverted_residual
 
     wd, bd = weights(8, 1, 3, 3), weights(8)
     with pytest.raises(ValueError, match="without a projection the block needs we"):

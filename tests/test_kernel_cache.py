@@ -25,15 +25,15 @@ def probe(x):
 
 RUN = """
 import numpy as np
-import kernels
-import kernels._probe as p
-assert kernels.__file__.startswith({root!r}), kernels.__file__
+import fusion_kernels
+import fusion_kernels._probe as p
+assert fusion_kernels.__file__.startswith({root!r}), fusion_kernels.__file__
 print("value", float(p.probe(np.float32(0.0))))
 """
 
 
 def test_a_change_in_an_imported_module_recompiles_and_one_elsewhere_does_not(tmp_path):
-    package = tmp_path / "kernels"
+    package = tmp_path / "fusion_kernels"
     shutil.copytree(ROOT / "kernels", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "_probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "cache"),
@@ -64,7 +64,7 @@ def test_a_change_in_an_imported_module_recompiles_and_one_elsewhere_does_not(tm
 
 def test_names_after_a_comment_in_a_parenthesized_import_are_followed(tmp_path, monkeypatch):
     """`from . import (\n a,  # why\n b,\n)`: b is imported too (the comment hid it once)."""
-    from kernels import _cache
+    from fusion_kernels import _cache
 
     package = Path(_cache.PACKAGE)
     source = package / "_gemm.py"
@@ -74,9 +74,10 @@ def test_names_after_a_comment_in_a_parenthesized_import_are_followed(tmp_path, 
     monkeypatch.setattr(
         _cache,
         "module_file",
-        lambda name: {"kernels._gemm": source, "kernels._winograd": package / "_winograd.py"}.get(
-            name
-        ),
+        lambda name: {
+            "fusion_kernels._gemm": source,
+            "fusion_kernels._winograd": package / "_winograd.py",
+        }.get(name),
     )
     _cache.imported.cache_clear()
     try:
@@ -86,7 +87,7 @@ def test_names_after_a_comment_in_a_parenthesized_import_are_followed(tmp_path, 
 
 
 def test_the_timing_cache_key_names_settings_that_change_the_code(monkeypatch):
-    from kernels.machine import CODE_SETTINGS, cpu_key
+    from fusion_kernels.machine import CODE_SETTINGS, cpu_key
 
     for name in CODE_SETTINGS:  # none in force (a run under NUMBA_CPU_NAME=haswell, say)
         monkeypatch.delenv(name, raising=False)
@@ -104,7 +105,7 @@ def test_a_cache_save_waits_for_the_lock_other_processes_hold(tmp_path):
 
     from numba.core import caching
 
-    import kernels.config  # noqa: F401 (installs the locked save)
+    import fusion_kernels.config  # noqa: F401 (installs the locked save)
 
     cache = caching.IndexDataCacheFile(str(tmp_path), "f", (0.0, 0))
     with open(tmp_path / ".kernels-cache.lock", "w") as lock:
@@ -124,9 +125,9 @@ def test_each_tile_s_machine_code_is_named_by_its_tiles():
     two processes compiled into one cache had one symbol name: a W = 8 cache filled by two
     pytest workers held the 30x1 and 14x2 tiles under one name and ran a conv into NaN, and
     ran right once the names differed. Named by their tiles, no two tiles' symbols can meet."""
-    from kernels import _direct_blocked as d
-    from kernels.simd import lanes
-    from kernels.simd import tile as tiles
+    from fusion_kernels import _direct_blocked as d
+    from fusion_kernels.simd import lanes
+    from fusion_kernels.simd import tile as tiles
 
     sig = d.tile_signature(lanes(8), lanes(8))
     names = set()

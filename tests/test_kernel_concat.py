@@ -6,7 +6,7 @@ import gc
 import numpy as np
 import pytest
 
-from kernels.concat import _OPEN, concat_channels
+from fusion_kernels.concat import _OPEN, concat_channels
 
 
 def parts(*channels, n=1, rest=(3, 4), seed=0):

@@ -15,8 +15,8 @@ import pytest
 from helpers import assert_close, naive_conv, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels import conv2d_bias_act, get_threads, output_shape, prepare_conv2d
-from kernels.conv2d import launch
+from fusion_kernels import conv2d_bias_act, get_threads, output_shape, prepare_conv2d
+from fusion_kernels.conv2d import launch
 
 RTOL = ATOL = 1e-4
 CLIP = (-0.5, 0.75)

@@ -19,11 +19,11 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-import kernels._blocked_geometry as geo
-import kernels.conv_nchwc as conv_module
-from kernels.blocked import block_size, from_blocked, to_blocked
-from kernels.config import get_threads, set_threads
-from kernels.conv_nchwc import (
+import fusion_kernels._blocked_geometry as geo
+import fusion_kernels.conv_nchwc as conv_module
+from fusion_kernels.blocked import block_size, from_blocked, to_blocked
+from fusion_kernels.config import get_threads, set_threads
+from fusion_kernels.conv_nchwc import (
     _busiest_rows,
     band_rows,
     conv_nchwc,
@@ -34,7 +34,7 @@ from kernels.conv_nchwc import (
     tile_options,
     tile_rows,
 )
-from kernels.simd import width
+from fusion_kernels.simd import width
 from patterns.conv import RESIDUAL_SLOT as RESIDUAL
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -391,7 +391,7 @@ def guarded(shape):
 
 def test_planes_are_cut_for_the_threads_of_the_process():
     """A few work items per thread, from the thread count: not a number tuned on one machine."""
-    from kernels.blocked import ITEMS_PER_THREAD, plane_parts
+    from fusion_kernels.blocked import ITEMS_PER_THREAD, plane_parts
 
     before = get_threads()
     try:
@@ -757,7 +757,7 @@ def test_later_calls_run_the_compiled_entry_point(group):
 
 def test_blocked_tensors_and_scratch_start_on_a_cache_line():
     # a 16-lane load at a block's start must not straddle two lines (workspace.empty)
-    from kernels.workspace import ALIGN, per_thread
+    from fusion_kernels.workspace import ALIGN, per_thread
 
     x, wt, b, _ = case(1, 20, 24, 5, 6, 3, seed=17, group=1, pads=(1, 1, 1, 1))
     plan = prepare_conv_nchwc(wt, b, pads=(1, 1, 1, 1))
@@ -773,8 +773,8 @@ def test_per_thread_scratch_views_are_kept_until_the_area_grows():
     """per_thread hands the same view for the same size (a kernel call's 0.5 us), rows on cache
     lines; a larger size replaces the area and the views cut from the old one; sizes past
     KEEP_MAX are allocated per call."""
-    from kernels import workspace
-    from kernels.workspace import ALIGN, KEEP_MAX, per_thread
+    from fusion_kernels import workspace
+    from fusion_kernels.workspace import ALIGN, KEEP_MAX, per_thread
 
     a = per_thread(100)
     assert per_thread(100) is a and a.shape[1] >= 100
@@ -788,7 +788,7 @@ def test_per_thread_scratch_views_are_kept_until_the_area_grows():
 @pytest.mark.parametrize("shape", [0, 1, 17, (2, 3, 5, 7, 16), (1, 16, 56, 56, 16), ()])
 def test_workspace_empty_is_aligned_and_owns_its_memory(shape):
     """Blocked tensors start on a cache line (workspace.ALIGN), any size, a length or a shape."""
-    from kernels import workspace
+    from fusion_kernels import workspace
 
     a = workspace.empty(shape)
     want = shape if isinstance(shape, tuple) else (shape,)
@@ -859,7 +859,7 @@ def test_depthwise_counts_put_masked_edges_first(block):
     run (masked_edges, a row of at least a tile), its tiles' FMAs are the least, level with PAD
     0 only where no tile meets an edge (no padding); a band (inverted_residual._pad) is ranked
     by the same count, as an image of its own."""
-    from kernels.inverted_residual import _pad
+    from fusion_kernels.inverted_residual import _pad
 
     for size, k, stride, pl in [(56, 3, 1, 1), (112, 3, 2, 1), (28, 5, 1, 2), (14, 3, 1, 1),
                                 (56, 5, 2, 2), (20, 3, 1, 0)]:  # fmt: skip

@@ -17,13 +17,13 @@ import pytest
 from helpers import assert_close, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from kernels import _blocked_geometry as geo
-from kernels._depthwise_blocked import dwconv_nchwc, masked_edges, scratch_size
-from kernels.blocked import from_blocked, to_blocked
-from kernels.epilogue import RESIDUALS
-from kernels.simd import lanes
-from kernels.simd.activation import encode
-from kernels.workspace import per_thread
+from fusion_kernels import _blocked_geometry as geo
+from fusion_kernels._depthwise_blocked import dwconv_nchwc, masked_edges, scratch_size
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.epilogue import RESIDUALS
+from fusion_kernels.simd import lanes
+from fusion_kernels.simd.activation import encode
+from fusion_kernels.workspace import per_thread
 
 RTOL, ATOL = 1e-4, 1e-5
 BLOCKS = [8, 16]

@@ -8,15 +8,15 @@ out = x or out = residual would give wrong values, not an in-place result (works
 import numpy as np
 import pytest
 
-from kernels.blocked import to_blocked
-from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
-from kernels.inverted_residual import inverted_residual, prepare_inverted_residual
-from kernels.pool import maxpool_blocked, prepare_maxpool
-from kernels.preact_conv import preact_conv, prepare_preact_conv
-from kernels.simd import width
-from kernels.simd.activation import encode
-from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
-from kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
+from fusion_kernels.blocked import to_blocked
+from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+from fusion_kernels.inverted_residual import inverted_residual, prepare_inverted_residual
+from fusion_kernels.pool import maxpool_blocked, prepare_maxpool
+from fusion_kernels.preact_conv import preact_conv, prepare_preact_conv
+from fusion_kernels.simd import width
+from fusion_kernels.simd.activation import encode
+from fusion_kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+from fusion_kernels.winograd_nchwc import prepare_winograd_nchwc, winograd_nchwc
 
 C, HW = 16, 9  # channels in and out, image size: every kernel's output has its input's shape
 RELU6 = ("clip", None, None, 0.0, 6.0)

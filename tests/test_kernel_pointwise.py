@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from helpers import assert_close
 
-from kernels.blocked import from_blocked, to_blocked
-from kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.pointwise import pointwise, pointwise_blocked, prepare_pointwise
 
 ACTS = {
     None: lambda v: v,

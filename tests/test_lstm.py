@@ -11,9 +11,9 @@ import fusion
 from fusion import Catalog
 from fusion.models import LSTMWeights, cell_model, unrolled_lstm
 from fusion.runtime import Session
-from kernels import lstm as kernel
-from kernels.config import get_threads, set_threads
-from kernels.lstm import lstm_sequence, prepare_lstm
+from fusion_kernels import lstm as kernel
+from fusion_kernels.config import get_threads, set_threads
+from fusion_kernels.lstm import lstm_sequence, prepare_lstm
 from patterns import lstm
 
 CATALOG = fusion.default_catalog()

@@ -268,14 +268,18 @@ def test_kernels_run_where_neither_the_package_nor_home_can_hold_the_cache(tmp_p
     make that folder; .cache in HOME is a file too.)"""
     root = Path(__file__).resolve().parent.parent
     package = tmp_path / "site"
-    for name in ("fusion", "kernels", "patterns"):
-        shutil.copytree(root / name, package / name, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "kernels" / "__pycache__").write_text("")
+    for folder, name in (
+        ("fusion", "fusion"),
+        ("kernels", "fusion_kernels"),
+        ("patterns", "patterns"),
+    ):  # as installed (pyproject.toml)
+        shutil.copytree(root / folder, package / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "fusion_kernels" / "__pycache__").write_text("")
     home = tmp_path / "home"
     home.mkdir()
     (home / ".cache").write_text("")
     if os.geteuid() != 0:
-        for folder in (package / "kernels", home):
+        for folder in (package / "fusion_kernels", home):
             folder.chmod(0o555)
     g = GraphBuilder()
     y = g.node("Flatten", [g.node("GlobalAveragePool", ["x"])], axis=1)
@@ -295,7 +299,7 @@ def test_kernels_run_where_neither_the_package_nor_home_can_hold_the_cache(tmp_p
     cache = tmp_path / "tmp" / f"fusion-numba-cache-{os.getuid()}"
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"fusion: warning: neither {package}/kernels/__pycache__ nor {home}/.cache/numba is "
+        f"fusion: warning: neither {package}/fusion_kernels/__pycache__ nor {home}/.cache/numba is "
         f"writable: compiled kernels are cached in {cache}"
     ]
     assert "float32 [1, 4]" in proc.stdout and list(cache.rglob("*.nbi"))

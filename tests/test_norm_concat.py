@@ -8,7 +8,7 @@ import pytest
 from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
-from kernels.blocked import block
+from fusion_kernels.blocked import block
 from patterns.concat import ConcatKernel, why_not_blocked
 
 
@@ -140,11 +140,11 @@ def test_dense_block_of_whole_blocks_appends_and_stays_right(n, monkeypatch):
     """Channels and growth in whole blocks: every concatenation is blocked, each appends to
     the one before (4 parts copied, not 2 + 3 + 4), and two runs in a row (the second reusing
     nothing of the first) both give onnxruntime's result."""
-    import kernels.concat
+    import fusion_kernels.concat
 
     placed = []
-    place = kernels.concat._place
-    monkeypatch.setattr(kernels.concat, "_place", lambda buf, ps, at: (
+    place = fusion_kernels.concat._place
+    monkeypatch.setattr(fusion_kernels.concat, "_place", lambda buf, ps, at: (
         placed.extend(ps), place(buf, ps, at))[1])  # fmt: skip
     b = block()
     g = GraphBuilder()

@@ -16,7 +16,7 @@ from helpers import GraphBuilder, assert_close, conv_block, run_ort
 
 import fusion
 from fusion.runtime import placement, steps
-from kernels.config import worker_ids
+from fusion_kernels.config import worker_ids
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,13 @@ from helpers import GraphBuilder, assert_close, conv_block, fused_ops, near_miss
 
 import fusion
 from fusion.runtime import Session
-from kernels.blocked import from_blocked, to_blocked
-from kernels.pool import global_average_pool_blocked, maxpool2d, maxpool_blocked, prepare_maxpool
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.pool import (
+    global_average_pool_blocked,
+    maxpool2d,
+    maxpool_blocked,
+    prepare_maxpool,
+)
 
 CATALOG = fusion.default_catalog()
 BLOCKS = [8, 16]  # the blocked kernels at either SIMD width, whatever this process's is
@@ -282,8 +287,8 @@ def test_tiling_average_pool_fuses_and_runs(k):
 @pytest.mark.parametrize("block", [None, 8, 16])  # NCHW, then both SIMD widths' blocks
 @pytest.mark.parametrize(("kh", "kw"), [(2, 3), (3, 1), (1, 1)])
 def test_tiled_average_pool_kernel_on_rectangular_windows(kh, kw, block):
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.pool import tiled_average_pool
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.pool import tiled_average_pool
 
     x = np.random.default_rng(1).standard_normal((2, 19, 8, 10)).astype(np.float32)
     oh, ow = 8 // kh, 10 // kw

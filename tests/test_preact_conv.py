@@ -77,8 +77,8 @@ def test_a_transition_without_bias_or_epilogue_fuses():
 @pytest.mark.parametrize("budget", [1, 20_000])
 def test_bands_of_a_few_pixels(monkeypatch, budget):
     """A tiny L2: bands of one to a few pixels, every one through the one-pixel path or a tile."""
-    import kernels.preact_conv as K
-    from kernels.blocked import from_blocked, to_blocked
+    import fusion_kernels.preact_conv as K
+    from fusion_kernels.blocked import from_blocked, to_blocked
 
     monkeypatch.setattr(K, "cache_bytes", lambda level: budget)
     c, m = 40, 24
@@ -98,8 +98,8 @@ def test_bands_of_a_few_pixels(monkeypatch, budget):
 def test_a_channel_prefix_of_a_longer_buffer_is_read_in_place(n):
     """DenseNet's concatenations append in place (kernels/concat.py): with N > 1 the norm's
     input is a strided view, read where it is."""
-    import kernels.preact_conv as K
-    from kernels.blocked import block, to_blocked
+    import fusion_kernels.preact_conv as K
+    from fusion_kernels.blocked import block, to_blocked
 
     b = block()
     c, m = 2 * b, 8
@@ -154,8 +154,8 @@ def test_a_norm_after_a_conv_folds_into_that_conv_instead(bias_add):
 
 def test_every_register_tile_is_a_tactic_and_right():
     """One depth-first tactic per tile the conv would time (tile_options), each right."""
-    from kernels.blocked import block, from_blocked, to_blocked
-    from kernels.conv_nchwc import tile_options
+    from fusion_kernels.blocked import block, from_blocked, to_blocked
+    from fusion_kernels.conv_nchwc import tile_options
     from patterns.preact_conv import PreActConvKernel
 
     b = block()

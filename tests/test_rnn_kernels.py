@@ -14,8 +14,8 @@ from helpers import assert_close, naive_gru, naive_lstm, run_ort
 from onnx import TensorProto, helper
 
 from fusion.models import GRUWeights, LSTMWeights
-from kernels.gru import gru_sequence, prepare_gru
-from kernels.lstm import lstm_sequence, prepare_lstm
+from fusion_kernels.gru import gru_sequence, prepare_gru
+from fusion_kernels.lstm import lstm_sequence, prepare_lstm
 
 RTOL, ATOL = 1e-4, 1e-5
 SIZE = 7  # input features

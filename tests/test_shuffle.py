@@ -11,8 +11,8 @@ from helpers import GraphBuilder, assert_close, conv_block, fused_ops, near_miss
 
 import fusion
 from fusion.runtime import Session
-from kernels.blocked import from_blocked, to_blocked
-from kernels.shuffle import channel_gather, channel_gather_blocked, shuffle_map
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.shuffle import channel_gather, channel_gather_blocked, shuffle_map
 
 CATALOG = fusion.default_catalog()
 BLOCKS = [8, 16]  # the blocked kernel at either SIMD width, whatever this process's is

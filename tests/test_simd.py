@@ -21,9 +21,9 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import simd
-from kernels.config import FASTMATH, JIT, JIT_FIT
-from kernels.simd import (
+from fusion_kernels import simd
+from fusion_kernels.config import FASTMATH, JIT, JIT_FIT
+from fusion_kernels.simd import (
     activation,
     approx,
     borrow,
@@ -54,7 +54,7 @@ from kernels.simd import (
     vunpack,
     vzero,
 )
-from kernels.simd.activation import KINDS, activate, encode
+from fusion_kernels.simd.activation import KINDS, activate, encode
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = dict(JIT, cache=False)
@@ -740,9 +740,9 @@ def test_fast_math_keeps_nan_and_inf():
 # ---- fresh processes: the cache, the width -------------------------------------------------------
 CACHED_KERNEL = """
 import numba
-from kernels.simd.approx import exp
-from kernels.config import JIT
-from kernels.simd import tail_mask, vload, vload_masked, vstore, vstore_masked
+from fusion_kernels.simd.approx import exp
+from fusion_kernels.config import JIT
+from fusion_kernels.simd import tail_mask, vload, vload_masked, vstore, vstore_masked
 
 
 @numba.jit(**JIT)
@@ -758,8 +758,8 @@ def exp_rows(L, x, y):
 
 CACHE_RUN = """
 import numpy as np
-from kernels import simd
-from kernels.simd import approx
+from fusion_kernels import simd
+from fusion_kernels.simd import approx
 from cached_kernel import exp_rows
 
 x = np.linspace(-5, 5, 37, dtype=np.float32)
@@ -794,7 +794,7 @@ def test_cache_reloads_in_a_fresh_process(tmp_path):
 
 WIDTH_RUN = """
 import os
-from kernels import simd  # reads nothing yet
+from fusion_kernels import simd  # reads nothing yet
 try:
     print(simd.width(), simd.lanes().width)
 except ValueError as err:

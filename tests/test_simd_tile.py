@@ -10,10 +10,10 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import simd
-from kernels.config import JIT_GEMM
-from kernels.simd import Tile, tile_fma, tile_load, tile_store, tile_zeros, vfma, vget
-from kernels.simd import tile as tiles
+from fusion_kernels import simd
+from fusion_kernels.config import JIT_GEMM
+from fusion_kernels.simd import Tile, tile_fma, tile_load, tile_store, tile_zeros, vfma, vget
+from fusion_kernels.simd import tile as tiles
 
 HARNESS = dict(JIT_GEMM, cache=False)
 

@@ -172,9 +172,9 @@ def se_model(channels, hidden, act1, act2, seed):
 )
 @pytest.mark.parametrize("one_region", [False, True], ids=["four-regions", "one-region"])
 def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2, one_region):
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.simd.activation import encode
-    from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.simd.activation import encode
+    from fusion_kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
 
     n, c, h, w = shape
     g, model = se_model(c, hidden, act1, act2, seed=c)
@@ -195,9 +195,9 @@ def test_blocked_kernel_against_onnxruntime(block, shape, hidden, act1, act2, on
 
 
 def test_blocked_kernel_propagates_nan_and_checks_its_input():
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.simd.activation import encode
-    from kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.simd.activation import encode
+    from fusion_kernels.squeeze_excite import prepare_squeeze_excite, squeeze_excite_blocked
 
     g, model = se_model(20, 4, "relu", "sigmoid", seed=1)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -242,10 +242,10 @@ def gated_conv_model(channels, hidden, out, seed):
 def test_gated_weights_against_onnxruntime(block, shape, hidden, out, one_region):
     """conv(x g) computed as (W g) x, every register tile of the conv, against onnxruntime's
     gate and conv."""
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc, tile_options
-    from kernels.simd.activation import encode
-    from kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc, tile_options
+    from fusion_kernels.simd.activation import encode
+    from fusion_kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
 
     n, c, h, w = shape
     model = gated_conv_model(c, hidden, out, seed=c)
@@ -266,10 +266,10 @@ def test_gated_weights_against_onnxruntime(block, shape, hidden, out, one_region
 
 
 def test_gated_weights_propagate_nan_and_check_their_arguments():
-    from kernels.blocked import from_blocked, to_blocked
-    from kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
-    from kernels.simd.activation import encode
-    from kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
+    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.conv_nchwc import conv_nchwc, prepare_conv_nchwc
+    from fusion_kernels.simd.activation import encode
+    from fusion_kernels.squeeze_excite import gated_weights, prepare_squeeze_excite
 
     model = gated_conv_model(20, 4, 24, seed=1)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}

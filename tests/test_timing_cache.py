@@ -28,7 +28,7 @@ from fusion.models import conv_stack
 from fusion.runtime import Session
 from fusion.runtime.tactics import ONNXRUNTIME
 from fusion.runtime.timing_cache import TimingCache, node_key, plan_key
-from kernels.machine import cpu_key
+from fusion_kernels.machine import cpu_key
 
 NODE = {"times": {"nchw": 1e-3, "onnxruntime": 2e-3}}
 PLAN = {"plans": {"per-node": 1e-3, "onnxruntime": 2e-3}}

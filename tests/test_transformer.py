@@ -18,11 +18,11 @@ from helpers import (
 from onnx import helper
 
 import fusion
-from kernels.attention import attention
-from kernels.dense_gemm import prepare_dense
-from kernels.layernorm import SERIAL_MAX, layer_norm
-from kernels.linear_act import gated_mlp, linear_act, prepare_gated_mlp
-from kernels.simd.activation import encode
+from fusion_kernels.attention import attention
+from fusion_kernels.dense_gemm import prepare_dense
+from fusion_kernels.layernorm import SERIAL_MAX, layer_norm
+from fusion_kernels.linear_act import gated_mlp, linear_act, prepare_gated_mlp
+from fusion_kernels.simd.activation import encode
 
 SHAPES = [(1, 7), (2, 33), (4, 64)]  # (batch, sequence)
 E, N = 24, 40

@@ -1,5 +1,6 @@
-"""kernels.warmup: a warmed cache serves later calls without compiling; bad arguments refused;
-the kernels compile once per argument type, not once per literal value passed between them."""
+"""fusion_kernels.warmup: a warmed cache serves later calls without compiling; bad arguments
+refused; the kernels compile once per argument type, not once per literal value passed between
+them."""
 
 import os
 import subprocess
@@ -7,12 +8,12 @@ import sys
 
 import pytest
 
-from kernels.warmup import main, warm_up
+from fusion_kernels.warmup import main, warm_up
 
 # A Fire-style call after warm-up: a fresh output and a channel slice at batch 2.
 USE = """
 import numpy as np
-from kernels.conv2d import conv2d_bias_act, prepare_conv2d
+from fusion_kernels.conv2d import conv2d_bias_act, prepare_conv2d
 plan = prepare_conv2d(np.ones((6, 1, 3, 3), np.float32), pads=(1, 1, 1, 1), group=6)
 conv2d_bias_act(np.ones((1, 6, 7, 7), np.float32), plan)
 out = np.empty((2, 9, 5, 5), np.float32)[:, 2:8]
@@ -22,7 +23,7 @@ conv2d_bias_act(np.ones((2, 6, 5, 5), np.float32), plan, out=out)
 
 def test_warmed_cache_serves_later_calls_without_compiling(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_DEBUG_CACHE="1")
-    run = [sys.executable, "-m", "kernels.warmup", "--group", "depthwise"]
+    run = [sys.executable, "-m", "fusion_kernels.warmup", "--group", "depthwise"]
     warm = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
     assert "data saved" in warm.stdout  # it did compile into the fresh cache
     later = subprocess.run([sys.executable, "-c", USE], env=env, capture_output=True, text=True)
@@ -45,10 +46,10 @@ def _kernel_modules():
     import importlib
     import pkgutil
 
-    import kernels
-    import kernels.simd
+    import fusion_kernels
+    import fusion_kernels.simd
 
-    for package in (kernels, kernels.simd):
+    for package in (fusion_kernels, fusion_kernels.simd):
         for info in pkgutil.iter_modules(package.__path__):
             yield importlib.import_module(f"{package.__name__}.{info.name}")
 

@@ -14,8 +14,8 @@ from helpers import run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 from fusion.numerics import compare_arrays
-from kernels.blocked import from_blocked, to_blocked
-from kernels.winograd_nchwc import prepare_winograd_nchwc, supports, winograd_nchwc
+from fusion_kernels.blocked import from_blocked, to_blocked
+from fusion_kernels.winograd_nchwc import prepare_winograd_nchwc, supports, winograd_nchwc
 from patterns.conv import RULE, WINOGRAD_SWITCH
 
 BLOCKS = (8, 16)

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from kernels.machine import cpu_identity
+from fusion_kernels.machine import cpu_identity
 
 ISA = ("avx512f", "avx2", "fma", "avx")  # the vector features the kernels' code can use
 

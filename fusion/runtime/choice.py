@@ -120,7 +120,7 @@ def cached_races(model: onnx.ModelProto | None = None, catalog: Catalog | None =
     """The whole-plan verdicts the timing cache holds on this CPU, for one model (fused here
     first if it is not) or all: (plan key, Session.race's dict, Unix time it was written),
     newest first. Builds no kernel."""
-    from kernels.machine import cpu_key  # heavy package: only with kernels
+    from fusion_kernels.machine import cpu_key  # heavy package: only with kernels
 
     cache = TimingCache(cpu_key(), version=timing_version()).load()
     start = PLAN
@@ -272,7 +272,7 @@ class Chooser:
                 choices[i] = tactics[0]
                 continue
             if self._cache is None:
-                from kernels.machine import cpu_key  # heavy package: only with kernels
+                from fusion_kernels.machine import cpu_key  # heavy package: only with kernels
 
                 self._cache = TimingCache(cpu_key(), version=timing_version()).load()
             key = node_key(node, ins, self.threads, self._source_version, consts)
@@ -329,7 +329,7 @@ class Chooser:
     def _convert_times(self, shape: tuple, block: int, fresh: dict) -> tuple[float, float]:
         """Seconds of converting a float32 array of NCHW `shape` to blocks of `block` channels
         and back, from the timing cache or timed now (and put in `fresh`)."""
-        from kernels.blocked import from_blocked, to_blocked  # heavy: Numba
+        from fusion_kernels.blocked import from_blocked, to_blocked  # heavy: Numba
 
         key = convert_key(shape, block, self.threads, self._source_version)
         entry = fresh.get(key) or (self._retimed if self.retime else self._cache).get(key)

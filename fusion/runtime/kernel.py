@@ -38,7 +38,7 @@ from fusion.runtime.placement import place
 from fusion.runtime.tactics import tactics_of
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
-BUILT_IN = ("kernels", "patterns")  # the packages of the built-in catalog and its kernels
+BUILT_IN = ("fusion_kernels", "patterns")  # the packages of the built-in catalog and its kernels
 
 
 def binds_kernel(rule: Rule | None, node: onnx.NodeProto, body: onnx.FunctionProto | None) -> bool:
@@ -265,7 +265,7 @@ def _unwritable_cache() -> str | None:
     chosen = os.environ.get("NUMBA_CACHE_DIR")
     if chosen:
         return None if _writable(Path(chosen)) else f"NUMBA_CACHE_DIR {chosen} is not writable"
-    spec = importlib.util.find_spec("kernels")
+    spec = importlib.util.find_spec("fusion_kernels")
     if spec is None or not spec.submodule_search_locations:
         return None  # no kernels package: nothing of ours to cache
     in_tree = Path(next(iter(spec.submodule_search_locations))) / "__pycache__"
@@ -315,7 +315,7 @@ def use_threads(threads: int) -> None:
     import numba  # heavy: only once a session has kernels
 
     try:
-        from kernels.config import apply_memory_settings, apply_thread_settings, set_threads
+        from fusion_kernels.config import apply_memory_settings, apply_thread_settings, set_threads
     except ImportError:  # kernels/ is optional for models whose kernels live elsewhere
         apply_thread_settings, set_threads = (lambda: None), numba.set_num_threads
         apply_memory_settings = lambda: None  # noqa: E731

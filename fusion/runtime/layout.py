@@ -21,7 +21,7 @@ NCHW = "nchw"
 def out_block() -> int:
     """The block every blocked kernel writes: this process's (kernels.blocked.block(), the SIMD
     width), asked when a run is planned; a rewritten model does not fix it."""
-    from kernels.blocked import block  # heavy: Numba
+    from fusion_kernels.blocked import block  # heavy: Numba
 
     return block()
 
@@ -38,8 +38,8 @@ class ConvertStep:
     kind = "convert"
 
     def __init__(self, source: str, target: str, to_blocked: bool, size: int):
-        from kernels.blocked import from_blocked  # heavy: Numba
-        from kernels.blocked import to_blocked as to_b
+        from fusion_kernels.blocked import from_blocked  # heavy: Numba
+        from fusion_kernels.blocked import to_blocked as to_b
 
         plain = source.split("\x00")[0]
         self.name = f"{'to' if to_blocked else 'from'} blocked {plain}"

@@ -73,7 +73,7 @@ def place(threads: int) -> None:
         if numba.threading_layer() != "omp":  # TBB's workers serve every thread: not ours
             return
         if threads not in found:
-            from kernels.config import worker_ids
+            from fusion_kernels.config import worker_ids
 
             found[threads] = tuple(sorted(worker_ids()))
     except Exception:  # noqa: BLE001 - placement is an optimization: never fail a run for it

@@ -339,7 +339,7 @@ class KernelStep:
         declines, or fails to bind (a FusionWarning): those calls stay on this path. Returns
         BOUND when it bound the tactic."""
         if self._threads is None:
-            from kernels.config import get_threads  # heavy (Numba): a kernel has run
+            from fusion_kernels.config import get_threads  # heavy (Numba): a kernel has run
 
             self._threads = get_threads
         key = (self._threads(), *[args[k].shape for k in self.varying])
@@ -470,7 +470,7 @@ class RunPlan:
                 placement.leave(placed)
         self.ran += 1
         if keep_all:
-            from kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
+            from fusion_kernels.blocked import from_blocked  # heavy: Numba (blocked values exist)
 
             for name, (plain, channels) in self.layouts.blocked.items():
                 if name in values and plain not in values:
@@ -500,7 +500,7 @@ class RunPlan:
             return None
         key = [0]
         if self.uses_numba:
-            from kernels.config import get_threads  # loaded: the plan has run kernels
+            from fusion_kernels.config import get_threads  # loaded: the plan has run kernels
 
             key[0] = get_threads()
         for name in self._entries:

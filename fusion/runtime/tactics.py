@@ -98,7 +98,7 @@ def time_call(run: Callable[[], object], min_calls: int = MIN_CALLS,
 def tactic_inputs(tactic: Tactic, inputs: Sequence) -> list:
     """`inputs` (NCHW arrays, constants, None) as `tactic` reads them: those at its
     blocked_inputs converted to the blocked layout, at its in_blocks."""
-    from kernels.blocked import to_blocked  # heavy (Numba): only with kernels
+    from fusion_kernels.blocked import to_blocked  # heavy (Numba): only with kernels
 
     args = list(inputs)
     for k, pos in enumerate(tactic.blocked_inputs):
