@@ -6,10 +6,11 @@ overwrite each other's files.
 
 One family per module, each with its validating wrapper(s), all exported here by name. The
 exports load on first use: a family module compiles (or loads from the cache) Numba code,
-which a graph rewrite, that only needs the numba-free `kernels.windows`, must not pay for.
-A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense_gemm,
-pointwise, linear_act) is reached through the module, `kernels.fire.fire`: exporting it by
-name would shadow the module (`import fusion_kernels.fire as m` would then give the function).
+which a graph rewrite, that only needs the numba-free `fusion_kernels.windows`, must not pay
+for. A wrapper named like its module (fire, conv_concat, conv_nchwc, attention, dense_gemm,
+pointwise, linear_act) is reached through the module, `fusion_kernels.fire.fire`: exporting
+it by name would shadow the module (`import fusion_kernels.fire as m` would then give the
+function).
 
     from fusion_kernels import conv2d_bias_act, prepare_conv2d, set_threads
 """

@@ -106,7 +106,7 @@ def prepare_dense(w, bias=None, act=None, width=None) -> DensePlan:
     act = encode() if act is None else act
     kind, a, c = act
     if not 0 <= int(kind) < len(KINDS):
-        raise ValueError(f"unknown activation kind {kind} (kernels.simd.activation.encode)")
+        raise ValueError(f"unknown activation kind {kind} (fusion_kernels.simd.activation.encode)")
     L, T = _gemm.micro_tile(width)
     nr = _gemm.panel_width(T, L)
     b = np.zeros(-(-n // nr) * nr, np.float32)

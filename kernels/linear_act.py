@@ -94,7 +94,7 @@ def prepare_gated_mlp(w_gate_up, b_gate_up, act, w_down, b_down=None, width=None
                          f"feed the down weights {w_down.shape}")  # fmt: skip
     kind, a, c = act
     if not 0 <= kind < len(KINDS):
-        raise ValueError(f"unknown activation kind {kind} (kernels.simd.activation.encode)")
+        raise ValueError(f"unknown activation kind {kind} (fusion_kernels.simd.activation.encode)")
     gate_up = prepare_dense(w_gate_up, b_gate_up, encode(), width)
     down = prepare_dense(w_down, b_down, encode(), width)
     return GatedMLPPlan(gate_up, down, (int(kind), np.float32(a), np.float32(c)))

@@ -555,7 +555,7 @@ def nhwc_input(kernel: ConvKernel):
 
     def reading_nhwc(t: Tactic) -> Tactic:
         if 0 not in t.blocked_inputs:
-            return Tactic(t.name, lambda x, *others: t.run(nchw(x), *others))
+            return Tactic(t.name, lambda x, *others: t.run(nchw(x), *others), fallback=t.fallback)
         b = t.in_blocks[t.blocked_inputs.index(0)]
 
         def run(x, *others):
@@ -567,7 +567,7 @@ def nhwc_input(kernel: ConvKernel):
         rest = [(i, k) for i, k in zip(t.blocked_inputs, t.in_blocks, strict=True) if i]
         return Tactic(t.name, run, blocked_inputs=tuple(i for i, _ in rest),
                       in_blocks=tuple(k for _, k in rest), blocked_outputs=t.blocked_outputs,
-                      out_channels=t.out_channels)  # fmt: skip
+                      out_channels=t.out_channels, fallback=t.fallback)  # fmt: skip
 
     def run(x, *others):
         return kernel(nchw(x), *others)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,3 +245,27 @@ def test_a_foreign_top_level_kernels_package_changes_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)  # fmt: skip
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_no_project_file_imports_a_top_level_kernels_and_every_package_installs():
+    """Static: no import of a top-level `kernels` in the project's code, tests or bench (the
+    folder is `fusion_kernels`); and pyproject.toml's package list names every folder that
+    holds an __init__.py (it lists them by hand, as package-dir requires)."""
+    found = []
+    for folder in ("fusion", "kernels", "patterns", "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                         and not node.level else [])  # fmt: skip
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                          if n.split(".")[0] == "kernels"]  # fmt: skip
+    assert not found, found
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    packages = set(re.findall(r'"([\w.]+)"', listed.group(1)))
+    folders = {
+        ".".join([{"kernels": "fusion_kernels"}.get(p.parts[0], p.parts[0]), *p.parts[1:]])
+        for p in (init.parent.relative_to(ROOT) for init in ROOT.glob("*/**/__init__.py"))
+        if p.parts[0] in PACKAGES.values()
+    }  # fmt: skip
+    assert packages == folders

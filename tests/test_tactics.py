@@ -645,3 +645,18 @@ def test_a_node_with_integer_inputs_is_not_timed_on_random_floats(monkeypatch, t
     (y,) = session.run(None, {"x": x, "shape": np.array([3, 4], np.int64)})
     np.testing.assert_array_equal(y, np.maximum(x.reshape(3, 4), 0))
     assert session.race_for({"x": x, "shape": np.array([3, 4], np.int64)}) is not None
+
+
+def test_a_conv_reading_nhwc_keeps_its_nchw_tactic_a_fallback():
+    """A conv that reads an NHWC input (the Transpose before it joined the node: a Keras
+    export's stem) wraps each tactic to transpose first: the NCHW one stays the fallback."""
+    g = GraphBuilder(seed=2)
+    x = g.node("Transpose", ["x"], perm=[0, 3, 1, 2])
+    y = g.node("Relu", [g.node("Conv", [x, g.weight(16, 3, 3, 3), g.weight(16)], pads=[1] * 4)])
+    session = Session(g.model({"x": (1, 12, 12, 3)}, [y]), threads=1, tactics="kernel")
+    ((i, tactics),) = session._built.tactics.items()
+    assert session.view.nodes[i].op_type == "ConvBiasRelu", session.view.nodes[i].op_type
+    flags = {t.name: t.fallback for t in tactics}
+    assert any(n.startswith("blocked") for n in flags), flags
+    assert {n: f for n, f in flags.items() if f} == {n: True for n in flags if n.startswith("nchw")}
+    assert [t.name for t in first_timed(tactics)] == [n for n in flags if not flags[n]]

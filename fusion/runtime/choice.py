@@ -45,7 +45,7 @@ from fusion.catalog import Catalog, Tactic
 from fusion.errors import FusionWarning
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label
-from fusion.modelfile import weightless_copy
+from fusion.modelfile import over_2gb, weightless_copy
 from fusion.ort import ISLAND, REFERENCE, inference_session
 from fusion.rewriter import rewrite
 from fusion.runtime.borders import revise
@@ -248,7 +248,7 @@ class Chooser:
         choices, fresh, timed = {}, {}, {}
         chosen = []  # (node index, its input shapes, constants, timing-cache key, entry)
         for i, tactics in self.kernels.items():
-            node = self.view.nodes[i]
+            node, first = self.view.nodes[i], first_timed(tactics)[0]
             ins = [shapes.get(v) if v else None for v in node.input]
             consts = [self.view.constant(v) if v else None for v in node.input]
             unknown = [
@@ -257,10 +257,10 @@ class Chooser:
                 if v and s is None and c is None
             ]
             if unknown:
-                choices[i] = tactics[0]  # shapes unknown until a run: the kernel meanwhile
+                choices[i] = first  # shapes unknown until a run: the kernel meanwhile
                 continue
             if any(s is not None and 0 in s for s in ins):
-                choices[i] = tactics[0]  # an empty input: nothing to time, nothing to compute
+                choices[i] = first  # an empty input: nothing to time, nothing to compute
                 continue
             if any(
                 c is None and not self._is_float(v)
@@ -269,7 +269,7 @@ class Chooser:
             ):
                 # integer or boolean inputs (shapes, ids, masks): random values would mean
                 # nothing (a shape of random numbers fails); the whole-plan race still checks
-                choices[i] = tactics[0]
+                choices[i] = first
                 continue
             if self._cache is None:
                 from fusion_kernels.machine import cpu_key  # heavy package: only with kernels
@@ -447,19 +447,19 @@ class Chooser:
             if v and v not in shapes and self.view.constant(v) is None and self._is_float(v)
         })  # fmt: skip
         feeds = {s.name: values[s.name] for s in self.feeds.inputs if s.name in values}
-        if not missing or len(feeds) < len(self.feeds.inputs):
-            return shapes
+        if not missing or len(feeds) < len(self.feeds.inputs) or over_2gb(self.model):
+            return shapes  # (a model past protobuf's limit cannot be handed over whole)
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
         del model.graph.output[:]
-        model.graph.output.extend(
-            onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None) for v in missing
-        )
+        # untyped: a value whose type inference did not give either may not be a float
+        model.graph.output.extend(onnx.ValueInfoProto(name=v) for v in missing)
         try:
             got = inference_session(model, REFERENCE, self.threads).run(missing, feeds)
         except Exception:  # noqa: BLE001 (best effort: the nodes stay untimed, as before)
             return shapes
-        return shapes | {v: tuple(a.shape) for v, a in zip(missing, got, strict=True)}
+        return shapes | {v: tuple(a.shape) for v, a in zip(missing, got, strict=True)
+                         if isinstance(a, np.ndarray) and a.dtype == np.float32}  # fmt: skip
 
     def _cached_verdict(self, key: str, candidates: dict) -> Verdict | None:
         """The cache's verdict for this plan key, if it judged these candidates on a quiet

@@ -69,9 +69,10 @@ def policy(value: str | None) -> str:
 
 
 def preferred(tactics: list[Tactic], name: str) -> Tactic:
-    """The tactic named `name`, else the first whose name starts with it, else the first."""
+    """The tactic named `name`, else the first whose name starts with it, else the first that is
+    not a fallback (first_timed)."""
     exact = next((t for t in tactics if t.name == name), None)
-    return exact or next((t for t in tactics if t.name.startswith(name)), tactics[0])
+    return exact or next((t for t in tactics if t.name.startswith(name)), first_timed(tactics)[0])
 
 
 # ---- timing ----------------------------------------------------------------------------------
