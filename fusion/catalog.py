@@ -64,9 +64,9 @@ class Tactic:
     # is ~4 us of a small conv's ~10; fusion/runtime/steps.py KernelStep)
     bind: Callable[..., Callable[..., Sequence] | None] | None = None
     # a way to run the node where its other tactics cannot: timed (and compiled on a cold
-    # start) only where every other tactic failed. An NCHW kernel beside blocked ones: on the
-    # CPUs timed so far it never beat them on its own node, and compiling it to be timed cost
-    # a cold start ~10 s (fusion/runtime/tactics.py first_timed, bench/NOTES.md)
+    # start) only where every other tactic failed. An NCHW kernel beside blocked ones: timed
+    # per node on Zen 4 it lost 270 of 270 nodes at 16 lanes, 145 of 152 at 8, and compiling
+    # it to be timed cost a cold start ~10 s (tactics.first_timed; bench/NOTES.md)
     fallback: bool = False
 
 
