@@ -31,7 +31,7 @@ from fusion import bench, rewrite
 from fusion.bench import FUSED, ORT_ALL, PROCESSES, SAME_PROCESS, Options, Workload
 from fusion.modelfile import read_model
 from fusion.ort import REFERENCE, inference_session
-from patterns.attention import RULE as ATTENTION
+from fusion_patterns.attention import RULE as ATTENTION
 
 
 def attention_cut(model: onnx.ModelProto, layer: int, seq: int, seed: int):

@@ -28,7 +28,13 @@ from fusion import bench
 from fusion.bench import FUSED, ORT_ALL, PROCESSES, Options, Workload
 from fusion.catalog import Rule
 from fusion.pattern import Var
-from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
+from fusion_patterns.linear import (
+    check_linear,
+    linear,
+    linear_attributes,
+    linear_inputs,
+    linear_params,
+)
 
 SHAPES = ("128x768x768", "128x768x2304", "128x768x3072", "128x3072x768", "128x256x1024")
 

@@ -48,7 +48,7 @@ from fusion.modelfile import read_model  # noqa: E402
 from fusion.models import LSTMWeights, conv_stack, native_lstm, squeezenet, unrolled_lstm  # noqa: E402
 from fusion.models.builder import GraphBuilder  # noqa: E402
 
-LSTM_RULES = ("patterns.lstm", "patterns.lstm_sequence")
+LSTM_RULES = ("fusion_patterns.lstm", "fusion_patterns.lstm_sequence")
 # Numba compile time (cold and cached; a cold child takes 20-50 s under load) is measured on the
 # first workload of each kernel family only, and shown for the rest of the family: SqueezeNet
 # runs first, as its kernels (ConvBiasRelu and FireModule) include the conv stack's and the
@@ -83,7 +83,7 @@ def fire_workload(batch: int):
         f"fire b{batch}",
         model,
         {start: np.abs(_normal((batch, 64, 55, 55), 2))},  # it follows a Relu + MaxPool
-        rules=("patterns.fire",),
+        rules=("fusion_patterns.fire",),
         description="SqueezeNet 1.1 features.3: 64 -> squeeze 16 -> 64 (1x1) + 64 (3x3), 55x55",
     )
 
@@ -93,7 +93,7 @@ def squeezenet_workload(version: str, batch: int):
         f"squeezenet{version} b{batch}",
         squeezenet(version, size=224, batch=batch),
         {"input": _normal((batch, 3, 224, 224), 3)},
-        rules=("patterns.fire",),
+        rules=("fusion_patterns.fire",),
         description=f"SqueezeNet {version}, 3x224x224",
     )
 

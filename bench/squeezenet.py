@@ -38,7 +38,7 @@ from fusion.ort import DEFAULT_NO_SPIN, REFERENCE, inference_session  # noqa: E4
 from fusion.runtime import Session  # noqa: E402
 from fusion.runtime.kernel import node_attributes  # noqa: E402
 from fusion_kernels.conv2d import conv2d_bias_act, output_shape  # noqa: E402
-from patterns.fire import fire_plan  # noqa: E402
+from fusion_patterns.fire import fire_plan  # noqa: E402
 
 THREADS = 2
 CATALOG = fusion.default_catalog()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-import patterns
+import fusion_patterns
 from fusion.catalog import Catalog, Rule
 from fusion.errors import CatalogError, FusionError
 
@@ -41,7 +41,7 @@ USER = Catalog()  # rules registered by user code in this process
 def default_catalog() -> Catalog:
     """The built-in catalog (patterns/), catalogs installed under the entry point group
     `fusion.catalogs`, and rules registered in this process with `fusion.register_pattern`."""
-    return Catalog([*patterns.RULES, *installed_catalogs(), *USER.ordered()])
+    return Catalog([*fusion_patterns.RULES, *installed_catalogs(), *USER.ordered()])
 
 
 def register_pattern(
@@ -121,7 +121,7 @@ def _require_factory_signature(name: str, fn: Callable) -> None:
 
 
 def _builtin_names() -> set[str]:
-    return {rule.name for rule in patterns.RULES}
+    return {rule.name for rule in fusion_patterns.RULES}
 
 
 @functools.cache

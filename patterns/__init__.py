@@ -1,6 +1,6 @@
 """The built-in catalog: one module per family, each defining its rules with the public API."""
 
-from patterns import (
+from fusion_patterns import (
     attention,
     concat,
     conv,

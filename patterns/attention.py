@@ -29,7 +29,7 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns.linear import (
+from fusion_patterns.linear import (
     check_linear,
     linear_attributes,
     linear_inputs,
@@ -37,7 +37,7 @@ from patterns.linear import (
     linear_params,
     onnx_reshape,
 )
-from patterns.linear_gelu import residual_follows
+from fusion_patterns.linear_gelu import residual_follows
 
 PROJECTIONS = ("q", "k", "v", "qkv", "o")
 LINEARS = tuple(

@@ -26,7 +26,7 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Pattern, Var, op
-from patterns.activation import (
+from fusion_patterns.activation import (
     CLIPPING,
     KINDS,
     activation,

@@ -20,8 +20,8 @@ from __future__ import annotations
 from fusion.catalog import DOMAIN, Rule, Tactic
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.concat import why_not_blocked
-from patterns.conv import (
+from fusion_patterns.concat import why_not_blocked
+from fusion_patterns.conv import (
     BlockedPart,
     bind_blocked_concat,
     blocked_concat,
@@ -29,7 +29,7 @@ from patterns.conv import (
     conv_plan,
     folded,
 )
-from patterns.fire import CHANNEL_AXES
+from fusion_patterns.fire import CHANNEL_AXES
 
 CONV_INPUTS = 4  # a branch's inputs: a ConvBiasRelu node's x, W, B, bias_add ("" when absent)
 

@@ -20,8 +20,19 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Var, op
-from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
-from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
+from fusion_patterns.activation import (
+    activation,
+    activation_attributes,
+    activation_keywords,
+    check_relu6,
+)
+from fusion_patterns.linear import (
+    check_linear,
+    linear,
+    linear_attributes,
+    linear_inputs,
+    linear_params,
+)
 
 POOLS = {"GlobalAveragePool", "ReduceMean", "GlobalAvgPoolFlatten"}
 THROUGH = {"Flatten", "Reshape", "Squeeze", "Dropout", "Identity", "Gemm", "MatMul", "Add", "Relu",

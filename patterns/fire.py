@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Pattern, op
-from patterns.activation import CLIPPING
-from patterns.concat import why_not_blocked
-from patterns.conv import (
+from fusion_patterns.activation import CLIPPING
+from fusion_patterns.concat import why_not_blocked
+from fusion_patterns.conv import (
     BlockedPart,
     bind_blocked_concat,
     blocked_concat,

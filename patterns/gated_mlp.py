@@ -13,8 +13,8 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Var, op
-from patterns.activation import activation, activation_attributes, activation_keywords
-from patterns.linear import (
+from fusion_patterns.activation import activation, activation_attributes, activation_keywords
+from fusion_patterns.linear import (
     check_linear,
     linear_attributes,
     linear_inputs,
@@ -23,7 +23,7 @@ from patterns.linear import (
     onnx_reshape,
     out_features,
 )
-from patterns.linear_gelu import residual_follows, with_residual
+from fusion_patterns.linear_gelu import residual_follows, with_residual
 
 LINEARS = tuple(
     name for p in ("gate", "up", "down") for name in (*linear_inputs(f"W{p}", p), f"{p}_flat",

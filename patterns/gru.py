@@ -18,8 +18,8 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns import linear as lin
-from patterns.lstm import last_axis
+from fusion_patterns import linear as lin
+from fusion_patterns.lstm import last_axis
 
 X_LINEAR, H_LINEAR, N_LINEAR = (
     lin.linear_inputs(*a) for a in (("W", "x"), ("R", "h"), ("Rn", "n"))

@@ -17,7 +17,7 @@ import onnx
 from fusion.catalog import Rule
 from fusion.graph import GraphView
 from fusion.matcher import Match
-from patterns.rnn_steps import native_matches, shaped_outputs
+from fusion_patterns.rnn_steps import native_matches, shaped_outputs
 
 INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h")
 

@@ -17,8 +17,8 @@ import onnx
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView, node_label
 from fusion.matcher import Match
-from patterns.gru import WEIGHTS, cell_weights
-from patterns.rnn_steps import StandardNodes, StepOutputs, fold_steps
+from fusion_patterns.gru import WEIGHTS, cell_weights
+from fusion_patterns.rnn_steps import StandardNodes, StepOutputs, fold_steps
 
 
 def _is_cell(node: onnx.NodeProto) -> bool:

@@ -25,9 +25,15 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Op, Opt, Var
-from patterns.activation import activation_keywords
-from patterns.conv import INPUTS as CONV_INPUTS
-from patterns.conv import check_conv, conv_attributes, conv_epilogue, folded, pointwise_reason
+from fusion_patterns.activation import activation_keywords
+from fusion_patterns.conv import INPUTS as CONV_INPUTS
+from fusion_patterns.conv import (
+    check_conv,
+    conv_attributes,
+    conv_epilogue,
+    folded,
+    pointwise_reason,
+)
 
 PREFIXES = ("e_", "d_", "p_")
 PER_CONV = CONV_INPUTS[1:-1]  # W, B, bias_add, bn_scale, bn_bias, bn_mean, bn_var

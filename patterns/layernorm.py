@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns.linear_gelu import near
+from fusion_patterns.linear_gelu import near
 
 
 def float_cast(v):

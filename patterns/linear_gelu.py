@@ -20,8 +20,14 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Var, op
-from patterns.activation import activation_keywords
-from patterns.linear import check_linear, linear_attributes, linear_nd, linear_params, onnx_reshape
+from fusion_patterns.activation import activation_keywords
+from fusion_patterns.linear import (
+    check_linear,
+    linear_attributes,
+    linear_nd,
+    linear_params,
+    onnx_reshape,
+)
 
 LINEAR = ("W", "fc_c", "fc_b", "fc_flat", "fc_unflat")
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from fusion.catalog import Rule
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns.linear import (
+from fusion_patterns.linear import (
     check_linear,
     linear,
     linear_attributes,

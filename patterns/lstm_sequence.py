@@ -24,8 +24,8 @@ import onnx
 from fusion.catalog import DOMAIN, Rule
 from fusion.graph import GraphView, node_label
 from fusion.matcher import Match
-from patterns.lstm import WEIGHTS, cell_weights
-from patterns.rnn_steps import StandardNodes, StepOutputs, fold_steps
+from fusion_patterns.lstm import WEIGHTS, cell_weights
+from fusion_patterns.rnn_steps import StandardNodes, StepOutputs, fold_steps
 
 IFGO_TO_ONNX = [0, 3, 1, 2]  # the kernel's gate blocks i, f, g, o -> ONNX's i, o, f, c
 

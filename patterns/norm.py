@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Var, op
-from patterns.activation import activation, activation_attributes, activation_keywords, check_relu6
-from patterns.conv import bn_affine, check_bn
+from fusion_patterns.activation import (
+    activation,
+    activation_attributes,
+    activation_keywords,
+    check_relu6,
+)
+from fusion_patterns.conv import bn_affine, check_bn
 
 BN = ("bn_scale", "bn_bias", "bn_mean", "bn_var")
 

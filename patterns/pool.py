@@ -23,7 +23,7 @@ import numpy as np
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
 from fusion_kernels.windows import prepare_maxpool
-from patterns.conv import check_pad, pad_amounts, padded
+from fusion_patterns.conv import check_pad, pad_amounts, padded
 
 
 def known_channels(m) -> dict:

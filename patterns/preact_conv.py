@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Var
-from patterns.activation import activation_attributes, activation_keywords, check_relu6
-from patterns.conv import INPUTS as CONV_INPUTS
-from patterns.conv import (
+from fusion_patterns.activation import activation_attributes, activation_keywords, check_relu6
+from fusion_patterns.conv import INPUTS as CONV_INPUTS
+from fusion_patterns.conv import (
     bn_affine,
     check_bn,
     check_conv,
@@ -29,7 +29,7 @@ from patterns.conv import (
     folded,
     pointwise_reason,
 )
-from patterns.norm import BN, batch_norm_act
+from fusion_patterns.norm import BN, batch_norm_act
 
 PER_CONV = CONV_INPUTS[1:-1]  # W, B, bias_add, bn_scale, bn_bias, bn_mean, bn_var
 INPUTS = ("x", *("n_" + name for name in BN), *("c_" + name for name in PER_CONV))

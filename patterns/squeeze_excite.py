@@ -30,9 +30,9 @@ import numpy as np
 
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Opt, Var, op
-from patterns.activation import activation_keywords
-from patterns.conv import INPUTS as ONE_CONV_INPUTS
-from patterns.conv import (
+from fusion_patterns.activation import activation_keywords
+from fusion_patterns.conv import INPUTS as ONE_CONV_INPUTS
+from fusion_patterns.conv import (
     blocked_plan,
     check_conv,
     conv_attributes,

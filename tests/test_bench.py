@@ -44,7 +44,7 @@ from fusion.modelfile import save_model
 from fusion.models import LSTMWeights, conv_stack, conv_stack_flops, native_lstm
 from fusion.models.builder import GraphBuilder
 from fusion_kernels.blocked import block
-from patterns import conv
+from fusion_patterns import conv
 
 FAST = dict(threads=1, rounds=3, min_rounds=2, budget=0.0, warmup=1, repeat=2, memory=False,
             compile=False, mode=SAME_PROCESS, node_rounds=2, warm=0.01)  # fmt: skip

@@ -373,7 +373,7 @@ def test_bound_dense_products_match_the_general_call(width):
 def test_a_bound_linear_with_other_reshape_targets_runs_unbound():
     """LinearGelu's bound call is keyed on shapes; the Reshapes' targets are values (computed
     at run time in dynamo's exports): other values than the bound ones take the general run."""
-    from patterns.linear_gelu import make_kernel
+    from fusion_patterns.linear_gelu import make_kernel
 
     w, b = rand(8, 6), rand(6)
     run = make_kernel({"fc_linear": [0.0, 1.0, 1.0], "activation": "gelu"}, [None, w, None, b])

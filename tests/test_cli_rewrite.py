@@ -136,13 +136,13 @@ def test_patterns_listing(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run(capsys, "patterns", "--json")
     rows = {row["name"]: row for row in json.loads(out)}
-    assert code == 0 and rows["ConvBiasRelu"]["kernel"] == "patterns.conv.make_kernel"
+    assert code == 0 and rows["ConvBiasRelu"]["kernel"] == "fusion_patterns.conv.make_kernel"
     assert list(rows)[0] == "FireModule"  # priority order: the larger pattern first
     code, out, _ = run(capsys, "patterns")
     assert code == 0 and "ConvBiasRelu" in out
     # at 80 columns every cell reads whole: long words fold, nothing is cut to "…"
     assert "…" not in out and max(map(len, out.splitlines())) <= 80
-    assert "patterns.squeeze_ex" in out  # a dotted kernel name folds onto the next line
+    assert "fusion_patterns.squ" in out  # a dotted kernel name folds onto the next line
 
 
 def test_python_dash_m_is_the_same_cli():

@@ -24,7 +24,7 @@ from fusion.runtime.kernel import node_attributes
 from fusion_kernels import conv2d_bias_act, prepare_conv2d
 from fusion_kernels.blocked import block
 from fusion_kernels.conv_concat import conv_concat
-from patterns import conv_concat as conv_concat_pattern
+from fusion_patterns import conv_concat as conv_concat_pattern
 
 CATALOG = fusion.default_catalog()
 

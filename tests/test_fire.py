@@ -29,7 +29,7 @@ from fusion.runtime.kernel import node_attributes
 from fusion_kernels import conv2d_bias_act, prepare_conv2d
 from fusion_kernels.blocked import block
 from fusion_kernels.fire import fire, prepare_fire
-from patterns import fire as fire_pattern
+from fusion_patterns import fire as fire_pattern
 
 CATALOG = fusion.default_catalog()
 

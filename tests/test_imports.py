@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# import name -> folder (kernels/ installs as fusion_kernels: pyproject.toml)
-PACKAGES = {"fusion": "fusion", "fusion_kernels": "kernels", "patterns": "patterns"}
+# import name -> folder (kernels/ and patterns/ install as fusion_kernels and fusion_patterns:
+# pyproject.toml)
+PACKAGES = {"fusion": "fusion", "fusion_kernels": "kernels", "fusion_patterns": "patterns"}
+FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
 
 def project_modules() -> dict[str, Path]:
@@ -80,7 +82,7 @@ def test_no_import_cycle_among_project_modules():
     graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert sum(len(edges) for edges in graph.values()) > 100  # the walk sees the imports
     assert "fusion.registry" in graph["fusion.rewriter"]  # a top-level edge
-    assert "fusion_kernels.conv2d" in graph["patterns.conv"]  # a function-level (lazy) edge
+    assert "fusion_kernels.conv2d" in graph["fusion_patterns.conv"]  # a function-level (lazy) edge
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -92,7 +94,7 @@ def test_patterns_use_the_engine_only_and_kernels_no_fusion():
     allowed = {"fusion.pattern", "fusion.catalog", "fusion.matcher", "fusion.graph"}
     for name, path in modules.items():
         engine = {m for m in imported(name, path, modules) if m.split(".")[0] == "fusion"}
-        if name.startswith("patterns"):
+        if name.startswith("fusion_patterns"):
             assert engine <= allowed, (name, engine - allowed)
         if name.startswith("fusion_kernels"):
             assert not engine, (name, engine)
@@ -223,13 +225,15 @@ def test_kernels_export_every_family_without_shadowing_a_module():
     assert done.stdout.strip() == "ok", done.stderr
 
 
-def test_a_foreign_top_level_kernels_package_changes_nothing(tmp_path):
-    """Hugging Face's `kernels` (transformers 5 requires it) found first on the path: fusion's
-    own are `fusion_kernels` (pyproject.toml's package-dir), so a session runs its kernels all
-    the same. The foreign package here raises when imported: no project module may import a
-    top-level `kernels`."""
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("raise ImportError('a foreign kernels')\n")
+def test_foreign_top_level_kernels_and_patterns_packages_change_nothing(tmp_path):
+    """Hugging Face's `kernels` (transformers 5 requires it), and any other `patterns`, found
+    first on the path: fusion's own are `fusion_kernels` and `fusion_patterns` (pyproject.toml's
+    package-dir), so a session runs its catalog and kernels all the same. The foreign packages
+    here raise when imported: no project module may import a top-level `kernels` or
+    `patterns`."""
+    for name in ("kernels", "patterns"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('a foreign {name}')\n")
     code = textwrap.dedent("""
         import numpy as np
         import fusion
@@ -248,9 +252,10 @@ def test_a_foreign_top_level_kernels_package_changes_nothing(tmp_path):
 
 
 def test_no_project_file_imports_a_top_level_kernels_and_every_package_installs():
-    """Static: no import of a top-level `kernels` in the project's code, tests or bench (the
-    folder is `fusion_kernels`); and pyproject.toml's package list names every folder that
-    holds an __init__.py (it lists them by hand, as package-dir requires)."""
+    """Static: no import of a top-level `kernels` or `patterns` in the project's code, tests or
+    bench (they are `fusion_kernels` and `fusion_patterns`); and pyproject.toml's package list
+    names every folder that holds an __init__.py (it lists them by hand, as package-dir
+    requires)."""
     found = []
     for folder in ("fusion", "kernels", "patterns", "tests", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -259,13 +264,13 @@ def test_no_project_file_imports_a_top_level_kernels_and_every_package_installs(
                          else [node.module or ""] if isinstance(node, ast.ImportFrom)
                          and not node.level else [])  # fmt: skip
                 found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
-                          if n.split(".")[0] == "kernels"]  # fmt: skip
+                          if n.split(".")[0] in ("kernels", "patterns")]  # fmt: skip
     assert not found, found
     listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
     packages = set(re.findall(r'"([\w.]+)"', listed.group(1)))
     folders = {
-        ".".join([{"kernels": "fusion_kernels"}.get(p.parts[0], p.parts[0]), *p.parts[1:]])
+        ".".join([FOLDERS[p.parts[0]], *p.parts[1:]])
         for p in (init.parent.relative_to(ROOT) for init in ROOT.glob("*/**/__init__.py"))
-        if p.parts[0] in PACKAGES.values()
+        if p.parts[0] in FOLDERS
     }  # fmt: skip
     assert packages == folders

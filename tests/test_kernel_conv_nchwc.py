@@ -35,7 +35,7 @@ from fusion_kernels.conv_nchwc import (
     tile_rows,
 )
 from fusion_kernels.simd import width
-from patterns.conv import RESIDUAL_SLOT as RESIDUAL
+from fusion_patterns.conv import RESIDUAL_SLOT as RESIDUAL
 
 RTOL, ATOL = 1e-4, 1e-5
 BLOCKS = (8, 16)
@@ -230,7 +230,7 @@ def test_a_stem_offers_a_tactic_reading_nchw(residual):
     """A conv on fewer channels than a block offers the direct kernel on its NCHW input (no
     input conversion: blocked_inputs holds the residual alone), equal to the NCHW kernel; a
     wider one does not."""
-    from patterns.conv import ConvKernel
+    from fusion_patterns.conv import ConvKernel
 
     attrs = {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1,
              "auto_pad": "NOTSET", "activation": "relu", "residual": residual}  # fmt: skip

@@ -7,7 +7,13 @@ from helpers import GraphBuilder, assert_fuses, near_miss
 
 from fusion.catalog import Catalog, Rule
 from fusion.pattern import Var, op
-from patterns.linear import check_linear, linear, linear_attributes, linear_inputs, linear_params
+from fusion_patterns.linear import (
+    check_linear,
+    linear,
+    linear_attributes,
+    linear_inputs,
+    linear_params,
+)
 
 PATTERN = op.Relu(linear(Var("x", dtype="float32", rank=2), "W", "fc"))
 

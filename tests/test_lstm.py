@@ -14,7 +14,7 @@ from fusion.runtime import Session
 from fusion_kernels import lstm as kernel
 from fusion_kernels.config import get_threads, set_threads
 from fusion_kernels.lstm import lstm_sequence, prepare_lstm
-from patterns import lstm
+from fusion_patterns import lstm
 
 CATALOG = fusion.default_catalog()
 ATOL = 1e-5

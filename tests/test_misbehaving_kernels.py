@@ -193,7 +193,7 @@ def test_rewrite_verify_rolls_back_a_kernel_that_misbehaves(
 def test_rewrite_verify_checks_what_a_rollback_fuses_again(capsys, tmp_path, monkeypatch):
     """A Conv + Add + Relu chain rolled back at its Relu fuses again as Conv + Add under the
     Add's name: that fusion is verified too, and rolled back as well when it disagrees."""
-    from patterns import conv
+    from fusion_patterns import conv
 
     def off_by_half(attrs, constants):  # the real kernel, plus 0.5 everywhere
         run = conv.make_kernel(attrs, constants)
@@ -271,7 +271,7 @@ def test_kernels_run_where_neither_the_package_nor_home_can_hold_the_cache(tmp_p
     for folder, name in (
         ("fusion", "fusion"),
         ("kernels", "fusion_kernels"),
-        ("patterns", "patterns"),
+        ("patterns", "fusion_patterns"),
     ):  # as installed (pyproject.toml)
         shutil.copytree(root / folder, package / name, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "fusion_kernels" / "__pycache__").write_text("")

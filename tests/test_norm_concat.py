@@ -9,7 +9,7 @@ from helpers import GraphBuilder, assert_close, assert_fuses, near_miss, run_ort
 
 import fusion
 from fusion_kernels.blocked import block
-from patterns.concat import ConcatKernel, why_not_blocked
+from fusion_patterns.concat import ConcatKernel, why_not_blocked
 
 
 def batch_norm(g, x, channels, name="/bn"):

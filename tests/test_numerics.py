@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fusion.numerics import DEFAULT_ATOL, DEFAULT_RTOL, accumulating, compare_arrays, tolerance
-from patterns import conv, pool
+from fusion_patterns import conv, pool
 
 
 def test_compare_arrays_handles_nan_inf_shape_and_dtype():

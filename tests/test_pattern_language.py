@@ -9,8 +9,8 @@ from helpers import GraphBuilder, assert_fuses, fused_ops
 import fusion
 from fusion import Alt, Catalog, CatalogError, Const, Opt, Rule, Var, op
 from fusion.models import conv_stack
-from patterns.conv import RULE as CONV_RULE
-from patterns.conv import conv_epilogue
+from fusion_patterns.conv import RULE as CONV_RULE
+from fusion_patterns.conv import conv_epilogue
 
 
 def rewrite_checked(model, rules):

@@ -156,7 +156,7 @@ def test_every_register_tile_is_a_tactic_and_right():
     """One depth-first tactic per tile the conv would time (tile_options), each right."""
     from fusion_kernels.blocked import block, from_blocked, to_blocked
     from fusion_kernels.conv_nchwc import tile_options
-    from patterns.preact_conv import PreActConvKernel
+    from fusion_patterns.preact_conv import PreActConvKernel
 
     b = block()
     c, m = 2 * b + 3, 6 * b  # six output blocks: several tiles worth timing

@@ -60,7 +60,7 @@ def fused_names(model: onnx.ModelProto) -> list[str]:
 def test_a_chain_and_what_it_fuses_again_are_rolled_back_by_name():
     """Conv + Add + Relu rolled back at its Relu fuses again as Conv + Add under the Add's
     name, then as the Conv alone: each is checked and undone in turn, and what is left agrees."""
-    from patterns import conv
+    from fusion_patterns import conv
 
     def off_by_half(attrs, constants):  # the real kernel, plus 0.5 everywhere
         run = conv.make_kernel(attrs, constants)

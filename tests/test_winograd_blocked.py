@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fusion.numerics import compare_arrays
 from fusion_kernels.blocked import from_blocked, to_blocked
 from fusion_kernels.winograd_nchwc import prepare_winograd_nchwc, supports, winograd_nchwc
-from patterns.conv import RULE, WINOGRAD_SWITCH
+from fusion_patterns.conv import RULE, WINOGRAD_SWITCH
 
 BLOCKS = (8, 16)
 node = helper.make_node
@@ -167,7 +167,7 @@ def test_supports_says_why():
 
 
 def conv_kernel(strides, c=8):
-    from patterns.conv import ConvKernel
+    from fusion_patterns.conv import ConvKernel
 
     attrs = {"strides": list(strides), "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1,
              "auto_pad": "NOTSET", "activation": "relu"}  # fmt: skip

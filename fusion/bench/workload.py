@@ -18,7 +18,7 @@ from fusion.registry import default_catalog
 class Workload:
     """A model, its inputs, and where its rules come from.
 
-    rules: modules (e.g. "patterns.fire") whose RULE / RULES join the default catalog; child
+    rules: modules (e.g. "fusion_patterns.fire") whose RULE / RULES join the default catalog; child
     processes rebuild the catalog from these names. catalog: an explicit Catalog instead (child
     measurements, which cannot rebuild it, are then skipped). native: an equivalent model using
     a native onnxruntime op (same inputs and outputs), timed as ort-native.

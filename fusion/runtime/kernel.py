@@ -38,7 +38,8 @@ from fusion.runtime.placement import place
 from fusion.runtime.tactics import tactics_of
 
 Kernel = Callable[..., tuple]  # run(*inputs) -> a sequence of outputs
-BUILT_IN = ("fusion_kernels", "patterns")  # the packages of the built-in catalog and its kernels
+# the packages of the built-in catalog and its kernels
+BUILT_IN = ("fusion_kernels", "fusion_patterns")
 
 
 def binds_kernel(rule: Rule | None, node: onnx.NodeProto, body: onnx.FunctionProto | None) -> bool:

@@ -95,7 +95,7 @@ def timing_version(plugins: Sequence[str] = ()) -> str:
     kernels' and patterns' source, then `+` and the hash of the plugin modules whose kernels the
     session runs, if any. Without plugins: the built-in kernels' version, which a written cache
     keeps (another plugin's entries stay: another model may run it)."""
-    builtin = source_version("fusion_kernels", "patterns")
+    builtin = source_version("fusion_kernels", "fusion_patterns")
     return f"{builtin}+{source_version(*plugins)}" if plugins else builtin
 
 

@@ -21,7 +21,7 @@ one function, activate(kind, a, b, v), on a vector of kernels.simd or on a float
 The formulas are onnxruntime's, and so is NaN: a NaN in gives NaN out (the bounds are
 compares a NaN fails), and inf goes where the formula takes it (silu(-inf) = -inf * 0 = NaN,
 as onnxruntime's Mul(x, Sigmoid(x))). `kind` is a runtime value, loop-invariant in a kernel:
-its branch is predicted. encode() turns what patterns.activation reads from a graph into the
+its branch is predicted. encode() turns what fusion_patterns.activation reads from a graph into the
 triple (Python side, checked); the kernels only take triples.
 
 Three kinds, CLIPPING (identity, relu, clip), are each a clip: activate(kind, a, b, v) is
@@ -156,9 +156,9 @@ def activate(kind, a, b, v):
 
 def encode(activation=None, alpha=None, beta=None, clip_min=-math.inf, clip_max=math.inf):
     """(kind, a, b) as the kernels take them, from an activation's name and parameters (the
-    keywords patterns.activation.activation_attributes gives). alpha, beta: a and b (None: the
-    defaults above); the clip's bounds are clip_min, clip_max. A bound on identity or relu
-    makes a clip ("relu6" is a name for clip 0, 6); one on another kind has no entry.
+    keywords fusion_patterns.activation.activation_attributes gives). alpha, beta: a and b
+    (None: the defaults above); the clip's bounds are clip_min, clip_max. A bound on identity or
+    relu makes a clip ("relu6" is a name for clip 0, 6); one on another kind has no entry.
 
     >>> encode("clip", clip_min=0.0, clip_max=6.0)
     (3, np.float32(0.0), np.float32(6.0))
