@@ -8,10 +8,11 @@
 
 The gates are packed as four blocks where the LSTM has i, f, g, o: z, r, n_x, n_h (x's weights
 z, r, n, 0; h's z, r, 0, n). Reset after the product is then the LSTM kernel itself with the
-GRU cell (_lstm_cell.gru_cell, step_cols; h kept where the LSTM keeps c). Reset before it needs
+GRU cell (_lstm_cell.gru_cell, step_cols; h kept where the LSTM keeps c), whose row-by-row
+GEMV skips h's zero block (gru_panels, _lstm_cell.gemv_gru). Reset before it needs
 r of every unit before any unit's n, so each step is two stages over the blocks (row by row,
 every batch): A computes z and r of a block from h (a GEMV over its [H, 16] panel z | r) and r h
-of its units; B computes n from r h of all units (a GEMV over the panel 0 | Rn) and h'. The
+of its units; B computes n from r h of all units (a GEMV over Rn's [H, 8] panel) and h'. The
 stages share the LSTM kernel's input projection, done flags and runs per thread (1 + 2 T
 stages, one call). Both run on the SIMD layer's vectors at the plan's width, as _lstm_cell.gemv
 and cell do.
@@ -25,7 +26,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._lstm_cell import BLOCK_COLS, PANEL, U, project
+from ._lstm_cell import BLOCK_COLS, PANEL, U, gemv_units, project
 from ._lstm_sync import atomic_load, atomic_store
 from .config import I64, JIT_GEMM, PARALLEL, TRUE, ZERO_I64
 from .lstm import (
@@ -70,8 +71,21 @@ def prepare_gru(wx, wh, bias_x=None, bias_h=None, linear_before_reset: int = 1, 
     zr, bn, bhn = bx[: 2 * hidden] + bh[: 2 * hidden], bx[2 * hidden :], bh[2 * hidden :]
     before = not linear_before_reset  # both n biases outside the reset: on n_x's block
     b4 = np.concatenate([zr, bn + bhn if before else bn, 0 * bhn if before else bhn])
-    return dataclasses.replace(prepare_lstm(w4, r4, b4, width=width), gru=True,
-                               reset_before=before)  # fmt: skip
+    plan = prepare_lstm(w4, r4, b4, width=width)
+    return dataclasses.replace(plan, wh=gru_panels(plan.wh), gru=True, reset_before=before)
+
+
+def gru_panels(wh: np.ndarray) -> np.ndarray:
+    """The LSTM's recurrent panels [blocks, 2, K PANEL] of a GRU (panel 1: n_x | n_h per k,
+    n_x's weights on h all zero) with panel 1 holding n_h's U columns alone, [K, U], at its
+    start (the rest zero, never read): the step's GEMV (_lstm_cell.gemv_gru, gemv_units)
+    streams 3/4 of the bytes, the GRU's own weights."""
+    blocks, _, size = wh.shape
+    k = size // PANEL
+    out = wh.copy()
+    out[:, 1] = 0
+    out[:, 1, : k * U] = wh[:, 1].reshape(blocks, k, 2, U)[:, :, 1, :].reshape(blocks, k * U)
+    return out
 
 
 def gru_sequence(x: np.ndarray, h0: np.ndarray, plan: LSTMPlan) -> np.ndarray:
@@ -164,11 +178,11 @@ def _reset(L, t, b, w, gx, hs, zs, rh, acc):
 
 @numba.jit(**JIT_GEMM)
 def _update(L, t, b, w, gx, hs, zs, rh, acc):
-    """Stage B of step t, block b: n from r h of all units, then h' = n + z (h - n) of its
-    units."""
+    """Stage B of step t, block b: n from r h of all units (its compact panel: gru_panels),
+    then h' = n + z (h - n) of its units."""
     j0, rows = b * U, hs.shape[1]
     for r in range(rows):
-        _gemv_panel(L, rh[t, r], w[1], w.shape[1] // PANEL, acc)
+        gemv_units(L, rh[t, r], w[1], w.shape[1] // PANEL, acc, U)
         g, h, z_in, h_out = gx[t * rows + r], hs[t, r, j0:], zs[t, r, j0:], hs[t + 1, r, j0:]
         for j in range(0, U, min(L.width, U)):
             m = tail_mask(L, U - j)

@@ -124,6 +124,9 @@ def prepare_lstm(wx: np.ndarray, wh: np.ndarray, bias: np.ndarray | None = None,
     wx32, wh32, b32 = (np.asarray(a, np.float32) for a in (wx, wh, bias[None]))
     b = _panels(b32, hidden).reshape(-1, BLOCK_COLS)
     lanes = lanes_of(width)
+    if lanes.width not in (8, 16):  # the process widths; at 4 lanes a one-row projection
+        # (_project_row: up to 4 vectors of a block's 32 columns) left half of them unset
+        raise ValueError(f"width: 8 or 16 lanes, got {lanes.width}")
     wg, bg = _group_panels(wx32, wh32, b32, hidden, lanes.width)
     return LSTMPlan(projection_panels(wx32, hidden), _panels(wh32, hidden), b, wx.shape[0],
                     hidden, wg, bg, lanes, projection_tile(lanes.width))  # fmt: skip

@@ -111,3 +111,13 @@ def test_gru_matches_onnxruntime(steps, batch, hidden, special, lbr):
             ref = naive_gru(x, h0[0], weights, lbr)
         assert_close(hs, ref, RTOL, ATOL, check_dtype=False, what="Y (NumPy)")
         assert np.isnan(hs[-1, 0]).all()
+
+
+def test_the_kernels_take_the_process_widths_only():
+    """8 or 16 lanes (kernels.simd.width's choices); 4 is refused, not run half-computed (a
+    one-row input projection at 4 lanes set 16 of a block's 32 columns)."""
+    wx, wh = np.zeros((3, 8), np.float32), np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="8 or 16 lanes"):
+        prepare_lstm(wx, wh, width=4)
+    with pytest.raises(ValueError, match="8 or 16 lanes"):
+        prepare_gru(np.zeros((3, 6), np.float32), np.zeros((2, 6), np.float32), width=4)
