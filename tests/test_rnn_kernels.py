@@ -1,7 +1,7 @@
 """The LSTM and GRU sequence kernels against onnxruntime's own LSTM / GRU ops, on odd hidden
 sizes (1, 3, 17, 100: tails of every block), batches 1, 2 (row by row), 5 and 16 (the batch tile),
-1 and 5 steps, and with NaN and inf in the inputs. Run at both SIMD widths
-(FUSION_SIMD_WIDTH=16 for the 16-lane code).
+1 and 5 steps, and with NaN and inf in the inputs, at both SIMD widths in one process (a plan's
+width: 16-lane code runs on AVX2 too, each vector split in two by LLVM).
 
 onnxruntime's native ops clamp each gate with min/max before their activation fits, which turns
 a NaN pre-activation into a number; the kernels keep IEEE NaN (as onnxruntime on the unfused
@@ -19,6 +19,7 @@ from fusion_kernels.lstm import lstm_sequence, prepare_lstm
 
 RTOL, ATOL = 1e-4, 1e-5
 SIZE = 7  # input features
+WIDTHS = (8, 16)
 
 
 def _model(op, gates, steps, batch, hidden, w, r, b, **attrs):
@@ -66,16 +67,17 @@ CASES = [(steps, batch, hidden) for steps in (1, 5) for batch in (1, 2, 5, 16)
          for hidden in (1, 3, 17, 100)]  # fmt: skip
 
 
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("steps, batch, hidden", CASES)
-def test_lstm_matches_onnxruntime(steps, batch, hidden, special):
+def test_lstm_matches_onnxruntime(steps, batch, hidden, special, width):
     x, w, r, b, h0, c0 = _data(steps, batch, hidden, 4, steps + batch + hidden, special)
     want = run_ort(_model("LSTM", 4, steps, batch, hidden, w, r, b),
                    {"X": x, "initial_h": h0, "initial_c": c0})  # fmt: skip
     ifgo = (0, 2, 3, 1)  # ONNX's gates are i, o, f, c
     bias = b[0, : 4 * hidden] + b[0, 4 * hidden :]
     plan = prepare_lstm(_blocks(w[0], ifgo, hidden).T, _blocks(r[0], ifgo, hidden).T,
-                        _blocks(bias, ifgo, hidden))  # fmt: skip
+                        _blocks(bias, ifgo, hidden), width=width)  # fmt: skip
     hs, cs = lstm_sequence(x, h0[0], c0[0], plan)
     rows = _clean(batch, special)
     assert_close(hs[:, rows], want[0][:, 0, rows], RTOL, ATOL, what="Y")
@@ -90,16 +92,17 @@ def test_lstm_matches_onnxruntime(steps, batch, hidden, special):
         assert np.isnan(hs[-1, 0]).all()  # the NaN reaches every later state of its row
 
 
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("lbr", [1, 0])
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("steps, batch, hidden", CASES)
-def test_gru_matches_onnxruntime(steps, batch, hidden, special, lbr):
+def test_gru_matches_onnxruntime(steps, batch, hidden, special, lbr, width):
     x, w, r, b, h0, _ = _data(steps, batch, hidden, 3, steps + batch + hidden, special)
     model = _model("GRU", 3, steps, batch, hidden, w, r, b, linear_before_reset=lbr)
     want = run_ort(model, {"X": x, "initial_h": h0})
     zrn = (0, 1, 2)  # ONNX's gates are z, r, h: the kernel's order already
     plan = prepare_gru(_blocks(w[0], zrn, hidden).T, _blocks(r[0], zrn, hidden).T,
-                       b[0, : 3 * hidden], b[0, 3 * hidden :], lbr)  # fmt: skip
+                       b[0, : 3 * hidden], b[0, 3 * hidden :], lbr, width=width)  # fmt: skip
     hs = gru_sequence(x, h0[0], plan)
     rows = _clean(batch, special)
     assert_close(hs[:, rows], want[0][:, 0, rows], RTOL, ATOL, what="Y")
