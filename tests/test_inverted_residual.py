@@ -90,10 +90,12 @@ def test_fuses_and_both_tactics_match_onnxruntime(c, t, m, s, k, hw, batch, acts
         assert_close(run_bound(session, feeds)[0], want, 1e-4, 1e-5, what=tactic)
 
 
+@pytest.mark.parametrize("b", [8, 16])
 @pytest.mark.parametrize("c,t,m,s,k,hw,batch", [(17, 6, 17, 1, 3, 13, 2), (3, 1, 5, 2, 5, 7, 1)])
-def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
-    """kernels/inverted_residual.py on the weights of the graph, against the graph."""
-    from fusion_kernels.blocked import from_blocked, to_blocked
+def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch, b):
+    """kernels/inverted_residual.py on the weights of the graph, against the graph, in blocks
+    of 8 and 16 whatever this CPU's width (16 lanes run on AVX2 as register pairs)."""
+    from fusion_kernels.blocked import block_size, from_blocked, to_blocked
     from fusion_kernels.inverted_residual import inverted_residual, prepare_inverted_residual
 
     g = GraphBuilder(opset=17)
@@ -101,9 +103,9 @@ def test_kernel_alone_matches_onnxruntime(c, t, m, s, k, hw, batch):
     model = g.model({"x": ["N", c, hw, hw]}, [y])
     clip = ("clip", None, None, 0.0, 6.0)
     plan = prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=s, acts=(clip, clip, None),
-                                     residual=s == 1 and m == c)  # fmt: skip
+                                     residual=s == 1 and m == c, block=b)  # fmt: skip
     x = RNG.standard_normal((batch, c, hw, hw)).astype(np.float32)
-    got = from_blocked(inverted_residual(to_blocked(x), plan), m)
+    got = from_blocked(inverted_residual(to_blocked(x, block=block_size(c, b)), plan), m)
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
 
 
@@ -150,17 +152,19 @@ def test_bands_fit_l2_and_feed_every_thread():
     assert bands(1, 56, 56, 112, 96, 16, 3, 2, 2)[1] >= 1  # never fewer than one row
 
 
+@pytest.mark.parametrize("b", [8, 16])
 @pytest.mark.parametrize("budget", [1, 8_000, 20_000])
 @pytest.mark.parametrize(
     "c,t,m,s,k,hw",
     [(17, 6, 17, 1, 3, 13), (8, 4, 24, 2, 5, 17), (16, 1, 16, 2, 3, 13), (16, 1, 16, 1, 5, 9)],
 )
-def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k, hw, budget):
+def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k, hw, budget, b):
     """Bands of 1 to a few rows (a tiny L2): each band moves the k - s rows of e it shares with
     the one before to the top of its scratch and computes the rest; parts of an image start
-    afresh. Against onnxruntime on the graph, strides 1 and 2, k 3 and 5."""
+    afresh. Against onnxruntime on the graph, strides 1 and 2, k 3 and 5, blocks of 8 and
+    16."""
     import fusion_kernels.inverted_residual as K
-    from fusion_kernels.blocked import from_blocked, to_blocked
+    from fusion_kernels.blocked import block_size, from_blocked, to_blocked
 
     monkeypatch.setattr(K, "cache_bytes", lambda level: budget)
     g = GraphBuilder(opset=17)
@@ -168,9 +172,9 @@ def test_bands_of_few_rows_carry_the_rows_they_share(monkeypatch, c, t, m, s, k,
     model = g.model({"x": ["N", c, hw, hw]}, [y])
     plan = K.prepare_inverted_residual(we, be, wd, bd, wp, bp, stride=s, pads=(k // 2,) * 4,
                                        acts=(("clip", None, None, 0.0, 6.0), ("relu",), None),
-                                       residual=s == 1 and m == c)  # fmt: skip
+                                       residual=s == 1 and m == c, block=b)  # fmt: skip
     x = RNG.standard_normal((2, c, hw, hw)).astype(np.float32)
-    got = from_blocked(K.inverted_residual(to_blocked(x), plan), m)
+    got = from_blocked(K.inverted_residual(to_blocked(x, block=block_size(c, b)), plan), m)
     assert_close(got, run_ort(model, {"x": x})[0], 1e-4, 1e-5)
     (launch,) = plan.launches.values()
     assert launch.geometry[K.ir.ROWS] < launch.shape[2]  # several bands per image
