@@ -74,9 +74,11 @@ def test_a_transition_without_bias_or_epilogue_fuses():
     check_tactics(model, [(1, 32, 56, 56), (0, 32, 8, 8)])
 
 
+@pytest.mark.parametrize("b", [8, 16])
 @pytest.mark.parametrize("budget", [1, 20_000])
-def test_bands_of_a_few_pixels(monkeypatch, budget):
-    """A tiny L2: bands of one to a few pixels, every one through the one-pixel path or a tile."""
+def test_bands_of_a_few_pixels(monkeypatch, budget, b):
+    """A tiny L2: bands of one to a few pixels, every one through the one-pixel path or a tile;
+    in blocks of 8 and 16 whatever this CPU's width."""
     import fusion_kernels.preact_conv as K
     from fusion_kernels.blocked import from_blocked, to_blocked
 
@@ -84,7 +86,7 @@ def test_bands_of_a_few_pixels(monkeypatch, budget):
     c, m = 40, 24
     s, t = RNG.standard_normal(c).astype(np.float32), RNG.standard_normal(c).astype(np.float32)
     w = (RNG.standard_normal((m, c, 1, 1)) * 0.2).astype(np.float32)
-    plan = K.prepare_preact_conv(s, t, w, None, norm_act={"activation": "relu"})
+    plan = K.prepare_preact_conv(s, t, w, None, norm_act={"activation": "relu"}, block=b)
     x = RNG.standard_normal((2, c, 9, 11)).astype(np.float32)
     ref = np.einsum("nchw,mc->nmhw", np.maximum(x * s[:, None, None] + t[:, None, None], 0),
                     w[:, :, 0, 0])  # fmt: skip
