@@ -79,7 +79,7 @@ class LSTMPlan:
     """Weights packed once per fused node (see prepare_lstm)."""
 
     wx: np.ndarray  # [blocks, I * 32] input weight panels (projection_panels)
-    wh: np.ndarray  # [blocks, 2, H * 16] recurrent weight panels
+    wh: np.ndarray  # [blocks, 2, H * 16] recurrent weight panels (a GRU's panel 1: gru_panels)
     bias: np.ndarray  # [blocks, BLOCK_COLS], i f g o of each block's units
     input_size: int
     hidden: int
