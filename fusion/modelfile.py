@@ -312,6 +312,28 @@ def over_2gb(model: onnx.ModelProto) -> bool:
         return True
 
 
+def shapes_from_a_run(model: onnx.ModelProto, names, feeds: dict, threads: int | None = None
+                      ) -> dict[str, tuple[tuple[int, ...], object]]:  # fmt: skip
+    """(shape, dtype) of each value in `names` after one run of the model in onnxruntime (no
+    optimizations) on `feeds`: what shape inference cannot follow (TorchScript's Shape
+    arithmetic, a fused node's function). Best effort: {} when the run fails or the model is
+    past protobuf's 2 GB (it cannot be handed over whole). The outputs are untyped: a value
+    whose type inference did not give may be of any type."""
+    names = list(dict.fromkeys(names))
+    if not names or over_2gb(model):
+        return {}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.output[:]
+    copy.graph.output.extend(onnx.ValueInfoProto(name=v) for v in names)
+    try:
+        got = inference_session(copy, REFERENCE, threads).run(names, feeds)
+    except Exception:  # noqa: BLE001 (best effort: the caller keeps what it has)
+        return {}
+    return {v: (tuple(a.shape), a.dtype) for v, a in zip(names, got, strict=True)
+            if hasattr(a, "shape") and hasattr(a, "dtype")}  # fmt: skip
+
+
 def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without the bytes of its large tensors (shapes and dtypes kept): what shape
     inference needs, for a model too large to serialize."""

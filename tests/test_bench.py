@@ -73,6 +73,35 @@ def slow_kernel(attrs, constants):
     return late
 
 
+def test_flops_of_a_product_whose_shape_only_a_run_gives(monkeypatch):
+    """A MatMul after a Reshape to a fed target (as a TorchScript transformer's reshapes are
+    Shape arithmetic on its token ids): inference leaves its shapes unknown, so they come from
+    one onnxruntime run on the feeds; without that run the node is named as not counted."""
+    nodes = [helper.make_node("Reshape", ["x", "t"], ["r"]),
+             helper.make_node("MatMul", ["r", "W"], ["y"])]  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8]),
+         helper.make_tensor_value_info("t", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((8, 16), np.float32), "W")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.zeros((6, 8), np.float32), "t": np.array([3, 16], np.int64)}
+    w16 = numpy_helper.from_array(np.zeros((16, 16), np.float32), "W")
+    model.graph.initializer[0].CopyFrom(w16)  # [3, 16] x [16, 16]
+    flops = bench.count_flops(model, feeds)
+    assert flops.by_op == {"MatMul": 2 * 3 * 16 * 16} and flops.notes == []
+    import fusion.bench.flops as flops_module
+
+    monkeypatch.setattr(flops_module, "shapes_from_a_run", lambda *a, **k: {})  # a failed run
+    flops = bench.count_flops(model, feeds)
+    assert flops.by_op == {} and flops.notes == [
+        "1 Conv/MatMul/Gemm/LSTM nodes of unknown shape not counted"
+    ]
+
+
 def test_flops_of_conv_stack_match_the_closed_form():
     model, feeds = tiny_conv(batch=3)
     flops = bench.count_flops(model, feeds)
@@ -131,6 +160,7 @@ def test_measure_verifies_and_times_every_runner():
     head, (row,) = bench.summary_rows([result])
     summary = dict(zip(head, row, strict=True))
     assert summary["conv FLOPs in kernels"] == "100%" and summary["islands"] == "0"
+    assert summary["FLOPs in kernels"] == "100%"  # its only counted nodes are the two convs
     assert summary["slower nodes"].endswith(" of 2")
 
 

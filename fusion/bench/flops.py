@@ -14,6 +14,7 @@ import onnx
 from onnx import helper
 
 from fusion.graph import GraphView, node_label
+from fusion.modelfile import shapes_from_a_run
 
 
 @dataclass
@@ -25,17 +26,29 @@ class Flops:
     by_node: dict[str, int] = field(default_factory=dict)  # node label -> FLOPs
 
 
+COUNTED = ("Conv", "MatMul", "Gemm", "LSTM")  # the ops whose FLOPs are counted
+
+
 def inferred_shapes(model: onnx.ModelProto, feeds: dict | None = None) -> dict[str, list[int]]:
     """Every value's shape that the graph's types work out for these feeds' shapes
     (GraphView's: ONNX shape inference, and the sizes it leaves to Shape arithmetic, as in
-    TorchScript's ShuffleNet), initializers included; values of unknown or symbolic shape are
-    left out."""
+    TorchScript's ShuffleNet), initializers included. Given feeds, the inputs and outputs of
+    the counted nodes that inference still misses come from one onnxruntime run on them
+    (fusion.modelfile.shapes_from_a_run: a TorchScript transformer's MatMuls, whose reshape
+    targets are Shape arithmetic on the token ids); other values of unknown or symbolic shape
+    are left out."""
     view = GraphView(_with_input_shapes(model, feeds or {}))
     shapes = {}
     for name in {*view.producer, *view.graph_inputs, *view.initializers}:
         vt = view.type_of(name)
         if vt is not None and vt.shape is not None and all(isinstance(d, int) for d in vt.shape):
             shapes[name] = list(vt.shape)
+    if feeds:
+        missing = sorted({v for node in model.graph.node if node.op_type in COUNTED
+                          for v in (*node.input, *node.output[:1])
+                          if v and v not in shapes})  # fmt: skip
+        ran = shapes_from_a_run(model, missing, feeds) if missing else {}
+        shapes |= {v: list(shape) for v, (shape, _) in ran.items()}
     return shapes
 
 
@@ -50,7 +63,7 @@ def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
     by_node: dict[str, int] = {}
     best, best_shape, unknown = 0, None, 0
     for node in model.graph.node:
-        if node.op_type not in ("Conv", "MatMul", "Gemm", "LSTM"):
+        if node.op_type not in COUNTED:
             continue
         got = _node_flops(node, shapes)
         if got is None:

@@ -239,18 +239,24 @@ def _run(workers, infos, mode, workload, opts, counts, flops, notes, rtol, atol,
 
 def conv_share(rewritten, flops, steps: list[dict]) -> dict:
     """How much of the model's conv FLOPs fusion's own kernels run (the rest runs in
-    onnxruntime: islands, or fused nodes left to their function bodies)."""
-    conv = {label: f for label, f in flops.by_node.items() if label.startswith("Conv ")}
+    onnxruntime: islands, or fused nodes left to their function bodies), and of all its counted
+    FLOPs (Conv, MatMul, Gemm, LSTM: a transformer's are its MatMuls)."""
+    counted = flops.by_node
+    conv = {label: f for label, f in counted.items() if label.startswith("Conv ")}
     inside = originals(rewritten.fusions)  # fused node label -> the original nodes it replaced
     kernels = {s["name"] for s in steps if s["kind"] == "kernel"}
-    ours = {c for label in kernels for c in inside.get(label, ()) if c in conv}
-    total = sum(conv.values())
+    ours = {c for label in kernels for c in inside.get(label, ()) if c in counted}
+    total, total_all = sum(conv.values()), sum(counted.values())
+    in_conv = sum(conv[c] for c in ours if c in conv)
+    in_all = sum(counted[c] for c in ours)
     return {
         "convs": len(conv),
-        "convs_in_kernels": len(ours),
+        "convs_in_kernels": len(ours & conv.keys()),
         "gflop": total / 1e9,
-        "gflop_in_kernels": sum(conv[c] for c in ours) / 1e9,
-        "share_in_kernels": sum(conv[c] for c in ours) / total if total else None,
+        "gflop_in_kernels": in_conv / 1e9,
+        "share_in_kernels": in_conv / total if total else None,
+        "gflop_counted": total_all / 1e9,
+        "share_all_in_kernels": in_all / total_all if total_all else None,
     }
 
 

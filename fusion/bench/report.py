@@ -132,15 +132,16 @@ def runner_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]]:
     """One row per workload for a set of real models: fusion against onnxruntime at its
-    defaults, the share of conv FLOPs fusion's own kernels run, islands, how many fused nodes
-    are slower than onnxruntime on their own body, and the megabytes of activations the
-    depth-first blocks move per run as run (and op by op): fusion.bench.traffic."""
+    defaults, the share of conv FLOPs fusion's own kernels run and of all counted FLOPs (Conv,
+    MatMul, Gemm, LSTM: a transformer's products), islands, how many fused nodes are slower
+    than onnxruntime on their own body, and the megabytes of activations the depth-first
+    blocks move per run as run (and op by op): fusion.bench.traffic."""
     head = ["model", "batch", "fused nodes", "fusion", "ort-all", "fusion vs ort-all",
-            "conv FLOPs in kernels", "islands", "slower nodes",
+            "conv FLOPs in kernels", "FLOPs in kernels", "islands", "slower nodes",
             "block traffic MB (op by op)"]  # fmt: skip
     body = []
     for r in results:
-        share = r.conv.get("share_in_kernels")
+        share, share_all = r.conv.get("share_in_kernels"), r.conv.get("share_all_in_kernels")
         body.append([
             r.workload,
             str(r.batch),
@@ -149,6 +150,7 @@ def summary_rows(results: list[BenchResult]) -> tuple[list[str], list[list[str]]
             _ms(r, ORT_ALL),
             _x(r.speedup(ORT_ALL)),
             "-" if share is None else f"{share:.0%}",
+            "-" if share_all is None else f"{share_all:.0%}",
             str(r.profile.get("islands", "-")),
             f"{len(r.slower_nodes)} of {len(r.nodes)}" if r.nodes else "-",
             (f"{r.traffic['mb_as_run']:.1f} ({r.traffic['mb_op_by_op']:.1f})"
@@ -233,6 +235,13 @@ def detail_pairs(result: BenchResult) -> list[tuple[str, str]]:
         pairs.append(("conv FLOPs in fusion's kernels",
                       f"{c['share_in_kernels']:.0%} ({c['convs_in_kernels']} of {c['convs']} "
                       "convs)"))  # fmt: skip
+    if c.get("share_all_in_kernels") is not None:
+        pairs.append(
+            (
+                "FLOPs in fusion's kernels (Conv, MatMul, Gemm, LSTM)",
+                f"{c['share_all_in_kernels']:.0%} of {c['gflop_counted']:.3f} GFLOP",
+            )
+        )
     if result.traffic:
         pairs.append(("activations the depth-first blocks move per run (estimate)",
                       describe(result.traffic)))  # fmt: skip

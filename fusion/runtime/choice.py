@@ -45,8 +45,8 @@ from fusion.catalog import Catalog, Tactic
 from fusion.errors import FusionWarning
 from fusion.functions import single_node_model
 from fusion.graph import GraphView, ValueType, node_label
-from fusion.modelfile import over_2gb, weightless_copy
-from fusion.ort import ISLAND, REFERENCE, inference_session
+from fusion.modelfile import shapes_from_a_run, weightless_copy
+from fusion.ort import ISLAND, inference_session
 from fusion.rewriter import rewrite
 from fusion.runtime.borders import revise
 from fusion.runtime.feed_checks import FeedCheck
@@ -447,19 +447,10 @@ class Chooser:
             if v and v not in shapes and self.view.constant(v) is None and self._is_float(v)
         })  # fmt: skip
         feeds = {s.name: values[s.name] for s in self.feeds.inputs if s.name in values}
-        if not missing or len(feeds) < len(self.feeds.inputs) or over_2gb(self.model):
-            return shapes  # (a model past protobuf's limit cannot be handed over whole)
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
-        del model.graph.output[:]
-        # untyped: a value whose type inference did not give either may not be a float
-        model.graph.output.extend(onnx.ValueInfoProto(name=v) for v in missing)
-        try:
-            got = inference_session(model, REFERENCE, self.threads).run(missing, feeds)
-        except Exception:  # noqa: BLE001 (best effort: the nodes stay untimed, as before)
+        if not missing or len(feeds) < len(self.feeds.inputs):
             return shapes
-        return shapes | {v: tuple(a.shape) for v, a in zip(missing, got, strict=True)
-                         if isinstance(a, np.ndarray) and a.dtype == np.float32}  # fmt: skip
+        got = shapes_from_a_run(self.model, missing, feeds, self.threads)
+        return shapes | {v: shape for v, (shape, dtype) in got.items() if dtype == np.float32}
 
     def _cached_verdict(self, key: str, candidates: dict) -> Verdict | None:
         """The cache's verdict for this plan key, if it judged these candidates on a quiet
