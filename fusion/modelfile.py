@@ -318,7 +318,8 @@ def shapes_from_a_run(model: onnx.ModelProto, names, feeds: dict, threads: int |
     optimizations) on `feeds`: what shape inference cannot follow (TorchScript's Shape
     arithmetic, a fused node's function). Best effort: {} when the run fails or the model is
     past protobuf's 2 GB (it cannot be handed over whole). The outputs are untyped: a value
-    whose type inference did not give may be of any type."""
+    whose type inference did not give may be of any type. It runs a copy of the model, weights
+    included: once per Session build (its timing) or bench workload, not per write or check."""
     names = list(dict.fromkeys(names))
     if not names or over_2gb(model):
         return {}

@@ -93,6 +93,10 @@ def test_flops_of_a_product_whose_shape_only_a_run_gives(monkeypatch):
     model.graph.initializer[0].CopyFrom(w16)  # [3, 16] x [16, 16]
     flops = bench.count_flops(model, feeds)
     assert flops.by_op == {"MatMul": 2 * 3 * 16 * 16} and flops.notes == []
+    from fusion.modelfile import shapes_from_a_run
+
+    assert shapes_from_a_run(model, ["r", "r"], feeds) == {"r": ((3, 16), np.float32)}
+    assert shapes_from_a_run(model, ["r"], {"x": feeds["x"]}) == {}  # the run fails: no shapes
     import fusion.bench.flops as flops_module
 
     monkeypatch.setattr(flops_module, "shapes_from_a_run", lambda *a, **k: {})  # a failed run

@@ -1,6 +1,7 @@
 """FLOPs of a model: 2 x multiply-adds of its Conv, MatMul, Gemm and LSTM nodes.
 
-Shapes are inferred for the actual inputs; all runners are credited with the original model's
+Shapes are inferred for the actual inputs (and, where inference cannot follow, taken from one
+onnxruntime run on them: inferred_shapes); all runners are credited with the original model's
 FLOPs. The heaviest node's GEMM shape ([M, K] x [K, N]; a Conv's im2col shape) is kept for the
 SGEMM reference (fusion.bench.sgemm).
 """
@@ -29,14 +30,16 @@ class Flops:
 COUNTED = ("Conv", "MatMul", "Gemm", "LSTM")  # the ops whose FLOPs are counted
 
 
-def inferred_shapes(model: onnx.ModelProto, feeds: dict | None = None) -> dict[str, list[int]]:
+def inferred_shapes(
+    model: onnx.ModelProto, feeds: dict | None = None, threads: int | None = None
+) -> dict[str, list[int]]:
     """Every value's shape that the graph's types work out for these feeds' shapes
     (GraphView's: ONNX shape inference, and the sizes it leaves to Shape arithmetic, as in
     TorchScript's ShuffleNet), initializers included. Given feeds, the inputs and outputs of
     the counted nodes that inference still misses come from one onnxruntime run on them
     (fusion.modelfile.shapes_from_a_run: a TorchScript transformer's MatMuls, whose reshape
     targets are Shape arithmetic on the token ids); other values of unknown or symbolic shape
-    are left out."""
+    are left out. threads: that run's (None: onnxruntime's choice)."""
     view = GraphView(_with_input_shapes(model, feeds or {}))
     shapes = {}
     for name in {*view.producer, *view.graph_inputs, *view.initializers}:
@@ -47,18 +50,20 @@ def inferred_shapes(model: onnx.ModelProto, feeds: dict | None = None) -> dict[s
         missing = sorted({v for node in model.graph.node if node.op_type in COUNTED
                           for v in (*node.input, *node.output[:1])
                           if v and v not in shapes})  # fmt: skip
-        ran = shapes_from_a_run(model, missing, feeds) if missing else {}
+        ran = shapes_from_a_run(model, missing, feeds, threads) if missing else {}
         shapes |= {v: list(shape) for v, (shape, _) in ran.items()}
     return shapes
 
 
-def count_flops(model: onnx.ModelProto, feeds: dict | None = None) -> Flops:
-    """2 x multiply-adds of Conv, MatMul, Gemm and LSTM nodes, shapes inferred for `feeds`.
+def count_flops(model: onnx.ModelProto, feeds: dict | None = None,
+                shapes: dict | None = None) -> Flops:  # fmt: skip
+    """2 x multiply-adds of Conv, MatMul, Gemm and LSTM nodes, on the shapes inferred_shapes
+    gives for `feeds` (or `shapes`, when the caller has them already).
 
     >>> count_flops(conv_stack(blocks=1, channels=8, size=4, batch=1)).total   # 2*8*8*9*16
     18432
     """
-    shapes = inferred_shapes(model, feeds)
+    shapes = inferred_shapes(model, feeds) if shapes is None else shapes
     by_op: dict[str, int] = {}
     by_node: dict[str, int] = {}
     best, best_shape, unknown = 0, None, 0

@@ -77,7 +77,9 @@ def measure(
     rewritten = rewrite(workload.model, catalog)
     fused_model = rewritten.model
     counts = {k: v for k, v in rewritten.counts().items() if v}
-    flops = count_flops(workload.model, workload.feeds)
+    # once: where inference misses shapes, they come from an onnxruntime run of the model
+    shapes = inferred_shapes(workload.model, workload.feeds, opts.threads)
+    flops = count_flops(workload.model, workload.feeds, shapes)
     models = {ORT_NONE: workload.model, ORT_ALL: workload.model}
     models |= {FUSED: fused_model, ORT_FUSED: fused_model}
     if workload.native is not None:
@@ -114,7 +116,6 @@ def measure(
             close_workers(workers)
         if result.profile:
             result.conv = conv_share(rewritten, flops, result.profile["steps"])
-            shapes = inferred_shapes(workload.model, workload.feeds)
             result.traffic = block_traffic(workload.model, rewritten.fusions, shapes,
                                            result.profile["steps"])  # fmt: skip
         gc.collect()

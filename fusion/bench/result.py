@@ -32,7 +32,7 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     batch: int = 1  # items per run: throughput = batch / median
     nodes: list[dict] = field(default_factory=list)  # each fused node alone vs its body
-    conv: dict = field(default_factory=dict)  # conv FLOPs, and the share fusion's kernels run
+    conv: dict = field(default_factory=dict)  # conv and all counted FLOPs, the kernels' shares
     traffic: dict = field(default_factory=dict)  # depth-first blocks' bytes: fusion.bench.traffic
 
     @property
