@@ -208,7 +208,7 @@ def gemv_gru(L, h, w0, w1, k_len, out):
     """The GRU's step GEMV: out[:PANEL] = h @ w0 (gates z | r of the block's U units), out[PANEL
     : PANEL + U] = 0 (n_x: x's alone), out[PANEL + U : BLOCK_COLS] = h @ w1, w1 n_h's compact
     panel [K, U] (gru.gru_panels). The LSTM's second panel [K, PANEL] would hold n_x's zeros
-    beside n_h: a third of the bytes each step streams, for nothing (bench/NOTES.md). Two
+    beside n_h: a quarter of the bytes each step streams, for nothing (bench/NOTES.md). Two
     k-chains per vector of a panel row (four where a row of w0 is one vector, as gemv)."""
     w, n = L.width, PANEL // L.width
     m = tail_mask(L, U)
