@@ -158,32 +158,21 @@ def gemv(L, h, w0, w1, k_len, out):
 
 
 @numba.jit(**INLINE_GEMM)
-def _units(L, h_k, w, q, acc, m):
-    """acc + h_k times n_h's U weights of one k, w[q : q + U] (a compact panel [K, U], see
-    gru.gru_panels). acc is two vectors whatever the width: at 4 lanes both hold units, at 8
-    the first, at 16 the first's first U lanes (loaded under mask m); the rest stay zero."""
+def _units(L, w, q, m):
+    """n_h's U weights of one k, w[q : q + U] (a compact panel [K, U], see gru.gru_panels), as
+    one vector: whole at 8 lanes, at 16 its first U lanes (mask m; the rest zero)."""
     if L.width > U:
-        return vfma(h_k, vload_masked(L, w, q, m), acc[0]), acc[1]
-    if L.width == U:
-        return vfma(h_k, vload(L, w, q), acc[0]), acc[1]
-    return vfma(h_k, vload(L, w, q), acc[0]), vfma(h_k, vload(L, w, q + L.width), acc[1])
+        return vload_masked(L, w, q, m)
+    return vload(L, w, q)
 
 
 @numba.jit(**INLINE_GEMM)
-def _store_units(L, a, b, out, oo, m):
-    """out[oo : oo + U] = a + b (pairs of _units' vectors)."""
+def _store_units(L, v, out, oo, m):
+    """out[oo : oo + U] = v's first U lanes."""
     if L.width > U:
-        vstore_masked(out, oo, a[0] + b[0], m)
+        vstore_masked(out, oo, v, m)
     else:
-        vstore(out, oo, a[0] + b[0])
-        if L.width < U:
-            vstore(out, oo + L.width, a[1] + b[1])
-
-
-@numba.jit(**INLINE_GEMM)
-def _add(a, b):
-    """Two pairs of vectors added pairwise."""
-    return a[0] + b[0], a[1] + b[1]
+        vstore(out, oo, v)
 
 
 @numba.jit(**JIT_GEMM)
@@ -191,68 +180,59 @@ def gemv_units(L, h, w, k_len, out, oo):
     """out[oo : oo + U] = h @ w, w n_h's compact panel [K, U] (the reset-before GRU's second
     stage, kernels/gru.py): four k-chains, bound by streaming w."""
     m = tail_mask(L, U)
-    a = b = c = d = (vzero(L), vzero(L))
+    a = b = c = d = vzero(L)
     for kk in range(k_len // 4):
         k = 4 * kk
-        a = _units(L, h[k], w, U * k, a, m)
-        b = _units(L, h[k + 1], w, U * (k + 1), b, m)
-        c = _units(L, h[k + 2], w, U * (k + 2), c, m)
-        d = _units(L, h[k + 3], w, U * (k + 3), d, m)
+        a = vfma(h[k], _units(L, w, U * k, m), a)
+        b = vfma(h[k + 1], _units(L, w, U * (k + 1), m), b)
+        c = vfma(h[k + 2], _units(L, w, U * (k + 2), m), c)
+        d = vfma(h[k + 3], _units(L, w, U * (k + 3), m), d)
     for k in range(k_len - k_len % 4, k_len):
-        a = _units(L, h[k], w, U * k, a, m)
-    _store_units(L, _add(a, c), _add(b, d), out, oo, m)
+        a = vfma(h[k], _units(L, w, U * k, m), a)
+    _store_units(L, (a + c) + (b + d), out, oo, m)
 
 
 @numba.jit(**JIT_GEMM)
 def gemv_gru(L, h, w0, w1, k_len, out):
-    """The GRU's step GEMV: out[:PANEL] = h @ w0 (gates z | r of the block's U units), out[PANEL
-    : PANEL + U] = 0 (n_x: x's alone), out[PANEL + U : BLOCK_COLS] = h @ w1, w1 n_h's compact
-    panel [K, U] (gru.gru_panels). The LSTM's second panel [K, PANEL] would hold n_x's zeros
-    beside n_h: a quarter of the bytes each step streams, for nothing (bench/NOTES.md). Two
-    k-chains per vector of a panel row (four where a row of w0 is one vector, as gemv)."""
-    w, n = L.width, PANEL // L.width
+    """The GRU's step GEMV at 8 or 16 lanes (the plans' widths): out[:PANEL] = h @ w0 (gates
+    z | r of the block's U units), out[PANEL : PANEL + U] = 0 (n_x: x's alone), out[PANEL + U :
+    BLOCK_COLS] = h @ w1, w1 n_h's compact panel [K, U] (gru.gru_panels). The LSTM's second
+    panel [K, PANEL] would hold n_x's zeros beside n_h: a quarter of the bytes each step
+    streams, for nothing (bench/NOTES.md). Four k-chains where a row of w0 is one vector (16
+    lanes, as gemv), else two."""
+    w = L.width
     m = tail_mask(L, U)
-    a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = vzero(L)
-    b = d = e = f = (vzero(L), vzero(L))
-    if n == 1:  # 16 lanes: four k-chains (gemv's reason)
+    a0 = a1 = c0 = c1 = b = d = e = f = vzero(L)
+    if w > U:  # 16 lanes: a row of w0 is one vector
         for kk in range(k_len // 4):
             k = 4 * kk
             o = PANEL * k
-            a0, b = vfma(h[k], vload(L, w0, o), a0), _units(L, h[k], w1, U * k, b, m)
+            a0, b = vfma(h[k], vload(L, w0, o), a0), vfma(h[k], _units(L, w1, U * k, m), b)
             c0 = vfma(h[k + 1], vload(L, w0, o + PANEL), c0)
-            d = _units(L, h[k + 1], w1, U * (k + 1), d, m)
+            d = vfma(h[k + 1], _units(L, w1, U * (k + 1), m), d)
             a1 = vfma(h[k + 2], vload(L, w0, o + 2 * PANEL), a1)
-            e = _units(L, h[k + 2], w1, U * (k + 2), e, m)
+            e = vfma(h[k + 2], _units(L, w1, U * (k + 2), m), e)
             c1 = vfma(h[k + 3], vload(L, w0, o + 3 * PANEL), c1)
-            f = _units(L, h[k + 3], w1, U * (k + 3), f, m)
+            f = vfma(h[k + 3], _units(L, w1, U * (k + 3), m), f)
         for k in range(k_len - k_len % 4, k_len):
             a0 = vfma(h[k], vload(L, w0, PANEL * k), a0)
-            b = _units(L, h[k], w1, U * k, b, m)
+            b = vfma(h[k], _units(L, w1, U * k, m), b)
         vstore(out, 0, (a0 + c0) + (a1 + c1))
-    else:
+    else:  # 8 lanes: a row of w0 is two vectors (z, r)
         for kk in range(k_len // 2):
             k = 2 * kk
             s, t, o, p = h[k], h[k + 1], PANEL * k, PANEL * k + PANEL
             a0, c0 = vfma(s, vload(L, w0, o), a0), vfma(t, vload(L, w0, p), c0)
             a1, c1 = vfma(s, vload(L, w0, o + w), a1), vfma(t, vload(L, w0, p + w), c1)
-            if n > 2:
-                a2, c2 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(t, vload(L, w0, p + 2 * w), c2)
-                a3, c3 = vfma(s, vload(L, w0, o + 3 * w), a3), vfma(t, vload(L, w0, p + 3 * w), c3)
-            b, d = _units(L, s, w1, U * k, b, m), _units(L, t, w1, U * (k + 1), d, m)
+            b, d = vfma(s, _units(L, w1, U * k, m), b), vfma(t, _units(L, w1, U * (k + 1), m), d)
         if k_len % 2:
             s, o = h[k_len - 1], PANEL * (k_len - 1)
             a0, a1 = vfma(s, vload(L, w0, o), a0), vfma(s, vload(L, w0, o + w), a1)
-            if n > 2:
-                a2, a3 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(s, vload(L, w0, o + 3 * w), a3)
-            b = _units(L, s, w1, U * (k_len - 1), b, m)
+            b = vfma(s, _units(L, w1, U * (k_len - 1), m), b)
         vstore(out, 0, a0 + c0)
         vstore(out, w, a1 + c1)
-        if n > 2:
-            vstore(out, 2 * w, a2 + c2)
-            vstore(out, 3 * w, a3 + c3)
-    zero = (vzero(L), vzero(L))
-    _store_units(L, zero, zero, out, PANEL, m)
-    _store_units(L, _add(b, e), _add(d, f), out, PANEL + U, m)
+    _store_units(L, vzero(L), out, PANEL, m)
+    _store_units(L, (b + e) + (d + f), out, PANEL + U, m)
 
 
 @numba.jit(**INLINE_GEMM)
