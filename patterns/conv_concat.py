@@ -17,6 +17,8 @@ fused at stage 0, has no Concat left for it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fusion.catalog import DOMAIN, Rule, Tactic
 from fusion.graph import GraphView
 from fusion.matcher import Match
@@ -140,7 +142,7 @@ class ConvConcatKernel:
             self.tactics.insert(-1, _blocked_tactic(parts, name))
         if len(self.tactics) > 1:  # NCHW: the blocked ones' fallback (timed per node on Zen 4
             # it lost all 18 of GoogLeNet's, 1.65x at the median: bench/NOTES.md)
-            self.tactics[-1] = Tactic("nchw", run, fallback=True)
+            self.tactics[-1] = replace(self.tactics[-1], fallback=True)
 
     def __call__(self, *inputs):
         return self.run(*inputs)

@@ -10,6 +10,8 @@ layout, each expand conv writing its channel blocks of y (FireKernel's tactics).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Pattern, op
 from fusion_patterns.activation import CLIPPING
@@ -139,7 +141,7 @@ class FireKernel:
                                            out_channels=(sum(channels),), bind=bind))  # fmt: skip
         # NCHW: the blocked tactics' fallback (timed per node on Zen 4 it lost all 16 Fire
         # modules, 2.6x at the median: bench/NOTES.md)
-        self.tactics[-1] = Tactic("nchw", self.run, fallback=True)
+        self.tactics[-1] = replace(self.tactics[-1], fallback=True)
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)

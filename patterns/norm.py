@@ -11,6 +11,8 @@ kernels) or NCHW / [N, C, ...].
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fusion.catalog import Rule, Tactic
 from fusion.pattern import Alt, Const, Var, op
 from fusion_patterns.activation import (
@@ -63,7 +65,7 @@ class BatchNormKernel:
                 "blocked", blocked, blocked_inputs=(0,), in_blocks=(block(),), blocked_outputs=(0,),
                 out_channels=(s.size,),
             ))  # fmt: skip
-            self.tactics[-1] = Tactic("nchw", self.run, fallback=True)  # the blocked one's
+            self.tactics[-1] = replace(self.tactics[-1], fallback=True)  # the blocked one's
 
     def __call__(self, x, *constants):
         return self.run(x, *constants)
