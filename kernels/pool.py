@@ -317,12 +317,26 @@ def block_sums(L, xf, q0, p0, p1, s):
     blocked plane's pixels, W = L.width): float32 runs of RUN pixels, each added into the
     float64 lanes s. The plane means of GlobalAveragePool's blocked kernel and of
     squeeze-excitation's (kernels/squeeze_excite.py): a scalar float64 sum per lane ran at
-    half the speed of the pass that scales x after it."""
+    half the speed of the pass that scales x after it. A run's pixels go to four
+    accumulators in turn: one chain waited on the add's latency (the sums of 8 images of 96
+    channels at 56 x 56 on one thread in squeeze-excitation's gates, 175 -> 127 us;
+    bench/NOTES.md)."""
     w = L.width
     for r0 in range(p0, p1, RUN):
-        acc = vzero(L)
-        for p in range(r0, min(r0 + RUN, p1)):
-            acc += vload(L, xf, q0 + p * w)
+        end = min(r0 + RUN, p1)
+        a0, a1, a2, a3 = vzero(L), vzero(L), vzero(L), vzero(L)
+        p = r0
+        while p + 4 <= end:
+            q = q0 + p * w
+            a0 += vload(L, xf, q)
+            a1 += vload(L, xf, q + w)
+            a2 += vload(L, xf, q + 2 * w)
+            a3 += vload(L, xf, q + 3 * w)
+            p += 4
+        while p < end:
+            a0 += vload(L, xf, q0 + p * w)
+            p += 1
+        acc = (a0 + a1) + (a2 + a3)
         for lane in range(w):
             s[lane] += vget(acc, lane)
 

@@ -132,9 +132,11 @@ def run_ort(model, feeds: dict, optimize: bool = False, names=None) -> list[np.n
     return inference_session(model, DEFAULT if optimize else REFERENCE).run(names, feeds)
 
 
-def assert_close(got, want, rtol: float, atol: float, check_dtype: bool = True, what: str = ""):
-    """fusion.numerics' comparison as an assertion (check_dtype=False: a float64 reference)."""
-    result = compare_arrays(what or "value", got, want, rtol, atol, check_dtype)
+def assert_close(got, want, rtol: float, atol: float, check_dtype: bool = True, what: str = "",
+                 scaled: bool = False):  # fmt: skip
+    """fusion.numerics' comparison as an assertion (check_dtype=False: a float64 reference;
+    scaled: the error relative to the output's scale, an accumulating kernel's rule)."""
+    result = compare_arrays(what or "value", got, want, rtol, atol, check_dtype, scaled)
     assert result.ok, f"{result} (rtol {rtol:g}, atol {atol:g})"
 
 

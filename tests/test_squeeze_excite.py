@@ -261,8 +261,10 @@ def test_gated_weights_against_onnxruntime(block, shape, hidden, out, one_region
         weights = gated_weights(xb, plan, conv, one_region)
         assert weights.shape == (n, conv.packed.size)
         zb = conv_nchwc(xb, conv, weights=weights)
-        if n:
-            assert_close(from_blocked(zb, out), want, 1e-4, 1e-5, what=f"tile {tile}")
+        if n:  # a sum over up to 2600 channels: its error is relative to the output's scale
+            # (onnxruntime's own is 3.4e-5 off a float64 reference at a scale of 36 there)
+            assert_close(from_blocked(zb, out), want, 1e-4, 1e-5, what=f"tile {tile}",
+                         scaled=True)  # fmt: skip
 
 
 def test_gated_weights_propagate_nan_and_check_their_arguments():
