@@ -93,15 +93,15 @@ def gemv(L, h, w0, w1, k_len, out):
     """out[:PANEL] = h @ panel w0, out[PANEL:] = h @ w1 (one batch row: each weight is used
     once, so the product is bound by streaming the panels, [K, PANEL] each, from memory).
 
-    A panel row is PANEL / W vectors at L's width (1 at 16 lanes, 2 at 8, 4 at 4); the
-    branches on the constant n leave only the accumulators that width needs. Two k-chains
-    hide the FMA latency (k and k + 1 into separate accumulators, summed at the end).
+    At the plans' widths (prepare_lstm takes 8 and 16 lanes only) a panel row is one vector
+    at 16 lanes and two at 8; the branch on the constant width leaves that width's code.
+    Several k-chains hide the FMA latency (k, k + 1, ... into separate accumulators, summed
+    at the end).
     """
-    w, n = L.width, PANEL // L.width
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vzero(L)
-    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = vzero(L)
-    if n == 1:  # a panel row is one vector: four k-chains, 8 FMAs in flight (2 chains, 4 in
-        # flight, took 856 cycles for K = 256 at 16 lanes, 717 so: the panels' 32 KB from L2)
+    w = L.width
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = vzero(L)
+    if w == PANEL:  # a panel row is one vector: four k-chains, 8 FMAs in flight (2 chains, 4
+        # in flight, took 856 cycles for K = 256 at 16 lanes, 717 so: the panels' 32 KB from L2)
         for kk in range(k_len // 4):
             k = 4 * kk
             o = PANEL * k
@@ -124,37 +124,21 @@ def gemv(L, h, w0, w1, k_len, out):
         vstore(out, 0, (a0 + c0) + (a1 + c1))
         vstore(out, PANEL, (b0 + d0) + (b1 + d1))
         return
-    for kk in range(k_len // 2):
+    for kk in range(k_len // 2):  # 8 lanes: a panel row is two vectors; two k-chains
         k = 2 * kk
         s, t, o, p = h[k], h[k + 1], PANEL * k, PANEL * k + PANEL
         a0, c0 = vfma(s, vload(L, w0, o), a0), vfma(t, vload(L, w0, p), c0)
         b0, d0 = vfma(s, vload(L, w1, o), b0), vfma(t, vload(L, w1, p), d0)
-        if n > 1:
-            a1, c1 = vfma(s, vload(L, w0, o + w), a1), vfma(t, vload(L, w0, p + w), c1)
-            b1, d1 = vfma(s, vload(L, w1, o + w), b1), vfma(t, vload(L, w1, p + w), d1)
-        if n > 2:
-            a2, c2 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(t, vload(L, w0, p + 2 * w), c2)
-            b2, d2 = vfma(s, vload(L, w1, o + 2 * w), b2), vfma(t, vload(L, w1, p + 2 * w), d2)
-            a3, c3 = vfma(s, vload(L, w0, o + 3 * w), a3), vfma(t, vload(L, w0, p + 3 * w), c3)
-            b3, d3 = vfma(s, vload(L, w1, o + 3 * w), b3), vfma(t, vload(L, w1, p + 3 * w), d3)
+        a1, c1 = vfma(s, vload(L, w0, o + w), a1), vfma(t, vload(L, w0, p + w), c1)
+        b1, d1 = vfma(s, vload(L, w1, o + w), b1), vfma(t, vload(L, w1, p + w), d1)
     if k_len % 2:
         s, o = h[k_len - 1], PANEL * (k_len - 1)
         a0, b0 = vfma(s, vload(L, w0, o), a0), vfma(s, vload(L, w1, o), b0)
-        if n > 1:
-            a1, b1 = vfma(s, vload(L, w0, o + w), a1), vfma(s, vload(L, w1, o + w), b1)
-        if n > 2:
-            a2, b2 = vfma(s, vload(L, w0, o + 2 * w), a2), vfma(s, vload(L, w1, o + 2 * w), b2)
-            a3, b3 = vfma(s, vload(L, w0, o + 3 * w), a3), vfma(s, vload(L, w1, o + 3 * w), b3)
+        a1, b1 = vfma(s, vload(L, w0, o + w), a1), vfma(s, vload(L, w1, o + w), b1)
     vstore(out, 0, a0 + c0)
     vstore(out, PANEL, b0 + d0)
-    if n > 1:
-        vstore(out, w, a1 + c1)
-        vstore(out, PANEL + w, b1 + d1)
-    if n > 2:
-        vstore(out, 2 * w, a2 + c2)
-        vstore(out, PANEL + 2 * w, b2 + d2)
-        vstore(out, 3 * w, a3 + c3)
-        vstore(out, PANEL + 3 * w, b3 + d3)
+    vstore(out, w, a1 + c1)
+    vstore(out, PANEL + w, b1 + d1)
 
 
 @numba.jit(**INLINE_GEMM)
