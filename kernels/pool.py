@@ -318,9 +318,9 @@ def block_sums(L, xf, q0, p0, p1, s):
     float64 lanes s. The plane means of GlobalAveragePool's blocked kernel and of
     squeeze-excitation's (kernels/squeeze_excite.py): a scalar float64 sum per lane ran at
     half the speed of the pass that scales x after it. A run's pixels go to four
-    accumulators in turn: one chain waited on the add's latency (the sums of 8 images of 96
-    channels at 56 x 56 on one thread in squeeze-excitation's gates, 175 -> 127 us;
-    bench/NOTES.md)."""
+    accumulators in turn (its last len % 4 to the first): one chain waited on the add's
+    latency (the sums of 8 images of 96 channels at 56 x 56 on one thread in
+    squeeze-excitation's gates, 175 -> 127 us; bench/NOTES.md)."""
     w = L.width
     for r0 in range(p0, p1, RUN):
         end = min(r0 + RUN, p1)

@@ -137,7 +137,8 @@ def assert_close(got, want, rtol: float, atol: float, check_dtype: bool = True, 
     """fusion.numerics' comparison as an assertion (check_dtype=False: a float64 reference;
     scaled: the error relative to the output's scale, an accumulating kernel's rule)."""
     result = compare_arrays(what or "value", got, want, rtol, atol, check_dtype, scaled)
-    assert result.ok, f"{result} (rtol {rtol:g}, atol {atol:g})"
+    scale = ", atol raised to rtol x max |want|" if scaled else ""
+    assert result.ok, f"{result} (rtol {rtol:g}, atol {atol:g}{scale})"
 
 
 def assert_all_close(got, want, rtol: float, atol: float) -> None:
