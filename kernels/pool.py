@@ -342,9 +342,10 @@ def block_sums(L, xf, q0, p0, p1, s):
 
 
 @numba.jit(**PARALLEL)
-def _block_means(L, x4, y):
+def block_means(L, x4, y):
     """y[n, cb * b + l] = mean of x4[n, cb, :, l] for the channels y has (b = x4's last
-    dimension, L's width), summed in float64."""
+    dimension, L's width), summed in float64, one work item per plane: GlobalAveragePool's,
+    and squeeze-excitation's means where its planes are not cut in parts."""
     cb_len, p_len, b, c_len = x4.shape[1], x4.shape[2], x4.shape[3], y.shape[1]
     xf = x4.reshape(-1)
     for item in numba.prange(x4.shape[0] * cb_len):
@@ -365,7 +366,7 @@ def global_average_pool_blocked(xb, channels: int):
         raise ValueError(f"x must be a non-empty blocked float32 [N, CB, H, W, b] array of "
                          f"{channels} channels, got {xb.shape!r}")  # fmt: skip
     y = np.empty((n, channels), np.float32)
-    _block_means(lanes(b), np.ascontiguousarray(xb).reshape(n, cb, h * w, b), y)
+    block_means(lanes(b), np.ascontiguousarray(xb).reshape(n, cb, h * w, b), y)
     return y
 
 
@@ -377,7 +378,7 @@ def bind_global_average_pool_blocked(xb, channels: int):
     if n == 0:
         return lambda xb: np.empty((0, channels), np.float32)
     L, x4 = lanes(b), (n, cb, h * w, b)
-    run = entry_point(_block_means, (L, np.ascontiguousarray(xb).reshape(x4), y))
+    run = entry_point(block_means, (L, np.ascontiguousarray(xb).reshape(x4), y))
 
     def call(xb):  # x contiguous as the general call makes it (a view into a longer concat)
         y = np.empty((n, channels), np.float32)

@@ -38,7 +38,7 @@ import numpy as np
 
 from .blocked import plane_part, plane_parts
 from .config import INLINE, JIT, PARALLEL, ZERO_I64, entry_point, get_threads
-from .pool import block_sums
+from .pool import block_means, block_sums
 from .simd import (
     hsum,
     lanes,
@@ -179,22 +179,19 @@ def squeeze_excite_one_region(L, x4, y4, w1, b1, w2t, b2, acts, threads):
 
 
 @numba.jit(**INLINE)
-def _means(L, xf, planes, p_len, parts, mf):
-    """mf[i b + l] = the mean of lane l of blocked plane i (p_len pixels of b = L.width lanes
-    from xf[i p_len b]) for i < planes, in parallel over (plane, part) items, each plane cut
-    in `parts` runs of pixels (blocked.plane_part). Uncut planes write their means from
-    their items: summing the parts afterwards in one thread took as long as the sums at
-    eight images of 576 channels at 7 x 7 (11 of 24 us, bench/NOTES.md)."""
-    b = L.width
-    inv = 1.0 / p_len
+def _means(L, x4, parts, means):
+    """means[n, cb b + l] = the mean of lane l of x4's plane (n, cb) (blocked [N, CB, P, b],
+    b = L.width): pool.block_means, one item per plane, where planes are not cut; else in
+    parallel over (plane, part) items, each plane cut in `parts` runs of pixels
+    (blocked.plane_part), then the parts summed. Uncut planes write their means from their
+    items: summing them afterwards in one thread took as long as the sums at eight images of
+    576 channels at 7 x 7 (11 of 24 us, bench/NOTES.md)."""
     if parts == 1:
-        for task in numba.prange(planes):
-            i = np.int64(task)
-            s = np.zeros(b, np.float64)
-            block_sums(L, xf, i * p_len * b, ZERO_I64, p_len, s)
-            for lane in range(b):
-                mf[i * b + lane] = s[lane] * inv
+        block_means(L, x4, means)
         return
+    n_len, cb_len, p_len, b = x4.shape
+    planes = n_len * cb_len
+    xf, mf = x4.reshape(-1), means.reshape(-1)
     sums = np.empty((planes * parts, b), np.float64)
     for task in numba.prange(planes * parts):
         item, p0, p1 = plane_part(task, parts, p_len)
@@ -206,7 +203,7 @@ def _means(L, xf, planes, p_len, parts, mf):
             total = 0.0
             for k in range(parts):
                 total += sums[i * parts + k, lane]
-            mf[i * b + lane] = total * inv
+            mf[i * b + lane] = total / p_len
 
 
 @numba.jit(**PARALLEL)
@@ -219,9 +216,8 @@ def gates_nchwc(L, x4, w1, b1, w2t, b2, acts, parts, gates):
     each: bench/NOTES.md)."""
     n_len, cb_len, p_len, b = x4.shape
     m_len, c_len = w1.shape
-    xf = x4.reshape(-1)
     means = np.empty((n_len, cb_len * b), np.float32)
-    _means(L, xf, n_len * cb_len, p_len, parts, means.reshape(-1))
+    _means(L, x4, parts, means)
     # the gate: its weights (2 M C floats, 442 KB for EfficientNet's last blocks) read by both
     # threads, the squeeze's rows and then the channels' vectors of every image split
     h = np.empty((n_len, m_len), np.float32)
